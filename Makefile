@@ -1,0 +1,38 @@
+# Entry points for people and CI. `make demo` and `make test` are the README's first two commands.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+EXTRAS ?= operator,worker,dev
+
+.PHONY: setup test test-unit demo demo-down cluster-build cluster-up cluster-down bench
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+# The whole suite: unit tests, then end-to-end tests on the local control plane
+# (built from Go modules on first use, cached under ~/.cache/specdecode/cluster).
+test: setup
+	$(PY) -m pytest -ra
+
+test-unit: setup
+	$(PY) -m pytest -ra -m "not e2e"
+
+cluster-build:
+	bash tests/cluster/build.sh
+
+cluster-up: setup cluster-build
+	$(PY) -m tests.cluster up
+
+cluster-down:
+	$(PY) -m tests.cluster down
+
+demo: setup cluster-build
+	$(PY) demo/run.py
+
+demo-down:
+	$(PY) -m tests.cluster down

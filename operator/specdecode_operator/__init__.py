@@ -1,0 +1,1 @@
+"""specdecode operator: reconciles SpecDecodeDeployment objects."""

@@ -1,0 +1,1 @@
+"""specdecode worker: the memory planner and the speculative-decoding server."""
