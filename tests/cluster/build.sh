@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Builds etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok and helm from their
 # Go modules into a cache folder keyed by the pins, and prints that folder's bin/ path last.
-# A warm cache returns at once. Progress goes to stderr.
+# A warm cache returns at once. Progress goes to stderr. The cache key is the pins only, so
+# editing this script does not rebuild: bump a pin (or delete the cache) to force a rebuild.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=versions.env
 source "$here/versions.env"
-key=$(cat "$here/versions.env" "$here/build.sh" | sha256sum | cut -c1-12)
+key=$(sha256sum < "$here/versions.env" | cut -c1-12)
 cache_root=${SPECDECODE_CLUSTER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/specdecode/cluster}
 out="$cache_root/$key"
 bin="$out/bin"
-tools="etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm"
+tools="etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm"
 
 ready=1
 for t in $tools; do [ -x "$bin/$t" ] || ready=0; done
@@ -55,6 +56,7 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+	_ "k8s.io/kubernetes/cmd/kubectl"
 )
 GO
   # kubernetes replaces its staging modules with local folders; a dependency's replaces are
@@ -71,7 +73,7 @@ GO
   for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     ld="$ld -X $p.gitVersion=v$K -X $p.gitMajor=1 -X $p.gitMinor=$MINOR -X $p.gitTreeState=clean -X $p.buildDate=2026-01-01T00:00:00Z"
   done
-  for c in kube-apiserver kube-controller-manager kube-scheduler; do
+  for c in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
     if [ -x "$bin/$c" ]; then log "$c: cached"; continue; fi
     local t0; t0=$(date +%s)
     log "$c: compiling (the first one compiles most shared packages)"
