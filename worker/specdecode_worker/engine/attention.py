@@ -1,0 +1,73 @@
+"""Torch-native attention over the paged KV pool (CPU and CUDA).
+
+Each layer stores the new tokens' K/V at their slots, then attends over the request's slots read
+through ``req_to_token``. Extend batches (prefill, verification) loop over requests; pure decode
+batches gather a padded ``[B, ctx]`` block so the same code can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .forward_batch import ForwardBatch
+from .pools import MHATokenToKVPool, ReqToTokenPool
+
+
+class TorchNativeAttnBackend:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, sliding_window: int | None):
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.kv_pool = kv_pool
+        self.sliding_window = sliding_window
+        # Decode gathers this many positions per request; a CUDA graph fixes it at context_len.
+        self.decode_ctx: int | None = None
+
+    def forward(self, q, k, v, layer_id: int, fb: ForwardBatch, scaling: float) -> torch.Tensor:
+        """q: [N, H, D], k/v: [N, Hkv, D] for the new tokens; returns [N, H, Dv]."""
+        self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        k_buf = self.kv_pool.k_buffer[layer_id]
+        v_buf = self.kv_pool.v_buffer[layer_id]
+        if fb.is_decode:
+            return self._decode(q, k_buf, v_buf, fb, scaling)
+        return self._extend(q, k_buf, v_buf, fb, scaling)
+
+    def _mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if self.sliding_window is not None:
+            allowed &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
+        return allowed
+
+    def _extend(self, q, k_buf, v_buf, fb: ForwardBatch, scaling: float) -> torch.Tensor:
+        out = torch.empty(q.shape[0], q.shape[1], v_buf.shape[-1], dtype=q.dtype, device=q.device)
+        group = q.shape[1] // k_buf.shape[1]
+        start = 0
+        for i, n in enumerate(fb.extend_lens):
+            seq_len = fb.seq_lens_cpu[i]
+            slots = self.req_to_token[fb.req_pool_indices[i], :seq_len]
+            keys = k_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)  # [S, H, D]
+            vals = v_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)
+            q_pos = fb.positions[start : start + n]
+            mask = self._mask(q_pos, torch.arange(seq_len, device=q.device))
+            o = F.scaled_dot_product_attention(
+                q[start : start + n].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
+                attn_mask=mask, scale=scaling,
+            )
+            out[start : start + n] = o.transpose(0, 1)
+            start += n
+        return out
+
+    def _decode(self, q, k_buf, v_buf, fb: ForwardBatch, scaling: float) -> torch.Tensor:
+        ctx = self.decode_ctx or max(fb.seq_lens_cpu)
+        group = q.shape[1] // k_buf.shape[1]
+        slots = self.req_to_token[fb.req_pool_indices, :ctx]  # [B, ctx]; slot 0 pads
+        keys = k_buf[slots].to(q.dtype).repeat_interleave(group, dim=2)  # [B, ctx, H, D]
+        vals = v_buf[slots].to(q.dtype).repeat_interleave(group, dim=2)
+        k_pos = torch.arange(ctx, device=q.device)
+        allowed = k_pos[None, :] < fb.seq_lens[:, None]  # [B, ctx]
+        if self.sliding_window is not None:
+            allowed &= k_pos[None, :] > (fb.seq_lens[:, None] - 1 - self.sliding_window)
+        o = F.scaled_dot_product_attention(
+            q[:, None].transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+            attn_mask=allowed[:, None, None, :], scale=scaling,
+        )  # [B, H, 1, Dv]
+        return o[:, :, 0]

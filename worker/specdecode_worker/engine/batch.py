@@ -1,0 +1,62 @@
+"""Building forward batches: KV slot allocation per position and the flattened batch layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .forward_batch import ForwardBatch
+from .pools import ReqToTokenPool, TokenToKVPoolAllocator
+
+
+def alloc_positions(req_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, req_idx: int, start: int, end: int) -> None:
+    """Give positions ``start..end-1`` of request row ``req_idx`` fresh KV slots."""
+    if end > start:
+        req_pool.req_to_token[req_idx, start:end] = allocator.alloc(end - start)
+
+
+def free_positions(req_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, req_idx: int, start: int, end: int) -> None:
+    """Return the slots of positions ``start..end-1`` (rejected draft tokens, finished requests)."""
+    if end > start:
+        allocator.free(req_pool.req_to_token[req_idx, start:end].clone())
+
+
+@dataclass
+class Segment:
+    """New tokens of one request: ``tokens`` at positions ``start .. start + len(tokens) - 1``."""
+
+    req_idx: int
+    tokens: list[int]
+    start: int
+
+
+def make_batch(segments: list[Segment], device) -> ForwardBatch:
+    ids, pos = [], []
+    for s in segments:
+        ids.extend(s.tokens)
+        pos.extend(range(s.start, s.start + len(s.tokens)))
+    req_idx = torch.tensor([s.req_idx for s in segments], dtype=torch.int64)
+    seq_lens = [s.start + len(s.tokens) for s in segments]
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(pos, dtype=torch.int64, device=device),
+        out_cache_loc=torch.empty(0, dtype=torch.int64),
+        req_pool_indices=req_idx.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        extend_lens=[len(s.tokens) for s in segments],
+        seq_lens_cpu=seq_lens,
+    )
+
+
+def with_cache_locs(fb: ForwardBatch, req_pool: ReqToTokenPool, segments: list[Segment]) -> ForwardBatch:
+    """Fill ``out_cache_loc`` from the slots already assigned to each segment's positions."""
+    rows = req_pool.req_to_token
+    fb.out_cache_loc = torch.cat([rows[s.req_idx, s.start : s.start + len(s.tokens)] for s in segments])
+    return fb
+
+
+def forward_segments(runner, segments: list[Segment], last_only: bool) -> torch.Tensor:
+    """Run ``runner`` over segments whose positions already have slots; returns float32 logits."""
+    fb = with_cache_locs(make_batch(segments, runner.device), runner.req_to_token_pool, segments)
+    return runner.forward(fb, last_only)

@@ -1,0 +1,41 @@
+"""What one forward pass over the paged pools needs: flattened tokens plus per-request layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Tokens of several requests, concatenated.
+
+    Request i owns ``extend_lens[i]`` new tokens that sit at positions
+    ``seq_lens[i] - extend_lens[i] .. seq_lens[i] - 1``; earlier positions are already in the KV
+    pool. ``out_cache_loc`` is the KV slot of each new token (already written into
+    ``req_to_token`` for its request).
+    """
+
+    input_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    out_cache_loc: torch.Tensor  # [N] int64
+    req_pool_indices: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int64
+    extend_lens: list[int]
+    seq_lens_cpu: list[int] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.extend_lens)
+
+    def logit_rows(self, last_only: bool) -> torch.Tensor:
+        """Row indices of the flattened tokens whose logits are wanted."""
+        if not last_only:
+            return torch.arange(self.input_ids.numel(), device=self.input_ids.device)
+        ends = torch.tensor(self.extend_lens, device=self.input_ids.device).cumsum(0) - 1
+        return ends

@@ -1,0 +1,53 @@
+"""Weights from safetensors files, matched to the model's parameters by their Hugging Face names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import InputError
+
+# Checkpoint tensors that hold nothing the model needs (buffers recomputed at load).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_safetensors(model: torch.nn.Module, model_dir: str | Path, device, dtype: torch.dtype) -> None:
+    """Fill every parameter of ``model`` (built on the meta device) from ``model_dir``."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise InputError(f"{model_dir}: no *.safetensors files; the worker loads safetensors checkpoints only")
+    params = dict(model.named_parameters())
+    loaded: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name not in params:
+                    if name == "lm_head.weight" and "model.embed_tokens.weight" in params:
+                        continue  # tied head saved anyway
+                    raise InputError(f"{file}: tensor '{name}' has no place in {type(model).__name__}")
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(params[name].shape):
+                    raise InputError(
+                        f"{file}: tensor '{name}' has shape {tuple(tensor.shape)}, config.json implies "
+                        f"{tuple(params[name].shape)}"
+                    )
+                loaded[name] = tensor.to(device=device, dtype=dtype)
+    missing = sorted(set(params) - set(loaded))
+    if missing:
+        raise InputError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, first: {missing[:3]}")
+    model.load_state_dict(loaded, strict=False, assign=True)
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter and buffer the module holds."""
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total

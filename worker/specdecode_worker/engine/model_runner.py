@@ -1,0 +1,145 @@
+"""One model on one device, initialised in three separate steps.
+
+``load_weights`` (phase 1), ``alloc_memory_pool`` (phase 2: create pools, or adopt the target's
+req_to_token pool and allocator for a draft), ``init_backends`` (phase 3). Each step checks that
+the one before it has finished, so an out-of-order call fails with the phase it needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError
+from ..model_config import load_shape
+from .attention import TorchNativeAttnBackend
+from .forward_batch import ForwardBatch
+from .loader import load_safetensors, tensor_bytes
+from .models import model_class
+from .phases import Phase, PhaseError, require
+from .pools import MemoryPoolConfig, MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str | None, config_dtype, device: str) -> torch.dtype:
+    if name in (None, "auto"):
+        if isinstance(config_dtype, torch.dtype):
+            dtype = config_dtype
+        else:
+            dtype = DTYPES.get(str(config_dtype or "float32").replace("torch.", ""), torch.float32)
+        # Half precision matmuls on CPU are slow and inexact; serve CPU in float32.
+        return torch.float32 if device == "cpu" else dtype
+    if name not in DTYPES:
+        raise InputError(f"dtype '{name}' is not supported; use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str | None = None, name: str = "target"):
+        from transformers import AutoConfig
+
+        self.model_dir = str(model_dir)
+        self.name = name
+        self.device = torch.device(device)
+        self.shape = load_shape(model_dir)  # config.json only: layer count known before any weight
+        self.config = AutoConfig.from_pretrained(self.model_dir)
+        self.model_cls = model_class(self.shape.architecture, f"{model_dir}/config.json")
+        self.dtype = resolve_dtype(dtype, getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None), self.device.type)
+        self.kv_dtype = self.dtype
+        self.phase = Phase.CREATED
+        self.durations: dict[str, float] = {}
+        self.model = None
+        self.weight_bytes = 0
+        self.memory_pool_config: MemoryPoolConfig | None = None
+        self.req_to_token_pool: ReqToTokenPool | None = None
+        self.token_to_kv_pool_allocator: TokenToKVPoolAllocator | None = None
+        self.token_to_kv_pool: MHATokenToKVPool | None = None
+        self.backend: TorchNativeAttnBackend | None = None
+        self.cuda_graphs = None
+
+    # phase 1
+    def load_weights(self) -> None:
+        if self.phase >= Phase.WEIGHTS_LOADED:
+            raise PhaseError(f"{self.name}: weights are already loaded")
+        start = time.perf_counter()
+        with torch.device("meta"):
+            model = self.model_cls(self.config)
+        load_safetensors(model, self.model_dir, self.device, self.dtype)
+        model.rotary.reset(self.device)
+        self.model = model.eval()
+        self.weight_bytes = tensor_bytes(model)
+        self.phase = Phase.WEIGHTS_LOADED
+        self.durations["load_weights"] = time.perf_counter() - start
+        log.info("%s: loaded %s (%d weight bytes, %s)", self.name, self.shape.architecture, self.weight_bytes, self.dtype)
+
+    @property
+    def kv_cell_bytes(self) -> int:
+        """KV bytes per token of this model's pool (all its layers, its KV dtype)."""
+        itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
+        return self.shape.kv_bytes_per_token(1, itemsize, self.shape.num_hidden_layers)
+
+    # phase 2
+    def alloc_memory_pool(
+        self,
+        memory_pool_config: MemoryPoolConfig | None = None,
+        req_to_token_pool: ReqToTokenPool | None = None,
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator | None = None,
+    ) -> None:
+        """Create the pools from ``memory_pool_config``, adopting the shared ones when given."""
+        require(self.phase, Phase.WEIGHTS_LOADED, "allocate KV pools", self.name)
+        if self.phase >= Phase.POOLS_ALLOCATED:
+            raise PhaseError(f"{self.name}: KV pools are already allocated")
+        if memory_pool_config is None:
+            raise PhaseError(
+                f"{self.name}: phase 2 needs a MemoryPoolConfig sized with every weight resident "
+                "(Scheduler.init_memory_pools computes it)"
+            )
+        if (req_to_token_pool is None) != (token_to_kv_pool_allocator is None):
+            raise ValueError("adopt the req_to_token pool and the token allocator together, or neither")
+        start = time.perf_counter()
+        cfg = memory_pool_config
+        self.memory_pool_config = cfg
+        self.req_to_token_pool = req_to_token_pool or ReqToTokenPool(cfg.max_running_requests, cfg.context_len, self.device)
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator or TokenToKVPoolAllocator(cfg.max_total_num_tokens, self.device)
+        if self.token_to_kv_pool_allocator.size != cfg.max_total_num_tokens:
+            raise ValueError(f"{self.name}: adopted allocator holds {self.token_to_kv_pool_allocator.size} slots, config says {cfg.max_total_num_tokens}")
+        self.token_to_kv_pool = MHATokenToKVPool(
+            cfg.max_total_num_tokens, self.shape.num_hidden_layers, self.shape.num_kv_heads,
+            self.shape.head_dim, self.shape.v_head_dim, self.kv_dtype, self.device,
+        )
+        self.phase = Phase.POOLS_ALLOCATED
+        self.durations["alloc_memory_pool"] = time.perf_counter() - start
+        log.info("%s: KV pool of %d tokens (%d bytes), %s req_to_token pool", self.name, cfg.max_total_num_tokens,
+                 self.token_to_kv_pool.nbytes(), "adopted" if req_to_token_pool is not None else "own")
+
+    def get_memory_pool(self) -> tuple[ReqToTokenPool, TokenToKVPoolAllocator]:
+        require(self.phase, Phase.POOLS_ALLOCATED, "share its pools", self.name)
+        return self.req_to_token_pool, self.token_to_kv_pool_allocator
+
+    # phase 3
+    def init_backends(self, cuda_graph_max_bs: int = 0) -> None:
+        require(self.phase, Phase.POOLS_ALLOCATED, "initialise attention backends", self.name)
+        start = time.perf_counter()
+        self.backend = TorchNativeAttnBackend(self.req_to_token_pool, self.token_to_kv_pool, self.model.sliding_window)
+        if self.device.type == "cuda" and cuda_graph_max_bs > 0:
+            from .cuda_graph import CudaGraphRunner
+
+            self.cuda_graphs = CudaGraphRunner(self.model, self.backend, cuda_graph_max_bs,
+                                               self.memory_pool_config.context_len, self.device)
+        else:
+            log.info("%s: CUDA graphs skipped on %s", self.name, self.device.type if cuda_graph_max_bs else "request (max batch 0)")
+        self.phase = Phase.BACKENDS_READY
+        self.durations["init_backends"] = time.perf_counter() - start
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, last_only: bool) -> torch.Tensor:
+        require(self.phase, Phase.BACKENDS_READY, "run a forward pass", self.name)
+        if last_only and self.cuda_graphs is not None and self.cuda_graphs.can_run(fb):
+            return self.cuda_graphs.replay(fb)
+        return self.model(fb, self.backend, fb.logit_rows(last_only))

@@ -1,0 +1,100 @@
+"""Paged KV memory: a req_to_token map, per-layer K/V buffers and a token-slot allocator.
+
+One slot index addresses a token in every pool that shares the allocator: the target owns the
+allocator and the req_to_token map, a standalone draft adopts both and adds only its own K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class OutOfSlotsError(RuntimeError):
+    """The KV pool has fewer free token slots than a step needs."""
+
+
+@dataclass(frozen=True)
+class MemoryPoolConfig:
+    """Sizes every pool of one engine agrees on (decided once, in phase 2)."""
+
+    max_total_num_tokens: int
+    max_running_requests: int
+    context_len: int
+
+
+class ReqToTokenPool:
+    """Row r holds, for request slot r, the KV slot index of each of its token positions."""
+
+    def __init__(self, size: int, context_len: int, device: torch.device | str):
+        self.size = size
+        self.context_len = context_len
+        self.req_to_token = torch.zeros((size, context_len), dtype=torch.int64, device=device)
+        self._free = list(range(size))
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise OutOfSlotsError("no free request slot")
+        return self._free.pop()
+
+    def free(self, idx: int) -> None:
+        self._free.append(idx)
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def nbytes(self) -> int:
+        return self.req_to_token.numel() * self.req_to_token.element_size()
+
+
+class TokenToKVPoolAllocator:
+    """Free list of KV token slots. Slot 0 is a padding slot that is never handed out."""
+
+    def __init__(self, size: int, device: torch.device | str):
+        self.size = size
+        self.device = device
+        self._free = torch.arange(1, size + 1, dtype=torch.int64)
+
+    def available_size(self) -> int:
+        return int(self._free.numel())
+
+    def alloc(self, n: int) -> torch.Tensor:
+        if n > self._free.numel():
+            raise OutOfSlotsError(f"need {n} KV slots, {self._free.numel()} free")
+        out, self._free = self._free[:n], self._free[n:]
+        return out.to(self.device)
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self._free = torch.cat([self._free, slots.to("cpu", torch.int64)])
+
+
+class MHATokenToKVPool:
+    """K and V buffers per layer, ``[size + 1, kv_heads, head_dim]`` each (row 0 is padding)."""
+
+    def __init__(
+        self,
+        size: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        v_head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.size = size
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.k_buffer = [torch.zeros((size + 1, kv_heads, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros((size + 1, kv_heads, v_head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer][loc] = k.to(self.dtype)
+        self.v_buffer[layer][loc] = v.to(self.dtype)
+
+    def bytes_per_token(self) -> int:
+        return sum(b[0].numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
