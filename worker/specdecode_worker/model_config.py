@@ -69,6 +69,7 @@ class ModelShape:
     num_nextn_predict_layers: int | None = None
     draft_vocab_size: int | None = None
     target_hidden_size: int | None = None
+    max_position_embeddings: int | None = None
 
     @property
     def is_mla(self) -> bool:
@@ -182,6 +183,7 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
         num_nextn_predict_layers=nextn,
         draft_vocab_size=_optional_int(inner, "draft_vocab_size"),
         target_hidden_size=_optional_int(inner, "target_hidden_size"),
+        max_position_embeddings=_optional_int(inner, "max_position_embeddings"),
     )
 
 

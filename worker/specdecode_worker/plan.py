@@ -1,0 +1,369 @@
+"""The memory plan: pure arithmetic over shapes, weight bytes and device memory, and its JSON contract.
+
+No torch here: the operator imports ``validate_plan`` and the worker engine imports
+``kv_token_capacity`` so that the one formula lives in one place.
+
+All terms are bytes per GPU under tensor-parallel size t (see DESIGN.md, "The memory plan"):
+
+    max_total_num_tokens = floor((G * f - W_target - W_draft - R_runtime) / (kv_target + kv_draft))
+
+- ``G`` (``gpuMemoryBytes``): memory free on one GPU before any weight is loaded.
+- ``R_runtime`` (``reserve.runtimeBytes``), taken out of the static share:
+  1 GiB for the CUDA context, cuBLAS workspaces and allocator fragmentation, plus, when t > 1,
+  t x 128 MiB of NCCL communicator buffers (SGLang's ``tp/8 GiB`` rule).
+- ``R_dynamic`` (``reserve.dynamicBytes``), what the static share must leave free, in the spirit of
+  SGLang's ``reserved_mem`` rule:
+    activations  max(chunked_prefill_size, 2048) x 1.5 MiB (per prefill-chunk token)
+  + CUDA graphs  cuda_graph_max_bs x 2 MiB, for the target and again for a draft model
+  + logits       max(max_running_requests, cuda_graph_max_bs) x VERIFY_TOKENS x vocab x 4 B (fp32)
+  Unset sizes follow SGLang's GPU tiers (``default_serving_limits``).
+- ``f`` (``memFractionStatic``): by default 1 - R_dynamic / G rounded down to 3 decimals. With
+  ``--kv-cache-memory-gib K`` the KV budget is K and f is derived from it; with
+  ``--max-total-tokens N`` below the capacity, f shrinks to what N tokens need, so the identity
+  above always holds for the numbers the plan states.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+PLAN_API_VERSION = "specdecode.io/v1alpha1"
+PLAN_KIND = "MemoryPlan"
+TERMINATION_LOG_LIMIT = 4096
+ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "MTP", "NGRAM")
+TP_CANDIDATES = (1, 2, 4, 8)
+
+MIB = 1 << 20
+GIB = 1 << 30
+RUNTIME_BASE_BYTES = GIB
+NCCL_BYTES_PER_RANK = 128 * MIB
+ACTIVATION_BYTES_PER_TOKEN = 3 * MIB // 2
+GRAPH_BYTES_PER_BATCH = 2 * MIB
+# Tokens verified per request in one step (the draft proposals plus the bonus token).
+VERIFY_TOKENS = 4
+LOGIT_BYTES = 4
+
+
+def kv_token_capacity(
+    available_bytes: int,
+    mem_fraction_static: float,
+    target_weight_bytes: int,
+    draft_weight_bytes: int,
+    runtime_bytes: int,
+    target_bytes_per_token: int,
+    draft_bytes_per_token: int,
+) -> int:
+    """KV token slots shared by the target and draft pools; never negative.
+
+    floor((available * f - W_target - W_draft - R_runtime) / (kv_target + kv_draft))
+    """
+    cell = target_bytes_per_token + draft_bytes_per_token
+    if cell <= 0:
+        raise ValueError(f"KV bytes per token must be positive, got {cell}")
+    budget = available_bytes * mem_fraction_static - target_weight_bytes - draft_weight_bytes - runtime_bytes
+    return max(0, math.floor(budget / cell))
+
+
+def runtime_reserve_bytes(tp: int) -> int:
+    """CUDA context, workspaces and allocator slack, plus NCCL buffers when t > 1."""
+    return RUNTIME_BASE_BYTES + (tp * NCCL_BYTES_PER_RANK if tp > 1 else 0)
+
+
+def default_serving_limits(total_bytes: int, tp: int) -> tuple[int, int]:
+    """(chunked_prefill_size, cuda_graph_max_bs) by GPU size, as SGLang's server defaults pick them."""
+    mib = total_bytes / MIB
+    if mib < 20 * 1024:
+        return 2048, 8
+    if mib < 35 * 1024:
+        return 2048, 24 if tp < 4 else 80
+    if mib < 60 * 1024:
+        return 4096, 32 if tp < 4 else 160
+    if mib < 160 * 1024:
+        return 8192, 256 if tp < 4 else 512
+    return 16384, 512
+
+
+def dynamic_reserve_bytes(
+    chunked_prefill_size: int, cuda_graph_max_bs: int, max_running_requests: int, vocab_size: int, has_draft_model: bool
+) -> int:
+    """Activations of one prefill chunk, CUDA graph pools of target (and draft), verify logits."""
+    activations = max(chunked_prefill_size, 2048) * ACTIVATION_BYTES_PER_TOKEN
+    graphs = cuda_graph_max_bs * GRAPH_BYTES_PER_BATCH * (2 if has_draft_model else 1)
+    logits = max(max_running_requests, cuda_graph_max_bs) * VERIFY_TOKENS * vocab_size * LOGIT_BYTES
+    return activations + graphs + logits
+
+
+def _floor3(x: float) -> float:
+    return math.floor(x * 1000 + 1e-9) / 1000
+
+
+def _ceil3(x: float) -> float:
+    return math.ceil(x * 1000 - 1e-9) / 1000
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """Everything the plan needs for one tensor-parallel size."""
+
+    tp: int
+    target_weight_bytes: int
+    draft_weight_bytes: int
+    target_bytes_per_token: int
+    draft_bytes_per_token: int
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """The user's request, already validated (the CLI turns flags into this)."""
+
+    algorithm: str
+    target_name: str
+    draft_name: str | None
+    gpu_memory_bytes: int
+    gpu_total_bytes: int
+    gpu_source: str
+    gpu_name: str
+    kv_cache_dtype: str
+    draft_num_layers: int
+    target_num_layers: int
+    target_vocab_size: int
+    min_tokens: int
+    context_length: int
+    tp: int | None = None
+    mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_running_requests: int | None = None
+    cuda_graph_max_bs: int | None = None
+    chunked_prefill_size: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Sizing:
+    tp: int
+    f: float
+    f_cap: float
+    tokens: int
+    runtime: int
+    dynamic: int
+    chunk: int
+    graph_bs: int
+    max_running: int
+    fits: bool
+    shortfall: int
+
+
+def _size(req: PlanRequest, c: Candidate) -> _Sizing:
+    g = req.gpu_memory_bytes
+    chunk_default, bs_default = default_serving_limits(req.gpu_total_bytes, c.tp)
+    chunk = req.chunked_prefill_size or chunk_default
+    graph_bs = req.cuda_graph_max_bs or bs_default
+    max_running = req.max_running_requests or graph_bs
+    runtime = runtime_reserve_bytes(c.tp)
+    dynamic = dynamic_reserve_bytes(chunk, graph_bs, max_running, req.target_vocab_size, req.algorithm != "NGRAM")
+    cell = c.target_bytes_per_token + c.draft_bytes_per_token
+    static_fixed = c.target_weight_bytes + c.draft_weight_bytes + runtime
+    f_cap = _floor3(1 - dynamic / g)
+
+    if req.kv_cache_memory_bytes is not None:
+        f = (req.kv_cache_memory_bytes + static_fixed) / g
+    elif req.mem_fraction_static is not None:
+        f = req.mem_fraction_static
+        f_cap = max(f_cap, f)  # the user chose the split; R_dynamic is what f leaves
+    else:
+        f = f_cap
+    tokens = kv_token_capacity(g, f, c.target_weight_bytes, c.draft_weight_bytes, runtime,
+                               c.target_bytes_per_token, c.draft_bytes_per_token)
+    if req.max_total_tokens is not None and tokens > req.max_total_tokens:
+        tokens = req.max_total_tokens
+        f = (tokens * cell + static_fixed) / g
+
+    kv_missing = req.min_tokens * cell - (g * f - static_fixed)
+    over_device = g * f - g * f_cap if f > f_cap + 1e-12 else 0
+    shortfall = max(0, math.ceil(kv_missing), math.ceil(over_device))
+    fits = tokens >= max(req.min_tokens, 1) and over_device <= 0 and f <= 1
+    return _Sizing(c.tp, f, f_cap, tokens, runtime, dynamic, chunk, graph_bs, max_running, fits,
+                   0 if fits else max(shortfall, 1))
+
+
+def build_plan(req: PlanRequest, candidates: dict[int, Candidate] | Callable[[int], Candidate],
+               valid_tps: list[int]) -> dict[str, Any]:
+    """The MemoryPlan for ``req``: the requested t, or the smallest valid t that fits.
+
+    ``candidates`` gives per-GPU weights and KV cells for each t in ``valid_tps`` (already filtered
+    to sizes that divide the attention heads). Without a fit under auto t, the plan is made for the
+    largest valid t (the closest to fitting) and says what is missing.
+    """
+    get = candidates.__getitem__ if isinstance(candidates, dict) else candidates
+    sizings = {tp: _size(req, get(tp)) for tp in valid_tps}
+    fitting = [tp for tp in valid_tps if sizings[tp].fits]
+    min_tp = fitting[0] if fitting else None
+    if req.tp is not None:
+        tp = req.tp
+        if tp not in sizings:
+            sizings[tp] = _size(req, get(tp))
+    else:
+        tp = min_tp if min_tp is not None else valid_tps[-1]
+    s, c = sizings[tp], get(tp)
+    g = req.gpu_memory_bytes
+    cell = c.target_bytes_per_token + c.draft_bytes_per_token
+    static_fixed = c.target_weight_bytes + c.draft_weight_bytes + s.runtime
+    min_f = _ceil3((req.min_tokens * cell + static_fixed) / g)
+
+    legacy_tokens = kv_token_capacity(g, s.f, c.target_weight_bytes, 0, s.runtime, c.target_bytes_per_token, 0)
+    legacy_peak = static_fixed + legacy_tokens * cell + s.dynamic
+    ratio_cell = c.target_bytes_per_token
+    if req.algorithm != "NGRAM":
+        ratio_cell = int(c.target_bytes_per_token * (1 + req.draft_num_layers / req.target_num_layers))
+    ratio_tokens = kv_token_capacity(g, s.f, c.target_weight_bytes, c.draft_weight_bytes, s.runtime, ratio_cell, 0)
+
+    plan: dict[str, Any] = {
+        "apiVersion": PLAN_API_VERSION,
+        "kind": PLAN_KIND,
+        "fits": s.fits,
+        "algorithm": req.algorithm,
+        "target": req.target_name,
+        "draft": req.draft_name,
+        "tensorParallelSize": tp,
+        "gpu": {"name": req.gpu_name, "source": req.gpu_source, "totalBytes": req.gpu_total_bytes},
+        "gpuMemoryBytes": g,
+        "memFractionStatic": s.f,
+        "weights": {"targetBytes": c.target_weight_bytes, "draftBytes": c.draft_weight_bytes},
+        "kvCache": {
+            "dtype": req.kv_cache_dtype,
+            "targetBytesPerToken": c.target_bytes_per_token,
+            "draftBytesPerToken": c.draft_bytes_per_token,
+            "draftNumLayers": req.draft_num_layers if req.algorithm != "NGRAM" else 0,
+            "maxTotalNumTokens": s.tokens,
+            "minTokens": req.min_tokens,
+            "contextLength": req.context_length,
+            "poolBytes": s.tokens * cell,
+        },
+        "reserve": {
+            "runtimeBytes": s.runtime,
+            "dynamicBytes": s.dynamic,
+            "chunkedPrefillSize": s.chunk,
+            "cudaGraphMaxBs": s.graph_bs,
+            "maxRunningRequests": s.max_running,
+        },
+        "shortfallBytes": s.shortfall,
+        "minMemFractionStatic": min_f,
+        "minTensorParallelSize": min_tp,
+        "legacy": {"maxTotalNumTokens": legacy_tokens, "peakBytes": legacy_peak, "fits": legacy_peak <= g},
+        "layerRatio": {"maxTotalNumTokens": ratio_tokens, "bytesPerToken": ratio_cell},
+    }
+    plan["message"] = _message(req, plan, s)
+    return plan
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _message(req: PlanRequest, plan: dict[str, Any], s: _Sizing) -> str:
+    tp = plan["tensorParallelSize"]
+    kv = plan["kvCache"]
+    if s.fits:
+        text = (f"fits on {tp} GPU(s): {kv['maxTotalNumTokens']} KV tokens (need {req.min_tokens}) at "
+                f"mem_fraction_static {plan['memFractionStatic']:.3f}")
+        legacy = plan["legacy"]
+        if not legacy["fits"]:
+            text += (f"; target-only accounting would have sized {legacy['maxTotalNumTokens']} tokens and "
+                     f"overrun the GPU by {_gib(legacy['peakBytes'] - req.gpu_memory_bytes)}")
+        return text
+    parts = [f"does not fit on {tp} GPU(s) of {_gib(req.gpu_memory_bytes)}: {kv['maxTotalNumTokens']} KV tokens "
+             f"for a floor of {req.min_tokens}, short by {_gib(plan['shortfallBytes'])} per GPU"]
+    if plan["minTensorParallelSize"] is not None and plan["minTensorParallelSize"] != tp:
+        parts.append(f"fits with --tp {plan['minTensorParallelSize']}")
+    elif plan["minTensorParallelSize"] is None:
+        parts.append("no tensor-parallel size up to 8 fits")
+    if plan["minMemFractionStatic"] < 1:
+        parts.append(f"or with --mem-fraction-static {plan['minMemFractionStatic']:.3f} on {tp} GPU(s)")
+    parts.append("or lower --context-length/--min-kv-tokens, use --kv-cache-dtype fp8_e4m3, or a larger GPU")
+    return "; ".join(parts)
+
+
+def to_json(plan: dict[str, Any]) -> str:
+    """Compact serialisation (what goes to the termination log)."""
+    return json.dumps(plan, separators=(",", ":"), sort_keys=False)
+
+
+# --- the contract -------------------------------------------------------------------------------
+
+_INT = (int,)
+_REQUIRED: dict[str, tuple[type, ...]] = {
+    "apiVersion": (str,),
+    "kind": (str,),
+    "fits": (bool,),
+    "algorithm": (str,),
+    "target": (str,),
+    "tensorParallelSize": _INT,
+    "gpuMemoryBytes": _INT,
+    "memFractionStatic": (int, float),
+    "weights.targetBytes": _INT,
+    "weights.draftBytes": _INT,
+    "kvCache.targetBytesPerToken": _INT,
+    "kvCache.draftBytesPerToken": _INT,
+    "kvCache.draftNumLayers": _INT,
+    "kvCache.maxTotalNumTokens": _INT,
+    "reserve.runtimeBytes": _INT,
+    "reserve.dynamicBytes": _INT,
+    "shortfallBytes": _INT,
+    "legacy.maxTotalNumTokens": _INT,
+    "legacy.peakBytes": _INT,
+    "layerRatio.maxTotalNumTokens": _INT,
+    "minMemFractionStatic": (int, float),
+    "message": (str,),
+}
+
+
+def _lookup(obj: dict[str, Any], dotted: str) -> Any:
+    cur: Any = obj
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            raise ValueError(f"MemoryPlan: missing required key '{dotted}'")
+        cur = cur[part]
+    return cur
+
+
+def validate_plan(obj: dict[str, Any]) -> dict[str, Any]:
+    """Check a parsed MemoryPlan against the contract; return it, or raise ValueError saying what is wrong."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"MemoryPlan: expected a JSON object, got {type(obj).__name__}")
+    for key, types in _REQUIRED.items():
+        value = _lookup(obj, key)
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            names = "/".join(t.__name__ for t in types)
+            raise ValueError(f"MemoryPlan: key '{key}' must be {names}, got {value!r}")
+        if types is _INT and value < 0:
+            raise ValueError(f"MemoryPlan: key '{key}' must be a non-negative integer, got {value}")
+    if obj["apiVersion"] != PLAN_API_VERSION:
+        raise ValueError(f"MemoryPlan: apiVersion must be '{PLAN_API_VERSION}', got {obj['apiVersion']!r}")
+    if obj["kind"] != PLAN_KIND:
+        raise ValueError(f"MemoryPlan: kind must be '{PLAN_KIND}', got {obj['kind']!r}")
+    if obj["algorithm"] not in ALGORITHMS:
+        raise ValueError(f"MemoryPlan: algorithm must be one of {', '.join(ALGORITHMS)}, got {obj['algorithm']!r}")
+    if obj["tensorParallelSize"] < 1 or obj["gpuMemoryBytes"] < 1:
+        raise ValueError("MemoryPlan: tensorParallelSize and gpuMemoryBytes must be positive")
+    if not 0 < obj["memFractionStatic"] <= 1.5:
+        raise ValueError(f"MemoryPlan: memFractionStatic must be in (0, 1.5], got {obj['memFractionStatic']}")
+    kv = obj["kvCache"]
+    if kv["targetBytesPerToken"] < 1:
+        raise ValueError("MemoryPlan: kvCache.targetBytesPerToken must be positive")
+    expected = kv_token_capacity(
+        obj["gpuMemoryBytes"], obj["memFractionStatic"], obj["weights"]["targetBytes"], obj["weights"]["draftBytes"],
+        obj["reserve"]["runtimeBytes"], kv["targetBytesPerToken"], kv["draftBytesPerToken"],
+    )
+    if abs(expected - kv["maxTotalNumTokens"]) > 1:
+        raise ValueError(
+            f"MemoryPlan: kvCache.maxTotalNumTokens is {kv['maxTotalNumTokens']} but gpuMemoryBytes x "
+            f"memFractionStatic - weights - reserve.runtimeBytes over the KV bytes per token gives {expected}"
+        )
+    size = len(to_json(obj).encode())
+    if size >= TERMINATION_LOG_LIMIT:
+        raise ValueError(f"MemoryPlan: compact JSON is {size} bytes, over the {TERMINATION_LOG_LIMIT}-byte limit")
+    return obj

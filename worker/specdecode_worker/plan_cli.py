@@ -1,0 +1,306 @@
+"""``specdecode-worker plan``: the dry-run memory plan the planner pod runs.
+
+Exit codes: 0 it fits; 3 it does not fit (the plan is still printed and written); 2 bad input
+(one line on stderr naming the file and the field); 1 internal error. With ``--termination-log``
+the compact plan JSON is written there (on exit 2 or 1, the one-line error instead), which is
+where Kubernetes picks up a container's termination message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import read_checkpoint, split_target_draft, total_bytes
+from .devices import GIB, resolve_device_memory
+from .errors import InputError
+from .model_config import ModelShape, load_shape
+from .plan import ALGORITHMS, TP_CANDIDATES, Candidate, PlanRequest, build_plan, to_json
+
+KV_DTYPES = {"auto": None, "fp8_e4m3": 1, "fp8_e5m2": 1}
+DEFAULT_CONTEXT_LENGTH = 4096
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+        raise InputError(f"specdecode-worker plan: {message}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="specdecode-worker plan", description="Dry-run GPU memory plan for a target + draft pair.")
+    p.add_argument("--target", required=True, help="target model folder (config.json + *.safetensors)")
+    p.add_argument("--draft", help="draft model folder (not for NGRAM; MTP defaults to the target folder)")
+    p.add_argument("--algorithm", required=True, choices=ALGORITHMS)
+    p.add_argument("--tp", default="auto", help="tensor-parallel size, or auto: smallest of 1,2,4,8 that fits")
+    p.add_argument("--gpu-memory-gib", type=float, help="free GPU memory before weights, when no GPU is visible")
+    p.add_argument("--gpu-product", help="nvidia.com/gpu.product label, e.g. NVIDIA-H100-80GB-HBM3")
+    p.add_argument("--mem-fraction-static", default="auto", help="auto or a fraction in (0, 1)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_DTYPES))
+    p.add_argument("--context-length", type=int, help="tokens one request may hold (default: the target's)")
+    p.add_argument("--min-kv-tokens", type=int, default=0, help="KV token floor (default: the context length)")
+    p.add_argument("--max-running-requests", type=int)
+    p.add_argument("--cuda-graph-max-bs", type=int)
+    p.add_argument("--chunked-prefill-size", type=int)
+    p.add_argument("--max-total-tokens", type=int, help="cap the KV pools at N tokens")
+    p.add_argument("--kv-cache-memory-gib", type=float, help="KV budget per GPU (target + draft pools)")
+    p.add_argument("--output", default="json", choices=("json", "table"))
+    p.add_argument("--termination-log", help="also write the compact plan JSON to this file")
+    return p
+
+
+def _positive(name: str, value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise InputError(f"--{name}: must be positive, got {value}")
+
+
+def _kv_bytes(shape: ModelShape, kv_dtype: str) -> int:
+    return KV_DTYPES[kv_dtype] or shape.dtype_bytes
+
+
+def _kv_dtype_name(shape: ModelShape, kv_dtype: str) -> str:
+    return shape.torch_dtype if kv_dtype == "auto" else kv_dtype
+
+
+def _token_count(tokenizer: Path) -> int | None:
+    """Number of token ids a tokenizer.json defines (vocabulary plus added tokens), or None."""
+    if not tokenizer.is_file():
+        return None
+    try:
+        data = json.loads(tokenizer.read_text())
+        vocab = data["model"]["vocab"]
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+        ids += [t["id"] for t in data.get("added_tokens") or []]
+        return max(ids) + 1 if ids else 0
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{tokenizer}: not a readable tokenizer.json ({exc})") from None
+
+
+def check_vocabulary(target_dir: Path, draft_dir: Path, target: ModelShape, draft: ModelShape) -> None:
+    """A standalone draft proposes token ids the target must read the same way: same tokenizer.
+
+    With tokenizer.json in both folders their token counts are compared (config vocab sizes are often
+    padded differently for the same tokenizer, as in the Qwen2.5 family); otherwise the configs'.
+    """
+    t_count, d_count = _token_count(target_dir / "tokenizer.json"), _token_count(draft_dir / "tokenizer.json")
+    if t_count is not None and d_count is not None:
+        if t_count != d_count:
+            raise InputError(
+                f"{draft_dir / 'tokenizer.json'}: defines {d_count} token ids but the target's "
+                f"{target_dir / 'tokenizer.json'} defines {t_count}; a STANDALONE draft must use the target's tokenizer"
+            )
+        return
+    if target.vocab_size != draft.vocab_size:
+        raise InputError(
+            f"{draft_dir / 'config.json'}: field 'vocab_size' is {draft.vocab_size} but the target's "
+            f"{target_dir / 'config.json'} has {target.vocab_size}; a STANDALONE draft must use the target's tokenizer"
+        )
+
+
+def _valid_tps(shapes: list[ModelShape]) -> list[int]:
+    def ok(tp: int, s: ModelShape) -> bool:
+        kv_ok = s.is_mla or s.num_kv_heads % tp == 0 or tp % s.num_kv_heads == 0
+        return s.num_attention_heads % tp == 0 and kv_ok
+
+    return [tp for tp in TP_CANDIDATES if all(ok(tp, s) for s in shapes)]
+
+
+def make_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """Read configs and headers, resolve the device, and build the plan (raises InputError)."""
+    algorithm = args.algorithm
+    target_dir = Path(args.target)
+    target = load_shape(target_dir)
+    if algorithm == "NGRAM" and args.draft:
+        raise InputError("--draft: NGRAM drafts from the prompt and takes no draft model; drop --draft")
+    if algorithm not in ("NGRAM", "MTP") and not args.draft:
+        raise InputError(f"--draft: {algorithm} needs the draft model folder")
+    draft_dir = Path(args.draft) if args.draft else (target_dir if algorithm == "MTP" else None)
+    same_dir = draft_dir is not None and draft_dir.resolve() == target_dir.resolve()
+
+    draft: ModelShape | None = None
+    draft_layers = 0
+    if algorithm == "MTP":
+        draft = target if same_dir else load_shape(draft_dir)
+        nextn = draft.num_nextn_predict_layers
+        if not nextn:
+            raise InputError(
+                f"{draft_dir / 'config.json'}: field 'num_nextn_predict_layers' must be a positive integer for MTP, "
+                f"got {nextn!r}; the model has no MTP layers (use EAGLE/EAGLE3/STANDALONE/NGRAM)"
+            )
+        draft_layers = nextn
+    elif draft_dir is not None:
+        draft = load_shape(draft_dir)
+        draft_layers = draft.draft_num_layers
+        if algorithm == "STANDALONE":
+            check_vocabulary(target_dir, draft_dir, target, draft)
+
+    for name in ("context_length", "min_kv_tokens", "max_running_requests", "cuda_graph_max_bs",
+                 "chunked_prefill_size", "max_total_tokens", "kv_cache_memory_gib"):
+        value = getattr(args, name)
+        if name == "min_kv_tokens":
+            if value < 0:
+                raise InputError(f"--min-kv-tokens: must be >= 0, got {value}")
+            continue
+        _positive(name.replace("_", "-"), value)
+    mem_fraction = None
+    if args.mem_fraction_static != "auto":
+        try:
+            mem_fraction = float(args.mem_fraction_static)
+        except ValueError:
+            mem_fraction = -1.0
+        if not 0 < mem_fraction < 1:
+            raise InputError(f"--mem-fraction-static: must be auto or a number in (0, 1), got {args.mem_fraction_static!r}")
+    if mem_fraction is not None and args.kv_cache_memory_gib is not None:
+        raise InputError("--kv-cache-memory-gib and --mem-fraction-static both set the KV budget: give one")
+
+    shapes = [target] + ([draft] if draft is not None and draft is not target else [])
+    valid = _valid_tps(shapes)
+    tp_req: int | None = None
+    if args.tp != "auto":
+        try:
+            tp_req = int(args.tp)
+        except ValueError:
+            tp_req = 0
+        if tp_req < 1:
+            raise InputError(f"--tp: must be auto or a positive integer, got {args.tp!r}")
+        for s in shapes:
+            if s.num_attention_heads % tp_req or not (s.is_mla or s.num_kv_heads % tp_req == 0 or tp_req % s.num_kv_heads == 0):
+                raise InputError(
+                    f"--tp {tp_req}: {s.path} has {s.num_attention_heads} attention heads and {s.num_kv_heads} KV heads, "
+                    f"which {tp_req} GPUs cannot split; valid sizes: {', '.join(map(str, valid)) or 'none'}"
+                )
+    if not valid and tp_req is None:
+        raise InputError(f"{target.path}: no tensor-parallel size in 1, 2, 4, 8 splits the attention heads of target and draft")
+
+    device = resolve_device_memory(args.gpu_memory_gib, args.gpu_product)
+
+    target_tensors = read_checkpoint(target_dir)
+    draft_tensors = None
+    if draft_dir is not None and not same_dir:
+        draft_tensors = read_checkpoint(draft_dir)
+    target_w, draft_w = split_target_draft(algorithm, target_tensors, draft_tensors, target.num_hidden_layers)
+    if algorithm == "MTP" and not draft_w:
+        raise InputError(
+            f"{draft_dir}: no MTP layer tensors (model.layers.{target.num_hidden_layers}.*) in the checkpoint; "
+            "give the folder that holds the MTP weights with --draft"
+        )
+
+    kv_t_bytes = _kv_bytes(target, args.kv_cache_dtype)
+
+    def candidate(tp: int) -> Candidate:
+        if algorithm == "NGRAM":
+            draft_cell = 0
+        elif algorithm == "MTP":
+            draft_cell = draft.kv_bytes_per_token(tp, _kv_bytes(draft, args.kv_cache_dtype), draft_layers)
+        else:
+            draft_cell = draft.kv_bytes_per_token(tp, _kv_bytes(draft, args.kv_cache_dtype), draft_layers)
+        return Candidate(
+            tp=tp,
+            target_weight_bytes=total_bytes(target_w, tp, target.num_kv_heads),
+            draft_weight_bytes=total_bytes(draft_w, tp, draft.num_kv_heads if draft else None),
+            target_bytes_per_token=target.kv_bytes_per_token(tp, kv_t_bytes),
+            draft_bytes_per_token=draft_cell,
+        )
+
+    context = args.context_length or target.max_position_embeddings or DEFAULT_CONTEXT_LENGTH
+    req = PlanRequest(
+        algorithm=algorithm,
+        target_name=target_dir.resolve().name,
+        draft_name=None if draft_dir is None else draft_dir.resolve().name,
+        gpu_memory_bytes=device.free_bytes,
+        gpu_total_bytes=device.total_bytes,
+        gpu_source=device.source,
+        gpu_name=device.name,
+        kv_cache_dtype=_kv_dtype_name(target, args.kv_cache_dtype),
+        draft_num_layers=draft_layers,
+        target_num_layers=target.num_attention_layers,
+        target_vocab_size=target.vocab_size,
+        min_tokens=max(context, args.min_kv_tokens),
+        context_length=context,
+        tp=tp_req,
+        mem_fraction_static=mem_fraction,
+        max_total_tokens=args.max_total_tokens,
+        kv_cache_memory_bytes=None if args.kv_cache_memory_gib is None else int(args.kv_cache_memory_gib * GIB),
+        max_running_requests=args.max_running_requests,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        chunked_prefill_size=args.chunked_prefill_size,
+    )
+    return build_plan(req, candidate, valid or [tp_req])
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:9.2f} GiB"
+
+
+def render_table(plan: dict[str, Any]) -> str:
+    """The plan for a person: per-GPU terms in GiB, then the older accountings next to it."""
+    kv, w, r = plan["kvCache"], plan["weights"], plan["reserve"]
+    g = plan["gpuMemoryBytes"]
+    f = plan["memFractionStatic"]
+    rows = [
+        f"MemoryPlan  {plan['algorithm']}  target={plan['target']}  draft={plan['draft'] or '-'}",
+        f"fits: {'yes' if plan['fits'] else 'NO'}   tensor parallel: {plan['tensorParallelSize']}   "
+        f"GPU: {plan['gpu']['name']} ({plan['gpu']['source']})",
+        "",
+        "per GPU                          bytes",
+        f"  free before weights (G)    {_gib(g)}",
+        f"  static share f = {f:.3f}     {_gib(int(g * f))}",
+        f"  target weights             {_gib(w['targetBytes'])}",
+        f"  draft weights              {_gib(w['draftBytes'])}",
+        f"  runtime reserve            {_gib(r['runtimeBytes'])}",
+        f"  KV pools (target + draft)  {_gib(kv['poolBytes'])}",
+        f"  dynamic reserve            {_gib(r['dynamicBytes'])}",
+        "",
+        f"KV bytes/token: target {kv['targetBytesPerToken']}, draft {kv['draftBytesPerToken']} "
+        f"({kv['draftNumLayers']} draft layers, {kv['dtype']})",
+        f"KV tokens: {kv['maxTotalNumTokens']}  (floor {kv['minTokens']}, context {kv['contextLength']})",
+        "",
+        "accounting                         KV tokens   peak / fits",
+        f"  this plan (draft priced)      {kv['maxTotalNumTokens']:>12}   fits={plan['fits']}",
+        f"  legacy (target-only profile)  {plan['legacy']['maxTotalNumTokens']:>12}   "
+        f"peak {plan['legacy']['peakBytes'] / GIB:.2f} GiB of {g / GIB:.2f} GiB, fits={plan['legacy']['fits']}",
+        f"  layer ratio (scaled cell)     {plan['layerRatio']['maxTotalNumTokens']:>12}   "
+        f"{plan['layerRatio']['bytesPerToken']} B/token",
+        "",
+        f"shortfall: {plan['shortfallBytes'] / GIB:.2f} GiB   min mem_fraction_static: {plan['minMemFractionStatic']:.3f}   "
+        f"min tensor parallel: {plan['minTensorParallelSize'] or 'none'}",
+        plan["message"],
+    ]
+    return "\n".join(rows) + "\n"
+
+
+def _write_log(path: str | None, text: str) -> None:
+    if path:
+        try:
+            Path(path).write_text(text)
+        except OSError as exc:
+            print(f"specdecode-worker plan: cannot write --termination-log {path}: {exc.strerror}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        _parser().print_help()
+        return 0
+    # Known before parsing, so that even a flag error reaches the termination log.
+    log_path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--termination-log"), None)
+    try:
+        args = _parser().parse_args(argv)
+        log_path = args.termination_log
+        plan = make_plan(args)
+    except InputError as exc:
+        message = " ".join(str(exc).split())
+        print(message, file=sys.stderr)
+        _write_log(log_path, message)
+        return 2
+    except Exception as exc:  # a bug, not the user's input: keep the traceback for the report
+        traceback.print_exc()
+        _write_log(log_path, f"internal error: {type(exc).__name__}: {exc}")
+        return 1
+    compact = to_json(plan)
+    _write_log(log_path, compact)
+    print(render_table(plan) if args.output == "table" else compact, end="" if args.output == "table" else "\n")
+    return 0 if plan["fits"] else 3
