@@ -19,8 +19,9 @@ import os
 import struct
 from pathlib import Path
 
-BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "I16": 16, "F16": 16, "BF16": 16,
-        "I32": 32, "F32": 32, "I64": 64, "F64": 64}
+BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6,
+        "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+        "C64": 64, "I64": 64, "U64": 64, "F64": 64}
 
 Tensor = tuple[str, str, tuple[int, ...]]  # (name, safetensors dtype, shape)
 
@@ -221,7 +222,7 @@ def model_tensors(model: str) -> list[Tensor]:
 
 
 def tensor_bytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * BITS[dtype] // 8
+    return -(-math.prod(shape) * BITS[dtype] // 8)
 
 
 def write_safetensors(path: Path, tensors: list[Tensor], metadata: dict | None = None) -> int:
@@ -251,10 +252,10 @@ def write_checkpoint(model_dir: Path, config: dict, tensors: list[Tensor], shard
     if shards == 1:
         write_safetensors(model_dir / "model.safetensors", tensors)
         return model_dir
-    per = math.ceil(len(tensors) / shards)
+    bounds = [k * len(tensors) // shards for k in range(shards + 1)]
     weight_map, total = {}, 0
     for k in range(shards):
-        part = tensors[k * per:(k + 1) * per]
+        part = tensors[bounds[k]:bounds[k + 1]]
         name = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
         total += write_safetensors(model_dir / name, part)
         weight_map.update({t[0]: name for t in part})
