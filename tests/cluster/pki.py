@@ -1,0 +1,75 @@
+"""Certificates and keys for a loopback control plane, made with the openssl command line.
+
+One CA signs the API server's serving certificate (valid for 127.0.0.1 and the in-cluster
+names) and the admin client certificate (group system:masters). A separate key pair signs
+service-account tokens. EC P-256 keys keep generation to a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+_EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca_crt: Path
+    ca_key: Path
+    serving_crt: Path
+    serving_key: Path
+    admin_crt: Path
+    admin_key: Path
+    sa_key: Path
+    sa_pub: Path
+
+
+def make_pki(d: Path) -> Pki:
+    d.mkdir(parents=True, exist_ok=True)
+    p = Pki(
+        ca_crt=d / "ca.crt", ca_key=d / "ca.key",
+        serving_crt=d / "apiserver.crt", serving_key=d / "apiserver.key",
+        admin_crt=d / "admin.crt", admin_key=d / "admin.key",
+        sa_key=d / "sa.key", sa_pub=d / "sa.pub",
+    )
+    _run("req", "-x509", *_EC, "-keyout", p.ca_key, "-out", p.ca_crt, "-days", "3650",
+         "-subj", "/CN=specdecode-test-ca", "-addext", "basicConstraints=critical,CA:TRUE",
+         "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature")
+    san = ",".join([
+        "IP:127.0.0.1", "IP:10.96.0.1", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
+        "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local",
+    ])
+    _sign(d, p, p.serving_crt, p.serving_key, "/CN=kube-apiserver", "serverAuth", san)
+    _sign(d, p, p.admin_crt, p.admin_key, "/O=system:masters/CN=specdecode-admin", "clientAuth", None)
+    _run("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", p.sa_key)
+    _run("pkey", "-in", p.sa_key, "-pubout", "-out", p.sa_pub)
+    return p
+
+
+def _sign(d: Path, p: Pki, crt: Path, key: Path, subject: str, usage: str, san: str | None) -> None:
+    csr = crt.with_suffix(".csr")
+    ext = crt.with_suffix(".ext")
+    lines = [
+        "basicConstraints=critical,CA:FALSE",
+        "keyUsage=critical,digitalSignature",
+        f"extendedKeyUsage={usage}",
+        "subjectKeyIdentifier=hash",
+        "authorityKeyIdentifier=keyid,issuer",
+    ]
+    if san:
+        lines.append(f"subjectAltName={san}")
+    ext.write_text("\n".join(lines) + "\n")
+    _run("req", "-new", *_EC, "-keyout", key, "-out", csr, "-subj", subject)
+    _run("x509", "-req", "-in", csr, "-CA", p.ca_crt, "-CAkey", p.ca_key, "-CAcreateserial",
+         "-days", "3650", "-extfile", ext, "-out", crt)
+    csr.unlink()
+    ext.unlink()
+
+
+def _run(*args: object) -> None:
+    cmd = ["openssl", *map(str, args)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()}")

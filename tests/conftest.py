@@ -1,0 +1,72 @@
+"""Shared fixtures.
+
+``cluster`` (session): a real control plane on loopback (tests/cluster/), started once and torn
+down at the end even when tests fail. Tests that use it, directly or through another fixture,
+are marked ``e2e`` automatically. A failing e2e test shows the tail of every component log; the
+full logs stay in ``cluster.logs_dir`` (under pytest's temporary folder).
+
+``namespace`` (function): a fresh namespace whose default service account exists, deleted after
+the test.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import uuid
+
+import pytest
+
+from tests.cluster.controlplane import ControlPlane, build_binaries
+from tests.cluster.wait import wait_for
+
+_planes: list[ControlPlane] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    # tryfirst: the marker must exist before `-m "not e2e"` deselects.
+    for item in items:
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def cluster(pytestconfig, tmp_path_factory):
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    # Show build and start-up progress live: a cold build takes many minutes.
+    with capture.global_and_fixture_disabled():
+        print(file=sys.stderr)
+        bin_dir = build_binaries(progress=progress)
+        plane = ControlPlane(tmp_path_factory.mktemp("cluster"), bin_dir)
+        progress(f"control plane logs: {plane.logs_dir}")
+        plane.start(progress=progress)
+    _planes.append(plane)
+    try:
+        yield plane
+    finally:
+        _planes.remove(plane)
+        plane.stop()
+
+
+@pytest.fixture
+def namespace(cluster, request):
+    base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"{base}-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", name)
+    wait_for(lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
+             timeout=30, what=f"service account default in namespace {name}")
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and _planes and "cluster" in getattr(item, "fixturenames", ()):
+        report.sections.append(("control plane logs (tail)", _planes[0].log_tails()))
+    return report
