@@ -1,0 +1,263 @@
+"""Plan arithmetic against hand computation (research notes §5), the fit search, the overrides,
+the older accountings, the JSON contract and the device catalogue."""
+
+import copy
+import json
+import math
+import sys
+
+import pytest
+
+from specdecode_worker import devices
+from specdecode_worker.devices import GPU_PRODUCTS, product_memory_bytes, resolve_device_memory
+from specdecode_worker.errors import InputError
+from specdecode_worker.plan import (
+    PLAN_API_VERSION,
+    Candidate,
+    PlanRequest,
+    build_plan,
+    default_serving_limits,
+    dynamic_reserve_bytes,
+    kv_token_capacity,
+    runtime_reserve_bytes,
+    to_json,
+    validate_plan,
+)
+
+GIB = 1 << 30
+MIB = 1 << 20
+H100 = 81_559 * MIB
+
+# Llama-3.1-8B-Instruct + EAGLE3 head (see test_checkpoint for the byte counts)
+LLAMA8B_W, EAGLE3_W = 16_060_522_496, 849_763_584
+# Qwen2.5-7B-Instruct + Qwen2.5-0.5B-Instruct
+QWEN7B_W, QWEN05B_W = 15_231_233_024, 988_065_536
+
+
+def request(**kw):
+    base = dict(algorithm="EAGLE3", target_name="t", draft_name="d", gpu_memory_bytes=H100, gpu_total_bytes=H100,
+                gpu_source="override", gpu_name="test", kv_cache_dtype="bfloat16", draft_num_layers=1,
+                target_num_layers=32, target_vocab_size=128256, min_tokens=131072, context_length=131072)
+    base.update(kw)
+    return PlanRequest(**base)
+
+
+def eagle3_candidates(tp):
+    # per GPU, as test_checkpoint establishes for tp=1; divided evenly here (the fit search only needs monotone terms)
+    return Candidate(tp, LLAMA8B_W // tp, EAGLE3_W // tp, 131_072 // tp, 4_096 // tp)
+
+
+def test_kv_token_capacity_formula_and_clamp():
+    assert kv_token_capacity(100_000, 0.5, 10_000, 5_000, 1_000, 300, 34) == math.floor((50_000 - 16_000) / 334)
+    assert kv_token_capacity(100_000, 0.1, 10_000, 5_000, 1_000, 300, 34) == 0
+    with pytest.raises(ValueError):
+        kv_token_capacity(100_000, 0.5, 0, 0, 0, 0, 0)
+
+
+def test_notes_worked_examples_by_hand():
+    g = 79 * GIB  # the notes' pre-load memory on an H100
+    # §5.1: Llama-3.1-8B + EAGLE3 after the fix, f = 0.835, draft bytes without the vocab maps, no runtime term
+    assert kv_token_capacity(g, 0.835, LLAMA8B_W, 849_379_328, 0, 131_072, 4_096) == 398_907
+    # before the fix: target-only at f = 0.810
+    assert kv_token_capacity(g, 0.810, LLAMA8B_W, 0, 0, 131_072, 0) == 401_674
+    # §5.2: Qwen 7B + 0.5B standalone, exact draft cell vs SGLang's layer-ratio cell
+    assert kv_token_capacity(g, 0.835, QWEN7B_W, QWEN05B_W, 0, 57_344, 12_288) == 784_267
+    assert kv_token_capacity(g, 0.835, QWEN7B_W, QWEN05B_W, 0, 106_496, 0) == 512_789
+    assert int(57_344 * (1 + 24 / 28)) == 106_496
+
+
+def test_golden_eagle3_plan_with_runtime_reserve():
+    g = 79 * GIB
+    plan = build_plan(request(gpu_memory_bytes=g, mem_fraction_static=0.835), eagle3_candidates, [1])
+    kv = plan["kvCache"]
+    # (79 GiB x 0.835 - 16,060,522,496 - 849,763,584 - 1 GiB) / (131,072 + 4,096)
+    assert kv["maxTotalNumTokens"] == 390_960
+    assert plan["reserve"]["runtimeBytes"] == GIB
+    assert plan["fits"] and plan["shortfallBytes"] == 0
+    # same geometry: SGLang's scaled cell prices the EAGLE3 layer exactly
+    assert plan["layerRatio"] == {"maxTotalNumTokens": 390_960, "bytesPerToken": 135_168}
+    # target-only: (79 GiB x 0.835 - W_t - 1 GiB) / 131,072, then the draft on top
+    legacy = math.floor((g * 0.835 - LLAMA8B_W - GIB) / 131_072)
+    assert plan["legacy"]["maxTotalNumTokens"] == legacy == 409_661
+    dyn = plan["reserve"]["dynamicBytes"]
+    assert plan["legacy"]["peakBytes"] == LLAMA8B_W + EAGLE3_W + GIB + legacy * 135_168 + dyn
+    validate_plan(plan)
+
+
+def test_standalone_draft_priced_with_its_own_geometry_beats_layer_ratio():
+    g = 79 * GIB
+    req = request(algorithm="STANDALONE", gpu_memory_bytes=g, mem_fraction_static=0.835, draft_num_layers=24,
+                  target_num_layers=28, target_vocab_size=152064, min_tokens=32768, context_length=32768)
+    plan = build_plan(req, {1: Candidate(1, QWEN7B_W, QWEN05B_W, 57_344, 12_288)}, [1])
+    ours = plan["kvCache"]["maxTotalNumTokens"]
+    ratio = plan["layerRatio"]["maxTotalNumTokens"]
+    assert ours == math.floor((g * 0.835 - QWEN7B_W - QWEN05B_W - GIB) / 69_632) == 768_846
+    assert ratio == math.floor((g * 0.835 - QWEN7B_W - QWEN05B_W - GIB) / 106_496) == 502_707
+    assert plan["layerRatio"]["bytesPerToken"] == 106_496
+    assert ours / ratio > 1.5  # the layer-ratio cell leaves a third of the capacity unused
+
+
+def test_default_fraction_from_the_dynamic_reserve_by_hand():
+    plan = build_plan(request(), eagle3_candidates, [1, 2, 4, 8])
+    # H100 tiers: chunk 8192, graph bs 256; activations 8192 x 1.5 MiB, graphs 256 x 2 MiB x 2 models,
+    # logits 256 x 4 tokens x 128,256 x 4 B
+    dyn = 8192 * 3 * MIB // 2 + 256 * 2 * MIB * 2 + 256 * 4 * 128_256 * 4
+    assert plan["reserve"]["dynamicBytes"] == dyn == 14_483_980_288
+    assert plan["memFractionStatic"] == math.floor((1 - dyn / H100) * 1000) / 1000 == 0.830
+    assert plan["tensorParallelSize"] == 1 and plan["minTensorParallelSize"] == 1
+
+
+def test_serving_tiers_and_reserves():
+    assert default_serving_limits(15_360 * MIB, 1) == (2048, 8)  # T4
+    assert default_serving_limits(23_034 * MIB, 1) == (2048, 24)  # L4
+    assert default_serving_limits(46_068 * MIB, 4) == (4096, 160)  # L40S
+    assert default_serving_limits(H100, 1) == (8192, 256)
+    assert default_serving_limits(143_771 * MIB, 8) == (8192, 512)  # H200
+    assert default_serving_limits(183_359 * MIB, 8) == (16384, 512)  # B200
+    assert runtime_reserve_bytes(1) == GIB and runtime_reserve_bytes(8) == 2 * GIB
+    assert dynamic_reserve_bytes(512, 8, 4, 1000, False) == 2048 * 3 * MIB // 2 + 8 * 2 * MIB + 8 * 4 * 1000 * 4
+
+
+def test_auto_tp_picks_the_smallest_size_that_holds_the_floor():
+    # 70B on 80 GB GPUs: 141 GB of weights cannot fit on 1 or 2
+    def cand(tp):
+        return Candidate(tp, 141_107_412_992 // tp, 0, 327_680 // tp, 0)
+
+    req = request(algorithm="NGRAM", draft_name=None, draft_num_layers=0, target_num_layers=80)
+    plan = build_plan(req, cand, [1, 2, 4, 8])
+    assert plan["tensorParallelSize"] == 4 and plan["fits"]
+    assert plan["weights"]["targetBytes"] == 141_107_412_992 // 4
+    forced = build_plan(request(algorithm="NGRAM", draft_name=None, tp=2, target_num_layers=80), cand, [1, 2, 4, 8])
+    assert not forced["fits"] and forced["minTensorParallelSize"] == 4
+    assert "fits with --tp 4" in forced["message"]
+
+
+def test_misfit_reports_shortfall_and_the_smallest_fraction_that_fits():
+    l4 = 23_034 * MIB
+    req = request(gpu_memory_bytes=l4, gpu_total_bytes=l4, tp=1, min_tokens=32768, context_length=32768)
+    plan = build_plan(req, eagle3_candidates, [1, 2, 4, 8])
+    assert not plan["fits"] and plan["minTensorParallelSize"] == 2
+    f = plan["memFractionStatic"]
+    budget = l4 * f - LLAMA8B_W - EAGLE3_W - GIB
+    assert plan["shortfallBytes"] == math.ceil(32768 * 135_168 - budget)
+    min_f = plan["minMemFractionStatic"]
+    assert min_f == math.ceil((32768 * 135_168 + LLAMA8B_W + EAGLE3_W + GIB) / l4 * 1000) / 1000 == 0.928
+    assert f < min_f < 1
+    assert build_plan(request(gpu_memory_bytes=l4, gpu_total_bytes=l4, tp=1, min_tokens=32768,
+                              mem_fraction_static=min_f), eagle3_candidates, [1])["fits"]
+    assert not build_plan(request(gpu_memory_bytes=l4, gpu_total_bytes=l4, tp=1, min_tokens=32768,
+                                  mem_fraction_static=min_f - 0.001), eagle3_candidates, [1])["fits"]
+    assert "--mem-fraction-static 0.928" in plan["message"]
+    validate_plan(plan)
+
+
+def test_nothing_fits_plans_the_largest_size_and_says_so():
+    req = request(gpu_memory_bytes=8 * GIB, gpu_total_bytes=8 * GIB)
+    plan = build_plan(req, eagle3_candidates, [1, 2, 4, 8])
+    assert not plan["fits"] and plan["tensorParallelSize"] == 8 and plan["minTensorParallelSize"] is None
+    assert "no tensor-parallel size up to 8 fits" in plan["message"]
+
+
+def test_max_total_tokens_caps_the_pools_and_keeps_the_identity():
+    plan = build_plan(request(max_total_tokens=200_000), eagle3_candidates, [1])
+    assert plan["kvCache"]["maxTotalNumTokens"] == 200_000
+    assert plan["memFractionStatic"] < 0.830
+    validate_plan(plan)
+    uncapped = build_plan(request(max_total_tokens=10_000_000), eagle3_candidates, [1])
+    assert uncapped["kvCache"]["maxTotalNumTokens"] == build_plan(request(), eagle3_candidates, [1])["kvCache"]["maxTotalNumTokens"]
+
+
+def test_kv_cache_memory_sets_the_budget_directly():
+    plan = build_plan(request(kv_cache_memory_bytes=20 * GIB), eagle3_candidates, [1])
+    assert plan["kvCache"]["maxTotalNumTokens"] == 20 * GIB // 135_168 == 158_875
+    assert plan["memFractionStatic"] == pytest.approx((20 * GIB + LLAMA8B_W + EAGLE3_W + GIB) / H100)
+    validate_plan(plan)
+    # a budget that eats the dynamic reserve does not fit
+    greedy = build_plan(request(kv_cache_memory_bytes=60 * GIB), eagle3_candidates, [1])
+    assert not greedy["fits"] and greedy["shortfallBytes"] > 0
+
+
+def test_ngram_has_no_draft_pool():
+    req = request(algorithm="NGRAM", draft_name=None, draft_num_layers=0)
+    plan = build_plan(req, lambda tp: Candidate(tp, LLAMA8B_W, 0, 131_072, 0), [1])
+    assert plan["kvCache"]["draftBytesPerToken"] == 0 and plan["weights"]["draftBytes"] == 0
+    assert plan["layerRatio"]["bytesPerToken"] == 131_072
+    assert plan["legacy"]["maxTotalNumTokens"] == plan["kvCache"]["maxTotalNumTokens"]
+
+
+def test_compact_json_stays_under_the_termination_log_limit():
+    plan = build_plan(request(gpu_memory_bytes=8 * GIB, target_name="x" * 200, draft_name="y" * 200),
+                      eagle3_candidates, [1, 2, 4, 8])
+    assert len(to_json(plan).encode()) < 4096
+    assert json.loads(to_json(plan)) == plan
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda p: p.pop("fits"), "missing required key 'fits'"),
+        (lambda p: p["kvCache"].pop("draftNumLayers"), "missing required key 'kvCache.draftNumLayers'"),
+        (lambda p: p["weights"].__setitem__("targetBytes", 1.5), "key 'weights.targetBytes' must be int"),
+        (lambda p: p.__setitem__("tensorParallelSize", True), "key 'tensorParallelSize' must be int"),
+        (lambda p: p.__setitem__("shortfallBytes", -1), "must be a non-negative integer"),
+        (lambda p: p.__setitem__("apiVersion", "v1"), f"apiVersion must be '{PLAN_API_VERSION}'"),
+        (lambda p: p.__setitem__("kind", "Plan"), "kind must be 'MemoryPlan'"),
+        (lambda p: p.__setitem__("algorithm", "MEDUSA"), "algorithm must be one of"),
+        (lambda p: p["kvCache"].__setitem__("maxTotalNumTokens", p["kvCache"]["maxTotalNumTokens"] + 2),
+         "kvCache.maxTotalNumTokens is"),
+        (lambda p: p.__setitem__("message", "m" * 5000), "over the 4096-byte limit"),
+    ],
+)
+def test_validate_plan_rejects_what_breaks_the_contract(mutate, message):
+    plan = build_plan(request(), eagle3_candidates, [1])
+    validate_plan(copy.deepcopy(plan))
+    mutate(plan)
+    with pytest.raises(ValueError, match=message):
+        validate_plan(plan)
+
+
+def test_identity_tolerates_one_token():
+    plan = build_plan(request(), eagle3_candidates, [1])
+    plan["kvCache"]["maxTotalNumTokens"] += 1
+    validate_plan(plan)
+
+
+def test_plan_module_imports_no_torch():
+    import subprocess
+
+    code = ("import sys, specdecode_worker.plan, specdecode_worker.plan_cli, specdecode_worker.checkpoint, "
+            "specdecode_worker.devices, specdecode_worker.model_config; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+# --- devices ------------------------------------------------------------------------------------
+
+def test_catalogue_covers_the_products_the_operator_schedules():
+    for label, mib in [("NVIDIA-H100-80GB-HBM3", 81_559), ("NVIDIA-H200", 143_771), ("NVIDIA-A100-SXM4-80GB", 81_920),
+                       ("NVIDIA-A100-SXM4-40GB", 40_960), ("NVIDIA-L4", 23_034), ("NVIDIA-L40S", 46_068),
+                       ("NVIDIA-A10G", 23_028), ("NVIDIA-B200", 183_359)]:
+        assert product_memory_bytes(label) == mib * MIB
+        assert label in GPU_PRODUCTS
+    assert product_memory_bytes("NVIDIA H100 80GB HBM3") == 81_559 * MIB  # pynvml's spelling
+    assert product_memory_bytes("NVIDIA-A100-SXM4-40GB-MIG-1g.5gb") is None
+
+
+def test_device_memory_order_gpu_then_override_then_catalogue(monkeypatch):
+    monkeypatch.setattr(devices, "nvml_memory", lambda: None)
+    assert resolve_device_memory(40.0, "NVIDIA-H200").free_bytes == 40 * GIB
+    cat = resolve_device_memory(None, "NVIDIA-L4")
+    assert (cat.free_bytes, cat.source) == (23_034 * MIB, "catalogue")
+    with pytest.raises(InputError, match="--gpu-product: unknown GPU product 'NVIDIA-X1'"):
+        resolve_device_memory(None, "NVIDIA-X1")
+    with pytest.raises(InputError, match="no GPU visible: give the GPU with --gpu-product"):
+        resolve_device_memory(None, None)
+    seen = devices.DeviceMemory(total_bytes=80 * GIB, free_bytes=70 * GIB, source="nvml", name="NVIDIA H100")
+    monkeypatch.setattr(devices, "nvml_memory", lambda: seen)
+    got = resolve_device_memory(40.0, "NVIDIA-L4")
+    assert got is seen and got.used_bytes == 10 * GIB
+
+
+def test_hidden_gpus_are_not_probed(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert devices.nvml_memory() is None
