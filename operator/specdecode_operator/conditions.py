@@ -1,0 +1,114 @@
+"""metav1.Condition bookkeeping, the phase, and which transitions deserve an Event.
+
+``lastTransitionTime`` changes only when a condition's status flips; ``observedGeneration`` is
+always the generation the operator just reconciled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+PLANNED = "Planned"
+AVAILABLE = "Available"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+READY = "Ready"
+ORDER = (PLANNED, AVAILABLE, PROGRESSING, DEGRADED, READY)
+
+# Reasons a user acts on (capacity vs runtime failures are told apart).
+PLANNING = "Planning"
+PLAN_READY = "PlanReady"
+INSUFFICIENT_GPU_MEMORY = "InsufficientGPUMemory"
+PLANNER_FAILED = "PlannerFailed"
+PLAN_EXCEEDS_NODE_GPUS = "PlanExceedsNodeGPUs"
+UNSCHEDULABLE = "Unschedulable"
+WORKER_STARTUP_FAILED = "WorkerStartupFailed"
+WORKER_OOM_KILLED = "WorkerOOMKilled"
+PODS_NOT_READY = "PodsNotReady"
+
+MAX_MESSAGE = 32768
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: str  # "True", "False" or "Unknown"
+    reason: str
+    message: str = ""
+
+
+def set_condition(conditions: list[dict[str, Any]], ctype: str, verdict: Verdict, generation: int,
+                  now: str) -> list[dict[str, Any]]:
+    """A new list with ``ctype`` set; the others untouched and the order stable."""
+    out = [dict(c) for c in conditions]
+    new = {
+        "type": ctype,
+        "status": verdict.status,
+        "reason": verdict.reason,
+        "message": verdict.message[:MAX_MESSAGE],
+        "observedGeneration": generation,
+    }
+    for i, old in enumerate(out):
+        if old.get("type") == ctype:
+            new["lastTransitionTime"] = old.get("lastTransitionTime") if old.get("status") == verdict.status \
+                and old.get("lastTransitionTime") else now
+            out[i] = new
+            return out
+    new["lastTransitionTime"] = now
+    out.append(new)
+    out.sort(key=lambda c: ORDER.index(c["type"]) if c.get("type") in ORDER else len(ORDER))
+    return out
+
+
+def apply_verdicts(conditions: list[dict[str, Any]], verdicts: dict[str, Verdict], generation: int,
+                   now: str) -> list[dict[str, Any]]:
+    for ctype in ORDER:
+        if ctype in verdicts:
+            conditions = set_condition(conditions, ctype, verdicts[ctype], generation, now)
+    return conditions
+
+
+def get(conditions: Iterable[dict[str, Any]], ctype: str) -> dict[str, Any] | None:
+    return next((c for c in conditions if c.get("type") == ctype), None)
+
+
+def is_bad(ctype: str, status: str) -> bool:
+    """Whether a condition in this state is a problem (Degraded has the opposite polarity)."""
+    return status == "True" if ctype == DEGRADED else status == "False"
+
+
+@dataclass(frozen=True)
+class Transition:
+    ctype: str
+    status: str
+    reason: str
+    message: str
+    warning: bool
+
+
+def transitions(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[Transition]:
+    """Conditions whose status or reason changed: each becomes an Event."""
+    out = []
+    for c in new:
+        prev = get(old, c["type"])
+        if prev is None or prev.get("status") != c["status"] or prev.get("reason") != c["reason"]:
+            out.append(Transition(c["type"], c["status"], c["reason"], c.get("message", ""),
+                                  is_bad(c["type"], c["status"]) and c["reason"] != PLANNING))
+    return out
+
+
+def phase(conditions: list[dict[str, Any]], ready: int, desired: int) -> str:
+    planned = get(conditions, PLANNED)
+    if planned is None:
+        return "Pending"
+    if planned["status"] == "Unknown":
+        return "Planning"
+    if planned["status"] == "False":
+        return "Degraded" if ready > 0 else "Failed"
+    degraded = get(conditions, DEGRADED)
+    if degraded is not None and degraded["status"] == "True":
+        return "Degraded"
+    rdy = get(conditions, READY)
+    if rdy is not None and rdy["status"] == "True":
+        return "Ready"
+    return "Deploying"

@@ -1,0 +1,140 @@
+"""The kopf layer: triggers only. Each handler names an SDD and hands it to the reconciler.
+
+- create/update/resume of an SDD: reconcile now (resume covers objects that changed while the
+  operator was down; update covers every spec change, so no field handler goes unpaired).
+- events of owned pods and Deployments (label ``specdecode.io/name``): reconcile the owner, so
+  status follows the children and a finished planner pod is picked up at once.
+- a requeue loop started at startup: reconciles an SDD again when it asked to be (a planner
+  backoff) and every few minutes anyway. It is not a kopf timer, which would put a finalizer on
+  every SDD and make them undeletable while the operator is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import kopf
+
+from . import labels
+from .kube import Kube
+from .reconcile import Options, Reconciler
+from .spec import GROUP, PLURAL, VERSION
+
+log = logging.getLogger("specdecode_operator")
+RESYNC_SECONDS = 300.0
+TICK_SECONDS = 1.0
+
+
+class Controller:
+    """The reconciler plus when each SDD is due again."""
+
+    def __init__(self, reconciler: Reconciler, workers: int = 4):
+        self.reconciler = reconciler
+        self.due: dict[tuple[str, str], float] = {}
+        self.running: set[tuple[str, str]] = set()
+        self.poked: set[tuple[str, str]] = set()
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reconcile")
+
+    def poke(self, namespace: str, name: str, delay: float = 0.5) -> None:
+        """Reconcile soon; a burst of child events becomes one reconcile."""
+        key = (namespace, name)
+        self.due[key] = min(self.due.get(key, float("inf")), time.time() + delay)
+        self.poked.add(key)
+
+    def reconcile(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+        self.poked.discard(key)
+        try:
+            result = self.reconciler.reconcile(namespace, name)
+        except Exception:
+            log.exception("reconcile of %s/%s failed; retrying in 10s", namespace, name)
+            self.due[key] = time.time() + 10
+            return
+        if result.gone:
+            self.due.pop(key, None)
+            return
+        delay = RESYNC_SECONDS if result.requeue_after is None else min(result.requeue_after, RESYNC_SECONDS)
+        if key in self.poked:  # a child changed while we were reconciling: look again
+            delay = 0.5
+        self.due[key] = time.time() + delay
+
+    async def requeue_loop(self, stopped: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        while not stopped.is_set():
+            now = time.time()
+            for key, when in list(self.due.items()):
+                if when <= now and key not in self.running:
+                    self.running.add(key)
+                    fut = loop.run_in_executor(self.pool, self.reconcile, *key)
+                    fut.add_done_callback(lambda _f, k=key: self.running.discard(k))
+            try:
+                await asyncio.wait_for(stopped.wait(), TICK_SECONDS)
+            except asyncio.TimeoutError:
+                pass
+
+
+CONTROLLER: Controller | None = None
+_STOP: asyncio.Event | None = None
+
+
+def configure(options: Options, kube: Kube | None = None) -> None:
+    """Called by main() before kopf starts (tests may pass a fake client)."""
+    global CONTROLLER
+    CONTROLLER = Controller(Reconciler(kube or Kube(), options))
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Progress and diff-base in annotations of our own prefix: status stays ours alone.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    # The reconciler posts one Event per condition transition; kopf's log echo would duplicate them.
+    settings.posting.enabled = False
+    settings.watching.server_timeout = 270
+    settings.watching.client_timeout = 300
+    settings.execution.max_workers = 8
+    if CONTROLLER is None:
+        configure(Options())
+    global _STOP
+    _STOP = asyncio.Event()
+    asyncio.get_running_loop().create_task(CONTROLLER.requeue_loop(_STOP))
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    if _STOP is not None:
+        _STOP.set()
+
+
+@kopf.on.probe(id="reconciler")
+def probe(**_: Any) -> dict[str, Any]:
+    return {"tracked": len(CONTROLLER.due) if CONTROLLER else 0}
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+def sdd_changed(name: str, namespace: str, **_: Any) -> None:
+    CONTROLLER.reconcile(namespace, name)
+
+
+def _owner_changed(event: dict[str, Any], namespace: str, labels_: dict[str, str]) -> None:
+    owner = labels_.get(labels.NAME)
+    if owner and CONTROLLER is not None:
+        CONTROLLER.poke(namespace, owner)
+
+
+@kopf.on.event("v1", "pods", labels={labels.NAME: kopf.PRESENT})
+def pod_event(event: dict[str, Any], namespace: str, labels: dict[str, str], **_: Any) -> None:
+    _owner_changed(event, namespace, labels)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={labels.NAME: kopf.PRESENT})
+def deployment_event(event: dict[str, Any], namespace: str, labels: dict[str, str], **_: Any) -> None:
+    _owner_changed(event, namespace, labels)

@@ -1,0 +1,43 @@
+"""Labels and annotations the operator puts on what it creates."""
+
+from __future__ import annotations
+
+NAME = "specdecode.io/name"
+ROLE = "specdecode.io/role"
+PLAN_KEY = "specdecode.io/plan-key"
+ROLE_PLANNER = "planner"
+ROLE_WORKER = "worker"
+FIELD_MANAGER = "specdecode-operator"
+
+
+def common(name: str, role: str) -> dict[str, str]:
+    # Label values are limited to 63 characters; the CRD limits SDD names accordingly.
+    return {
+        "app.kubernetes.io/name": "specdecode-worker",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": role,
+        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+        NAME: name,
+        ROLE: role,
+    }
+
+
+def selector(name: str) -> dict[str, str]:
+    """The worker pods' selector (immutable in a Deployment, so never add to it)."""
+    return {NAME: name, ROLE: ROLE_WORKER}
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector(name).items())
+
+
+def owner_reference(sdd: dict) -> dict:
+    meta = sdd["metadata"]
+    return {
+        "apiVersion": sdd.get("apiVersion", "specdecode.io/v1alpha1"),
+        "kind": sdd.get("kind", "SpecDecodeDeployment"),
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }

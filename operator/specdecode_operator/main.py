@@ -1,0 +1,50 @@
+"""``specdecode-operator``: run the kopf operator for SpecDecodeDeployments.
+
+One replica only (kopf peering is not leader election): deploy it with strategy Recreate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from .spec import DEFAULT_WORKER_IMAGE
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="specdecode-operator", description=__doc__.splitlines()[0])
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[],
+                       help="watch this namespace (repeatable); default: every namespace")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (the default)")
+    p.add_argument("--worker-image", default=os.environ.get("SPECDECODE_WORKER_IMAGE", DEFAULT_WORKER_IMAGE),
+                   help="worker image for SDDs that do not set spec.image (env SPECDECODE_WORKER_IMAGE)")
+    p.add_argument("--liveness", default=os.environ.get("SPECDECODE_LIVENESS", "http://0.0.0.0:8080/healthz"),
+                   help="kopf liveness endpoint URL; 'off' disables it")
+    p.add_argument("--no-node-check", action="store_true",
+                   help="do not read nodes (namespaced RBAC); PlanExceedsNodeGPUs is then not reported")
+    p.add_argument("--log-format", choices=["json", "plain"], default=os.environ.get("SPECDECODE_LOG_FORMAT", "json"))
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    import kopf
+
+    from . import handlers
+    from .reconcile import Options
+
+    kopf.configure(verbose=args.verbose,
+                   log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL)
+    logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    handlers.configure(Options(default_image=args.worker_image, check_nodes=not args.no_node_check))
+    kwargs = {"namespaces": args.namespace} if args.namespace else {"clusterwide": True}
+    kopf.run(standalone=True, liveness_endpoint=None if args.liveness == "off" else args.liveness, **kwargs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""The planner pod: what it runs, and what its terminated container says.
+
+The pod runs ``specdecode-worker plan`` once (restartPolicy Never) and writes the MemoryPlan JSON to
+its termination log; the operator never reads tensor data or needs a GPU itself.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from . import labels, models
+from .spec import SpecView, planner_pod_name
+
+TERMINATION_LOG = "/dev/termination-log"
+EXIT_FITS = 0
+EXIT_MISFIT = 3
+EXIT_BAD_INPUT = 2
+# A planner that reads a few headers finishes in seconds; a hung one must not block forever.
+ACTIVE_DEADLINE_SECONDS = 900
+
+
+def planner_args(view: SpecView) -> list[str]:
+    """``specdecode-worker plan`` arguments for this spec (the plan's inputs, nothing else)."""
+    s = view.serving
+    args = ["plan", "--target", view.model_path(view.target)]
+    if view.draft_dir:
+        args += ["--draft", view.draft_dir]
+    args += ["--algorithm", view.algorithm, "--tp", "auto"]
+    if view.gpu_memory_gib is not None:
+        args += ["--gpu-memory-gib", _num(view.gpu_memory_gib)]
+    elif view.gpu_product and not view.planner_request_gpu:
+        args += ["--gpu-product", view.gpu_product]
+    args += ["--mem-fraction-static", "auto" if s.mem_fraction_static is None else _num(s.mem_fraction_static)]
+    args += ["--kv-cache-dtype", s.kv_cache_dtype, "--context-length", str(s.context_length)]
+    if s.min_kv_tokens is not None:
+        args += ["--min-kv-tokens", str(s.min_kv_tokens)]
+    args += ["--max-running-requests", str(s.max_running_requests)]
+    if s.cuda_graph_max_batch_size is not None:
+        args += ["--cuda-graph-max-bs", str(s.cuda_graph_max_batch_size)]
+    if s.chunked_prefill_size is not None:
+        args += ["--chunked-prefill-size", str(s.chunked_prefill_size)]
+    args += ["--output", "json", "--termination-log", TERMINATION_LOG]
+    return args
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def render_planner_pod(view: SpecView, key: str, owner: dict[str, Any]) -> dict[str, Any]:
+    meta_labels = labels.common(view.name, labels.ROLE_PLANNER) | {labels.PLAN_KEY: key}
+    resources: dict[str, Any] = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+    for k in ("cpu", "memory"):
+        if view.planner_resources.get(k) is not None:
+            resources["requests"][k] = str(view.planner_resources[k])
+            if k == "memory":
+                resources["limits"]["memory"] = str(view.planner_resources[k])
+    node_selector = dict(view.pod.get("nodeSelector") or {})
+    if view.planner_request_gpu:
+        resources["limits"]["nvidia.com/gpu"] = 1
+        if view.gpu_product:
+            node_selector["nvidia.com/gpu.product"] = view.gpu_product
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "activeDeadlineSeconds": ACTIVE_DEADLINE_SECONDS,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "initContainers": models.fetch_init_containers(view, view.planner_image, "*.json,*.safetensors"),
+        "containers": [{
+            "name": "planner",
+            "image": view.planner_image,
+            "imagePullPolicy": view.image_pull_policy,
+            "command": ["specdecode-worker"],
+            "args": planner_args(view),
+            "resources": resources,
+            "volumeMounts": [models.mount()],
+            # The plan goes to the termination log; on a crash the log tail explains it instead.
+            "terminationMessagePath": TERMINATION_LOG,
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+            "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
+        }],
+        "volumes": models.volumes(view),
+    }
+    if not spec["initContainers"]:
+        del spec["initContainers"]
+    if node_selector:
+        spec["nodeSelector"] = node_selector
+    for k in ("tolerations", "affinity", "imagePullSecrets"):
+        if view.pod.get(k):
+            spec[k] = view.pod[k]
+    if view.planner_request_gpu:
+        spec.setdefault("tolerations", []).append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": planner_pod_name(view, key),
+            "namespace": view.namespace,
+            "labels": meta_labels,
+            "ownerReferences": [owner],
+        },
+        "spec": spec,
+    }
+
+
+@dataclass(frozen=True)
+class PlannerOutcome:
+    """What a planner pod says. ``state``: pending, running, fits, misfit or failed."""
+
+    state: str
+    plan: dict[str, Any] | None = None
+    message: str = ""
+    exit_code: int | None = None
+    finished_at: str | None = None
+
+
+def read_outcome(pod: dict[str, Any], validate) -> PlannerOutcome:
+    """Interpret a planner pod. ``validate`` checks a parsed plan (raises ValueError)."""
+    status = pod.get("status") or {}
+    phase = status.get("phase", "Pending")
+    terminated = None
+    for cs in status.get("containerStatuses") or []:
+        if cs.get("name") == "planner":
+            terminated = (cs.get("state") or {}).get("terminated")
+    if terminated is None:
+        if phase == "Failed":  # e.g. DeadlineExceeded or evicted before the container ran
+            return PlannerOutcome("failed", message=f"planner pod failed: {status.get('reason', '')} "
+                                  f"{status.get('message', '')}".strip())
+        if phase in ("Pending", "Running", "Unknown", "Succeeded"):
+            return PlannerOutcome("pending" if phase == "Pending" else "running",
+                                  message=_pending_message(status))
+    code = terminated.get("exitCode")
+    message = (terminated.get("message") or "").strip()
+    finished = terminated.get("finishedAt")
+    if code in (EXIT_FITS, EXIT_MISFIT):
+        try:
+            plan = validate(json.loads(message))
+        except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
+            return PlannerOutcome("failed", message=f"planner exited {code} but its termination message is not a "
+                                  f"valid MemoryPlan: {exc}", exit_code=code, finished_at=finished)
+        if code == EXIT_FITS and not plan.get("fits"):
+            return PlannerOutcome("failed", message="planner exited 0 with a plan that says it does not fit",
+                                  exit_code=code, finished_at=finished)
+        return PlannerOutcome("fits" if code == EXIT_FITS else "misfit", plan=plan, message=plan.get("message", ""),
+                              exit_code=code, finished_at=finished)
+    reason = terminated.get("reason") or "Error"
+    what = "bad input" if code == EXIT_BAD_INPUT else f"exit code {code} ({reason})"
+    return PlannerOutcome("failed", message=f"planner failed, {what}: {message or 'no message'}"[:4000],
+                          exit_code=code, finished_at=finished)
+
+
+def _pending_message(status: dict[str, Any]) -> str:
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return f"planner pod not scheduled: {cond.get('message', cond.get('reason', ''))}"
+    for cs in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
+        waiting = (cs.get("state") or {}).get("waiting")
+        if waiting and waiting.get("reason") not in (None, "ContainerCreating", "PodInitializing"):
+            return f"planner container {cs.get('name')} waiting: {waiting.get('reason')} {waiting.get('message', '')}".strip()
+    return "planner pod is running"
+
+
+def retry_delay(attempts: int) -> float:
+    """Backoff after ``attempts`` failed runs: 10 s doubling to 5 min."""
+    return float(min(10 * 2 ** max(attempts - 1, 0), 300))

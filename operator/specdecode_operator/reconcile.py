@@ -1,0 +1,261 @@
+"""One level-based reconcile of a SpecDecodeDeployment: plan if the plan key changed, apply the
+children, and write a status that follows them.
+
+Every step is idempotent and reads the cluster rather than remembering, so a restarted operator
+(or two triggers racing) converges to the same children and the same status.
+"""
+
+from __future__ import annotations
+
+import calendar
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from . import conditions as c
+from . import labels, observe, planner, workload
+from .kube import ApiError, Kube, now_iso, path, sdd_path
+from .plan_result import validate_plan
+from .spec import DEFAULT_WORKER_IMAGE, SpecView, parse_spec, plan_key, planner_pod_name
+
+log = logging.getLogger(__name__)
+GIB = 1 << 30
+# Status refresh while waiting on something no watch event reports (a planner backoff).
+POLL_SECONDS = 30.0
+NODE_CACHE_SECONDS = 20.0
+
+
+@dataclass
+class Result:
+    requeue_after: float | None = None
+    status: dict[str, Any] | None = None
+    gone: bool = False
+
+
+@dataclass
+class Options:
+    default_image: str = DEFAULT_WORKER_IMAGE
+    check_nodes: bool = True
+
+
+_locks: dict[tuple[str, str], threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _lock(namespace: str, name: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault((namespace, name), threading.Lock())
+
+
+def _epoch(ts: str | None) -> float | None:
+    if not ts:
+        return None
+    try:
+        return float(calendar.timegm(time.strptime(ts[:19], "%Y-%m-%dT%H:%M:%S")))
+    except ValueError:
+        return None
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, options: Options | None = None, clock: Callable[[], float] = time.time):
+        self.kube = kube
+        self.options = options or Options()
+        self.clock = clock
+        self._nodes_forbidden = False
+        self._nodes: tuple[float, list[dict[str, Any]]] | None = None
+
+    # --- entry point ----------------------------------------------------------------------------
+
+    def reconcile(self, namespace: str, name: str) -> Result:
+        """Reconcile the current object; retried on a status write conflict."""
+        with _lock(namespace, name):
+            for _ in range(5):
+                sdd = self.kube.get(sdd_path(namespace, name))
+                if sdd is None or (sdd.get("metadata") or {}).get("deletionTimestamp"):
+                    return Result(gone=True)  # deleted: garbage collection removes the children
+                try:
+                    return self._reconcile(sdd)
+                except ApiError as exc:
+                    if exc.status != 409:
+                        raise
+                    log.debug("status conflict on %s/%s, retrying", namespace, name)
+            return Result(requeue_after=1.0)
+
+    def _reconcile(self, sdd: dict[str, Any]) -> Result:
+        view = parse_spec(sdd, self.options.default_image)
+        key = plan_key(view)
+        meta = sdd["metadata"]
+        generation = int(meta.get("generation", 1))
+        old_status = dict(sdd.get("status") or {})
+        status = dict(old_status)
+        verdicts: dict[str, c.Verdict] = {}
+        owner = labels.owner_reference(sdd)
+        requeue: float | None = None
+
+        current = status.get("plan") or {}
+        plan = current if current.get("key") == key else None
+        if plan is None:
+            plan, requeue = self._plan(view, key, owner, status, verdicts)
+        else:
+            verdicts[c.PLANNED] = _planned_verdict(plan)
+
+        if plan is not None and plan.get("fits"):
+            self._cleanup_planners(view, key)
+            tp = int(plan["tensorParallelSize"])
+            status["gpusPerReplica"] = tp
+            for child in workload.render_children(view, _plan_body(plan), key, owner):
+                self.kube.apply(child)
+            obs = self._observe(view, key, tp)
+            verdicts.update(obs.verdicts)
+            status.update(replicas=obs.replicas, readyReplicas=obs.ready_replicas,
+                          updatedReplicas=obs.updated_replicas)
+        elif plan is not None:  # does not fit: no workload for this plan; report the old one's pods
+            self._cleanup_planners(view, key)
+            status.update(self._counts(view))
+        else:
+            status.update(self._counts(view))
+
+        now = now_iso()
+        conds = c.apply_verdicts(list(old_status.get("conditions") or []), verdicts, generation, now)
+        status["conditions"] = conds
+        status["observedGeneration"] = generation
+        status["selector"] = labels.selector_string(view.name)
+        status.setdefault("replicas", 0)
+        status.setdefault("readyReplicas", 0)
+        status["phase"] = c.phase(conds, status.get("readyReplicas", 0), view.replicas)
+        if status != old_status:
+            self.kube.write_status(sdd, status)
+            for t in c.transitions(list(old_status.get("conditions") or []), conds):
+                self.kube.event(sdd, t.reason, f"{t.ctype}={t.status}: {t.message}", t.warning)
+        if requeue is None and status["phase"] in ("Planning", "Deploying"):
+            requeue = POLL_SECONDS
+        return Result(requeue_after=requeue, status=status)
+
+    # --- planning -------------------------------------------------------------------------------
+
+    def _plan(self, view: SpecView, key: str, owner: dict[str, Any], status: dict[str, Any],
+              verdicts: dict[str, c.Verdict]) -> tuple[dict[str, Any] | None, float | None]:
+        """Drive the planner pod one step. Returns (plan or None, requeue delay)."""
+        name = planner_pod_name(view, key)
+        pod_path = path("v1", "Pod", view.namespace, name)
+        tracker = status.get("planner") or {}
+        if tracker.get("key") != key:
+            tracker = {"key": key, "attempts": 0}
+        tracker["pod"] = name
+        status["planner"] = tracker
+        pod = self.kube.get(pod_path)
+        if pod is None:
+            pod = self._create_planner(view, key, owner, pod_path)
+            verdicts[c.PLANNED] = c.Verdict("Unknown", c.PLANNING, f"planner pod {name} started")
+            return None, POLL_SECONDS
+        outcome = planner.read_outcome(pod, validate_plan)
+        if outcome.state in ("pending", "running"):
+            verdicts[c.PLANNED] = c.Verdict("Unknown", c.PLANNING, f"{name}: {outcome.message}")
+            return None, POLL_SECONDS
+        if outcome.state in ("fits", "misfit"):
+            plan = dict(outcome.plan or {})
+            plan.pop("apiVersion", None)
+            plan.pop("kind", None)
+            plan["key"] = key
+            plan["plannerPod"] = name
+            status["plan"] = plan
+            tracker["attempts"] = 0
+            tracker.pop("failedPodUID", None)
+            verdicts[c.PLANNED] = _planned_verdict(plan)
+            return plan, None
+        # failed: count each failed pod once (by uid), back off, then run it again
+        uid = (pod.get("metadata") or {}).get("uid")
+        if tracker.get("failedPodUID") != uid:
+            tracker["attempts"] = int(tracker.get("attempts", 0)) + 1
+            tracker["failedPodUID"] = uid
+        attempts = tracker["attempts"]
+        delay = planner.retry_delay(attempts)
+        finished = _epoch(outcome.finished_at) or _epoch((pod.get("metadata") or {}).get("creationTimestamp"))
+        wait = (finished or self.clock()) + delay - self.clock()
+        if wait <= 0:
+            self.kube.delete(pod_path)
+            try:
+                self._create_planner(view, key, owner, pod_path)
+            except ApiError as exc:
+                if exc.status != 409:  # the old pod is still terminating: next time
+                    raise
+            wait = POLL_SECONDS
+            message = f"{outcome.message} (attempt {attempts} failed; planner pod restarted)"
+        else:
+            message = f"{outcome.message} (attempt {attempts} failed; retrying in {int(wait + 0.999)}s)"
+        verdicts[c.PLANNED] = c.Verdict("False", c.PLANNER_FAILED, message)
+        return None, max(wait, 1.0)
+
+    def _create_planner(self, view: SpecView, key: str, owner: dict[str, Any], pod_path: str) -> dict[str, Any]:
+        body = planner.render_planner_pod(view, key, owner)
+        try:
+            return self.kube.create(path("v1", "Pod", view.namespace), body)
+        except ApiError as exc:
+            if exc.status == 409:  # created by an earlier run of this reconcile
+                return self.kube.get(pod_path) or body
+            raise
+
+    def _cleanup_planners(self, view: SpecView, key: str) -> None:
+        """Planner pods of earlier plan keys; the current one stays for `kubectl logs`."""
+        pods = self.kube.list(path("v1", "Pod", view.namespace),
+                              f"{labels.NAME}={view.name},{labels.ROLE}={labels.ROLE_PLANNER}")
+        for pod in pods:
+            meta = pod.get("metadata") or {}
+            if (meta.get("labels") or {}).get(labels.PLAN_KEY) != key:
+                self.kube.delete(path("v1", "Pod", view.namespace, meta["name"]))
+
+    # --- workers --------------------------------------------------------------------------------
+
+    def _worker_pods(self, view: SpecView) -> list[dict[str, Any]]:
+        return self.kube.list(path("v1", "Pod", view.namespace), labels.selector_string(view.name))
+
+    def _counts(self, view: SpecView) -> dict[str, int]:
+        dep = self.kube.get(path("apps/v1", "Deployment", view.namespace, view.name))
+        st = (dep or {}).get("status") or {}
+        return {"replicas": int(st.get("replicas", 0) or 0), "readyReplicas": int(st.get("readyReplicas", 0) or 0),
+                "updatedReplicas": int(st.get("updatedReplicas", 0) or 0)}
+
+    def _observe(self, view: SpecView, key: str, tp: int) -> observe.Observation:
+        dep = self.kube.get(path("apps/v1", "Deployment", view.namespace, view.name))
+        pods = self._worker_pods(view)
+        template_key = ((((dep or {}).get("spec") or {}).get("template") or {}).get("metadata") or {}) \
+            .get("annotations", {}).get(labels.PLAN_KEY)
+        capacity = observe.capacity_verdict(tp, view.gpu_max_per_replica, self._node_gpus(view), view.gpu_product)
+        return observe.observe(view.replicas, template_key == key, dep, pods, capacity)
+
+    def _node_gpus(self, view: SpecView) -> int | None:
+        if not self.options.check_nodes or self._nodes_forbidden:
+            return None
+        try:
+            nodes = self._list_nodes()
+        except ApiError as exc:
+            if exc.status == 403:  # namespaced install without node access: the scheduler reports instead
+                log.info("nodes are not readable; PlanExceedsNodeGPUs is left to the scheduler's messages")
+                self._nodes_forbidden = True
+                return None
+            raise
+        return observe.max_node_gpus(nodes, view.gpu_product)
+
+    def _list_nodes(self) -> list[dict[str, Any]]:
+        """Nodes change rarely; one list serves every SDD for a while."""
+        now = self.clock()
+        if self._nodes is None or now - self._nodes[0] > NODE_CACHE_SECONDS:
+            self._nodes = (now, self.kube.list("/api/v1/nodes"))
+        return self._nodes[1]
+
+
+def _plan_body(plan: dict[str, Any]) -> dict[str, Any]:
+    """The MemoryPlan as the planner wrote it (what the worker's --plan reads)."""
+    body = {k: v for k, v in plan.items() if k not in ("key", "plannerPod")}
+    return {"apiVersion": "specdecode.io/v1alpha1", "kind": "MemoryPlan", **body}
+
+
+def _planned_verdict(plan: dict[str, Any]) -> c.Verdict:
+    if plan.get("fits"):
+        return c.Verdict("True", c.PLAN_READY, plan.get("message", "plan ready"))
+    short = plan.get("shortfallBytes", 0)
+    return c.Verdict("False", c.INSUFFICIENT_GPU_MEMORY,
+                     f"{plan.get('message', 'the models do not fit')} (short by {short / GIB:.2f} GiB "
+                     f"= {short} bytes per GPU)")

@@ -1,0 +1,180 @@
+"""A typed, defaulted view of a SpecDecodeDeployment spec, and the plan key.
+
+The API server applies the CRD's defaults, but the operator must also cope with objects written
+before a default existed, so every default lives here too (and a unit test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+GROUP = "specdecode.io"
+VERSION = "v1alpha1"
+PLURAL = "specdecodedeployments"
+KIND = "SpecDecodeDeployment"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+MODELS_MOUNT = "/models"
+DEFAULT_WORKER_IMAGE = "ghcr.io/specdecode/worker:0.1.0"
+ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "MTP", "NGRAM")
+NGRAM_DEFAULT_DRAFT_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    model: str
+    revision: str | None = None
+
+
+@dataclass(frozen=True)
+class Serving:
+    context_length: int = 8192
+    max_running_requests: int = 64
+    min_kv_tokens: int | None = None
+    kv_cache_dtype: str = "auto"
+    mem_fraction_static: float | None = None
+    cuda_graph_max_batch_size: int | None = None
+    chunked_prefill_size: int | None = None
+
+
+@dataclass(frozen=True)
+class SpecView:
+    """The spec with defaults applied, in the operator's terms."""
+
+    name: str
+    namespace: str
+    replicas: int
+    target: ModelRef
+    target_dtype: str
+    algorithm: str
+    draft: ModelRef | None
+    num_steps: int
+    top_k: int
+    num_draft_tokens: int
+    serving: Serving
+    gpu_product: str | None
+    gpu_memory_gib: float | None
+    gpu_max_per_replica: int | None
+    pvc_claim: str | None
+    hub: dict[str, Any] | None
+    image: str
+    image_pull_policy: str
+    cpu: str | None
+    memory: str | None
+    pod: dict[str, Any] = field(default_factory=dict)
+    planner_image: str = ""
+    planner_request_gpu: bool = False
+    planner_resources: dict[str, Any] = field(default_factory=dict)
+
+    def model_path(self, ref: ModelRef) -> str:
+        """Where a model's files are inside a pod (the store is mounted at /models)."""
+        return f"{MODELS_MOUNT}/{ref.model.strip('/')}"
+
+    @property
+    def draft_dir(self) -> str | None:
+        """The planner's and worker's --draft directory: MTP defaults to the target's checkpoint."""
+        if self.algorithm == "NGRAM":
+            return None
+        if self.draft is None:
+            return self.model_path(self.target) if self.algorithm == "MTP" else None
+        return self.model_path(self.draft)
+
+
+def _quantity(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def parse_spec(body: dict[str, Any], default_image: str = DEFAULT_WORKER_IMAGE) -> SpecView:
+    """Build the view from a full SDD object (``metadata`` and ``spec``)."""
+    meta = body.get("metadata") or {}
+    spec = body.get("spec") or {}
+    target = spec.get("target") or {}
+    draft = spec.get("draft") or {}
+    serving = spec.get("serving") or {}
+    gpu = spec.get("gpu") or {}
+    store = spec.get("modelStore") or {}
+    planner = spec.get("planner") or {}
+    resources = spec.get("resources") or {}
+
+    algorithm = draft.get("algorithm", "")
+    num_steps = int(draft.get("numSteps", 3))
+    top_k = int(draft.get("topK", 1))
+    if draft.get("numDraftTokens") is not None:
+        num_draft_tokens = int(draft["numDraftTokens"])
+    elif algorithm == "NGRAM":
+        num_draft_tokens = NGRAM_DEFAULT_DRAFT_TOKENS
+    else:
+        num_draft_tokens = num_steps + 1
+    image = spec.get("image") or default_image
+    return SpecView(
+        name=meta.get("name", ""),
+        namespace=meta.get("namespace", "default"),
+        replicas=int(spec.get("replicas", 1)),
+        target=ModelRef(target.get("model", ""), target.get("revision")),
+        target_dtype=target.get("dtype", "auto"),
+        algorithm=algorithm,
+        draft=ModelRef(draft["model"], draft.get("revision")) if draft.get("model") else None,
+        num_steps=num_steps,
+        top_k=top_k,
+        num_draft_tokens=num_draft_tokens,
+        serving=Serving(
+            context_length=int(serving.get("contextLength", 8192)),
+            max_running_requests=int(serving.get("maxRunningRequests", 64)),
+            min_kv_tokens=serving.get("minKVTokens"),
+            kv_cache_dtype=serving.get("kvCacheDtype", "auto"),
+            mem_fraction_static=serving.get("memFractionStatic"),
+            cuda_graph_max_batch_size=serving.get("cudaGraphMaxBatchSize"),
+            chunked_prefill_size=serving.get("chunkedPrefillSize"),
+        ),
+        gpu_product=gpu.get("product"),
+        gpu_memory_gib=gpu.get("memoryGiB"),
+        gpu_max_per_replica=gpu.get("maxPerReplica"),
+        pvc_claim=(store.get("pvc") or {}).get("claimName"),
+        hub=store.get("hub"),
+        image=image,
+        image_pull_policy=spec.get("imagePullPolicy", "IfNotPresent"),
+        cpu=_quantity(resources.get("cpu")),
+        memory=_quantity(resources.get("memory")),
+        pod=dict(spec.get("pod") or {}),
+        planner_image=planner.get("image") or image,
+        planner_request_gpu=bool(planner.get("requestGPU", False)),
+        planner_resources=dict(planner.get("resources") or {}),
+    )
+
+
+def planner_inputs(view: SpecView) -> dict[str, Any]:
+    """Everything the plan depends on: models and revisions, dtypes, algorithm, serving limits,
+    GPU memory source and the planner image. Replicas, pod overrides and host resources are not
+    here, so changing them never re-plans."""
+    return {
+        "target": asdict(view.target),
+        "targetDtype": view.target_dtype,
+        "algorithm": view.algorithm,
+        "draft": asdict(view.draft) if view.draft else None,
+        "serving": asdict(view.serving),
+        "gpu": {
+            "product": view.gpu_product,
+            "memoryGiB": view.gpu_memory_gib,
+            "measured": view.planner_request_gpu,
+        },
+        "store": {"pvc": view.pvc_claim, "hub": (view.hub or {}).get("endpoint") if view.hub else None},
+        "plannerImage": view.planner_image,
+    }
+
+
+def plan_key(view: SpecView) -> str:
+    """A stable hash of ``planner_inputs``: a new plan is made only when it changes."""
+    canonical = json.dumps(planner_inputs(view), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def planner_pod_name(view: SpecView, key: str) -> str:
+    """Deterministic, so a restarted operator finds the pod it already created."""
+    return f"{_truncate(view.name, 253 - 14)}-plan-{key[:8]}"
+
+
+def _truncate(name: str, limit: int) -> str:
+    return name if len(name) <= limit else name[:limit].rstrip("-.")

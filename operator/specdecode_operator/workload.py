@@ -1,0 +1,188 @@
+"""The worker children rendered from (spec, plan): ConfigMap with the plan, Deployment, Service.
+
+Pure functions: the operator applies what they return with server-side apply. Everything the
+worker must honour is pinned from the plan (tensor parallelism, memory fraction, KV token count),
+so a worker never re-derives a budget the planner already fixed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from . import labels, models
+from .spec import SpecView
+
+HTTP_PORT = 8000
+PLAN_DIR = "/etc/specdecode"
+PLAN_FILE = "plan.json"
+GIB = 1 << 30
+MIB = 1 << 20
+# Host memory beyond the weights: Python, tokenizer, pinned buffers.
+HOST_MEMORY_HEADROOM = 2 * GIB
+# Slowest weight loading we plan the startup probe for (network volumes), and a fixed allowance
+# for CUDA graphs and backend initialisation.
+LOAD_BYTES_PER_SECOND = 200 * MIB
+STARTUP_FIXED_SECONDS = 300
+STARTUP_PERIOD_SECONDS = 10
+SHM_SIZE = "16Gi"
+
+
+def configmap_name(view: SpecView) -> str:
+    return f"{view.name}-plan"
+
+
+def render_configmap(view: SpecView, plan: dict[str, Any], key: str, owner: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": configmap_name(view),
+            "namespace": view.namespace,
+            "labels": labels.common(view.name, labels.ROLE_WORKER) | {labels.PLAN_KEY: key},
+            "ownerReferences": [owner],
+        },
+        "data": {PLAN_FILE: json.dumps(plan, separators=(",", ":"))},
+    }
+
+
+def worker_args(view: SpecView, plan: dict[str, Any]) -> list[str]:
+    """``specdecode-worker serve`` arguments: the plan's numbers, pinned."""
+    s = view.serving
+    reserve = plan.get("reserve") or {}
+    args = ["serve", "--target", view.model_path(view.target)]
+    if view.draft_dir:
+        args += ["--draft", view.draft_dir]
+    args += [
+        "--algorithm", view.algorithm,
+        "--plan", f"{PLAN_DIR}/{PLAN_FILE}",
+        "--device", "cuda",
+        "--host", "0.0.0.0",
+        "--port", str(HTTP_PORT),
+        "--tp", str(plan["tensorParallelSize"]),
+        "--mem-fraction-static", repr(float(plan["memFractionStatic"])),
+        "--max-total-tokens", str(plan["kvCache"]["maxTotalNumTokens"]),
+        "--context-length", str(s.context_length),
+        "--kv-cache-dtype", s.kv_cache_dtype,
+        "--max-running-requests", str(reserve.get("maxRunningRequests", s.max_running_requests)),
+    ]
+    graph_bs = reserve.get("cudaGraphMaxBs", s.cuda_graph_max_batch_size)
+    if graph_bs is not None:
+        args += ["--cuda-graph-max-bs", str(graph_bs)]
+    chunk = reserve.get("chunkedPrefillSize", s.chunked_prefill_size)
+    if chunk is not None:
+        args += ["--chunked-prefill-size", str(chunk)]
+    if view.algorithm != "NGRAM":
+        args += ["--speculative-num-steps", str(view.num_steps), "--speculative-eagle-topk", str(view.top_k)]
+    args += ["--speculative-num-draft-tokens", str(view.num_draft_tokens)]
+    return args
+
+
+def host_memory_request(view: SpecView, plan: dict[str, Any]) -> str:
+    """The user's value, else every rank's weights plus headroom (weights pass through host memory)."""
+    if view.memory:
+        return view.memory
+    w = plan.get("weights") or {}
+    total = (w.get("targetBytes", 0) + w.get("draftBytes", 0)) * plan["tensorParallelSize"] + HOST_MEMORY_HEADROOM
+    return f"{math.ceil(total / GIB)}Gi"
+
+
+def startup_failure_threshold(plan: dict[str, Any]) -> int:
+    """Probe attempts covering loading every weight at the slowest expected rate, plus init."""
+    w = plan.get("weights") or {}
+    total = (w.get("targetBytes", 0) + w.get("draftBytes", 0)) * plan["tensorParallelSize"]
+    seconds = STARTUP_FIXED_SECONDS + total / LOAD_BYTES_PER_SECOND
+    return max(30, math.ceil(seconds / STARTUP_PERIOD_SECONDS))
+
+
+def render_deployment(view: SpecView, plan: dict[str, Any], key: str, owner: dict[str, Any]) -> dict[str, Any]:
+    tp = int(plan["tensorParallelSize"])
+    pod_labels = dict(view.pod.get("labels") or {}) | labels.common(view.name, labels.ROLE_WORKER)
+    annotations = dict(view.pod.get("annotations") or {}) | {labels.PLAN_KEY: key}
+    requests: dict[str, Any] = {"cpu": view.cpu or "2", "memory": host_memory_request(view, plan)}
+    volumes = models.volumes(view) + [{"name": "plan", "configMap": {"name": configmap_name(view)}}]
+    mounts = [models.mount(), {"name": "plan", "mountPath": PLAN_DIR, "readOnly": True}]
+    if tp > 1:  # NCCL's shared-memory transport between ranks
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    probe = {"httpGet": {"path": "/health", "port": "http"}}
+    container = {
+        "name": "worker",
+        "image": view.image,
+        "imagePullPolicy": view.image_pull_policy,
+        "command": ["specdecode-worker"],
+        "args": worker_args(view, plan),
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "resources": {"requests": requests, "limits": {"nvidia.com/gpu": tp}},
+        "volumeMounts": mounts,
+        "startupProbe": probe | {"periodSeconds": STARTUP_PERIOD_SECONDS,
+                                 "failureThreshold": startup_failure_threshold(plan), "timeoutSeconds": 5},
+        "readinessProbe": probe | {"periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 5},
+        "livenessProbe": probe | {"periodSeconds": 20, "failureThreshold": 3, "timeoutSeconds": 10},
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        + list(view.pod.get("tolerations") or []),
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+    }
+    init = models.fetch_init_containers(view, view.image)
+    if init:
+        pod_spec["initContainers"] = init
+    node_selector = dict(view.pod.get("nodeSelector") or {})
+    if view.gpu_product:
+        node_selector["nvidia.com/gpu.product"] = view.gpu_product
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    for k in ("affinity", "imagePullSecrets", "serviceAccountName"):
+        if view.pod.get(k):
+            pod_spec[k] = view.pod[k]
+    startup_budget = startup_failure_threshold(plan) * STARTUP_PERIOD_SECONDS
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": view.name,
+            "namespace": view.namespace,
+            "labels": labels.common(view.name, labels.ROLE_WORKER),
+            "annotations": {labels.PLAN_KEY: key},
+            "ownerReferences": [owner],
+        },
+        "spec": {
+            "replicas": view.replicas,
+            "selector": {"matchLabels": labels.selector(view.name)},
+            "revisionHistoryLimit": 3,
+            # Progress is judged only after the slowest weight load had its chance.
+            "progressDeadlineSeconds": startup_budget + 300,
+            "template": {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": pod_spec},
+        },
+    }
+
+
+def render_service(view: SpecView, owner: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": view.name,
+            "namespace": view.namespace,
+            "labels": labels.common(view.name, labels.ROLE_WORKER),
+            "ownerReferences": [owner],
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "selector": labels.selector(view.name),
+            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def render_children(view: SpecView, plan: dict[str, Any], key: str, owner: dict[str, Any]) -> list[dict[str, Any]]:
+    """In apply order: the plan ConfigMap before the Deployment that mounts it."""
+    return [render_configmap(view, plan, key, owner), render_deployment(view, plan, key, owner),
+            render_service(view, owner)]
