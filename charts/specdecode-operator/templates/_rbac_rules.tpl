@@ -1,35 +1,38 @@
 {{/*
-Exactly what the operator does, derived from operator/specdecode_operator/.
+Exactly the API calls of operator/specdecode_operator/ (kube.py, reconcile.py, handlers.py) and of
+kopf as it is configured there (annotation progress storage, no finalizer, posting disabled).
 Namespaced rules apply in the watched namespaces (Role) or everywhere (ClusterRole).
 */}}
 {{- define "specdecode-operator.namespacedRules" -}}
-# The SpecDecodeDeployments: watched by kopf, patched for its finalizer and progress annotations.
+# kopf lists and watches SDDs and patches its progress annotations; the reconciler reads each one.
 - apiGroups: ["specdecode.io"]
   resources: ["specdecodedeployments"]
   verbs: ["get", "list", "watch", "patch"]
-# Status (phase, conditions, plan) is written through the status subresource.
+# Status is replaced (PUT) with the resourceVersion read, so a concurrent write is never clobbered.
 - apiGroups: ["specdecode.io"]
   resources: ["specdecodedeployments/status"]
-  verbs: ["get", "patch"]
-# Planner pods are created, read for their termination message and cleaned up; worker pods are
-# read to explain why a replica is not ready.
+  verbs: ["update"]
+# Planner pods: created, read for their termination message, old ones deleted. Worker pods:
+# listed to tell crash loops, OOM kills and unschedulable pods apart. kopf watches both.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete"]
-# Children applied with server-side apply (patch) and owned by the SDD.
-- apiGroups: [""]
-  resources: ["configmaps", "services"]
-  verbs: ["get", "list", "watch", "patch"]
+# The workload Deployment: server-side applied (patch; create when it does not exist yet), read
+# for its rollout state and watched by kopf.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "patch"]
-# Events on every transition (kopf posts core/v1 events).
+  verbs: ["get", "list", "watch", "create", "patch"]
+# The plan ConfigMap and the Service: server-side applied only.
+- apiGroups: [""]
+  resources: ["configmaps", "services"]
+  verbs: ["create", "patch"]
+# One Event per condition transition.
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
 {{- end -}}
 
-{{/* Cluster-wide only: kopf discovers the CRD and follows its changes. */}}
+{{/* Cluster scope only: kopf follows CRD changes (without it, it logs a warning and rescans only on restart). */}}
 {{- define "specdecode-operator.clusterRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
@@ -39,9 +42,9 @@ Namespaced rules apply in the watched namespaces (Role) or everywhere (ClusterRo
 {{- end }}
 {{- end -}}
 
-{{/* Node GPU capacity, to report PlanExceedsNodeGPUs. */}}
+{{/* Node GPU capacity, to report PlanExceedsNodeGPUs before pods sit Pending. */}}
 {{- define "specdecode-operator.nodeRules" -}}
 - apiGroups: [""]
   resources: ["nodes"]
-  verbs: ["get", "list"]
+  verbs: ["list"]
 {{- end -}}
