@@ -20,9 +20,8 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from .errors import InputError
 
@@ -83,9 +82,8 @@ def _layer_index(name: str) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor of a checkpoint: its name, dtype, shape and stored size."""
+class TensorInfo(NamedTuple):
+    """One tensor of a checkpoint: its name, dtype, shape and stored size (a tuple: cheap in bulk)."""
 
     name: str
     dtype: str
@@ -141,25 +139,48 @@ def read_header(path: str | Path) -> list[TensorInfo]:
     return tensors
 
 
+class _Where:
+    """``file: tensor 'name'`` for error messages, formatted only when an error is raised."""
+
+    __slots__ = ("path", "name")
+
+    def __init__(self, path: Path, name: str):
+        self.path, self.name = path, name
+
+    def __format__(self, spec: str) -> str:
+        return f"{self.path}: tensor '{self.name}'"
+
+
 def _tensor(path: Path, name: str, meta: object, data_bytes: int) -> TensorInfo:
-    where = f"{path}: tensor '{name}'"
-    if not isinstance(meta, dict):
+    where = _Where(path, name)
+    if type(meta) is not dict:
         raise InputError(f"{where}: corrupt header entry, expected an object")
     dtype = meta.get("dtype")
-    if dtype not in DTYPE_BITS:
+    bits = DTYPE_BITS.get(dtype) if isinstance(dtype, str) else None
+    if bits is None:
         raise InputError(f"{where}: field 'dtype' has unknown value {dtype!r}; known: {', '.join(DTYPE_BITS)}")
     shape = meta.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+    numel = 1
+    if type(shape) is not list:
+        numel = -1
+    else:
+        for d in shape:
+            if type(d) is not int or d < 0:
+                numel = -1
+                break
+            numel *= d
+    if numel < 0:
         raise InputError(f"{where}: field 'shape' must be a list of non-negative integers, got {shape!r}")
     offsets = meta.get("data_offsets")
     if (
-        not isinstance(offsets, list)
+        type(offsets) is not list
         or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or type(offsets[0]) is not int
+        or type(offsets[1]) is not int
         or not 0 <= offsets[0] <= offsets[1]
     ):
         raise InputError(f"{where}: field 'data_offsets' must be [begin, end] with 0 <= begin <= end, got {offsets!r}")
-    nbytes = math.ceil(math.prod(shape) * DTYPE_BITS[dtype] / 8)
+    nbytes = (numel * bits + 7) // 8
     if offsets[1] - offsets[0] != nbytes:
         raise InputError(
             f"{where}: field 'data_offsets' spans {offsets[1] - offsets[0]} bytes but "
@@ -170,8 +191,7 @@ def _tensor(path: Path, name: str, meta: object, data_bytes: int) -> TensorInfo:
             f"{where}: data ends at byte {offsets[1]} but the file holds {data_bytes} data bytes; "
             "the file is truncated (re-download it)"
         )
-    return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), nbytes=nbytes, file=path.name,
-                      layer=_layer_index(name), parallel=_classify(name, len(shape)))
+    return TensorInfo(name, dtype, tuple(shape), nbytes, path.name, _layer_index(name), _classify(name, len(shape)))
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:

@@ -9,6 +9,7 @@ where Kubernetes picks up a container's termination message.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import traceback
@@ -190,12 +191,10 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
 
     kv_t_bytes = _kv_bytes(target, args.kv_cache_dtype)
 
+    @functools.lru_cache(maxsize=None)
     def candidate(tp: int) -> Candidate:
-        if algorithm == "NGRAM":
-            draft_cell = 0
-        elif algorithm == "MTP":
-            draft_cell = draft.kv_bytes_per_token(tp, _kv_bytes(draft, args.kv_cache_dtype), draft_layers)
-        else:
+        draft_cell = 0
+        if draft is not None:  # MTP's draft is the target's own geometry over its NextN layers
             draft_cell = draft.kv_bytes_per_token(tp, _kv_bytes(draft, args.kv_cache_dtype), draft_layers)
         return Candidate(
             tp=tp,
