@@ -136,8 +136,13 @@ def read_outcome(pod: dict[str, Any], validate) -> PlannerOutcome:
     finished = terminated.get("finishedAt")
     if code in (EXIT_FITS, EXIT_MISFIT):
         try:
-            plan = validate(json.loads(message))
+            parsed = json.loads(message)
+            plan = validate(parsed)
         except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
+            if code == EXIT_MISFIT and _explains_misfit(locals().get("parsed")):
+                # A misfit plan's numbers may be out of range (a negative fraction); its verdict stands.
+                return PlannerOutcome("misfit", plan=parsed, message=parsed["message"], exit_code=code,
+                                      finished_at=finished)
             return PlannerOutcome("failed", message=f"planner exited {code} but its termination message is not a "
                                   f"valid MemoryPlan: {exc}", exit_code=code, finished_at=finished)
         if code == EXIT_FITS and not plan.get("fits"):
@@ -149,6 +154,12 @@ def read_outcome(pod: dict[str, Any], validate) -> PlannerOutcome:
     what = "bad input" if code == EXIT_BAD_INPUT else f"exit code {code} ({reason})"
     return PlannerOutcome("failed", message=f"planner failed, {what}: {message or 'no message'}"[:4000],
                           exit_code=code, finished_at=finished)
+
+
+def _explains_misfit(obj: Any) -> bool:
+    return (isinstance(obj, dict) and obj.get("kind") == "MemoryPlan" and obj.get("fits") is False
+            and isinstance(obj.get("message"), str) and isinstance(obj.get("shortfallBytes"), int)
+            and isinstance(obj.get("tensorParallelSize"), int))
 
 
 def _pending_message(status: dict[str, Any]) -> str:

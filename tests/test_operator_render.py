@@ -1,0 +1,225 @@
+"""Planner pod and worker rendering: pure functions checked against the plan they came from."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdecode_operator import labels, planner, workload
+from specdecode_operator.spec import parse_spec, plan_key
+from specdecode_worker.plan import kv_token_capacity, validate_plan
+from tests.test_operator_spec import example
+
+GIB = 1 << 30
+OWNER = {"apiVersion": "specdecode.io/v1alpha1", "kind": "SpecDecodeDeployment", "name": "llama-8b-eagle3",
+         "uid": "u-1", "controller": True, "blockOwnerDeletion": True}
+
+
+def make_plan(tp=1, fits=True, target=16_060_522_496, draft=849_763_584, f=0.83, g=85_520_809_984):
+    """A MemoryPlan that satisfies the contract's identity (built with the planner's own formula)."""
+    t_cell, d_cell = 131_072 // tp, 4_096 // tp
+    tokens = kv_token_capacity(g, f, target // tp, draft // tp, GIB, t_cell, d_cell)
+    return validate_plan({
+        "apiVersion": "specdecode.io/v1alpha1", "kind": "MemoryPlan", "fits": fits, "algorithm": "EAGLE3",
+        "target": "t", "draft": "d", "tensorParallelSize": tp, "gpuMemoryBytes": g, "memFractionStatic": f,
+        "weights": {"targetBytes": target // tp, "draftBytes": draft // tp},
+        "kvCache": {"targetBytesPerToken": t_cell, "draftBytesPerToken": d_cell, "draftNumLayers": 1,
+                    "maxTotalNumTokens": tokens},
+        "reserve": {"runtimeBytes": GIB, "dynamicBytes": 2 * GIB, "chunkedPrefillSize": 8192,
+                    "cudaGraphMaxBs": 256, "maxRunningRequests": 64},
+        "shortfallBytes": 0 if fits else 5 * GIB, "minMemFractionStatic": 0.3,
+        "legacy": {"maxTotalNumTokens": tokens, "peakBytes": g}, "layerRatio": {"maxTotalNumTokens": tokens},
+        "message": "fits" if fits else "does not fit",
+    })
+
+
+def _flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+# --- planner pod ----------------------------------------------------------------------------------
+
+def test_planner_args_of_the_example():
+    view = parse_spec(example())
+    assert planner.planner_args(view) == [
+        "plan", "--target", "/models/meta-llama/Llama-3.1-8B-Instruct",
+        "--draft", "/models/yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "--algorithm", "EAGLE3", "--tp", "auto",
+        "--gpu-product", "NVIDIA-H100-80GB-HBM3", "--mem-fraction-static", "auto", "--kv-cache-dtype", "auto",
+        "--context-length", "8192", "--min-kv-tokens", "65536", "--max-running-requests", "64",
+        "--output", "json", "--termination-log", "/dev/termination-log",
+    ]
+
+
+def test_planner_args_overrides_and_ngram():
+    body = example("ngram.yaml")
+    body["spec"]["gpu"]["memoryGiB"] = 20
+    body["spec"]["serving"].update(memFractionStatic=0.85, cudaGraphMaxBatchSize=32, chunkedPrefillSize=4096)
+    args = planner.planner_args(parse_spec(body))
+    assert "--draft" not in args and "--gpu-product" not in args  # memory override wins; the CLI takes one
+    assert _flag(args, "--gpu-memory-gib") == "20" and _flag(args, "--mem-fraction-static") == "0.85"
+    assert _flag(args, "--cuda-graph-max-bs") == "32" and _flag(args, "--chunked-prefill-size") == "4096"
+    assert _flag(args, "--algorithm") == "NGRAM"
+
+
+def test_planner_pod_shape():
+    view = parse_spec(example())
+    key = plan_key(view)
+    pod = planner.render_planner_pod(view, key, OWNER)
+    assert pod["metadata"]["name"] == f"llama-8b-eagle3-plan-{key[:8]}"
+    assert pod["metadata"]["labels"][labels.ROLE] == "planner"
+    assert pod["metadata"]["labels"][labels.PLAN_KEY] == key
+    assert pod["metadata"]["ownerReferences"] == [OWNER]
+    spec = pod["spec"]
+    assert spec["restartPolicy"] == "Never"
+    c = spec["containers"][0]
+    assert c["command"] == ["specdecode-worker"] and c["args"][0] == "plan"
+    assert c["volumeMounts"] == [{"name": "models", "mountPath": "/models", "readOnly": True}]
+    assert spec["volumes"] == [{"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}]
+    assert "nvidia.com/gpu" not in c["resources"]["limits"]  # catalogue memory: no GPU spent on planning
+    assert "nodeSelector" not in spec
+
+
+def test_planner_pod_that_measures_on_a_gpu():
+    body = example()
+    body["spec"]["planner"] = {"requestGPU": True}
+    view = parse_spec(body)
+    pod = planner.render_planner_pod(view, plan_key(view), OWNER)
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert "--gpu-product" not in pod["spec"]["containers"][0]["args"]  # NVML measures instead
+
+
+def _terminated(code, message, reason=None):
+    return {"status": {"phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [{
+        "name": "planner", "state": {"terminated": {"exitCode": code, "message": message,
+                                                    "reason": reason or ("Completed" if code == 0 else "Error"),
+                                                    "finishedAt": "2026-01-01T00:00:00Z"}}}]}}
+
+
+def test_read_outcome_fits_misfit_and_failures():
+    plan = make_plan()
+    ok = planner.read_outcome(_terminated(0, json.dumps(plan)), validate_plan)
+    assert ok.state == "fits" and ok.plan == plan
+    misfit = make_plan(tp=8, fits=False)
+    out = planner.read_outcome(_terminated(3, json.dumps(misfit)), validate_plan)
+    assert out.state == "misfit" and out.plan["shortfallBytes"] == 5 * GIB
+    bad = planner.read_outcome(_terminated(2, "config.json: field 'hidden_size' must be a positive integer"),
+                               validate_plan)
+    assert bad.state == "failed" and "bad input" in bad.message and "hidden_size" in bad.message
+    crash = planner.read_outcome(_terminated(1, "Traceback ... RuntimeError: boom"), validate_plan)
+    assert crash.state == "failed" and "exit code 1" in crash.message and "boom" in crash.message
+    garbage = planner.read_outcome(_terminated(0, "{not json"), validate_plan)
+    assert garbage.state == "failed" and "not a valid MemoryPlan" in garbage.message
+    broken = dict(plan, kvCache=dict(plan["kvCache"], maxTotalNumTokens=plan["kvCache"]["maxTotalNumTokens"] + 50))
+    assert planner.read_outcome(_terminated(0, json.dumps(broken)), validate_plan).state == "failed"
+    lying = dict(plan, fits=False)
+    assert planner.read_outcome(_terminated(0, json.dumps(lying)), validate_plan).state == "failed"
+
+
+def test_read_outcome_while_pending_names_the_scheduler_reason():
+    pod = {"status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}}
+    out = planner.read_outcome(pod, validate_plan)
+    assert out.state == "pending" and "Insufficient nvidia.com/gpu" in out.message
+    assert planner.read_outcome({"status": {"phase": "Running"}}, validate_plan).state == "running"
+    deadline = planner.read_outcome({"status": {"phase": "Failed", "reason": "DeadlineExceeded"}}, validate_plan)
+    assert deadline.state == "failed" and "DeadlineExceeded" in deadline.message
+
+
+def test_retry_backoff_doubles_to_a_cap():
+    assert [planner.retry_delay(n) for n in (1, 2, 3, 4, 10)] == [10, 20, 40, 80, 300]
+
+
+# --- workers --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_deployment_pins_the_plan(tp):
+    view = parse_spec(example())
+    key = plan_key(view)
+    plan = make_plan(tp=tp)
+    dep = workload.render_deployment(view, plan, key, OWNER)
+    pod = dep["spec"]["template"]
+    c = pod["spec"]["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == tp
+    args = c["args"]
+    assert args[0] == "serve"
+    assert int(_flag(args, "--tp")) == tp
+    assert float(_flag(args, "--mem-fraction-static")) == plan["memFractionStatic"]
+    assert int(_flag(args, "--max-total-tokens")) == plan["kvCache"]["maxTotalNumTokens"]
+    assert _flag(args, "--plan") == "/etc/specdecode/plan.json"
+    assert _flag(args, "--draft") == "/models/yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+    assert _flag(args, "--speculative-num-draft-tokens") == "4"
+    assert pod["metadata"]["annotations"][labels.PLAN_KEY] == key
+    assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    shm = [v for v in pod["spec"]["volumes"] if v["name"] == "dshm"]
+    assert bool(shm) == (tp > 1)
+    # host memory: every rank's weights + 2 GiB, rounded up to GiB
+    total = (plan["weights"]["targetBytes"] + plan["weights"]["draftBytes"]) * tp + 2 * GIB
+    assert c["resources"]["requests"]["memory"] == f"{-(-total // GIB)}Gi"
+    assert dep["spec"]["selector"] == {"matchLabels": {labels.NAME: "llama-8b-eagle3", labels.ROLE: "worker"}}
+    assert dep["metadata"]["ownerReferences"] == [OWNER]
+
+
+def test_startup_probe_covers_weight_loading():
+    view = parse_spec(example())
+    plan = make_plan()
+    c = workload.render_deployment(view, plan, "k", OWNER)["spec"]["template"]["spec"]["containers"][0]
+    weights = plan["weights"]["targetBytes"] + plan["weights"]["draftBytes"]  # ~15.7 GiB
+    budget = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
+    assert budget >= 300 + weights / (200 * (1 << 20))  # > 380 s at 200 MiB/s
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+
+
+def test_replicas_change_leaves_the_pod_template_alone():
+    body = example()
+    view = parse_spec(body)
+    plan = make_plan()
+    before = workload.render_deployment(view, plan, plan_key(view), OWNER)
+    body["spec"]["replicas"] = 5
+    view5 = parse_spec(body)
+    after = workload.render_deployment(view5, plan, plan_key(view5), OWNER)
+    assert after["spec"]["replicas"] == 5
+    assert after["spec"]["template"] == before["spec"]["template"]
+
+
+def test_user_overrides_cannot_break_the_selector():
+    body = example()
+    body["spec"]["pod"] = {"labels": {labels.NAME: "evil", "team": "a"}, "annotations": {"x": "y"},
+                           "nodeSelector": {"pool": "gpu"}, "serviceAccountName": "sa",
+                           "tolerations": [{"key": "k", "operator": "Exists"}]}
+    body["spec"]["resources"] = {"memory": "300Gi", "cpu": 16}
+    dep = workload.render_deployment(parse_spec(body), make_plan(), "k", OWNER)
+    tmpl = dep["spec"]["template"]
+    assert tmpl["metadata"]["labels"][labels.NAME] == "llama-8b-eagle3" and tmpl["metadata"]["labels"]["team"] == "a"
+    assert tmpl["spec"]["nodeSelector"] == {"pool": "gpu", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert tmpl["spec"]["serviceAccountName"] == "sa"
+    assert {"key": "k", "operator": "Exists"} in tmpl["spec"]["tolerations"]
+    assert tmpl["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "16", "memory": "300Gi"}
+
+
+def test_configmap_and_service():
+    view = parse_spec(example())
+    plan = make_plan()
+    cm = workload.render_configmap(view, plan, "k", OWNER)
+    assert cm["metadata"]["name"] == "llama-8b-eagle3-plan"
+    assert json.loads(cm["data"]["plan.json"]) == plan
+    svc = workload.render_service(view, OWNER)
+    assert svc["spec"]["selector"] == labels.selector("llama-8b-eagle3")
+    assert svc["spec"]["ports"][0]["port"] == 8000
+    kinds = [o["kind"] for o in workload.render_children(view, plan, "k", OWNER)]
+    assert kinds == ["ConfigMap", "Deployment", "Service"]
+
+
+def test_hub_store_downloads_into_the_pod():
+    body = example()
+    body["spec"]["modelStore"] = {"hub": {"tokenSecret": {"name": "hf", "key": "token"}}}
+    view = parse_spec(body)
+    dep = workload.render_deployment(view, make_plan(), "k", OWNER)
+    spec = dep["spec"]["template"]["spec"]
+    assert {"name": "models", "emptyDir": {}} in spec["volumes"]
+    init = spec["initContainers"][0]
+    assert init["args"] == ["meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in init["env"]
