@@ -1,0 +1,42 @@
+"""Shared set-up for engine tests: tiny checkpoints and engines built in three phases."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from specdecode_worker.engine.scheduler import EngineArgs, Scheduler
+
+from tests.tiny_models import write_tiny_pair
+
+# Tiny matrices gain nothing from intra-op threads, and on shared CI cores the thread hand-off
+# costs more than the arithmetic.
+torch.set_num_threads(1)
+
+
+def tiny_models(root: Path) -> dict[str, Path]:
+    """Target, a different random draft, and a byte-for-byte copy of the target."""
+    target, draft = write_tiny_pair(root)
+    copy = root / "target-copy"
+    shutil.copytree(target, copy)
+    return {"target": target, "draft": draft, "copy": copy}
+
+
+def engine(target, algorithm="NONE", draft=None, **kw) -> Scheduler:
+    args = dict(device_memory_bytes=64 << 20, mem_fraction_static=0.9, runtime_bytes=0, context_len=256,
+                max_running_requests=8, num_draft_tokens=4)
+    args.update(kw)
+    sched = Scheduler(EngineArgs(str(target), str(draft) if draft else None, algorithm, **args))
+    sched.init_model_worker()
+    return sched
+
+
+def run_all(sched: Scheduler, reqs):
+    """Submit every request, then step the engine until all are done (no thread)."""
+    for r in reqs:
+        sched.submit(r)
+    while not all(r.done.is_set() for r in reqs):
+        sched.step()
+    return reqs

@@ -1,0 +1,97 @@
+"""Speculative decoding against the target's own greedy output, and the sampling distribution."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
+from specdecode_worker.engine.speculative import ngram_propose  # noqa: E402
+from specdecode_worker.errors import InputError  # noqa: E402
+
+from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [20, 21, 22], list(range(30, 60))]
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tiny_models(tmp_path_factory.mktemp("spec"))
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """The target's own greedy continuation, from transformers' generate."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
+    out = []
+    for p in PROMPTS:
+        ids = hf.generate(torch.tensor([p]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def _greedy(sched):
+    return [r.output_ids for r in run_all(sched, [Request(p, GREEDY) for p in PROMPTS])]
+
+
+def test_plain_decoding_equals_transformers_greedy(models, reference):
+    assert _greedy(engine(models["target"])) == reference
+
+
+def test_standalone_random_draft_is_exact(models, reference):
+    sched = engine(models["target"], "STANDALONE", models["draft"])
+    assert _greedy(sched) == reference
+    assert sched.stats.proposed_tokens > 0
+    assert sched.kv_usage()[0] == 0  # every slot, rejected ones included, went back
+
+
+def test_standalone_copy_of_target_accepts_everything(models, reference):
+    sched = engine(models["target"], "STANDALONE", models["copy"])
+    assert _greedy(sched) == reference
+    assert sched.stats.proposed_tokens > 0
+    assert sched.stats.accepted_tokens == sched.stats.proposed_tokens  # acceptance 1.0
+
+
+def test_ngram_is_exact_and_accepts_on_repetition(models, reference):
+    sched = engine(models["target"], "NGRAM")
+    assert _greedy(sched) == reference
+    assert sched.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("k", [1, 7])
+def test_draft_length_does_not_change_output(models, reference, k):
+    sched = engine(models["target"], "STANDALONE", models["draft"], num_draft_tokens=k)
+    assert _greedy(sched) == reference
+
+
+def test_more_requests_than_batch_slots_queue_and_finish(models, reference):
+    sched = engine(models["target"], "STANDALONE", models["copy"], max_running_requests=2)
+    reqs = run_all(sched, [Request(p, GREEDY) for p in PROMPTS * 2])
+    assert [r.output_ids for r in reqs] == reference * 2
+
+
+def test_request_that_never_fits_is_refused_without_harming_others(models, reference):
+    # 300 slots: room for one request at a time, never for a 400-token one.
+    sched = engine(models["target"], "STANDALONE", models["draft"], device_memory_bytes=64 << 20,
+                   max_total_tokens=300, context_len=512)
+    running = [Request(PROMPTS[0], GREEDY)]
+    sched.submit(running[0])
+    sched.step()
+    with pytest.raises(InputError, match="KV slots"):
+        sched.submit(Request(list(range(4, 104)) * 4, SamplingParams(max_tokens=8)))
+    with pytest.raises(InputError, match="context length"):
+        sched.submit(Request([5] * 500, SamplingParams(max_tokens=20)))
+    while not running[0].done.is_set():
+        sched.step()
+    assert running[0].output_ids == reference[0]
+
+
+def test_ngram_lookup_takes_the_latest_longest_match():
+    assert ngram_propose([1, 2, 3, 9, 1, 2, 4, 7, 1, 2], k=2) == [4, 7]
+    assert ngram_propose([5, 1, 2, 3, 6, 6, 1, 2, 3], k=3) == [6, 6, 1]
+    assert ngram_propose([1, 2, 3], k=2) == []

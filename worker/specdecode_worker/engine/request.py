@@ -1,0 +1,68 @@
+"""A generation request and its sampling parameters, as the scheduler tracks them."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import InputError
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InputError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
+            raise InputError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InputError(f"top_k must be a non-negative integer (0 turns it off), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InputError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    # Called from the engine thread with each batch of newly committed token ids, then once with
+    # ``None`` when the request ends (finish_reason or error set).
+    on_update: Callable[["Request", list[int] | None], None] | None = None
+    rid: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    # Engine state: request row, tokens in the target's KV pool, tokens in the draft's.
+    req_idx: int | None = None
+    kv_len: int = 0
+    draft_kv_len: int = 0
+    reserved_slots: int = 0
+    accepted_draft_tokens: int = 0
+    proposed_draft_tokens: int = 0
+    verify_rounds: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+    generator: torch.Generator | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids

@@ -1,0 +1,331 @@
+"""The scheduler: orders the three initialisation phases, then runs continuous batching.
+
+``init_model_worker`` is the one place the phases are ordered:
+1. load: target weights, then draft weights (the draft's layer count is read from its config
+   before any weight is loaded);
+2. alloc: profile memory with every weight resident, size the pools with the target + draft
+   cell, allocate the target pools, then the draft pool adopting the target's req_to_token pool
+   and allocator;
+3. backends: attention backends and CUDA graphs, target then draft.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import InputError
+from ..model_config import load_shape
+from .batch import free_positions
+from .memory import MemoryProfile, free_device_bytes, profile_memory
+from .phases import Phase, PhaseError
+from .pools import MemoryPoolConfig
+from .request import Request
+from .speculative import ALGORITHMS, SpeculativeWorker
+from .workers import DraftWorker, TargetWorker
+
+log = logging.getLogger(__name__)
+
+
+class StartupError(RuntimeError):
+    """The worker cannot serve what was planned (for example fewer KV tokens than the floor)."""
+
+
+@dataclass
+class EngineArgs:
+    target: str
+    draft: str | None = None
+    algorithm: str = "NONE"
+    device: str = "cpu"
+    dtype: str | None = None
+    device_memory_bytes: int | None = None  # CPU budget; on CUDA measured
+    mem_fraction_static: float = 0.9
+    runtime_bytes: int = 0
+    context_len: int = 2048
+    min_kv_tokens: int = 0  # floor: below it the worker refuses to start
+    max_total_tokens: int | None = None  # cap from the plan's pinned numbers
+    max_running_requests: int = 8
+    cuda_graph_max_bs: int = 0
+    num_draft_tokens: int = 4
+    ngram_max: int = 4
+    planned_tokens: int | None = None
+
+
+@dataclass
+class Stats:
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_rounds: int = 0
+    finished_requests: int = 0
+    rejected_requests: int = 0
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, args: EngineArgs):
+        if args.algorithm not in ALGORITHMS:
+            raise InputError(f"--algorithm {args.algorithm}: this engine serves {', '.join(ALGORITHMS)}")
+        if args.algorithm == "STANDALONE" and not args.draft:
+            raise InputError("--draft: STANDALONE needs a draft model folder")
+        if args.algorithm != "STANDALONE" and args.draft:
+            raise InputError(f"--draft: {args.algorithm} takes no draft model; drop --draft")
+        self.args = args
+        self.device = torch.device(args.device)
+        self.target_worker: TargetWorker | None = None
+        self.draft_worker: DraftWorker | None = None
+        self.memory_profile: MemoryProfile | None = None
+        self.memory_pool_config: MemoryPoolConfig | None = None
+        self.spec: SpeculativeWorker | None = None
+        self.phase = Phase.CREATED
+        self.stats = Stats()
+        self._waiting: queue.Queue[Request] = queue.Queue()
+        self._running: list[Request] = []
+        self._reserved = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.eos_token_ids: frozenset[int] = frozenset()
+
+    # ---- initialisation -------------------------------------------------------------------
+    def init_model_worker(self) -> None:
+        a = self.args
+        self.target_shape = load_shape(a.target)
+        self.draft_shape = load_shape(a.draft) if a.draft else None
+        if self.draft_shape is not None and self.draft_shape.num_nextn_predict_layers:
+            # A frozen-KV MTP draft reads the target's pool, so it would have to be built after
+            # phase 2 of the target; this engine serves Llama-family standalone drafts only.
+            raise InputError(f"{a.draft}: an MTP draft (num_nextn_predict_layers) is not served by this engine; "
+                             "use STANDALONE with a separate small model or NGRAM")
+        self.draft_num_layers = self.draft_shape.draft_num_layers if self.draft_shape else 0
+        if self.draft_shape is not None and self.draft_shape.vocab_size != self.target_shape.vocab_size:
+            raise InputError(f"{a.draft}/config.json: vocab_size {self.draft_shape.vocab_size} differs from the "
+                             f"target's {self.target_shape.vocab_size}; a STANDALONE draft must share the target's tokenizer")
+
+        start = time.perf_counter()
+        self.free_before_weights = free_device_bytes(self.device)
+        self.target_worker = TargetWorker(a.target, a.device, a.dtype)
+        if a.draft:
+            self.draft_worker = DraftWorker(a.draft, a.device, a.dtype)
+        self.phase = Phase.WEIGHTS_LOADED
+        self.stats.phase_seconds["load_weights"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        self.init_memory_pools()
+        self.stats.phase_seconds["alloc_memory_pool"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        self.init_backends()
+        self.stats.phase_seconds["init_backends"] = time.perf_counter() - start
+
+    def _runners(self):
+        runners = [self.target_worker.model_runner] if self.target_worker else []
+        if self.draft_worker:
+            runners.append(self.draft_worker.model_runner)
+        return runners
+
+    def init_memory_pools(self) -> None:
+        a = self.args
+        expected = 2 if a.algorithm == "STANDALONE" else 1
+        loaded = [r for r in self._runners() if r.phase >= Phase.WEIGHTS_LOADED]
+        if len(loaded) < expected:
+            raise PhaseError("phase 2 (allocate KV pools) needs every weight resident: "
+                             f"{expected - len(loaded)} model(s) have not finished phase 1 (load weights)")
+        target = self.target_worker.model_runner
+        draft = self.draft_worker.model_runner if self.draft_worker else None
+        if self.device.type == "cuda":
+            budget = self.free_before_weights
+            free_after = free_device_bytes(self.device)
+        else:
+            if a.device_memory_bytes is None:
+                raise InputError("--device-memory-gib: on cpu the KV pools are sized from this budget; give it")
+            budget, free_after = a.device_memory_bytes, None
+        self.memory_profile = profile_memory(
+            self.device, budget, a.mem_fraction_static, target.weight_bytes, draft.weight_bytes if draft else 0,
+            a.runtime_bytes, target.kv_cell_bytes, draft.kv_cell_bytes if draft else 0, free_after,
+        )
+        tokens = self.memory_profile.max_total_num_tokens
+        planned = a.planned_tokens
+        log.info("KV tokens: planned %s, actual %d (floor %d)", planned, tokens, a.min_kv_tokens)
+        if tokens < max(a.min_kv_tokens, 1):
+            raise StartupError(
+                f"only {tokens} KV token slots fit (planned {planned}, floor {a.min_kv_tokens}): weights "
+                f"{target.weight_bytes + (draft.weight_bytes if draft else 0)} bytes and runtime "
+                f"{self.memory_profile.runtime_bytes} bytes leave too little of {budget} bytes x {a.mem_fraction_static}; "
+                "give more device memory, a larger --mem-fraction-static, or a lower --context-length/--min-kv-tokens"
+            )
+        if a.max_total_tokens is not None:
+            tokens = min(tokens, a.max_total_tokens)
+        k = 0 if a.algorithm == "NONE" else a.num_draft_tokens
+        self.memory_pool_config = MemoryPoolConfig(tokens, a.max_running_requests, a.context_len + k + 1)
+        self.target_worker.alloc_memory_pool(self.memory_pool_config)
+        if self.draft_worker:
+            req_pool, allocator = self.target_worker.get_memory_pool()
+            self.draft_worker.alloc_memory_pool(self.memory_pool_config, req_pool, allocator)
+        self.phase = Phase.POOLS_ALLOCATED
+
+    def init_backends(self) -> None:
+        if self.phase < Phase.POOLS_ALLOCATED:
+            raise PhaseError("phase 3 (init attention backends and CUDA graphs) needs phase 2 (allocate KV pools) first")
+        bs = self.args.cuda_graph_max_bs
+        self.target_worker.init_backends(bs)
+        if self.draft_worker:
+            self.draft_worker.init_backends(bs)
+        self.spec = SpeculativeWorker(
+            self.args.algorithm, self.target_worker.model_runner,
+            self.draft_worker.model_runner if self.draft_worker else None,
+            self.args.num_draft_tokens, self.args.ngram_max,
+        )
+        self.phase = Phase.BACKENDS_READY
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == Phase.BACKENDS_READY
+
+    # ---- requests -------------------------------------------------------------------------
+    def slots_needed(self, req: Request) -> int:
+        return len(req.prompt_ids) + req.params.max_tokens + self.spec.slots_per_round
+
+    def check_fits(self, req: Request) -> None:
+        """Refuse a request that could never run, whatever else is running."""
+        req.params.validate()
+        if not req.prompt_ids:
+            raise InputError("the prompt is empty")
+        ctx = self.args.context_len
+        if len(req.prompt_ids) + req.params.max_tokens > ctx:
+            raise InputError(f"prompt ({len(req.prompt_ids)} tokens) plus max_tokens ({req.params.max_tokens}) "
+                             f"exceeds the context length {ctx}; shorten the prompt or lower max_tokens")
+        cap = self.memory_pool_config.max_total_num_tokens
+        if self.slots_needed(req) > cap:
+            raise InputError(f"the request needs {self.slots_needed(req)} KV slots but the pool holds {cap}; "
+                             "shorten the prompt or lower max_tokens")
+        vocab = self.target_shape.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt_ids):
+            raise InputError(f"prompt token ids must be in [0, {vocab})")
+
+    def submit(self, req: Request) -> Request:
+        if not self.ready:
+            raise PhaseError("the engine is still initialising")
+        self.check_fits(req)
+        if req.generator is None:
+            req.generator = torch.Generator().manual_seed(
+                req.params.seed if req.params.seed is not None else torch.seed() % (1 << 63))
+        req.eos_token_ids = req.eos_token_ids or self.eos_token_ids
+        self._waiting.put(req)
+        return req
+
+    def generate(self, prompt_ids: list[int], params) -> Request:
+        """Blocking helper: run one request to the end (the loop must be running, or steps run here)."""
+        req = self.submit(Request(list(prompt_ids), params))
+        if self._thread is None:
+            while not req.done.is_set():
+                self.step()
+        req.done.wait()
+        if req.error:
+            raise RuntimeError(req.error)
+        return req
+
+    # ---- the loop -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._running and self._waiting.empty():
+                time.sleep(0.002)
+                continue
+            try:
+                self.step()
+            except Exception as exc:  # an engine bug: fail the running requests, keep serving
+                log.exception("engine step failed")
+                for r in list(self._running):
+                    self._finish(r, error=f"internal error: {type(exc).__name__}: {exc}")
+
+    def _admit(self) -> list[Request]:
+        admitted = []
+        cap = self.memory_pool_config.max_total_num_tokens
+        pool = self.target_worker.model_runner.req_to_token_pool
+        while not self._waiting.empty() and pool.available_size() > 0:
+            req = self._waiting.queue[0]
+            need = self.slots_needed(req)
+            if self._reserved + need > cap:
+                break  # wait for running requests to free their slots
+            self._waiting.get()
+            req.req_idx = pool.alloc()
+            req.reserved_slots = need
+            self._reserved += need
+            admitted.append(req)
+        return admitted
+
+    def step(self) -> None:
+        """Admit waiting requests and prefill them, then one speculative round for all running."""
+        new = self._admit()
+        if new:
+            self.spec.prefill(new)
+            for r in new:
+                self.stats.prompt_tokens += len(r.prompt_ids)
+                self._running.append(r)
+                self._commit(r, r.output_ids[:])
+        if self._running:
+            reqs = list(self._running)
+            for r, tokens in zip(reqs, self.spec.decode_round(reqs)):
+                self._commit(r, tokens, already_appended=True)
+
+    def _commit(self, r: Request, tokens: list[int], already_appended: bool = False) -> None:
+        if already_appended:
+            del r.output_ids[len(r.output_ids) - len(tokens):]
+        kept, reason = [], None
+        for t in tokens:
+            if len(r.output_ids) + len(kept) >= r.params.max_tokens:
+                reason = "length"
+                break
+            kept.append(t)
+            if t in r.eos_token_ids and not r.params.ignore_eos:
+                reason = "stop"
+                break
+        if len(r.output_ids) + len(kept) >= r.params.max_tokens and reason is None:
+            reason = "length"
+        if already_appended:
+            r.output_ids.extend(kept)
+        else:
+            r.output_ids[:] = kept
+        self.stats.generated_tokens += len(kept)
+        if r.on_update and kept:
+            r.on_update(r, kept)
+        if reason:
+            self._finish(r, reason=reason)
+
+    def _finish(self, r: Request, reason: str | None = None, error: str | None = None) -> None:
+        runner = self.target_worker.model_runner
+        if r in self._running:
+            self._running.remove(r)
+        if r.req_idx is not None:
+            free_positions(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, r.req_idx, 0, r.kv_len)
+            runner.req_to_token_pool.free(r.req_idx)
+            r.req_idx = None
+            self._reserved -= r.reserved_slots
+        r.finish_reason, r.error = reason, error
+        self.stats.finished_requests += 1
+        self.stats.proposed_tokens += r.proposed_draft_tokens
+        self.stats.accepted_tokens += r.accepted_draft_tokens
+        self.stats.verify_rounds += r.verify_rounds
+        if r.on_update:
+            r.on_update(r, None)
+        r.done.set()
+
+    # ---- observability --------------------------------------------------------------------
+    def kv_usage(self) -> tuple[int, int]:
+        alloc = self.target_worker.model_runner.token_to_kv_pool_allocator
+        return alloc.size - alloc.available_size(), alloc.size

@@ -1,0 +1,116 @@
+"""One decoding round for a batch of running requests: propose, verify once, commit.
+
+STANDALONE: the draft model proposes k tokens over its own KV pool (same slots as the target).
+NGRAM: proposals come from the latest earlier match of the context's last n tokens; no draft
+pool. NONE: no proposals, so a round is one ordinary decode step.
+
+Slots for positions L..L+k are taken at the start of a round (L: the position of the request's
+last committed token, the one not yet in any cache); the slots after the accepted prefix go
+back to the allocator at the end of the round and serve the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .batch import Segment, alloc_positions, forward_segments, free_positions
+from .request import Request
+from .sampling import choose, verify
+
+ALGORITHMS = ("NONE", "STANDALONE", "NGRAM")
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: list[torch.Tensor | None] | None  # None: deterministic proposals
+
+
+def ngram_propose(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+class SpeculativeWorker:
+    def __init__(self, algorithm: str, target_runner, draft_runner=None, num_draft_tokens: int = 4, ngram_max: int = 4):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm}")
+        self.algorithm = algorithm
+        self.target = target_runner
+        self.draft = draft_runner
+        self.k = 0 if algorithm == "NONE" else num_draft_tokens
+        self.ngram_max = ngram_max
+
+    @property
+    def slots_per_round(self) -> int:
+        return self.k + 1
+
+    # prefill: the prompt goes through the target; the draft catches up in its first round.
+    def prefill(self, reqs: list[Request]) -> None:
+        pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
+        segments = []
+        for r in reqs:
+            alloc_positions(pool, alloc, r.req_idx, 0, len(r.prompt_ids))
+            segments.append(Segment(r.req_idx, r.prompt_ids, 0))
+        logits = forward_segments(self.target, segments, last_only=True)
+        for r, row in zip(reqs, logits):
+            token, _ = choose(row, r.params, r.generator)
+            r.kv_len = len(r.prompt_ids)
+            r.output_ids.append(token)
+
+    def decode_round(self, reqs: list[Request]) -> list[list[int]]:
+        """Advance every request by one verified round; returns the tokens each one committed."""
+        pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
+        for r in reqs:
+            alloc_positions(pool, alloc, r.req_idx, r.kv_len, r.kv_len + self.k + 1)
+        proposals = self._propose(reqs)
+        segments = [Segment(r.req_idx, [r.all_ids[-1]] + p.tokens, r.kv_len) for r, p in zip(reqs, proposals)]
+        logits = forward_segments(self.target, segments, last_only=False)
+        committed, start = [], 0
+        for r, p in zip(reqs, proposals):
+            rows = logits[start : start + len(p.tokens) + 1]
+            start += len(p.tokens) + 1
+            n, nxt = verify(p.tokens, p.probs, rows, r.params, r.generator)
+            new = p.tokens[:n] + [nxt]
+            last = r.kv_len
+            r.kv_len = last + n + 1  # the last token and the n accepted proposals are now cached
+            r.draft_kv_len = min(r.draft_kv_len, r.kv_len)
+            free_positions(pool, alloc, r.req_idx, r.kv_len, last + self.k + 1)
+            r.output_ids.extend(new)
+            r.proposed_draft_tokens += len(p.tokens)
+            r.accepted_draft_tokens += n
+            r.verify_rounds += 1
+            committed.append(new)
+        return committed
+
+    def _propose(self, reqs: list[Request]) -> list[Proposal]:
+        if self.algorithm == "NONE":
+            return [Proposal([], None) for _ in reqs]
+        if self.algorithm == "NGRAM":
+            return [Proposal(ngram_propose(r.all_ids, self.k, self.ngram_max), None) for r in reqs]
+        return self._draft_propose(reqs)
+
+    def _draft_propose(self, reqs: list[Request]) -> list[Proposal]:
+        # Step 1 catches the draft's cache up to the last committed token (prompt, or the
+        # previous round's accepted tail); steps 2..k feed back one proposal each.
+        segments = [Segment(r.req_idx, r.all_ids[r.draft_kv_len :], r.draft_kv_len) for r in reqs]
+        tokens: list[list[int]] = [[] for _ in reqs]
+        probs: list[list] = [[] for _ in reqs]
+        for step in range(self.k):
+            logits = forward_segments(self.draft, segments, last_only=True)
+            for i, (r, row) in enumerate(zip(reqs, logits)):
+                token, p = choose(row, r.params, r.generator)
+                tokens[i].append(token)
+                probs[i].append(p)
+            if step + 1 < self.k:
+                segments = [Segment(r.req_idx, [tokens[i][-1]], r.kv_len + step + 1) for i, r in enumerate(reqs)]
+        for r in reqs:
+            r.draft_kv_len = r.kv_len + self.k  # positions up to L+k-1 now hold draft K/V
+        return [Proposal(t, None if r.params.greedy else p) for r, t, p in zip(reqs, tokens, probs)]
