@@ -1,0 +1,352 @@
+"""The reconciler against an in-memory API: the planner pod lifecycle, children, scaling,
+re-planning, failures with backoff, conflicts and restarts. No cluster, no kopf."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from urllib.parse import unquote
+
+import pytest
+
+from specdecode_operator import conditions as c
+from specdecode_operator import labels
+from specdecode_operator.kube import ApiError, sdd_path
+from specdecode_operator.reconcile import Options, Reconciler
+from specdecode_operator.spec import parse_spec, plan_key, planner_pod_name
+from tests.test_operator_render import make_plan
+from tests.test_operator_spec import example
+
+NS = "ns"
+
+
+class FakeKube:
+    """Objects by path; resourceVersion checks on status writes; counts what is created."""
+
+    def __init__(self):
+        self.objects: dict[str, dict] = {}
+        self.rv = 0
+        self.events: list[tuple[str, str, bool]] = []
+        self.created: list[str] = []
+        self.deleted: list[str] = []
+        self.applied: list[dict] = []
+        self.nodes: list[dict] | None = []
+        self.conflict_next_status_write = False
+
+    def _bump(self, obj):
+        self.rv += 1
+        obj.setdefault("metadata", {})["resourceVersion"] = str(self.rv)
+
+    def get(self, p):
+        obj = self.objects.get(unquote(p))
+        return copy.deepcopy(obj) if obj else None
+
+    def list(self, p, label_selector=None):
+        if p == "/api/v1/nodes":
+            if self.nodes is None:
+                raise ApiError(403, "nodes is forbidden")
+            return self.nodes
+        want = dict(kv.split("=") for kv in label_selector.split(",")) if label_selector else {}
+        return [copy.deepcopy(o) for k, o in self.objects.items() if k.startswith(p + "/")
+                and all(o["metadata"].get("labels", {}).get(a) == b for a, b in want.items())]
+
+    def create(self, p, body):
+        name = body["metadata"]["name"]
+        key = f"{p}/{name}"
+        if key in self.objects:
+            raise ApiError(409, f"{name} already exists")
+        obj = copy.deepcopy(body)
+        obj["metadata"]["uid"] = f"uid-{len(self.created)}"
+        obj["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
+        obj["status"] = {"phase": "Pending"}
+        self._bump(obj)
+        self.objects[key] = obj
+        self.created.append(name)
+        return obj
+
+    def delete(self, p):
+        if self.objects.pop(unquote(p), None) is not None:
+            self.deleted.append(p.rsplit("/", 1)[1])
+
+    def apply(self, obj):
+        m = obj["metadata"]
+        plural = {"ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments"}[obj["kind"]]
+        base = "/api/v1" if obj["apiVersion"] == "v1" else f"/apis/{obj['apiVersion']}"
+        key = f"{base}/namespaces/{m['namespace']}/{plural}/{m['name']}"
+        old = self.objects.get(key)
+        new = copy.deepcopy(obj)
+        new["status"] = (old or {}).get("status", {})
+        gen = (old or {}).get("metadata", {}).get("generation", 0)
+        changed = old is None or {k: v for k, v in old.items() if k != "status" and k != "metadata"} != \
+            {k: v for k, v in new.items() if k != "status" and k != "metadata"}
+        new["metadata"]["generation"] = gen + 1 if changed else gen
+        self._bump(new)
+        self.objects[key] = new
+        self.applied.append(obj)
+        return new
+
+    def write_status(self, sdd, status):
+        key = sdd_path(sdd["metadata"]["namespace"], sdd["metadata"]["name"])
+        cur = self.objects[key]
+        if self.conflict_next_status_write or cur["metadata"]["resourceVersion"] != sdd["metadata"]["resourceVersion"]:
+            self.conflict_next_status_write = False
+            raise ApiError(409, "the object has been modified")
+        cur["status"] = copy.deepcopy(status)
+        self._bump(cur)
+        return cur
+
+    def event(self, sdd, reason, message, warning):
+        self.events.append((reason, message, warning))
+
+    # --- helpers for tests --------------------------------------------------------------------
+
+    def put_sdd(self, body):
+        key = sdd_path(body["metadata"]["namespace"], body["metadata"]["name"])
+        old = self.objects.get(key)
+        body = copy.deepcopy(body)
+        body.setdefault("apiVersion", "specdecode.io/v1alpha1")
+        body["metadata"]["generation"] = (old["metadata"]["generation"] + 1) if old else 1
+        if old:
+            body["status"] = old.get("status", {})
+        self._bump(body)
+        self.objects[key] = body
+
+    def sdd(self, name="llama-8b-eagle3"):
+        return self.get(sdd_path(NS, name))
+
+    def pods(self, role):
+        return [o for k, o in self.objects.items() if "/pods/" in k and o["metadata"]["labels"][labels.ROLE] == role]
+
+    def finish_planner(self, code, message):
+        (pod,) = [p for p in self.pods("planner") if p["status"].get("phase") in ("Pending", "Running")]
+        pod["status"] = {"phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [{
+            "name": "planner", "state": {"terminated": {"exitCode": code, "message": message,
+                                                        "finishedAt": "2026-01-01T00:00:10Z"}}}]}
+        return pod
+
+    def deployment(self, name="llama-8b-eagle3"):
+        return self.get(f"/apis/apps/v1/namespaces/{NS}/deployments/{name}")
+
+    def roll_out(self, ready=None):
+        """What the Deployment controller and kubelets would report once the pods are up."""
+        dep = self.objects[f"/apis/apps/v1/namespaces/{NS}/deployments/llama-8b-eagle3"]
+        n = dep["spec"]["replicas"] if ready is None else ready
+        dep["status"] = {"observedGeneration": dep["metadata"]["generation"], "replicas": dep["spec"]["replicas"],
+                         "readyReplicas": n, "updatedReplicas": dep["spec"]["replicas"],
+                         "conditions": [{"type": "Available", "status": "True" if n else "False"}]}
+
+
+class Clock:
+    def __init__(self, t=1767225600.0):  # 2026-01-01T00:00:00Z
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+def kube():
+    k = FakeKube()
+    k.put_sdd(example())
+    return k
+
+
+def reconciler(kube, clock=None):
+    return Reconciler(kube, Options(default_image="img:1"), clock=clock or Clock())
+
+
+def cond(sdd, ctype):
+    return c.get(sdd["status"]["conditions"], ctype)
+
+
+def test_full_lifecycle_plan_then_children_then_ready(kube):
+    r = reconciler(kube)
+    res = r.reconcile(NS, "llama-8b-eagle3")
+    sdd = kube.sdd()
+    view = parse_spec(sdd, "img:1")
+    key = plan_key(view)
+    assert kube.created == [planner_pod_name(view, key)]
+    assert sdd["status"]["phase"] == "Planning" and cond(sdd, c.PLANNED)["status"] == "Unknown"
+    assert res.requeue_after is not None
+    assert kube.deployment() is None  # nothing scheduled before the plan
+
+    r.reconcile(NS, "llama-8b-eagle3")  # still running: no second pod
+    assert len(kube.created) == 1
+
+    plan = make_plan(tp=2)
+    kube.finish_planner(0, json.dumps(plan))
+    r.reconcile(NS, "llama-8b-eagle3")
+    sdd = kube.sdd()
+    stored = {k: v for k, v in sdd["status"]["plan"].items() if k not in ("key", "plannerPod")}
+    assert stored == {k: v for k, v in plan.items() if k not in ("apiVersion", "kind")}
+    assert sdd["status"]["plan"]["key"] == key
+    assert cond(sdd, c.PLANNED)["reason"] == c.PLAN_READY
+    dep = kube.deployment()
+    assert dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert dep["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert sdd["status"]["phase"] == "Deploying" and sdd["status"]["gpusPerReplica"] == 2
+    assert json.loads(kube.get(f"/api/v1/namespaces/{NS}/configmaps/llama-8b-eagle3-plan")["data"]["plan.json"]) == plan
+    assert kube.get(f"/api/v1/namespaces/{NS}/services/llama-8b-eagle3") is not None
+
+    kube.roll_out()
+    r.reconcile(NS, "llama-8b-eagle3")
+    sdd = kube.sdd()
+    assert sdd["status"]["phase"] == "Ready" and sdd["status"]["readyReplicas"] == 1
+    assert cond(sdd, c.AVAILABLE)["status"] == "True" and cond(sdd, c.READY)["status"] == "True"
+    assert sdd["status"]["observedGeneration"] == 1
+    assert sdd["status"]["selector"] == "specdecode.io/name=llama-8b-eagle3,specdecode.io/role=worker"
+    reasons = [e[0] for e in kube.events]
+    assert reasons.count(c.PLAN_READY) == 1 and reasons.count(c.PLANNING) == 1
+
+    # a reconcile with nothing new writes nothing and posts nothing
+    rv, n_events = sdd["metadata"]["resourceVersion"], len(kube.events)
+    r.reconcile(NS, "llama-8b-eagle3")
+    assert kube.sdd()["metadata"]["resourceVersion"] == rv and len(kube.events) == n_events
+
+
+def _ready(kube, r, tp=1):
+    r.reconcile(NS, "llama-8b-eagle3")
+    kube.finish_planner(0, json.dumps(make_plan(tp=tp)))
+    r.reconcile(NS, "llama-8b-eagle3")
+    kube.roll_out()
+    r.reconcile(NS, "llama-8b-eagle3")
+    assert kube.sdd()["status"]["phase"] == "Ready"
+
+
+def test_replicas_change_scales_without_planning(kube):
+    r = reconciler(kube)
+    _ready(kube, r)
+    template = kube.deployment()["spec"]["template"]
+    body = kube.sdd()
+    body["spec"]["replicas"] = 3
+    kube.put_sdd(body)
+    r.reconcile(NS, "llama-8b-eagle3")
+    assert len(kube.created) == 1  # still the one planner pod
+    dep = kube.deployment()
+    assert dep["spec"]["replicas"] == 3 and dep["spec"]["template"] == template
+    sdd = kube.sdd()
+    assert sdd["status"]["phase"] == "Deploying" and sdd["status"]["observedGeneration"] == 2
+
+
+def test_draft_change_replans_rolls_and_cleans_up(kube):
+    r = reconciler(kube)
+    _ready(kube, r)
+    old_key = kube.sdd()["status"]["plan"]["key"]
+    body = kube.sdd()
+    body["spec"]["draft"]["model"] = "other/eagle3-head"
+    kube.put_sdd(body)
+    r.reconcile(NS, "llama-8b-eagle3")
+    assert len(kube.created) == 2
+    sdd = kube.sdd()
+    assert sdd["status"]["phase"] == "Planning"
+    assert sdd["status"]["plan"]["key"] == old_key  # the plan in effect until the new one exists
+    assert kube.deployment()["spec"]["template"]["metadata"]["annotations"][labels.PLAN_KEY] == old_key
+
+    kube.finish_planner(0, json.dumps(make_plan(tp=2)))
+    r.reconcile(NS, "llama-8b-eagle3")
+    new_key = kube.sdd()["status"]["plan"]["key"]
+    assert new_key != old_key
+    tmpl = kube.deployment()["spec"]["template"]
+    assert tmpl["metadata"]["annotations"][labels.PLAN_KEY] == new_key
+    assert "/models/other/eagle3-head" in tmpl["spec"]["containers"][0]["args"]
+    assert [p["metadata"]["labels"][labels.PLAN_KEY] for p in kube.pods("planner")] == [new_key]
+
+
+def test_model_too_large_is_insufficient_gpu_memory_and_no_workload(kube):
+    r = reconciler(kube)
+    r.reconcile(NS, "llama-8b-eagle3")
+    misfit = make_plan(tp=8, fits=False)
+    kube.finish_planner(3, json.dumps(misfit))
+    r.reconcile(NS, "llama-8b-eagle3")
+    sdd = kube.sdd()
+    planned = cond(sdd, c.PLANNED)
+    assert (planned["status"], planned["reason"]) == ("False", c.INSUFFICIENT_GPU_MEMORY)
+    assert "5.00 GiB" in planned["message"] and str(5 << 30) in planned["message"]
+    assert sdd["status"]["phase"] == "Failed"
+    assert kube.deployment() is None and kube.applied == []
+    r.reconcile(NS, "llama-8b-eagle3")
+    assert len(kube.created) == 1  # a misfit is final for this spec: no retry
+    assert (c.INSUFFICIENT_GPU_MEMORY, True) in [(e[0], e[2]) for e in kube.events]
+
+
+def test_planner_crash_is_retried_with_backoff(kube):
+    clock = Clock()
+    r = reconciler(kube, clock)
+    r.reconcile(NS, "llama-8b-eagle3")
+    kube.finish_planner(1, "Traceback (most recent call last): RuntimeError: boom")
+    clock.t += 11
+    res = r.reconcile(NS, "llama-8b-eagle3")
+    sdd = kube.sdd()
+    planned = cond(sdd, c.PLANNED)
+    assert (planned["status"], planned["reason"]) == ("False", c.PLANNER_FAILED)
+    assert "boom" in planned["message"] and "attempt 1" in planned["message"]
+    assert sdd["status"]["planner"]["attempts"] == 1
+    # finished at +10 s with a 10 s backoff: at +11 s we wait ~9 s more
+    assert 8 <= res.requeue_after <= 10 and len(kube.created) == 1
+    clock.t += 10
+    r.reconcile(NS, "llama-8b-eagle3")
+    assert len(kube.created) == 2 and kube.deleted  # same name, a fresh pod
+    kube.finish_planner(1, "boom again")
+    r.reconcile(NS, "llama-8b-eagle3")
+    r.reconcile(NS, "llama-8b-eagle3")  # the same failed pod is counted once
+    assert kube.sdd()["status"]["planner"]["attempts"] == 2
+    assert "retrying in" in cond(kube.sdd(), c.PLANNED)["message"]
+    clock.t += 25
+    r.reconcile(NS, "llama-8b-eagle3")
+    kube.finish_planner(0, json.dumps(make_plan()))
+    r.reconcile(NS, "llama-8b-eagle3")
+    sdd = kube.sdd()
+    assert cond(sdd, c.PLANNED)["reason"] == c.PLAN_READY and sdd["status"]["planner"]["attempts"] == 0
+    assert kube.deployment() is not None
+
+
+def test_restart_mid_plan_finds_the_existing_pod(kube):
+    reconciler(kube).reconcile(NS, "llama-8b-eagle3")
+    # a new operator process: fresh reconciler, same cluster
+    fresh = reconciler(kube)
+    fresh.reconcile(NS, "llama-8b-eagle3")
+    fresh.reconcile(NS, "llama-8b-eagle3")
+    assert len(kube.created) == 1
+    # even if the status write of the first run was lost, the deterministic name finds the pod
+    kube.objects[sdd_path(NS, "llama-8b-eagle3")]["status"] = {}
+    fresh.reconcile(NS, "llama-8b-eagle3")
+    assert len(kube.created) == 1 and kube.sdd()["status"]["phase"] == "Planning"
+
+
+def test_status_conflict_is_retried_not_clobbered(kube):
+    r = reconciler(kube)
+    kube.conflict_next_status_write = True
+    r.reconcile(NS, "llama-8b-eagle3")
+    assert kube.sdd()["status"]["phase"] == "Planning"
+    assert len(kube.created) == 1
+
+
+def test_plan_exceeds_node_gpus(kube):
+    kube.nodes = [{"metadata": {"name": "h", "labels": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}},
+                   "spec": {}, "status": {"allocatable": {"nvidia.com/gpu": "4"}}}]
+    r = reconciler(kube)
+    r.reconcile(NS, "llama-8b-eagle3")
+    kube.finish_planner(0, json.dumps(make_plan(tp=8)))
+    r.reconcile(NS, "llama-8b-eagle3")
+    sdd = kube.sdd()
+    degraded = cond(sdd, c.DEGRADED)
+    assert (degraded["status"], degraded["reason"]) == ("True", c.PLAN_EXCEEDS_NODE_GPUS)
+    assert "needs 8 GPUs" in degraded["message"] and "offers is 4" in degraded["message"]
+    assert sdd["status"]["phase"] == "Degraded"
+    assert kube.deployment() is not None  # applied anyway: pods pend until a large enough node exists
+
+
+def test_forbidden_nodes_are_skipped(kube):
+    kube.nodes = None
+    r = reconciler(kube)
+    r.reconcile(NS, "llama-8b-eagle3")
+    kube.finish_planner(0, json.dumps(make_plan(tp=8)))
+    r.reconcile(NS, "llama-8b-eagle3")
+    assert cond(kube.sdd(), c.DEGRADED)["status"] == "False"
+
+
+def test_deleted_sdd_is_gone(kube):
+    r = reconciler(kube)
+    del kube.objects[sdd_path(NS, "llama-8b-eagle3")]
+    assert r.reconcile(NS, "llama-8b-eagle3").gone
