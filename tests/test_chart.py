@@ -71,3 +71,308 @@ def test_schema_refuses_wrong_values(path, bad):
     node[path[-1]] = bad
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(changed, schema)
+
+
+# ---- on the real control plane ---------------------------------------------------------------
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
+
+from tests.cluster.controlplane import free_ports  # noqa: E402
+from tests.cluster.wait import wait_for  # noqa: E402
+
+EXAMPLE = ROOT / "examples" / "standalone-draft.yaml"
+H100 = "NVIDIA-H100-80GB-HBM3"  # a product of the test bed's fake nodes (tests/cluster/nodes.yaml)
+OPERATOR = Path(sys.executable).with_name("specdecode-operator")
+
+
+def kube_version(cluster) -> str:
+    return json.loads(cluster.kubectl("version", "-o", "json").stdout)["serverVersion"]["gitVersion"]
+
+
+def render(cluster, namespace: str, *values: str, release: str = "sdo") -> list[dict]:
+    out = cluster.helm("template", release, str(CHART), "-n", namespace,
+                       "--kube-version", kube_version(cluster), *values).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_helm_lint_passes_in_both_scopes(cluster):
+    for values in ([], ["--set", "watch.scope=namespace", "--set", "watch.namespaces={a,b}",
+                        "--set", "rbac.readNodes=false", "--set", "metrics.service.enabled=true"]):
+        result = cluster.helm("lint", "--strict", str(CHART), *values)
+        assert "0 chart(s) failed" in result.stdout, result.stdout
+
+
+def test_helm_refuses_values_outside_the_schema(cluster, namespace):
+    result = cluster.helm("template", "sdo", str(CHART), "-n", namespace, "--kube-version",
+                          kube_version(cluster), "--set", "watch.scope=everywhere", check=False)
+    assert result.returncode != 0
+    assert "watch.scope" in result.stderr or "scope" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("scope", ["cluster", "namespace"])
+def test_rendered_chart_passes_a_server_side_dry_run(cluster, namespace, scope):
+    values = ["--set", f"watch.scope={scope}", "--set", "metrics.service.enabled=true"]
+    manifest = cluster.helm("template", "sdo", str(CHART), "-n", namespace, "--include-crds",
+                            "--kube-version", kube_version(cluster), *values).stdout
+    result = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=manifest)
+    applied = [line for line in result.stdout.splitlines() if "(server dry run)" in line]
+    docs = [d for d in yaml.safe_load_all(manifest) if d]
+    assert len(applied) == len(docs), result.stdout
+
+
+def test_rbac_is_scoped_as_asked_and_never_broad(cluster, namespace):
+    cluster_docs = render(cluster, namespace)
+    ns_docs = render(cluster, namespace, "--set", "watch.scope=namespace", "--set", "watch.namespaces={a,b}")
+    no_nodes = render(cluster, namespace, "--set", "watch.scope=namespace", "--set", "rbac.readNodes=false")
+
+    assert [r["metadata"]["name"] for r in by_kind(cluster_docs, "ClusterRole")] == ["sdo-specdecode-operator"]
+    assert not by_kind(cluster_docs, "Role")
+    # Namespace scope: a Role per watched namespace; the only cluster-wide grant is reading nodes.
+    assert sorted(r["metadata"]["namespace"] for r in by_kind(ns_docs, "Role")) == ["a", "b"]
+    assert sorted(b["metadata"]["namespace"] for b in by_kind(ns_docs, "RoleBinding")) == ["a", "b"]
+    [node_role] = by_kind(ns_docs, "ClusterRole")
+    assert node_role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]
+    assert not by_kind(no_nodes, "ClusterRole") and not by_kind(no_nodes, "ClusterRoleBinding")
+    [dep] = by_kind(no_nodes, "Deployment")
+    assert "--no-node-check" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    for docs in (cluster_docs, ns_docs):
+        for role in by_kind(docs, "ClusterRole") + by_kind(docs, "Role"):
+            for rule in role["rules"]:
+                for field in ("apiGroups", "resources", "verbs"):
+                    assert "*" not in rule[field], f"wildcard in {role['metadata']['name']}: {rule}"
+                assert not {"secrets", "pods/exec", "roles", "clusterroles"} & set(rule["resources"]), rule
+                assert "escalate" not in rule["verbs"] and "bind" not in rule["verbs"], rule
+
+
+def test_operator_pod_is_hardened(cluster, namespace):
+    [dep] = by_kind(render(cluster, namespace), "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert {"name": "health", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+    assert "--liveness=http://0.0.0.0:8080/healthz" in container["args"]
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+
+
+# ---- the chart's life: install, the operator with the chart's credentials, upgrade, uninstall --
+
+RELEASE = "sdo"
+
+
+def sa_kubeconfig(cluster, namespace: str, sa: str, path: Path) -> Path:
+    """A kubeconfig holding only a token of the chart's ServiceAccount (no admin certificate)."""
+    token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=2h").stdout.strip()
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    config = {
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": admin["clusters"],
+        "users": [{"name": sa, "user": {"token": token}}],
+        "contexts": [{"name": sa, "context": {"cluster": admin["clusters"][0]["name"], "user": sa,
+                                                "namespace": namespace}}],
+        "current-context": sa,
+    }
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    return path
+
+
+class LocalOperator:
+    """specdecode-operator as a local process with the chart Deployment's own arguments."""
+
+    def __init__(self, args: list[str], kubeconfig: Path, log: Path):
+        port = free_ports(1)[0]
+        self.health = f"http://127.0.0.1:{port}/healthz"
+        args = [a for a in args if not a.startswith("--liveness")] + [f"--liveness={self.health}"]
+        env = dict(os.environ, KUBECONFIG=str(kubeconfig))
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        self.log = log
+        self._out = open(log, "wb")
+        self.proc = subprocess.Popen([str(OPERATOR), *args], env=env, stdout=self._out,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        wait_for(self._healthy, timeout=60, what=f"operator liveness {self.health}")
+
+    def _healthy(self) -> bool:
+        assert self.proc.poll() is None, f"operator exited {self.proc.returncode}:\n{self.tail()}"
+        try:
+            with urllib.request.urlopen(self.health, timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._out.close()
+
+
+def container_args(cluster, namespace: str) -> list[str]:
+    dep = json.loads(cluster.kubectl("get", "deployment", f"{RELEASE}-specdecode-operator", "-n", namespace,
+                                     "-o", "json").stdout)
+    return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def local_example(cluster, namespace: str, name: str) -> dict:
+    """The standalone-draft example pointed at a tiny local target + draft in a claim of `namespace`."""
+    from tests.tiny_models import write_tiny_pair
+
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
+        "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}},
+    }))
+    store = Path(cluster.pvc_root) / namespace / "models"  # the test bed's claim -> folder rule
+    if not (store / "llama-target" / "config.json").exists():
+        write_tiny_pair(store, "llama")
+    sdd = yaml.safe_load(EXAMPLE.read_text())
+    sdd["metadata"] = {"name": name, "namespace": namespace}
+    spec = sdd["spec"]
+    spec["replicas"] = 1
+    spec["target"]["model"] = "llama-target"
+    spec["draft"]["model"] = "llama-draft"
+    spec["serving"] = {"contextLength": 256, "maxRunningRequests": 4}
+    spec["gpu"] = {"product": H100}
+    spec["modelStore"] = {"pvc": {"claimName": "models"}}
+    return sdd
+
+
+def sdd_status(cluster, namespace: str, name: str) -> dict:
+    obj = json.loads(cluster.kubectl("get", "sdd", name, "-n", namespace, "-o", "json").stdout)
+    return obj.get("status") or {}
+
+
+def wait_ready(cluster, op: LocalOperator, namespace: str, name: str) -> dict:
+    def ready():
+        assert op.proc.poll() is None, f"operator exited {op.proc.returncode}:\n{op.tail()}"
+        status = sdd_status(cluster, namespace, name)
+        assert status.get("phase") != "Failed", f"{name} failed: {status}\n{op.tail()}"
+        return status if status.get("phase") == "Ready" else None
+
+    try:
+        return wait_for(ready, timeout=180, interval=1, what=f"sdd {namespace}/{name} Ready")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\noperator log:\n{op.tail()}") from None
+
+
+def can_i(cluster, sa_user: str, *args: str) -> bool:
+    result = cluster.kubectl("auth", "can-i", *args, f"--as={sa_user}", check=False)
+    return result.stdout.strip() == "yes"
+
+
+def forbidden_lines(op: LocalOperator) -> list[str]:
+    return [line for line in op.log.read_text(errors="replace").splitlines()
+            if "forbidden" in line.lower() or " 403" in line]
+
+
+def test_install_reconcile_with_chart_credentials_upgrade_uninstall(cluster, namespace, tmp_path):
+    ns = namespace
+    sa = f"{RELEASE}-specdecode-operator"
+    sa_user = f"system:serviceaccount:{ns}:{sa}"
+    helm_ns = ["-n", ns]
+
+    # install (cluster scope, the default)
+    cluster.helm("install", RELEASE, str(CHART), *helm_ns, "--wait", "--timeout", "120s")
+    assert cluster.kubectl("get", "crd", "specdecodedeployments.specdecode.io").returncode == 0
+    args = container_args(cluster, ns)
+    assert "--all-namespaces" in args
+
+    # the operator with nothing but the chart ServiceAccount's token reconciles an example to Ready
+    kubeconfig = sa_kubeconfig(cluster, ns, sa, tmp_path / "sa.kubeconfig")
+    whoami = cluster.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}",
+                             f"--kubeconfig={kubeconfig}").stdout
+    assert whoami == sa_user
+    op = LocalOperator(args, kubeconfig, tmp_path / "operator-cluster.log")
+    try:
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(local_example(cluster, ns, "tiny")))
+        status = wait_ready(cluster, op, ns, "tiny")
+        assert status["readyReplicas"] == 1
+        conditions = {c["type"]: c["status"] for c in status["conditions"]}
+        assert conditions.get("Planned") == "True" and conditions.get("Available") == "True", conditions
+        assert not forbidden_lines(op), "\n".join(forbidden_lines(op))
+    finally:
+        op.stop()
+    # ... and it could not have done more than the operator needs
+    assert can_i(cluster, sa_user, "create", "pods", "-n", ns)
+    assert can_i(cluster, sa_user, "update", "specdecodedeployments/status", "-n", ns)
+    for denied in (["get", "secrets", "-n", ns], ["delete", "deployments", "-n", ns],
+                   ["create", "pods/exec", "-n", ns], ["delete", "specdecodedeployments", "-n", ns],
+                   ["update", "specdecodedeployments", "-n", ns], ["create", "clusterroles"],
+                   ["patch", "nodes"], ["delete", "configmaps", "-n", ns]):
+        assert not can_i(cluster, sa_user, *denied), f"the operator's account may {' '.join(denied)}"
+
+    # upgrade: namespace scope over a second namespace, other resources, plain logs, a Service
+    watched = f"{ns}-w"
+    cluster.kubectl("create", "namespace", watched)
+    try:
+        cluster.helm("upgrade", RELEASE, str(CHART), *helm_ns, "--wait", "--timeout", "120s",
+                     "--set", "watch.scope=namespace", "--set", f"watch.namespaces={{{watched}}}",
+                     "--set", "operator.logFormat=plain", "--set", "resources.limits.memory=768Mi",
+                     "--set", "metrics.service.enabled=true")
+        history = json.loads(cluster.helm("history", RELEASE, *helm_ns, "-o", "json").stdout)
+        assert [h["revision"] for h in history] == [1, 2] and history[-1]["status"] == "deployed"
+        args = container_args(cluster, ns)
+        assert f"--namespace={watched}" in args and "--all-namespaces" not in args
+        assert "--log-format=plain" in args
+        dep = json.loads(cluster.kubectl("get", "deployment", sa, "-n", ns, "-o", "json").stdout)
+        assert dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] == "768Mi"
+        assert cluster.kubectl("get", "service", sa, "-n", ns).returncode == 0
+        assert cluster.kubectl("get", "clusterrole", sa, check=False).returncode != 0
+        assert cluster.kubectl("get", "role", sa, "-n", watched).returncode == 0
+        assert not can_i(cluster, sa_user, "list", "pods", "-n", ns)  # no longer cluster-wide
+        assert can_i(cluster, sa_user, "create", "pods", "-n", watched)
+
+        # the narrower credentials still reconcile in the watched namespace
+        op = LocalOperator(args, kubeconfig, tmp_path / "operator-namespace.log")
+        try:
+            cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(local_example(cluster, watched, "tiny-ns")))
+            status = wait_ready(cluster, op, watched, "tiny-ns")
+            assert status["readyReplicas"] == 1
+            # Only kopf's own cluster-scope discovery may be refused (it falls back by design).
+            unexpected = [line for line in forbidden_lines(op) if "namespaces" not in line.lower()
+                          and "customresourcedefinitions" not in line.lower()]
+            assert not unexpected, "\n".join(unexpected)
+        finally:
+            op.stop()
+        cluster.kubectl("delete", "sdd", "--all", "-n", watched, "--wait=true")
+    finally:
+        cluster.kubectl("delete", "sdd", "--all", "-n", ns, "--wait=true", check=False)
+
+    # uninstall: nothing of the release is left but the CRD
+    cluster.helm("uninstall", RELEASE, *helm_ns, "--wait", "--timeout", "120s")
+    kinds = "deployments,replicasets,pods,services,serviceaccounts,roles,rolebindings,configmaps"
+    for where in (ns, watched):
+        # The operator pod goes through graceful deletion after its Deployment is gone.
+        wait_for(lambda where=where: not cluster.kubectl(
+            "get", kinds, "-n", where, "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "name").stdout.split(),
+            timeout=60, interval=1, what=f"release objects gone from {where}")
+    cluster_left = cluster.kubectl("get", "clusterroles,clusterrolebindings", "-l",
+                                   f"app.kubernetes.io/instance={RELEASE}", "-o", "name").stdout.split()
+    assert not cluster_left, cluster_left
+    sa_left = cluster.kubectl("get", "serviceaccount", sa, "-n", ns, check=False)
+    assert sa_left.returncode != 0
+    release_secrets = cluster.kubectl("get", "secrets", "-n", ns, "-l", f"owner=helm,name={RELEASE}",
+                                      "-o", "name").stdout.split()
+    assert not release_secrets, release_secrets
+    assert cluster.kubectl("get", "crd", "specdecodedeployments.specdecode.io").returncode == 0
+    cluster.kubectl("delete", "namespace", watched, "--wait=false", check=False)
