@@ -116,3 +116,16 @@ def test_config_errors_name_file_and_field(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in LLAMA_8B.items() if k != "vocab_size"}))
     with pytest.raises(InputError, match=r"field 'vocab_size'"):
         load_shape(tmp_path)
+
+
+def test_hybrid_model_counts_only_layers_with_a_kv_cache():
+    # Qwen3-Next style: every fourth layer is full attention, the rest linear attention (no KV cache)
+    types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 12
+    cfg = {**LLAMA_8B, "num_hidden_layers": 48, "layer_types": types}
+    shape = shape_from_config(cfg)
+    assert shape.num_attention_layers == 12
+    assert shape.kv_bytes_per_token(1, 2) == 12 * 8 * 256 * 2
+    assert shape.draft_num_layers == 48
+    # sliding-window layers still hold KV
+    gemma_like = {**LLAMA_8B, "layer_types": ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 26}
+    assert shape_from_config(gemma_like).num_attention_layers == 32

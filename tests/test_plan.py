@@ -189,6 +189,10 @@ def test_compact_json_stays_under_the_termination_log_limit():
     plan = build_plan(request(gpu_memory_bytes=8 * GIB, target_name="x" * 200, draft_name="y" * 200),
                       eagle3_candidates, [1, 2, 4, 8])
     assert len(to_json(plan).encode()) < 4096
+    huge = build_plan(request(target_name="x" * 1500, draft_name="y" * 1500, gpu_name="z" * 500),
+                      eagle3_candidates, [1])
+    assert len(to_json(huge).encode()) < 4096 and huge["message"].endswith("...")
+    validate_plan(huge)
     assert json.loads(to_json(plan)) == plan
 
 

@@ -115,6 +115,19 @@ def _optional_int(cfg: dict[str, Any], key: str) -> int | None:
     return value
 
 
+def _kv_layers(cfg: dict[str, Any]) -> int | None:
+    """Layers that keep a KV cache in a hybrid model, from the standard ``layer_types`` list.
+
+    Full and sliding-window attention layers count (engines without a separate SWA pool size
+    them alike); linear-attention, Mamba and convolution layers keep no KV cache.
+    """
+    types = cfg.get("layer_types")
+    if not isinstance(types, list) or not types:
+        return None
+    count = sum(1 for t in types if isinstance(t, str) and "attention" in t and "linear" not in t)
+    return count or None
+
+
 def read_config(model_dir: str | Path) -> dict[str, Any]:
     """Read ``config.json`` of a model folder, with errors that name the file."""
     path = Path(model_dir) / "config.json"
@@ -169,7 +182,7 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
         architecture=architecture,
         hidden_size=hidden,
         num_hidden_layers=layers,
-        num_attention_layers=_optional_int(inner, "num_attention_layers") or layers,
+        num_attention_layers=_optional_int(inner, "num_attention_layers") or _kv_layers(inner) or layers,
         num_attention_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,

@@ -257,6 +257,9 @@ def build_plan(req: PlanRequest, candidates: dict[int, Candidate] | Callable[[in
         "layerRatio": {"maxTotalNumTokens": ratio_tokens, "bytesPerToken": ratio_cell},
     }
     plan["message"] = _message(req, plan, s)
+    excess = len(to_json(plan).encode()) - (TERMINATION_LOG_LIMIT - 1)
+    if excess > 0:  # very long folder names: keep the numbers, shorten the prose
+        plan["message"] = plan["message"][: max(0, len(plan["message"]) - excess - 3)] + "..."
     return plan
 
 
