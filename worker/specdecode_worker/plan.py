@@ -226,10 +226,10 @@ def build_plan(req: PlanRequest, candidates: dict[int, Candidate] | Callable[[in
         "kind": PLAN_KIND,
         "fits": s.fits,
         "algorithm": req.algorithm,
-        "target": req.target_name,
-        "draft": req.draft_name,
+        "target": _short(req.target_name),
+        "draft": None if req.draft_name is None else _short(req.draft_name),
         "tensorParallelSize": tp,
-        "gpu": {"name": req.gpu_name, "source": req.gpu_source, "totalBytes": req.gpu_total_bytes},
+        "gpu": {"name": _short(req.gpu_name, 64), "source": req.gpu_source, "totalBytes": req.gpu_total_bytes},
         "gpuMemoryBytes": g,
         "memFractionStatic": s.f,
         "weights": {"targetBytes": c.target_weight_bytes, "draftBytes": c.draft_weight_bytes},
@@ -261,6 +261,11 @@ def build_plan(req: PlanRequest, candidates: dict[int, Candidate] | Callable[[in
     if excess > 0:  # very long folder names: keep the numbers, shorten the prose
         plan["message"] = plan["message"][: max(0, len(plan["message"]) - excess - 3)] + "..."
     return plan
+
+
+def _short(name: str, limit: int = 128) -> str:
+    """Identities stay short so the plan fits a termination message whatever the folder names."""
+    return name if len(name) <= limit else name[: limit - 3] + "..."
 
 
 def _gib(n: float) -> str:
