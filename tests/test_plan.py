@@ -191,7 +191,8 @@ def test_compact_json_stays_under_the_termination_log_limit():
     assert len(to_json(plan).encode()) < 4096
     huge = build_plan(request(target_name="x" * 1500, draft_name="y" * 1500, gpu_name="z" * 500),
                       eagle3_candidates, [1])
-    assert len(to_json(huge).encode()) < 4096 and huge["message"].endswith("...")
+    assert len(to_json(huge).encode()) < 4096
+    assert len(huge["target"]) == 128 and huge["target"].endswith("...")
     validate_plan(huge)
     assert json.loads(to_json(plan)) == plan
 
