@@ -1,0 +1,351 @@
+"""The operator end to end on the real control plane, driven with kubectl as a user would.
+
+Each test gets a namespace, a `models` PVC holding sparse copies of published checkpoints (real
+configs and safetensors headers: the planner pod runs the real `specdecode-worker plan` on them),
+and its own `specdecode-operator --namespace <ns>` process. Worker pods become Ready through KWOK;
+no worker process runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.checkpoints import write_model
+from tests.cluster.wait import wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+CRD = ROOT / "crds" / "specdecode.io_specdecodedeployments.yaml"
+EXAMPLE = ROOT / "examples" / "spec-deploy.yaml"
+TARGET = "meta-llama/Llama-3.1-8B-Instruct"
+DRAFT = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+OTHER_DRAFT = "mirror/EAGLE3-LLaMA3.1-Instruct-8B-v2"
+BIN = Path(sys.executable).parent
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# --- fixtures -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def crd(cluster):
+    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/specdecodedeployments.specdecode.io", "--timeout=60s")
+    return CRD
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Operator:
+    """`specdecode-operator` as a subprocess with the cluster's kubeconfig."""
+
+    def __init__(self, cluster, namespace: str, *extra: str):
+        self.cluster, self.namespace, self.extra = cluster, namespace, extra
+        self.log = Path(cluster.logs_dir) / f"operator-{namespace}.log"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> "Operator":
+        port = _free_port()
+        self.starts += 1
+        out = open(self.log, "ab")
+        self.proc = subprocess.Popen(
+            [str(BIN / "specdecode-operator"), "--namespace", self.namespace, "--log-format", "plain",
+             "--worker-image", "specdecode/worker:test", "--liveness", f"http://127.0.0.1:{port}/healthz",
+             *self.extra], env=self.cluster.env, stdout=out, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}/healthz"
+
+        def healthy():
+            assert self.proc.poll() is None, f"operator exited {self.proc.returncode}: {self.tail()}"
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return r.status == 200
+
+        wait_for(healthy, timeout=60, interval=0.5, what="operator liveness endpoint")
+        return self
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
+
+
+@pytest.fixture
+def store(cluster, namespace):
+    """The `models` PVC with sparse Llama-3.1-8B-Instruct and two EAGLE3 heads."""
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
+        "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}}}))
+    root = Path(cluster.pvc_root) / namespace / "models"
+    write_model(root / TARGET, "llama-3.1-8b-instruct")
+    write_model(root / DRAFT, "eagle3-llama-3.1-8b")
+    write_model(root / OTHER_DRAFT, "eagle3-llama-3.1-8b")
+    wait_for(lambda: _get(cluster, namespace, "pvc", "models")["status"].get("phase") == "Bound",
+             timeout=30, what="PVC models bound")
+    return root
+
+
+@pytest.fixture
+def operator(cluster, crd, namespace, store):
+    op = Operator(cluster, namespace).start()
+    yield op
+    op.stop()
+    print(f"--- operator log (tail) ---\n{op.tail(80)}")  # shown by pytest when the test failed
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+def _get(cluster, namespace, kind, name):
+    r = cluster.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
+    if r.returncode != 0:
+        assert "NotFound" in r.stderr, r.stderr
+        return None
+    return json.loads(r.stdout)
+
+
+def _list(cluster, namespace, kind, selector):
+    return json.loads(cluster.kubectl("get", kind, "-n", namespace, "-l", selector, "-o", "json").stdout)["items"]
+
+
+def example(**spec_changes) -> dict:
+    body = yaml.safe_load(EXAMPLE.read_text())
+    for path, value in spec_changes.items():
+        node = body["spec"]
+        *parents, leaf = path.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return body
+
+
+def apply(cluster, namespace, body, check=True):
+    return cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body), check=check)
+
+
+def condition(sdd, ctype):
+    return next((c for c in (sdd or {}).get("status", {}).get("conditions", []) if c["type"] == ctype), None)
+
+
+def wait_sdd(cluster, namespace, name, predicate, what, timeout=90):
+    def check():
+        sdd = _get(cluster, namespace, "sdd", name)
+        return sdd if sdd and predicate(sdd) else None
+
+    return wait_for(check, timeout=timeout, interval=0.5, what=f"{name}: {what}")
+
+
+def phase_is(phase):
+    return lambda s: s.get("status", {}).get("phase") == phase
+
+
+def planner_pods(cluster, namespace, name):
+    return _list(cluster, namespace, "pods", f"specdecode.io/name={name},specdecode.io/role=planner")
+
+
+def local_plan(store: Path, *args: str) -> dict:
+    """The planner CLI's own output for the same models, run here."""
+    out = subprocess.run([str(BIN / "specdecode-worker"), "plan", "--target", str(store / TARGET), *args,
+                          "--output", "json"], capture_output=True, text=True)
+    assert out.returncode in (0, 3), out.stderr
+    return json.loads(out.stdout)
+
+
+NAME = "llama-8b-eagle3"
+
+
+# --- tests ----------------------------------------------------------------------------------------
+
+def test_example_plans_deploys_scales_replans_and_deletes(cluster, namespace, store, operator):
+    apply(cluster, namespace, example())
+    sdd = wait_sdd(cluster, namespace, NAME, phase_is("Ready"), "Ready")
+
+    # status.plan is the CLI's own plan for the same inputs
+    expected = local_plan(store, "--draft", str(store / DRAFT), "--algorithm", "EAGLE3", "--tp", "auto",
+                          "--gpu-product", "NVIDIA-H100-80GB-HBM3", "--context-length", "8192",
+                          "--min-kv-tokens", "65536", "--max-running-requests", "64")
+    plan = sdd["status"]["plan"]
+    for k in ("apiVersion", "kind", "target", "draft"):  # names are the paths, which differ in the pod
+        expected.pop(k)
+    assert {k: v for k, v in plan.items() if k in expected} == expected
+    tp = plan["tensorParallelSize"]
+    assert condition(sdd, "Planned")["reason"] == "PlanReady"
+    assert condition(sdd, "Available")["status"] == "True" and condition(sdd, "Degraded")["status"] == "False"
+    assert sdd["status"]["observedGeneration"] == sdd["metadata"]["generation"]
+
+    dep = _get(cluster, namespace, "deployment", NAME)
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == tp
+    assert container["args"][container["args"].index("--max-total-tokens") + 1] == str(plan["kvCache"]["maxTotalNumTokens"])
+    assert dep["metadata"]["ownerReferences"][0]["uid"] == sdd["metadata"]["uid"]
+    workers = _list(cluster, namespace, "pods", "specdecode.io/name=llama-8b-eagle3,specdecode.io/role=worker")
+    assert len(workers) == 1 and workers[0]["spec"]["nodeName"].startswith("h100-node-")
+    assert json.loads(_get(cluster, namespace, "configmap", f"{NAME}-plan")["data"]["plan.json"])["kvCache"] == plan["kvCache"]
+    assert _get(cluster, namespace, "service", NAME)["spec"]["ports"][0]["port"] == 8000
+    table = cluster.kubectl("get", "sdd", NAME, "-n", namespace).stdout
+    assert "Ready" in table and str(plan["kvCache"]["maxTotalNumTokens"]) in table
+    events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector",
+                             f"involvedObject.name={NAME}", "-o", "json").stdout
+    reasons = {e["reason"] for e in json.loads(events)["items"]}
+    assert {"Planning", "PlanReady", "Ready"} <= reasons
+    (first_planner,) = planner_pods(cluster, namespace, NAME)
+
+    # scale through the scale subresource: no new plan, the same pod template
+    template_hash = dep["spec"]["template"]
+    cluster.kubectl("scale", "sdd", NAME, "-n", namespace, "--replicas=3")
+    sdd = wait_sdd(cluster, namespace, NAME, lambda s: s["status"].get("readyReplicas") == 3
+                   and s["status"]["phase"] == "Ready", "3 ready replicas")
+    assert sdd["status"]["plan"]["key"] == plan["key"]
+    assert [p["metadata"]["uid"] for p in planner_pods(cluster, namespace, NAME)] == [first_planner["metadata"]["uid"]]
+    dep = _get(cluster, namespace, "deployment", NAME)
+    assert dep["spec"]["replicas"] == 3 and dep["spec"]["template"] == template_hash
+    assert len(_list(cluster, namespace, "replicasets", "specdecode.io/name=llama-8b-eagle3")) == 1
+
+    # a new draft model: a new plan, a rolled pod template, the old planner pod cleaned up
+    apply(cluster, namespace, example(replicas=3, draft__model=OTHER_DRAFT))
+    sdd = wait_sdd(cluster, namespace, NAME, lambda s: s["status"]["plan"]["key"] != plan["key"]
+                   and s["status"]["phase"] == "Ready" and s["status"].get("updatedReplicas") == 3, "re-planned and rolled")
+    dep = _get(cluster, namespace, "deployment", NAME)
+    assert dep["spec"]["template"]["metadata"]["annotations"]["specdecode.io/plan-key"] == sdd["status"]["plan"]["key"]
+    assert f"/models/{OTHER_DRAFT}" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    wait_for(lambda: [p["metadata"]["labels"]["specdecode.io/plan-key"] for p in planner_pods(cluster, namespace, NAME)]
+             == [sdd["status"]["plan"]["key"]], timeout=30, what="only the new planner pod left")
+
+    # deleting the SDD removes every child (owner references + garbage collection)
+    cluster.kubectl("delete", "sdd", NAME, "-n", namespace, "--wait=true", "--timeout=60s")
+
+    def all_gone():
+        left = []
+        for kind in ("deployments", "replicasets", "services", "configmaps", "pods"):
+            items = _list(cluster, namespace, kind, "specdecode.io/name=llama-8b-eagle3")
+            left += [f"{kind}/{i['metadata']['name']}" for i in items]
+        return not left or None
+
+    wait_for(all_gone, timeout=60, interval=1, what="every child deleted")
+
+
+def test_invalid_specs_are_refused_by_the_api_server(cluster, crd, namespace):
+    cases = [
+        ({"draft": {"algorithm": "EAGLE3"}}, "draft.model is required"),
+        ({"draft": {"algorithm": "NGRAM", "model": DRAFT}}, "NGRAM drafts from the prompt"),
+        ({"draft": {"algorithm": "MEDUSA", "model": DRAFT}}, "Unsupported value: \"MEDUSA\""),
+        ({"draft": {"algorithm": "EAGLE3", "model": DRAFT, "numSteps": 3, "numDraftTokens": 7}},
+         "numDraftTokens must equal numSteps + 1"),
+        ({"serving": {"memFractionStatic": 1.2}}, "strictly between 0 and 1"),
+        ({"serving": {"contextLength": 8}}, "should be greater than or equal to 16"),
+        ({"gpu": {}}, "so the planner knows how much memory a GPU has"),
+        ({"modelStore": {"pvc": {"claimName": "m"}, "hub": {}}}, "exactly one of modelStore.pvc or modelStore.hub"),
+        ({"target": {"model": "/abs/path"}}, "no leading '/'"),
+        ({"replicas": -1}, "should be greater than or equal to 0"),
+    ]
+    for change, message in cases:
+        body = example()
+        body["spec"].update(change)
+        r = apply(cluster, namespace, body, check=False)
+        assert r.returncode != 0 and message in r.stderr, (change, r.stderr)
+    assert _get(cluster, namespace, "sdd", NAME) is None
+    # every shipped example is accepted (server-side dry run)
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(path))
+
+
+def test_model_too_large_for_the_gpus(cluster, namespace, store, operator):
+    apply(cluster, namespace, example(gpu={"product": "NVIDIA-H100-80GB-HBM3", "memoryGiB": 8}))
+    sdd = wait_sdd(cluster, namespace, NAME, phase_is("Failed"), "Failed")
+    planned = condition(sdd, "Planned")
+    assert (planned["status"], planned["reason"]) == ("False", "InsufficientGPUMemory")
+    short = sdd["status"]["plan"]["shortfallBytes"]
+    assert short > 0 and str(short) in planned["message"]
+    assert sdd["status"]["plan"]["fits"] is False
+    assert _get(cluster, namespace, "deployment", NAME) is None
+    assert len(planner_pods(cluster, namespace, NAME)) == 1
+
+
+def test_planner_failure_is_reported_and_retried(cluster, namespace, store, operator):
+    config = store / TARGET / "config.json"
+    good = config.read_text()
+    broken = json.loads(good)
+    del broken["hidden_size"]
+    config.write_text(json.dumps(broken))
+    apply(cluster, namespace, example())
+    sdd = wait_sdd(cluster, namespace, NAME, lambda s: (condition(s, "Planned") or {}).get("reason") == "PlannerFailed",
+                   "PlannerFailed")
+    message = condition(sdd, "Planned")["message"]
+    assert "hidden_size" in message and "bad input" in message, message
+    assert sdd["status"]["phase"] == "Failed" and _get(cluster, namespace, "deployment", NAME) is None
+    first_uid = planner_pods(cluster, namespace, NAME)[0]["metadata"]["uid"]
+    config.write_text(good)  # the user fixes the model store; the retry picks it up
+    sdd = wait_sdd(cluster, namespace, NAME, phase_is("Ready"), "Ready after a retry", timeout=60)
+    (pod,) = planner_pods(cluster, namespace, NAME)
+    assert pod["metadata"]["uid"] != first_uid
+    assert sdd["status"]["planner"]["attempts"] == 0
+
+
+def test_operator_killed_mid_plan_resumes_with_one_planner_pod(cluster, crd, namespace, store):
+    op = Operator(cluster, namespace).start()
+    try:
+        apply(cluster, namespace, example())
+        wait_for(lambda: planner_pods(cluster, namespace, NAME), timeout=60, interval=0.1, what="planner pod created")
+        op.kill()  # the planner pod runs on while no operator watches
+        (pod,) = planner_pods(cluster, namespace, NAME)
+        op.start()
+        wait_sdd(cluster, namespace, NAME, phase_is("Ready"), "Ready after the restart")
+        assert [p["metadata"]["uid"] for p in planner_pods(cluster, namespace, NAME)] == [pod["metadata"]["uid"]]
+        assert len(_list(cluster, namespace, "replicasets", "specdecode.io/name=llama-8b-eagle3")) == 1
+        op.kill()  # and once more, when everything is done: a restart changes nothing
+        rv = _get(cluster, namespace, "sdd", NAME)["status"]
+        op.start()
+        wait_for(lambda: "resum" in op.tail(200).lower() or None, timeout=30, what="resume handled")
+        assert _get(cluster, namespace, "sdd", NAME)["status"]["phase"] == "Ready"
+        assert len(planner_pods(cluster, namespace, NAME)) == 1 and rv["plan"] == _get(cluster, namespace, "sdd", NAME)["status"]["plan"]
+    finally:
+        op.stop()
+
+
+def test_more_gpus_per_replica_than_any_node(cluster, namespace, store, operator):
+    # On L4s (one per node here) this model needs tensor parallelism 2.
+    apply(cluster, namespace, example(gpu={"product": "NVIDIA-L4"}))
+    sdd = wait_sdd(cluster, namespace, NAME, phase_is("Degraded"), "Degraded")
+    assert sdd["status"]["plan"]["tensorParallelSize"] == 2
+    degraded = condition(sdd, "Degraded")
+    assert degraded["reason"] == "PlanExceedsNodeGPUs", degraded
+    assert "needs 2 GPUs per replica" in degraded["message"] and "NVIDIA-L4 offers is 1" in degraded["message"]
+    (pod,) = _list(cluster, namespace, "pods", "specdecode.io/name=llama-8b-eagle3,specdecode.io/role=worker")
+    assert not pod["spec"].get("nodeName")
+
+
+def test_replicas_beyond_free_gpus_are_unschedulable_with_the_scheduler_message(cluster, namespace, store, operator):
+    # 10 GiB GPUs need tensor parallelism 8; two 8-GPU nodes host two such replicas, not three.
+    apply(cluster, namespace, example(replicas=3, gpu={"product": "NVIDIA-H100-80GB-HBM3", "memoryGiB": 10}))
+    sdd = wait_sdd(cluster, namespace, NAME, lambda s: (condition(s, "Degraded") or {}).get("reason") == "Unschedulable"
+                   and s["status"].get("readyReplicas") == 2, "Degraded=Unschedulable with 2 ready replicas")
+    degraded = condition(sdd, "Degraded")
+    assert degraded["status"] == "True" and "Insufficient nvidia.com/gpu" in degraded["message"], degraded
+    assert sdd["status"]["plan"]["tensorParallelSize"] == 8
+    assert sdd["status"]["phase"] == "Degraded" and sdd["status"]["readyReplicas"] == 2
+    assert condition(sdd, "Available")["status"] == "True"
+    # scaling down to what fits clears it
+    cluster.kubectl("scale", "sdd", NAME, "-n", namespace, "--replicas=2")
+    wait_sdd(cluster, namespace, NAME, phase_is("Ready"), "Ready at 2 replicas")
