@@ -13,7 +13,7 @@ class StubReconciler:
         self.results = list(results)
         self.calls = []
 
-    def reconcile(self, namespace, name):
+    def reconcile(self, namespace, name, force_apply=True):
         self.calls.append((namespace, name))
         r = self.results.pop(0)
         if isinstance(r, Exception):
@@ -44,7 +44,7 @@ def test_child_events_coalesce_and_are_not_lost_during_a_reconcile():
     assert ctl.due[("ns", "a")] == first  # the earliest wins; a burst is one reconcile
 
     # a poke that lands while the reconcile runs makes the next one come soon
-    def reconcile_with_event(ns, name):
+    def reconcile_with_event(ns, name, force_apply=True):
         ctl.poke(ns, name)
         return Result()
 

@@ -350,3 +350,19 @@ def test_deleted_sdd_is_gone(kube):
     r = reconciler(kube)
     del kube.objects[sdd_path(NS, "llama-8b-eagle3")]
     assert r.reconcile(NS, "llama-8b-eagle3").gone
+
+
+def test_child_events_refresh_status_without_reapplying(kube):
+    r = reconciler(kube)
+    _ready(kube, r)
+    n = len(kube.applied)
+    r.reconcile(NS, "llama-8b-eagle3", force_apply=False)
+    assert len(kube.applied) == n  # nothing changed: reads only
+    kube.roll_out(ready=0)  # a worker went unready
+    r.reconcile(NS, "llama-8b-eagle3", force_apply=False)
+    assert len(kube.applied) == n and kube.sdd()["status"]["phase"] == "Deploying"
+    body = kube.sdd()
+    body["spec"]["replicas"] = 2  # a new generation is applied even from a child event
+    kube.put_sdd(body)
+    r.reconcile(NS, "llama-8b-eagle3", force_apply=False)
+    assert len(kube.applied) == n + 3 and kube.deployment()["spec"]["replicas"] == 2

@@ -45,11 +45,11 @@ class Controller:
         self.due[key] = min(self.due.get(key, float("inf")), time.time() + delay)
         self.poked.add(key)
 
-    def reconcile(self, namespace: str, name: str) -> None:
+    def reconcile(self, namespace: str, name: str, force_apply: bool = True) -> None:
         key = (namespace, name)
         self.poked.discard(key)
         try:
-            result = self.reconciler.reconcile(namespace, name)
+            result = self.reconciler.reconcile(namespace, name, force_apply)
         except Exception:
             log.exception("reconcile of %s/%s failed; retrying in 10s", namespace, name)
             self.due[key] = time.time() + 10
@@ -69,7 +69,9 @@ class Controller:
             for key, when in list(self.due.items()):
                 if when <= now and key not in self.running:
                     self.running.add(key)
-                    fut = loop.run_in_executor(self.pool, self.reconcile, *key)
+                    # child events and requeues only refresh status; the periodic resync re-applies
+                    force = key not in self.poked
+                    fut = loop.run_in_executor(self.pool, self.reconcile, *key, force)
                     fut.add_done_callback(lambda _f, k=key: self.running.discard(k))
             try:
                 await asyncio.wait_for(stopped.wait(), TICK_SECONDS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 NAME = "specdecode.io/name"
 ROLE = "specdecode.io/role"
 PLAN_KEY = "specdecode.io/plan-key"
+GENERATION = "specdecode.io/generation"  # the SDD generation a Deployment was rendered from
 ROLE_PLANNER = "planner"
 ROLE_WORKER = "worker"
 FIELD_MANAGER = "specdecode-operator"

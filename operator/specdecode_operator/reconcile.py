@@ -8,6 +8,7 @@ Every step is idempotent and reads the cluster rather than remembering, so a res
 from __future__ import annotations
 
 import calendar
+import copy
 import logging
 import threading
 import time
@@ -68,28 +69,32 @@ class Reconciler:
 
     # --- entry point ----------------------------------------------------------------------------
 
-    def reconcile(self, namespace: str, name: str) -> Result:
-        """Reconcile the current object; retried on a status write conflict."""
+    def reconcile(self, namespace: str, name: str, force_apply: bool = True) -> Result:
+        """Reconcile the current object; retried on a status write conflict.
+
+        ``force_apply=False`` (child events, requeues) skips re-applying children that were
+        already applied for this generation and plan: status follows at a few reads per event.
+        """
         with _lock(namespace, name):
             for _ in range(5):
                 sdd = self.kube.get(sdd_path(namespace, name))
                 if sdd is None or (sdd.get("metadata") or {}).get("deletionTimestamp"):
                     return Result(gone=True)  # deleted: garbage collection removes the children
                 try:
-                    return self._reconcile(sdd)
+                    return self._reconcile(sdd, force_apply)
                 except ApiError as exc:
                     if exc.status != 409:
                         raise
                     log.debug("status conflict on %s/%s, retrying", namespace, name)
             return Result(requeue_after=1.0)
 
-    def _reconcile(self, sdd: dict[str, Any]) -> Result:
+    def _reconcile(self, sdd: dict[str, Any], force_apply: bool = True) -> Result:
         view = parse_spec(sdd, self.options.default_image)
         key = plan_key(view)
         meta = sdd["metadata"]
         generation = int(meta.get("generation", 1))
-        old_status = dict(sdd.get("status") or {})
-        status = dict(old_status)
+        old_status = copy.deepcopy(sdd.get("status") or {})
+        status = copy.deepcopy(old_status)
         verdicts: dict[str, c.Verdict] = {}
         owner = labels.owner_reference(sdd)
         requeue: float | None = None
@@ -105,9 +110,13 @@ class Reconciler:
             self._cleanup_planners(view, key)
             tp = int(plan["tensorParallelSize"])
             status["gpusPerReplica"] = tp
-            for child in workload.render_children(view, _plan_body(plan), key, owner):
-                self.kube.apply(child)
-            obs = self._observe(view, key, tp)
+            dep = self.kube.get(path("apps/v1", "Deployment", view.namespace, view.name))
+            if force_apply or not _applied(dep, key, generation):
+                for child in workload.render_children(view, _plan_body(plan), key, owner, generation):
+                    applied = self.kube.apply(child)
+                    if child["kind"] == "Deployment":
+                        dep = applied
+            obs = self._observe(view, key, tp, dep)
             verdicts.update(obs.verdicts)
             status.update(replicas=obs.replicas, readyReplicas=obs.ready_replicas,
                           updatedReplicas=obs.updated_replicas)
@@ -217,8 +226,7 @@ class Reconciler:
         return {"replicas": int(st.get("replicas", 0) or 0), "readyReplicas": int(st.get("readyReplicas", 0) or 0),
                 "updatedReplicas": int(st.get("updatedReplicas", 0) or 0)}
 
-    def _observe(self, view: SpecView, key: str, tp: int) -> observe.Observation:
-        dep = self.kube.get(path("apps/v1", "Deployment", view.namespace, view.name))
+    def _observe(self, view: SpecView, key: str, tp: int, dep: dict[str, Any] | None) -> observe.Observation:
         pods = self._worker_pods(view)
         template_key = ((((dep or {}).get("spec") or {}).get("template") or {}).get("metadata") or {}) \
             .get("annotations", {}).get(labels.PLAN_KEY)
@@ -244,6 +252,12 @@ class Reconciler:
         if self._nodes is None or now - self._nodes[0] > NODE_CACHE_SECONDS:
             self._nodes = (now, self.kube.list("/api/v1/nodes"))
         return self._nodes[1]
+
+
+def _applied(dep: dict[str, Any] | None, key: str, generation: int) -> bool:
+    """Whether the Deployment was rendered from this plan and this SDD generation."""
+    ann = ((dep or {}).get("metadata") or {}).get("annotations") or {}
+    return ann.get(labels.PLAN_KEY) == key and ann.get(labels.GENERATION) == str(generation)
 
 
 def _plan_body(plan: dict[str, Any]) -> dict[str, Any]:

@@ -96,7 +96,8 @@ def startup_failure_threshold(plan: dict[str, Any]) -> int:
     return max(30, math.ceil(seconds / STARTUP_PERIOD_SECONDS))
 
 
-def render_deployment(view: SpecView, plan: dict[str, Any], key: str, owner: dict[str, Any]) -> dict[str, Any]:
+def render_deployment(view: SpecView, plan: dict[str, Any], key: str, owner: dict[str, Any],
+                      generation: int = 0) -> dict[str, Any]:
     tp = int(plan["tensorParallelSize"])
     pod_labels = dict(view.pod.get("labels") or {}) | labels.common(view.name, labels.ROLE_WORKER)
     annotations = dict(view.pod.get("annotations") or {}) | {labels.PLAN_KEY: key}
@@ -150,7 +151,7 @@ def render_deployment(view: SpecView, plan: dict[str, Any], key: str, owner: dic
             "name": view.name,
             "namespace": view.namespace,
             "labels": labels.common(view.name, labels.ROLE_WORKER),
-            "annotations": {labels.PLAN_KEY: key},
+            "annotations": {labels.PLAN_KEY: key, labels.GENERATION: str(generation)},
             "ownerReferences": [owner],
         },
         "spec": {
@@ -182,7 +183,8 @@ def render_service(view: SpecView, owner: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def render_children(view: SpecView, plan: dict[str, Any], key: str, owner: dict[str, Any]) -> list[dict[str, Any]]:
+def render_children(view: SpecView, plan: dict[str, Any], key: str, owner: dict[str, Any],
+                    generation: int = 0) -> list[dict[str, Any]]:
     """In apply order: the plan ConfigMap before the Deployment that mounts it."""
-    return [render_configmap(view, plan, key, owner), render_deployment(view, plan, key, owner),
+    return [render_configmap(view, plan, key, owner), render_deployment(view, plan, key, owner, generation),
             render_service(view, owner)]
