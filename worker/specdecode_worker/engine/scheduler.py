@@ -281,26 +281,21 @@ class Scheduler:
         if self._running:
             reqs = list(self._running)
             for r, tokens in zip(reqs, self.spec.decode_round(reqs)):
-                self._commit(r, tokens, already_appended=True)
+                self._commit(r, tokens)
 
-    def _commit(self, r: Request, tokens: list[int], already_appended: bool = False) -> None:
-        if already_appended:
-            del r.output_ids[len(r.output_ids) - len(tokens):]
+    def _commit(self, r: Request, tokens: list[int]) -> None:
+        """Keep the round's new tokens (already appended) up to EOS or max_tokens; finish if done."""
+        del r.output_ids[len(r.output_ids) - len(tokens):]
         kept, reason = [], None
         for t in tokens:
-            if len(r.output_ids) + len(kept) >= r.params.max_tokens:
-                reason = "length"
-                break
             kept.append(t)
             if t in r.eos_token_ids and not r.params.ignore_eos:
                 reason = "stop"
                 break
-        if len(r.output_ids) + len(kept) >= r.params.max_tokens and reason is None:
-            reason = "length"
-        if already_appended:
-            r.output_ids.extend(kept)
-        else:
-            r.output_ids[:] = kept
+            if len(r.output_ids) + len(kept) >= r.params.max_tokens:
+                reason = "length"
+                break
+        r.output_ids.extend(kept)
         self.stats.generated_tokens += len(kept)
         if r.on_update and kept:
             r.on_update(r, kept)

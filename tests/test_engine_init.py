@@ -1,0 +1,110 @@
+"""Three-phase initialisation: order, pool sharing, and pool sizes against the planner."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from specdecode_worker import plan_cli  # noqa: E402
+from specdecode_worker.engine import scheduler as scheduler_mod  # noqa: E402
+from specdecode_worker.engine.model_runner import ModelRunner  # noqa: E402
+from specdecode_worker.engine.phases import PhaseError  # noqa: E402
+from specdecode_worker.engine.pools import MemoryPoolConfig  # noqa: E402
+from specdecode_worker.engine.scheduler import EngineArgs, Scheduler, StartupError  # noqa: E402
+from specdecode_worker.engine.workers import TargetWorker  # noqa: E402
+
+from tests.engine_helpers import engine, tiny_models  # noqa: E402
+
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tiny_models(tmp_path_factory.mktemp("init"))
+
+
+def test_runner_refuses_steps_out_of_order(models):
+    runner = ModelRunner(models["target"])
+    cfg = MemoryPoolConfig(64, 2, 32)
+    with pytest.raises(PhaseError, match=r"phase 1 \(load weights\)"):
+        runner.alloc_memory_pool(cfg)
+    runner.load_weights()
+    with pytest.raises(PhaseError, match=r"phase 2 \(allocate KV pools\)"):
+        runner.init_backends()
+    runner.alloc_memory_pool(cfg)
+    with pytest.raises(PhaseError, match=r"phase 3"):
+        runner.forward(None, last_only=True)
+
+
+def test_scheduler_allocates_only_with_every_weight_resident(models):
+    sched = Scheduler(EngineArgs(str(models["target"]), str(models["draft"]), "STANDALONE", device_memory_bytes=64 << 20))
+    sched.target_worker = TargetWorker(str(models["target"]), "cpu")  # the draft is not loaded yet
+    with pytest.raises(PhaseError, match=r"phase 2 .*phase 1 \(load weights\)"):
+        sched.init_memory_pools()
+    with pytest.raises(PhaseError, match=r"phase 3 .*phase 2"):
+        sched.init_backends()
+
+
+def test_init_model_worker_orders_the_phases(models, monkeypatch):
+    events = []
+
+    def spy(name, fn):
+        def wrapped(self, *a, **kw):
+            events.append((name, self.name))
+            return fn(self, *a, **kw)
+        return wrapped
+
+    for name in ("load_weights", "alloc_memory_pool", "init_backends"):
+        monkeypatch.setattr(ModelRunner, name, spy(name, getattr(ModelRunner, name)))
+    real_load_shape = scheduler_mod.load_shape
+    monkeypatch.setattr(scheduler_mod, "load_shape", lambda d: events.append(("read_config", str(d))) or real_load_shape(d))
+    engine(models["target"], "STANDALONE", models["draft"])
+    assert events == [
+        ("read_config", str(models["target"])), ("read_config", str(models["draft"])),
+        ("load_weights", "target"), ("load_weights", "draft"),
+        ("alloc_memory_pool", "target"), ("alloc_memory_pool", "draft"),
+        ("init_backends", "target"), ("init_backends", "draft"),
+    ]
+
+
+def test_draft_adopts_the_target_request_pool_and_allocator(models):
+    sched = engine(models["target"], "STANDALONE", models["draft"])
+    t, d = sched.target_worker.model_runner, sched.draft_worker.model_runner
+    assert d.req_to_token_pool is t.req_to_token_pool
+    assert d.token_to_kv_pool_allocator is t.token_to_kv_pool_allocator
+    assert d.token_to_kv_pool is not t.token_to_kv_pool
+    # Own K/V with the draft's geometry: 1 layer, 1 KV head of dim 16 (hidden 32 / 2 heads).
+    assert len(d.token_to_kv_pool.k_buffer) == 1 and len(t.token_to_kv_pool.k_buffer) == 2
+    assert d.token_to_kv_pool.k_buffer[0].shape == (t.token_to_kv_pool.size + 1, 1, 16)
+
+
+def _plan(models, *extra):
+    argv = ["--target", str(models["target"]), "--algorithm", "STANDALONE", "--draft", str(models["draft"]),
+            "--gpu-memory-gib", "1.1", "--mem-fraction-static", "0.95", "--context-length", "64", *extra]
+    return argv
+
+
+def test_cpu_pools_hold_exactly_the_planned_tokens(models, capsys):
+    assert plan_cli.main(_plan(models)) == 0
+    plan = json.loads(capsys.readouterr().out)
+    sched = engine(models["target"], "STANDALONE", models["draft"], device_memory_bytes=int(1.1 * GIB),
+                   mem_fraction_static=0.95, runtime_bytes=plan["reserve"]["runtimeBytes"], context_len=64)
+    # Hand count: target 2 layers x 2 KV heads x (16 + 16) x 4 bytes = 512; draft 1 x 1 x 32 x 4 = 128.
+    assert plan["kvCache"]["targetBytesPerToken"] == 512 and plan["kvCache"]["draftBytesPerToken"] == 128
+    t, d = sched.target_worker.model_runner, sched.draft_worker.model_runner
+    assert (t.kv_cell_bytes, d.kv_cell_bytes) == (512, 128)
+    assert t.weight_bytes == plan["weights"]["targetBytes"] and d.weight_bytes == plan["weights"]["draftBytes"]
+    planned = plan["kvCache"]["maxTotalNumTokens"]
+    assert sched.memory_profile.max_total_num_tokens == planned
+    assert t.token_to_kv_pool_allocator.size == planned
+    assert t.token_to_kv_pool.bytes_per_token() == 512 and d.token_to_kv_pool.bytes_per_token() == 128
+    assert t.token_to_kv_pool.k_buffer[0].shape[0] == planned + 1  # plus the padding slot 0
+
+
+def test_below_the_floor_the_worker_stops_before_serving(models):
+    with pytest.raises(StartupError, match="KV token slots fit"):
+        engine(models["target"], "STANDALONE", models["draft"], device_memory_bytes=1 << 20, min_kv_tokens=4096)
