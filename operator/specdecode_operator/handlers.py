@@ -116,7 +116,10 @@ async def cleanup(**_: Any) -> None:
 
 @kopf.on.probe(id="reconciler")
 def probe(**_: Any) -> dict[str, Any]:
-    return {"tracked": len(CONTROLLER.due) if CONTROLLER else 0}
+    """Shown on the liveness endpoint: SDDs tracked and API requests the reconciler made."""
+    if CONTROLLER is None:
+        return {}
+    return {"tracked": len(CONTROLLER.due), "apiRequests": getattr(CONTROLLER.reconciler.kube, "requests", 0)}
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
