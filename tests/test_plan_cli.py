@@ -88,7 +88,7 @@ def test_llama70b_on_80gb_needs_more_than_one_gpu(models, capsys):
                           "--algorithm", "STANDALONE", "--gpu-product", "NVIDIA-H100-80GB-HBM3", "--tp", 1)
     assert code == 3 and not plan1["fits"] and plan1["kvCache"]["maxTotalNumTokens"] == 0
     assert plan1["minMemFractionStatic"] > 1 and "fits with --tp 4" in plan1["message"]
-    assert plan1["shortfallBytes"] > 141_107_412_992 - 81_559 * MIB
+    assert plan1["shortfallBytes"] > 141_107_412_992 - (81_559 - 615) * MIB
 
 
 def test_deepseek_mtp_on_h200_needs_eight_gpus(models, capsys):
@@ -137,7 +137,8 @@ def test_misfit_exits_3_and_still_writes_the_plan(models, capsys, tmp_path):
     plan = validate_plan(json.loads(out))
     assert not plan["fits"] and plan["minTensorParallelSize"] == 2 and plan["shortfallBytes"] > 0
     assert json.loads(log.read_text()) == plan
-    g = 23_034 * MIB
+    g = (23_034 - 615) * MIB  # L4 total minus the driver's reservation
+    assert plan["gpuMemoryBytes"] == g and plan["gpu"]["totalBytes"] == 23_034 * MIB
     need = 32768 * 135_168 + 16_060_522_496 + 849_763_584 + GIB
     assert plan["minMemFractionStatic"] == math.ceil(need / g * 1000) / 1000
 

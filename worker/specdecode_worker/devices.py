@@ -2,7 +2,9 @@
 catalogue of GPU products keyed by the ``nvidia.com/gpu.product`` node label.
 
 The catalogue's numbers are the total memory the driver reports (``nvidia-smi``, MiB) for each
-product; an idle GPU reports (almost) all of it free, which is what the plan budgets against.
+product. An idle GPU reports less than that free: the driver keeps some for itself (615 MiB on an
+H200 with driver 580: total 143,771 MiB, free 143,156 MiB, used 0). The usable bytes of a product,
+what the plan budgets against without a GPU at hand, are its total minus that reservation.
 The operator imports ``GPU_PRODUCTS`` / ``product_memory_bytes`` too, so this module has no
 dependencies beyond the standard library (pynvml is imported lazily and is optional).
 """
@@ -17,7 +19,10 @@ from .errors import InputError
 MIB = 1 << 20
 GIB = 1 << 30
 
-# nvidia.com/gpu.product label value -> memory in MiB as the driver reports it.
+# Memory the driver reserves on an idle GPU (measured on an H200, driver 580.159).
+DRIVER_RESERVED_BYTES = 615 * MIB
+
+# nvidia.com/gpu.product label value -> total memory in MiB as the driver reports it.
 GPU_PRODUCTS: dict[str, int] = {
     "NVIDIA-B200": 183_359,
     "NVIDIA-H200": 143_771,
@@ -45,15 +50,22 @@ def _normalise(label: str) -> str:
 _BY_NORMALISED = {_normalise(k): v for k, v in GPU_PRODUCTS.items()}
 
 
+def product_total_bytes(label: str) -> int | None:
+    """Total memory in bytes of the GPU product named by a ``nvidia.com/gpu.product`` label, else None."""
+    mib = _BY_NORMALISED.get(_normalise(label))
+    return None if mib is None else mib * MIB
+
+
 def product_memory_bytes(label: str) -> int | None:
-    """Memory in bytes of the GPU product named by a ``nvidia.com/gpu.product`` label, else None.
+    """Usable memory in bytes (total minus the driver's reservation) of the GPU product named by a
+    ``nvidia.com/gpu.product`` label, else None: what an idle GPU of that product reports free.
 
     Matching ignores case and treats spaces as dashes (``NVIDIA H100 80GB HBM3`` is what pynvml
     names the product the label calls ``NVIDIA-H100-80GB-HBM3``). MIG slices (``...-MIG-1g.10gb``)
     are not in the catalogue and return None.
     """
-    mib = _BY_NORMALISED.get(_normalise(label))
-    return None if mib is None else mib * MIB
+    total = product_total_bytes(label)
+    return None if total is None else total - DRIVER_RESERVED_BYTES
 
 
 @dataclass(frozen=True)
@@ -129,14 +141,15 @@ def resolve_device_memory(
         size = int(gpu_memory_gib * GIB)
         return DeviceMemory(total_bytes=size, free_bytes=size, source="override", name=f"{gpu_memory_gib:g} GiB")
     if gpu_product is not None:
-        size = product_memory_bytes(gpu_product)
-        if size is None:
+        total = product_total_bytes(gpu_product)
+        if total is None:
             known = ", ".join(sorted(GPU_PRODUCTS))
             raise InputError(
                 f"--gpu-product: unknown GPU product {gpu_product!r}; known: {known}; "
                 "or give the memory with --gpu-memory-gib"
             )
-        return DeviceMemory(total_bytes=size, free_bytes=size, source="catalogue", name=gpu_product)
+        return DeviceMemory(total_bytes=total, free_bytes=total - DRIVER_RESERVED_BYTES, source="catalogue",
+                            name=gpu_product)
     raise InputError(
         "no GPU visible: give the GPU with --gpu-product (an nvidia.com/gpu.product label) "
         "or its free memory with --gpu-memory-gib"

@@ -7,10 +7,13 @@ All terms are bytes per GPU under tensor-parallel size t (see DESIGN.md, "The me
 
     max_total_num_tokens = floor((G * f - W_target - W_draft - R_runtime) / (kv_target + kv_draft))
 
-- ``G`` (``gpuMemoryBytes``): memory free on one GPU before any weight is loaded.
+- ``G`` (``gpuMemoryBytes``): memory free on one GPU before this process creates its CUDA context
+  or loads a weight: pynvml's free bytes on the planner's GPU, else ``--gpu-memory-gib`` as given,
+  else the product catalogue's usable bytes (total minus the driver's reservation).
 - ``R_runtime`` (``reserve.runtimeBytes``), taken out of the static share:
-  1 GiB for the CUDA context, cuBLAS workspaces and allocator fragmentation, plus, when t > 1,
-  t x 128 MiB of NCCL communicator buffers (SGLang's ``tp/8 GiB`` rule).
+  1 GiB for the CUDA context, cuBLAS workspaces and allocator fragmentation (on an H200 the
+  context took 621 MiB and a first bf16 matmul 719 MiB in all), plus, when t > 1, t x 128 MiB of
+  NCCL communicator buffers (SGLang's ``tp/8 GiB`` rule).
 - ``R_dynamic`` (``reserve.dynamicBytes``), what the static share must leave free, in the spirit of
   SGLang's ``reserved_mem`` rule:
     activations  max(chunked_prefill_size, 2048) x 1.5 MiB (per prefill-chunk token)
