@@ -158,6 +158,12 @@ def test_nothing_fits_plans_the_largest_size_and_says_so():
     assert "no tensor-parallel size up to 8 fits" in plan["message"]
 
 
+def test_gpu_smaller_than_the_dynamic_reserve_still_gives_a_valid_plan():
+    plan = build_plan(request(gpu_memory_bytes=2 * GIB, gpu_total_bytes=2 * GIB), eagle3_candidates, [1])
+    assert not plan["fits"] and plan["kvCache"]["maxTotalNumTokens"] == 0 and plan["memFractionStatic"] == 0.001
+    validate_plan(plan)
+
+
 def test_max_total_tokens_caps_the_pools_and_keeps_the_identity():
     plan = build_plan(request(max_total_tokens=200_000), eagle3_candidates, [1])
     assert plan["kvCache"]["maxTotalNumTokens"] == 200_000

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 PLAN_API_VERSION = "specdecode.io/v1alpha1"
@@ -142,7 +142,6 @@ class PlanRequest:
     max_running_requests: int | None = None
     cuda_graph_max_bs: int | None = None
     chunked_prefill_size: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -170,7 +169,7 @@ def _size(req: PlanRequest, c: Candidate) -> _Sizing:
     dynamic = dynamic_reserve_bytes(chunk, graph_bs, max_running, req.target_vocab_size, req.algorithm != "NGRAM")
     cell = c.target_bytes_per_token + c.draft_bytes_per_token
     static_fixed = c.target_weight_bytes + c.draft_weight_bytes + runtime
-    f_cap = _floor3(1 - dynamic / g)
+    f_cap = max(0.001, _floor3(1 - dynamic / g))  # a GPU smaller than the dynamic reserve fits nothing
 
     if req.kv_cache_memory_bytes is not None:
         f = (req.kv_cache_memory_bytes + static_fixed) / g
@@ -360,8 +359,8 @@ def validate_plan(obj: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"MemoryPlan: algorithm must be one of {', '.join(ALGORITHMS)}, got {obj['algorithm']!r}")
     if obj["tensorParallelSize"] < 1 or obj["gpuMemoryBytes"] < 1:
         raise ValueError("MemoryPlan: tensorParallelSize and gpuMemoryBytes must be positive")
-    if not 0 < obj["memFractionStatic"] <= 1.5:
-        raise ValueError(f"MemoryPlan: memFractionStatic must be in (0, 1.5], got {obj['memFractionStatic']}")
+    if not obj["memFractionStatic"] > 0:
+        raise ValueError(f"MemoryPlan: memFractionStatic must be positive, got {obj['memFractionStatic']}")
     kv = obj["kvCache"]
     if kv["targetBytesPerToken"] < 1:
         raise ValueError("MemoryPlan: kvCache.targetBytesPerToken must be positive")
