@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-fraction-static", default="auto", help="auto or a fraction in (0, 1)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_DTYPES))
     p.add_argument("--context-length", type=int, help="tokens one request may hold (default: the target's)")
-    p.add_argument("--min-kv-tokens", type=int, default=0, help="KV token floor (default: the context length)")
+    p.add_argument("--min-kv-tokens", type=int, default=0, help="KV token floor; the plan needs max(this, context length)")
     p.add_argument("--max-running-requests", type=int)
     p.add_argument("--cuda-graph-max-bs", type=int)
     p.add_argument("--chunked-prefill-size", type=int)
@@ -101,12 +101,76 @@ def check_vocabulary(target_dir: Path, draft_dir: Path, target: ModelShape, draf
         )
 
 
-def _valid_tps(shapes: list[ModelShape]) -> list[int]:
-    def ok(tp: int, s: ModelShape) -> bool:
-        kv_ok = s.is_mla or s.num_kv_heads % tp == 0 or tp % s.num_kv_heads == 0
-        return s.num_attention_heads % tp == 0 and kv_ok
+def _splits(tp: int, shape: ModelShape) -> bool:
+    """Whether ``tp`` GPUs can split the model's heads (KV heads may also be replicated)."""
+    kv_ok = shape.is_mla or shape.num_kv_heads % tp == 0 or tp % shape.num_kv_heads == 0
+    return shape.num_attention_heads % tp == 0 and kv_ok
 
-    return [tp for tp in TP_CANDIDATES if all(ok(tp, s) for s in shapes)]
+
+def _checked_numbers(args: argparse.Namespace) -> float | None:
+    """Validate the numeric flags; return --mem-fraction-static as a number (None for auto)."""
+    if args.min_kv_tokens < 0:
+        raise InputError(f"--min-kv-tokens: must be >= 0, got {args.min_kv_tokens}")
+    for name in ("context_length", "max_running_requests", "cuda_graph_max_bs", "chunked_prefill_size",
+                 "max_total_tokens", "kv_cache_memory_gib"):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    if args.mem_fraction_static == "auto":
+        return None
+    if args.kv_cache_memory_gib is not None:
+        raise InputError("--kv-cache-memory-gib and --mem-fraction-static both set the KV budget: give one")
+    try:
+        fraction = float(args.mem_fraction_static)
+    except ValueError:
+        fraction = -1.0
+    if not 0 < fraction < 1:
+        raise InputError(f"--mem-fraction-static: must be auto or a number in (0, 1), got {args.mem_fraction_static!r}")
+    return fraction
+
+
+def _requested_tp(args: argparse.Namespace, shapes: list[ModelShape], valid: list[int]) -> int | None:
+    """--tp as a number (None for auto), refused when the models' heads cannot be split that way."""
+    if args.tp == "auto":
+        if not valid:
+            raise InputError(f"{shapes[0].path}: no tensor-parallel size in 1, 2, 4, 8 splits the attention heads "
+                             "of target and draft; give --tp")
+        return None
+    try:
+        tp = int(args.tp)
+    except ValueError:
+        tp = 0
+    if tp < 1:
+        raise InputError(f"--tp: must be auto or a positive integer, got {args.tp!r}")
+    for shape in shapes:
+        if not _splits(tp, shape):
+            raise InputError(
+                f"--tp {tp}: {shape.path} has {shape.num_attention_heads} attention heads and {shape.num_kv_heads} "
+                f"KV heads, which {tp} GPUs cannot split; valid sizes: {', '.join(map(str, valid)) or 'none'}"
+            )
+    return tp
+
+
+def _draft_shape(args: argparse.Namespace, target_dir: Path, target: ModelShape) -> tuple[Path | None, ModelShape | None, int]:
+    """The draft's folder, shape and KV layer count for the algorithm (MTP: the target's NextN layers)."""
+    algorithm = args.algorithm
+    if algorithm == "NGRAM":
+        if args.draft:
+            raise InputError("--draft: NGRAM drafts from the prompt and takes no draft model; drop --draft")
+        return None, None, 0
+    if algorithm != "MTP" and not args.draft:
+        raise InputError(f"--draft: {algorithm} needs the draft model folder")
+    draft_dir = Path(args.draft) if args.draft else target_dir
+    if algorithm == "MTP":
+        draft = target if draft_dir.resolve() == target_dir.resolve() else load_shape(draft_dir)
+        if not draft.num_nextn_predict_layers:
+            raise InputError(
+                f"{draft_dir / 'config.json'}: field 'num_nextn_predict_layers' must be a positive integer for MTP, "
+                f"got {draft.num_nextn_predict_layers!r}; the model has no MTP layers (use EAGLE/EAGLE3/STANDALONE/NGRAM)"
+            )
+        return draft_dir, draft, draft.num_nextn_predict_layers
+    draft = load_shape(draft_dir)
+    if algorithm == "STANDALONE":
+        check_vocabulary(target_dir, draft_dir, target, draft)
+    return draft_dir, draft, draft.draft_num_layers
 
 
 def make_plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -114,67 +178,12 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     algorithm = args.algorithm
     target_dir = Path(args.target)
     target = load_shape(target_dir)
-    if algorithm == "NGRAM" and args.draft:
-        raise InputError("--draft: NGRAM drafts from the prompt and takes no draft model; drop --draft")
-    if algorithm not in ("NGRAM", "MTP") and not args.draft:
-        raise InputError(f"--draft: {algorithm} needs the draft model folder")
-    draft_dir = Path(args.draft) if args.draft else (target_dir if algorithm == "MTP" else None)
+    draft_dir, draft, draft_layers = _draft_shape(args, target_dir, target)
     same_dir = draft_dir is not None and draft_dir.resolve() == target_dir.resolve()
-
-    draft: ModelShape | None = None
-    draft_layers = 0
-    if algorithm == "MTP":
-        draft = target if same_dir else load_shape(draft_dir)
-        nextn = draft.num_nextn_predict_layers
-        if not nextn:
-            raise InputError(
-                f"{draft_dir / 'config.json'}: field 'num_nextn_predict_layers' must be a positive integer for MTP, "
-                f"got {nextn!r}; the model has no MTP layers (use EAGLE/EAGLE3/STANDALONE/NGRAM)"
-            )
-        draft_layers = nextn
-    elif draft_dir is not None:
-        draft = load_shape(draft_dir)
-        draft_layers = draft.draft_num_layers
-        if algorithm == "STANDALONE":
-            check_vocabulary(target_dir, draft_dir, target, draft)
-
-    for name in ("context_length", "min_kv_tokens", "max_running_requests", "cuda_graph_max_bs",
-                 "chunked_prefill_size", "max_total_tokens", "kv_cache_memory_gib"):
-        value = getattr(args, name)
-        if name == "min_kv_tokens":
-            if value < 0:
-                raise InputError(f"--min-kv-tokens: must be >= 0, got {value}")
-            continue
-        _positive(name.replace("_", "-"), value)
-    mem_fraction = None
-    if args.mem_fraction_static != "auto":
-        try:
-            mem_fraction = float(args.mem_fraction_static)
-        except ValueError:
-            mem_fraction = -1.0
-        if not 0 < mem_fraction < 1:
-            raise InputError(f"--mem-fraction-static: must be auto or a number in (0, 1), got {args.mem_fraction_static!r}")
-    if mem_fraction is not None and args.kv_cache_memory_gib is not None:
-        raise InputError("--kv-cache-memory-gib and --mem-fraction-static both set the KV budget: give one")
-
+    mem_fraction = _checked_numbers(args)
     shapes = [target] + ([draft] if draft is not None and draft is not target else [])
-    valid = _valid_tps(shapes)
-    tp_req: int | None = None
-    if args.tp != "auto":
-        try:
-            tp_req = int(args.tp)
-        except ValueError:
-            tp_req = 0
-        if tp_req < 1:
-            raise InputError(f"--tp: must be auto or a positive integer, got {args.tp!r}")
-        for s in shapes:
-            if s.num_attention_heads % tp_req or not (s.is_mla or s.num_kv_heads % tp_req == 0 or tp_req % s.num_kv_heads == 0):
-                raise InputError(
-                    f"--tp {tp_req}: {s.path} has {s.num_attention_heads} attention heads and {s.num_kv_heads} KV heads, "
-                    f"which {tp_req} GPUs cannot split; valid sizes: {', '.join(map(str, valid)) or 'none'}"
-                )
-    if not valid and tp_req is None:
-        raise InputError(f"{target.path}: no tensor-parallel size in 1, 2, 4, 8 splits the attention heads of target and draft")
+    valid = [tp for tp in TP_CANDIDATES if all(_splits(tp, s) for s in shapes)]
+    tp_req = _requested_tp(args, shapes, valid)
 
     device = resolve_device_memory(args.gpu_memory_gib, args.gpu_product)
 
