@@ -25,7 +25,7 @@ from .batch import free_positions
 from .memory import MemoryProfile, free_device_bytes, profile_memory
 from .phases import Phase, PhaseError
 from .pools import MemoryPoolConfig
-from .request import Request
+from .request import Request, make_generator
 from .speculative import ALGORITHMS, SpeculativeWorker
 from .workers import DraftWorker, TargetWorker
 
@@ -214,8 +214,7 @@ class Scheduler:
             raise PhaseError("the engine is still initialising")
         self.check_fits(req)
         if req.generator is None:
-            req.generator = torch.Generator().manual_seed(
-                req.params.seed if req.params.seed is not None else torch.seed() % (1 << 63))
+            req.generator = make_generator(req.params.seed)
         req.eos_token_ids = req.eos_token_ids or self.eos_token_ids
         self._waiting.put(req)
         return req
