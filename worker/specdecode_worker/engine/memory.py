@@ -1,8 +1,9 @@
 """Phase 2's measurement: how many KV token slots fit once every weight is resident.
 
 The formula is the planner's ``kv_token_capacity``; only its inputs are measured here. On CUDA the
-device memory is the free memory before weights, and anything weight loading used beyond the
-weights' own tensor bytes counts as runtime. On CPU a budget (``--device-memory-gib``) stands in
+device memory is the free memory before the worker touched the GPU (NVML, as the planner reads
+it), and the runtime term is the larger of the planned reserve and what is really in use besides
+the weights (CUDA context, allocator slack). On CPU a budget (``--device-memory-gib``) stands in
 for the device, so the same arithmetic runs and tests can check it exactly.
 """
 
@@ -50,12 +51,11 @@ def profile_memory(
     draft_bytes_per_token: int,
     free_after_weights: int | None = None,
 ) -> MemoryProfile:
-    """``device_memory_bytes``: the budget (CPU) or the free memory measured before weights (CUDA)."""
+    """``device_memory_bytes``: the budget (CPU) or the free memory measured before start-up (CUDA)."""
     runtime = runtime_bytes
     if free_after_weights is not None:
-        # Loading used (before - after); whatever exceeds the tensors themselves is runtime too.
-        extra = device_memory_bytes - free_after_weights - target_weight_bytes - draft_weight_bytes
-        runtime += max(0, extra)
+        in_use = device_memory_bytes - free_after_weights - target_weight_bytes - draft_weight_bytes
+        runtime = max(runtime_bytes, in_use)
     tokens = kv_token_capacity(
         device_memory_bytes, mem_fraction_static, target_weight_bytes, draft_weight_bytes, runtime,
         target_bytes_per_token, draft_bytes_per_token,

@@ -71,6 +71,7 @@ class Request:
     accepted_draft_tokens: int = 0
     proposed_draft_tokens: int = 0
     verify_rounds: int = 0
+    abort_requested: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     generator: torch.Generator | None = None
 

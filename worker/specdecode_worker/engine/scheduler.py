@@ -109,7 +109,12 @@ class Scheduler:
                              f"target's {self.target_shape.vocab_size}; a STANDALONE draft must share the target's tokenizer")
 
         start = time.perf_counter()
-        self.free_before_weights = free_device_bytes(self.device)
+        self.free_before_weights = None
+        if self.device.type == "cuda":
+            from ..devices import nvml_memory
+
+            seen = nvml_memory()
+            self.free_before_weights = seen.free_bytes if seen else free_device_bytes(self.device)
         self.target_worker = TargetWorker(a.target, a.device, a.dtype)
         if a.draft:
             self.draft_worker = DraftWorker(a.draft, a.device, a.dtype)
@@ -262,14 +267,23 @@ class Scheduler:
             if self._reserved + need > cap:
                 break  # wait for running requests to free their slots
             self._waiting.get()
+            if req.abort_requested:
+                self._finish(req, reason="abort")
+                continue
             req.req_idx = pool.alloc()
             req.reserved_slots = need
             self._reserved += need
             admitted.append(req)
         return admitted
 
+    def abort(self, req: Request) -> None:
+        """Ask the engine to end ``req`` (client gone, stop string seen); thread-safe."""
+        req.abort_requested = True
+
     def step(self) -> None:
         """Admit waiting requests and prefill them, then one speculative round for all running."""
+        for r in [r for r in self._running if r.abort_requested]:
+            self._finish(r, reason="abort")
         new = self._admit()
         if new:
             self.spec.prefill(new)
@@ -281,6 +295,9 @@ class Scheduler:
             reqs = list(self._running)
             for r, tokens in zip(reqs, self.spec.decode_round(reqs)):
                 self._commit(r, tokens)
+            self.stats.proposed_tokens = self.spec.proposed_tokens
+            self.stats.accepted_tokens = self.spec.accepted_tokens
+            self.stats.verify_rounds = self.spec.rounds
 
     def _commit(self, r: Request, tokens: list[int]) -> None:
         """Keep the round's new tokens (already appended) up to EOS or max_tokens; finish if done."""
@@ -312,9 +329,6 @@ class Scheduler:
             self._reserved -= r.reserved_slots
         r.finish_reason, r.error = reason, error
         self.stats.finished_requests += 1
-        self.stats.proposed_tokens += r.proposed_draft_tokens
-        self.stats.accepted_tokens += r.accepted_draft_tokens
-        self.stats.verify_rounds += r.verify_rounds
         if r.on_update:
             r.on_update(r, None)
         r.done.set()

@@ -47,6 +47,9 @@ class SpeculativeWorker:
         self.draft = draft_runner
         self.k = 0 if algorithm == "NONE" else num_draft_tokens
         self.ngram_max = ngram_max
+        self.proposed_tokens = 0  # totals over every request and round
+        self.accepted_tokens = 0
+        self.rounds = 0
 
     @property
     def slots_per_round(self) -> int:
@@ -87,6 +90,9 @@ class SpeculativeWorker:
             r.proposed_draft_tokens += len(p.tokens)
             r.accepted_draft_tokens += n
             r.verify_rounds += 1
+            self.proposed_tokens += len(p.tokens)
+            self.accepted_tokens += n
+            self.rounds += 1
             committed.append(new)
         return committed
 

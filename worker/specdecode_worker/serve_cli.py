@@ -1,0 +1,205 @@
+"""``specdecode-worker serve``: three-phase start-up against a memory plan, then the HTTP API.
+
+The plan comes from ``--plan PLAN.json`` (what the operator pins) or is made in-process from the
+planner's sizing flags, with the same code the planner pod runs. Phase 2 measures the real KV
+capacity with every weight resident and logs it next to the plan; below the plan's floor the
+worker exits before serving.
+
+Exit codes: 0 stopped cleanly; 2 bad input; 3 the measured KV capacity is below the plan's floor;
+1 internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import InputError
+
+log = logging.getLogger("specdecode_worker.serve")
+
+SERVED_ALGORITHMS = ("NONE", "STANDALONE", "NGRAM")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise InputError(f"specdecode-worker serve: {message}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="specdecode-worker serve", description="Serve an OpenAI-compatible API with speculative decoding.")
+    p.add_argument("--target", required=True, help="target model folder (config.json, *.safetensors, tokenizer)")
+    p.add_argument("--draft", help="draft model folder (STANDALONE only)")
+    p.add_argument("--algorithm", default="NONE", help="NONE, STANDALONE or NGRAM")
+    p.add_argument("--plan", help="MemoryPlan JSON to serve against (default: plan in-process from the flags below)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
+    p.add_argument("--device-memory-gib", type=float, help="memory budget standing in for the GPU on cpu")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="model id in the API (default: the target folder's name)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="proposals per verify round")
+    p.add_argument("--ngram-max", type=int, default=4, help="longest suffix NGRAM matches")
+    p.add_argument("--log-level", default="info")
+    sizing = p.add_argument_group("planner sizing flags (as in 'specdecode-worker plan')")
+    sizing.add_argument("--tp", default="1", help="tensor-parallel size (this worker serves 1)")
+    sizing.add_argument("--gpu-memory-gib", type=float, help="free GPU memory before weights, when no GPU is visible")
+    sizing.add_argument("--gpu-product", help="nvidia.com/gpu.product label")
+    sizing.add_argument("--mem-fraction-static", default="auto")
+    sizing.add_argument("--kv-cache-dtype", default="auto", choices=("auto",))
+    sizing.add_argument("--context-length", type=int)
+    sizing.add_argument("--min-kv-tokens", type=int, default=0)
+    sizing.add_argument("--max-running-requests", type=int)
+    sizing.add_argument("--cuda-graph-max-bs", type=int)
+    sizing.add_argument("--chunked-prefill-size", type=int)
+    sizing.add_argument("--max-total-tokens", type=int)
+    sizing.add_argument("--kv-cache-memory-gib", type=float)
+    return p
+
+
+def load_plan_file(path: str) -> dict[str, Any]:
+    from .plan import validate_plan
+
+    try:
+        obj = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise InputError(f"--plan {path}: cannot read it ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"--plan {path}: not valid JSON ({exc})") from None
+    try:
+        return validate_plan(obj)
+    except ValueError as exc:
+        raise InputError(f"--plan {path}: {exc}") from None
+
+
+def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """EngineArgs and the plan they follow."""
+    from .engine.scheduler import EngineArgs
+
+    if args.algorithm not in SERVED_ALGORITHMS:
+        raise InputError(f"--algorithm {args.algorithm}: this worker serves {', '.join(SERVED_ALGORITHMS)} "
+                         "(EAGLE/EAGLE3/MTP heads are planned but not served)")
+    for name in ("num_draft_tokens", "ngram_max", "port"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')}: must be positive, got {getattr(args, name)}")
+    if args.tp not in ("1", "auto"):
+        raise InputError(f"--tp {args.tp}: this worker serves one GPU per process; use --tp 1")
+    device = args.device or _default_device()
+    if device == "cpu" and args.device_memory_gib is None and args.plan is None:
+        raise InputError("--device-memory-gib: on cpu give the memory budget that stands in for the GPU")
+    if args.device_memory_gib is not None and not args.device_memory_gib > 0:
+        raise InputError(f"--device-memory-gib: must be positive, got {args.device_memory_gib}")
+
+    if args.plan:
+        plan = load_plan_file(args.plan)
+        if plan["algorithm"] != ("NGRAM" if args.algorithm == "NONE" else args.algorithm):
+            raise InputError(f"--plan {args.plan}: planned for {plan['algorithm']}, serving {args.algorithm}")
+    else:
+        from .plan_cli import make_plan
+
+        ns = argparse.Namespace(**vars(args))
+        ns.algorithm = "NGRAM" if args.algorithm == "NONE" else args.algorithm
+        ns.tp = "1"
+        if device == "cpu":
+            ns.gpu_memory_gib = args.device_memory_gib
+        plan = make_plan(ns)
+    if not plan["fits"]:
+        raise InputError(f"the memory plan does not fit: {plan['message']}")
+
+    kv, reserve = plan["kvCache"], plan["reserve"]
+    budget = plan["gpuMemoryBytes"]
+    if device == "cpu" and args.device_memory_gib is not None:
+        budget = int(args.device_memory_gib * (1 << 30))
+    engine_args = EngineArgs(
+        target=args.target, draft=args.draft, algorithm=args.algorithm, device=device,
+        dtype=None if args.dtype == "auto" else args.dtype,
+        device_memory_bytes=budget if device == "cpu" else None,
+        mem_fraction_static=plan["memFractionStatic"], runtime_bytes=reserve["runtimeBytes"],
+        context_len=kv["contextLength"], min_kv_tokens=kv["minTokens"], max_total_tokens=args.max_total_tokens,
+        max_running_requests=reserve["maxRunningRequests"], cuda_graph_max_bs=reserve["cudaGraphMaxBs"],
+        num_draft_tokens=args.num_draft_tokens, ngram_max=args.ngram_max, planned_tokens=kv["maxTotalNumTokens"],
+    )
+    return engine_args, plan
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer, or None when the folder has none (token-id prompts only)."""
+    folder = Path(model_dir)
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def eos_ids(model_dir: str, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def build(argv: list[str]):
+    """Parse, plan, and return (uvicorn server, ServerState, outcome) without running anything."""
+    import uvicorn
+
+    from .engine.scheduler import Scheduler, StartupError
+    from .server import ServerState, build_app, start_engine_in_background
+
+    args = parser().parse_args(argv)
+    engine_args, plan = resolve(args)
+    scheduler = Scheduler(engine_args)
+    tokenizer = load_tokenizer(args.target)
+    scheduler.eos_token_ids = eos_ids(args.target, tokenizer)
+    state = ServerState(scheduler, args.served_model_name or Path(args.target).resolve().name, plan, tokenizer)
+    app = build_app(state)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()))
+    outcome = {"exit": 0}
+
+    def on_failure(exc: Exception) -> None:
+        outcome["exit"] = 3 if isinstance(exc, StartupError) else 2 if isinstance(exc, InputError) else 1
+        server.should_exit = True
+
+    @app.on_event("startup")
+    async def _start_engine():  # the HTTP port is up first, so /health can report the phases
+        log.info("planned max_total_num_tokens %s (floor %s)", plan["kvCache"]["maxTotalNumTokens"],
+                 plan["kvCache"]["minTokens"])
+        start_engine_in_background(state, on_failure)
+
+    @app.on_event("shutdown")
+    async def _stop_engine():
+        scheduler.stop()
+
+    return server, state, outcome
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        parser().print_help()
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server, state, outcome = build(argv)
+        server.run()
+    except InputError as exc:
+        print(" ".join(str(exc).split()), file=sys.stderr)
+        return 2
+    if state.init_error:
+        print(state.init_error, file=sys.stderr)
+    return outcome["exit"]
