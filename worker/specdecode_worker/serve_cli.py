@@ -167,24 +167,20 @@ def build(argv: list[str]):
     tokenizer = load_tokenizer(args.target)
     scheduler.eos_token_ids = eos_ids(args.target, tokenizer)
     state = ServerState(scheduler, args.served_model_name or Path(args.target).resolve().name, plan, tokenizer)
-    app = build_app(state)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()))
     outcome = {"exit": 0}
+    server = None
 
     def on_failure(exc: Exception) -> None:
         outcome["exit"] = 3 if isinstance(exc, StartupError) else 2 if isinstance(exc, InputError) else 1
         server.should_exit = True
 
-    @app.on_event("startup")
-    async def _start_engine():  # the HTTP port is up first, so /health can report the phases
+    def start_engine() -> None:  # the HTTP port is up first, so /health can report the phases
         log.info("planned max_total_num_tokens %s (floor %s)", plan["kvCache"]["maxTotalNumTokens"],
                  plan["kvCache"]["minTokens"])
         start_engine_in_background(state, on_failure)
 
-    @app.on_event("shutdown")
-    async def _stop_engine():
-        scheduler.stop()
-
+    app = build_app(state, on_startup=start_engine, on_shutdown=scheduler.stop)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()))
     return server, state, outcome
 
 

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,8 +88,16 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, tokens)
 
 
-def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="specdecode worker")
+def build_app(state: ServerState, on_startup=None, on_shutdown=None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app):
+        if on_startup:
+            on_startup()
+        yield
+        if on_shutdown:
+            on_shutdown()
+
+    app = FastAPI(title="specdecode worker", lifespan=lifespan)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req, exc):  # noqa: ANN001

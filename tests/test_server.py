@@ -1,0 +1,250 @@
+"""The worker's HTTP API on loopback: a real uvicorn server over tiny target and draft models."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+torch = pytest.importorskip("torch")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from specdecode_worker import serve_cli  # noqa: E402
+from specdecode_worker.engine.scheduler import EngineArgs, Scheduler  # noqa: E402
+from specdecode_worker.server import ServerState, build_app  # noqa: E402
+
+from tests.engine_helpers import tiny_models  # noqa: E402
+
+CONTEXT = 128
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _argv(models, port, *extra):
+    return ["--target", str(models["target"]), "--draft", str(models["draft"]), "--algorithm", "STANDALONE",
+            "--device", "cpu", "--device-memory-gib", "1.1", "--mem-fraction-static", "0.95",
+            "--context-length", str(CONTEXT), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+            "--served-model-name", "target", *extra]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tiny_models(tmp_path_factory.mktemp("server"))
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    port = _free_port()
+    srv, state, outcome = serve_cli.build(_argv(models, port))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"server never became healthy: {state.init_error}")
+    yield base, state
+    srv.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """transformers' greedy continuation of some prompts, as text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models["target"])
+    hf = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
+    prompts = ["hello world what is the", "the cat and the dog", "one two three four five", "capital of france is"]
+    out = {}
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        gen = hf.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        out[p] = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+    return out
+
+
+def _complete(base, prompt, **kw):
+    body = {"model": "target", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **kw}
+    return httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+
+
+def test_health_is_503_until_phase_three(models):
+    from fastapi.testclient import TestClient
+
+    sched = Scheduler(EngineArgs(str(models["target"]), device_memory_bytes=64 << 20, context_len=64))
+    client = TestClient(build_app(ServerState(sched, "target")))
+    assert client.get("/health").status_code == 503
+    assert client.post("/v1/completions", json={"prompt": [5, 6]}).status_code == 503
+    sched.init_model_worker()
+    assert client.get("/health").status_code == 200
+
+
+def test_models_lists_the_served_model(server):
+    base, _ = server
+    data = httpx.get(f"{base}/v1/models").json()["data"]
+    assert [m["id"] for m in data] == ["target"]
+
+
+def test_completion_equals_the_target_greedy_text(server, reference):
+    base, _ = server
+    for prompt, text in reference.items():
+        r = _complete(base, prompt)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == text and choice["finish_reason"] == "length"
+        assert r.json()["usage"]["completion_tokens"] == 12
+
+
+def test_streaming_deltas_join_to_the_same_text(server, reference):
+    base, _ = server
+    prompt, text = next(iter(reference.items()))
+    chunks, done = [], False
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            chunks.append(json.loads(line[6:]))
+    assert done and len(chunks) > 2
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_concurrent_requests_each_get_their_own_answer(server, reference):
+    base, _ = server
+    prompts = list(reference) * 2
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: _complete(base, p), prompts))
+    assert [r.json()["choices"][0]["text"] for r in results] == [reference[p] for p in prompts]
+
+
+def test_chat_completion_streamed_and_not(server):
+    base, _ = server
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "temperature": 0}
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["content"]
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+        events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == message["content"]
+
+
+def test_sampling_with_a_seed_is_reproducible(server):
+    base, _ = server
+    a = _complete(base, "the cat", temperature=0.8, seed=7).json()["choices"][0]["text"]
+    b = _complete(base, "the cat", temperature=0.8, seed=7).json()["choices"][0]["text"]
+    assert a == b
+
+
+@pytest.mark.parametrize(
+    "path, body, needle",
+    [
+        ("/v1/completions", b"{not json", "not valid JSON"),
+        ("/v1/completions", b"[1, 2]", "JSON object"),
+        ("/v1/completions", {"model": "gpt-4", "prompt": "the"}, "not served here"),
+        ("/v1/completions", {"prompt": "the " * (CONTEXT + 5)}, "context length"),
+        ("/v1/completions", {"prompt": "the", "max_tokens": CONTEXT}, "context length"),
+        ("/v1/completions", {"prompt": "the", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": "the", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": "the", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": "the", "top_k": -3}, "top_k"),
+        ("/v1/completions", {"prompt": "the", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "the", "n": 2}, "'n'"),
+        ("/v1/completions", {"prompt": "the", "stop": 5}, "stop"),
+        ("/v1/completions", {"prompt": "the", "stream": "yes"}, "stream"),
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": [1, 100000]}, "token ids"),
+        ("/v1/completions", {}, "prompt"),
+        ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
+    ],
+)
+def test_bad_requests_get_400_with_a_message(server, path, body, needle):
+    base, _ = server
+    if isinstance(body, bytes):
+        r = httpx.post(base + path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(base + path, json=body)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_stop_string_ends_the_text(server, reference):
+    base, _ = server
+    prompt, text = next(iter(reference.items()))
+    word = text.split()[2]
+    r = _complete(base, prompt, stop=[" " + word])
+    choice = r.json()["choices"][0]
+    assert choice["text"] == text[: text.index(" " + word)] and choice["finish_reason"] == "stop"
+
+
+def test_metrics_and_plan_report_planned_and_actual_tokens(server):
+    base, state = server
+    plan = httpx.get(f"{base}/plan").json()
+    planned = plan["plan"]["kvCache"]["maxTotalNumTokens"]
+    assert plan["plannedMaxTotalNumTokens"] == planned == plan["actualMaxTotalNumTokens"]
+    text = httpx.get(f"{base}/metrics").text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    assert values["specdecode_kv_tokens_planned"] == planned == values["specdecode_kv_tokens_actual"]
+    assert values["specdecode_generation_tokens_total"] > 0
+    assert values["specdecode_draft_proposed_tokens_total"] > 0
+    assert 0 <= values["specdecode_acceptance_rate"] <= 1
+    assert values['specdecode_phase_seconds{phase="load_weights"}'] > 0
+    assert values["specdecode_kv_pool_used_tokens"] == 0  # nothing running now: every slot returned
+
+
+def test_serve_cli_refuses_bad_flags_with_exit_2(models, capsys):
+    port = str(_free_port())
+    cases = [
+        (["--algorithm", "EAGLE"], "serves NONE, STANDALONE, NGRAM"),
+        (["--tp", "2"], "--tp 2"),
+        (["--plan", "/nonexistent/plan.json"], "cannot read"),
+    ]
+    for extra, needle in cases:
+        assert serve_cli.main(_argv(models, port, *extra)) == 2
+        assert needle in capsys.readouterr().err
+    no_budget = ["--target", str(models["target"]), "--device", "cpu", "--port", port]
+    assert serve_cli.main(no_budget) == 2
+    assert "--device-memory-gib" in capsys.readouterr().err
+
+
+def test_worker_below_the_plan_floor_exits_3(models, tmp_path, capsys):
+    """A plan made for the small draft as target leaves no room once the real target is loaded."""
+    from specdecode_worker import plan_cli
+
+    # G x f - R = 1 MiB for the KV pool: 7869 tokens of the draft's 128 B cell after its 41 kB of
+    # weights, but only 1309 of the target's 512 B cell after its 378 kB.
+    floor = 4096
+    assert plan_cli.main(["--target", str(models["draft"]), "--algorithm", "NGRAM", "--gpu-memory-gib", "2.001953125",
+                          "--mem-fraction-static", "0.5", "--tp", "1", "--context-length", "64",
+                          "--min-kv-tokens", str(floor)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["kvCache"]["maxTotalNumTokens"] >= floor
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    argv = ["--target", str(models["target"]), "--algorithm", "NGRAM", "--plan", str(path), "--device", "cpu",
+            "--host", "127.0.0.1", "--port", str(_free_port()), "--log-level", "warning"]
+    assert serve_cli.main(argv) == 3
+    assert "KV token slots fit" in capsys.readouterr().err
