@@ -8,7 +8,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..distributed import SINGLE, TPGroup
 from ..forward_batch import ForwardBatch
+from ..parallel_layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
+                               kv_head_block, parallel_logits)
 from .rope import RotaryEmbedding
 
 
@@ -38,20 +41,25 @@ def sliding_window(config) -> int | None:
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_id: int):
+    """Under tensor parallelism t: heads / t query heads and max(1, kv_heads / t) KV heads per rank."""
+
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.num_heads = heads // tp.size
+        kv_first, self.num_kv_heads = kv_head_block(kv_heads, tp)
         self.scaling = self.head_dim**-0.5
         bias = _qkv_bias(config)
-        h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        h, d = config.hidden_size, self.head_dim
+        self.q_proj = ColumnParallelLinear(h, heads * d, bias, tp)
+        kv_rows = dict(start=kv_first * d, length=self.num_kv_heads * d)
+        self.k_proj = ColumnParallelLinear(h, kv_heads * d, bias, tp, **kv_rows)
+        self.v_proj = ColumnParallelLinear(h, kv_heads * d, bias, tp, **kv_rows)
         o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=o_bias)
+        self.o_proj = RowParallelLinear(heads * d, h, o_bias, tp)
 
     def forward(self, x, cos, sin, fb: ForwardBatch, backend) -> torch.Tensor:
         n = x.shape[0]
@@ -64,23 +72,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_proj = ColumnParallelLinear(h, i, bias, tp)
+        self.up_proj = ColumnParallelLinear(h, i, bias, tp)
+        self.down_proj = RowParallelLinear(i, h, bias, tp)
 
     def forward(self, x):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int):
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.self_attn = Attention(config, layer_id)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer_id, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -90,21 +98,22 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.tp = tp
+        self.model = LlamaModel(config, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.rotary = RotaryEmbedding(config)
         self.sliding_window = sliding_window(config)
 
@@ -115,11 +124,19 @@ class LlamaForCausalLM(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
-    def forward(self, fb: ForwardBatch, backend, logit_rows: torch.Tensor) -> torch.Tensor:
-        """Returns float32 logits for the flattened tokens selected by ``logit_rows``."""
+    def forward(self, fb: ForwardBatch, backend, logit_rows: torch.Tensor, capture=None) -> torch.Tensor:
+        """Returns float32 logits for the flattened tokens selected by ``logit_rows``.
+
+        ``capture`` (an EAGLE ``HiddenCapture``) also keeps the hidden states of every token that
+        enter chosen layers (index ``len(layers)``: the last layer's output) for a draft head.
+        """
         x = self.model.embed_tokens(fb.input_ids)
         cos, sin = self.rotary(fb.positions, x.dtype)
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
+            if capture is not None:
+                capture.take(i, x)
             x = layer(x, cos, sin, fb, backend)
+        if capture is not None:
+            capture.take(len(self.model.layers), x, self.model.norm)
         x = self.model.norm(x[logit_rows])
-        return nn.functional.linear(x, self.head_weight()).float()
+        return parallel_logits(x, self.head_weight(), self.config.vocab_size, self.tp).float()
