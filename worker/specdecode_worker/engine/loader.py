@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import InputError
+from .parallel_layers import read_shard
 
 # Checkpoint tensors that hold nothing the model needs (buffers recomputed at load).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -29,12 +30,9 @@ def load_safetensors(model: torch.nn.Module, model_dir: str | Path, device, dtyp
                     if name == "lm_head.weight" and "model.embed_tokens.weight" in params:
                         continue  # tied head saved anyway
                     raise InputError(f"{file}: tensor '{name}' has no place in {type(model).__name__}")
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(params[name].shape):
-                    raise InputError(
-                        f"{file}: tensor '{name}' has shape {tuple(tensor.shape)}, config.json implies "
-                        f"{tuple(params[name].shape)}"
-                    )
+                tensor, shape, expected = read_shard(f, name, params[name])  # this rank's slice under tp
+                if shape != expected:
+                    raise InputError(f"{file}: tensor '{name}' has shape {shape}, config.json implies {expected}")
                 loaded[name] = tensor.to(device=device, dtype=dtype)
     missing = sorted(set(params) - set(loaded))
     if missing:

@@ -16,9 +16,11 @@ import torch
 from ..errors import InputError
 from ..model_config import load_shape
 from .attention import TorchNativeAttnBackend
+from .distributed import announce_forward
 from .forward_batch import ForwardBatch
 from .loader import load_safetensors, tensor_bytes
 from .models import model_class
+from .parallel_layers import model_tp
 from .phases import Phase, PhaseError, require
 from .pools import MemoryPoolConfig, MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 
@@ -52,6 +54,7 @@ class ModelRunner:
         self.model_cls = model_class(self.shape.architecture, f"{model_dir}/config.json")
         self.dtype = resolve_dtype(dtype, getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None), self.device.type)
         self.kv_dtype = self.dtype
+        self.tp = model_tp(self.config, name, f"{model_dir}/config.json")  # sharded, or a replicated draft
         self.phase = Phase.CREATED
         self.durations: dict[str, float] = {}
         self.model = None
@@ -69,7 +72,7 @@ class ModelRunner:
             raise PhaseError(f"{self.name}: weights are already loaded")
         start = time.perf_counter()
         with torch.device("meta"):
-            model = self.model_cls(self.config)
+            model = self.model_cls(self.config, **({"tp": self.tp} if self.tp.size > 1 else {}))
         load_safetensors(model, self.model_dir, self.device, self.dtype)
         model.rotary.reset(self.device)
         self.model = model.eval()
@@ -82,7 +85,7 @@ class ModelRunner:
     def kv_cell_bytes(self) -> int:
         """KV bytes per token of this model's pool (all its layers, its KV dtype)."""
         itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
-        return self.shape.kv_bytes_per_token(1, itemsize, self.shape.num_hidden_layers)
+        return self.shape.kv_bytes_per_token(self.tp.size, itemsize, self.shape.num_hidden_layers)
 
     # phase 2
     def alloc_memory_pool(
@@ -110,7 +113,7 @@ class ModelRunner:
         if self.token_to_kv_pool_allocator.size != cfg.max_total_num_tokens:
             raise ValueError(f"{self.name}: adopted allocator holds {self.token_to_kv_pool_allocator.size} slots, config says {cfg.max_total_num_tokens}")
         self.token_to_kv_pool = MHATokenToKVPool(
-            cfg.max_total_num_tokens, self.shape.num_hidden_layers, self.shape.num_kv_heads,
+            cfg.max_total_num_tokens, self.shape.num_hidden_layers, self.shape.kv_heads_per_gpu(self.tp.size),
             self.shape.head_dim, self.shape.v_head_dim, self.kv_dtype, self.device,
         )
         self.phase = Phase.POOLS_ALLOCATED
@@ -140,6 +143,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, last_only: bool) -> torch.Tensor:
         require(self.phase, Phase.BACKENDS_READY, "run a forward pass", self.name)
+        if self.tp.size > 1 and self.tp.is_leader:  # the followers run the same pass on their shards
+            announce_forward(self.name, fb, self.req_to_token_pool.req_to_token, last_only)
         if last_only and self.cuda_graphs is not None and self.cuda_graphs.can_run(fb):
             return self.cuda_graphs.replay(fb)
         return self.model(fb, self.backend, fb.logit_rows(last_only))
