@@ -128,8 +128,8 @@ def observe(desired: int, generation_ok: bool, deployment: dict[str, Any] | None
         available = c.Verdict("False", "Deploying", "the worker Deployment does not exist yet")
     elif desired == 0:
         available = c.Verdict("False", "ScaledToZero", "replicas is 0")
-    elif ready > 0 and _dep_condition(deployment, "Available").get("status") == "True":
-        available = c.Verdict("True", "MinimumReplicasAvailable", f"{ready} of {desired} replicas ready")
+    elif ready > 0:  # the Service answers; Ready says whether every replica does
+        available = c.Verdict("True", "ReplicasAvailable", f"{ready} of {desired} replicas ready")
     else:
         available = c.Verdict("False", "RollingOut" if degraded.status == "False" else degraded.reason,
                               f"{ready} of {desired} replicas ready")
