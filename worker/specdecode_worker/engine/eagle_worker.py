@@ -1,0 +1,402 @@
+"""EAGLE / EAGLE3 speculative decoding: the draft head's runner and worker, chain and tree rounds.
+
+The head keeps the engine's three-step split: its runner's ``load_weights`` reads the head only
+(the target's embedding and lm_head are borrowed, never copied); ``alloc_memory_pool`` adopts the
+target's req_to_token pool and allocator and adds the head's own K/V buffers; ``init_backends``
+sets up its attention backends.
+
+A round for a batch of requests (L: position of each request's last committed token, the one
+neither model has cached; D: the first position the draft has not cached with target features):
+1. draft extend over positions D..L-1: tokens D+1..L with the target's features of D..L-1; its
+   last row proposes the first draft token(s) and the feature for the next step;
+2. chain (top-k 1): k - 1 more single-token steps feed back the head's own feature;
+   tree (top-k > 1): each step expands the k best nodes by their top-k children, then the N best
+   candidates form the tree;
+3. one target pass verifies the chain (causal) or the tree (tree mask) and captures features;
+4. the accepted tokens' target slots take positions L.., the rest go back to the allocator; the
+   accepted tokens' target features wait for the next round's extend (D = L), which rewrites the
+   draft's K/V at those positions with target features, so its cache has no holes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import torch
+
+from ..errors import InputError
+from ..model_config import load_shape
+from .attention import TorchNativeAttnBackend
+from .batch import Segment, alloc_positions, free_positions, make_batch, with_cache_locs
+from .distributed import SINGLE
+from .eagle_loader import EAGLE_ALGORITHMS, load_eagle_head
+from .loader import tensor_bytes
+from .model_runner import ModelRunner
+from .phases import Phase, PhaseError, require
+from .pools import MemoryPoolConfig, ReqToTokenPool, TokenToKVPoolAllocator
+from .request import Request
+from .sampling import choose, verify
+from .tree import DraftTree, accept_path, ancestor_mask, select_tree
+from .tree_attention import TreeAttnBackend, TreeForwardBatch
+
+log = logging.getLogger(__name__)
+
+
+class HiddenCapture:
+    """Collects, during a target forward, the hidden states a head reads (see LlamaForCausalLM)."""
+
+    def __init__(self, aux_layers: list[int] | None):
+        self.aux_layers = aux_layers
+        self.aux: dict[int, torch.Tensor] = {}
+        self.last: torch.Tensor | None = None
+
+    def take(self, index: int, x: torch.Tensor, norm=None) -> None:
+        if self.aux_layers is None:
+            if norm is not None:
+                self.last = norm(x)
+        elif index in self.aux_layers:
+            self.aux[index] = x
+
+    def features(self) -> torch.Tensor:
+        if self.aux_layers is None:
+            return self.last
+        return torch.cat([self.aux[i] for i in self.aux_layers], dim=-1)
+
+
+class EagleRunner(ModelRunner):
+    """The head on one device; phases 2 and 3 are ModelRunner's (the head's own K/V layers)."""
+
+    def __init__(self, model_dir: str, target_runner: ModelRunner, algorithm: str):
+        if algorithm not in EAGLE_ALGORITHMS:
+            raise ValueError(f"unknown EAGLE algorithm {algorithm}")
+        if target_runner.tp.size > 1:
+            raise InputError("EAGLE heads are served with tensor parallelism 1; drop --tp for EAGLE/EAGLE3")
+        self.model_dir = str(model_dir)
+        self.name = "draft"
+        self.algorithm = algorithm
+        self.target = target_runner
+        self.device = target_runner.device
+        self.shape = load_shape(model_dir)  # config.json only: layer count known before any weight
+        self.dtype = target_runner.dtype
+        self.kv_dtype = target_runner.kv_dtype
+        self.tp = SINGLE
+        self.quantization = None
+        self.phase = Phase.CREATED
+        self.durations: dict[str, float] = {}
+        self.model = None
+        self.aux_layers: list[int] | None = None
+        self.weight_bytes = 0
+        self.memory_pool_config = None
+        self.req_to_token_pool = None
+        self.token_to_kv_pool_allocator = None
+        self.token_to_kv_pool = None
+        self.backend = None
+        self.tree_backend = None
+        self.cuda_graphs = None
+
+    def load_weights(self) -> None:
+        if self.phase >= Phase.WEIGHTS_LOADED:
+            raise PhaseError(f"{self.name}: weights are already loaded")
+        require(self.target.phase, Phase.WEIGHTS_LOADED, "load an EAGLE head that shares the target's embedding", self.name)
+        start = time.perf_counter()
+        t = self.target.shape
+        loaded = load_eagle_head(self.model_dir, self.algorithm, t.hidden_size, t.vocab_size, t.num_hidden_layers,
+                                 self.device, self.dtype)
+        self.model, self.aux_layers = loaded.head, loaded.aux_layers
+        self.weight_bytes = tensor_bytes(self.model)  # shared tensors stay in the target's module
+        if loaded.skipped_shared:
+            log.info("%s: %s served by the target (checkpoint copy not loaded)", self.name, ", ".join(loaded.skipped_shared))
+        self.phase = Phase.WEIGHTS_LOADED
+        self.durations["load_weights"] = time.perf_counter() - start
+        log.info("%s: loaded %s head (%d weight bytes of its own)", self.name, self.algorithm, self.weight_bytes)
+
+    def init_backends(self, cuda_graph_max_bs: int = 0) -> None:
+        require(self.phase, Phase.POOLS_ALLOCATED, "initialise attention backends", self.name)
+        start = time.perf_counter()
+        self.backend = TorchNativeAttnBackend(self.req_to_token_pool, self.token_to_kv_pool, None)
+        self.tree_backend = TreeAttnBackend(self.req_to_token_pool, self.token_to_kv_pool, None)
+        log.info("%s: EAGLE draft steps run eagerly (no CUDA graphs)", self.name)
+        self.phase = Phase.BACKENDS_READY
+        self.durations["init_backends"] = time.perf_counter() - start
+
+
+class EagleDraftWorker:
+    """Constructing it loads the head's weights (phase 1) and nothing else."""
+
+    def __init__(self, model_dir: str, target_worker, algorithm: str):
+        self.model_runner = EagleRunner(model_dir, target_worker.model_runner, algorithm)
+        self.model_runner.load_weights()
+
+    def alloc_memory_pool(self, memory_pool_config: MemoryPoolConfig, req_to_token_pool: ReqToTokenPool,
+                          token_to_kv_pool_allocator: TokenToKVPoolAllocator) -> None:
+        self.model_runner.alloc_memory_pool(memory_pool_config, req_to_token_pool, token_to_kv_pool_allocator)
+
+    def init_backends(self, cuda_graph_max_bs: int) -> None:
+        self.model_runner.init_backends(cuda_graph_max_bs)
+
+
+def check_tree_args(topk: int, num_steps: int, num_draft_tokens: int) -> None:
+    if topk < 1 or num_steps < 1 or num_draft_tokens < 1:
+        raise InputError("EAGLE needs --speculative-eagle-topk, --speculative-num-steps and "
+                         "--speculative-num-draft-tokens of at least 1")
+    if topk == 1 and num_draft_tokens != num_steps:
+        raise InputError(f"chain drafting (top-k 1) proposes one token per step: --speculative-num-draft-tokens "
+                         f"({num_draft_tokens}) must equal --speculative-num-steps ({num_steps})")
+    candidates = topk + (num_steps - 1) * topk * topk
+    if topk > 1 and num_draft_tokens > candidates:
+        raise InputError(f"a tree of top-k {topk} over {num_steps} steps has {candidates} candidates; "
+                         f"--speculative-num-draft-tokens {num_draft_tokens} must not exceed that")
+
+
+class EagleWorker:
+    """Same interface as SpeculativeWorker: ``prefill``, ``decode_round``, counters."""
+
+    def __init__(self, algorithm: str, target_runner: ModelRunner, draft_runner: EagleRunner,
+                 num_steps: int, topk: int = 1, num_draft_tokens: int | None = None):
+        num_draft_tokens = num_steps if num_draft_tokens is None else num_draft_tokens
+        check_tree_args(topk, num_steps, num_draft_tokens)
+        self.algorithm = algorithm
+        self.target = target_runner
+        self.draft = draft_runner
+        self.head = draft_runner.model
+        self.num_steps, self.topk, self.k = num_steps, topk, num_draft_tokens
+        self.tree = topk > 1
+        self.target_tree_backend = TreeAttnBackend(target_runner.req_to_token_pool, target_runner.token_to_kv_pool,
+                                                   target_runner.model.sliding_window)
+        self.embed = target_runner.model.model.embed_tokens
+        d2t = getattr(self.head, "d2t", None)
+        self._draft_ids = None if d2t is None else torch.arange(d2t.numel(), device=d2t.device) + d2t
+        self._features: dict[int, torch.Tensor] = {}  # rid -> target features not yet in the draft cache
+        self.proposed_tokens = 0
+        self.accepted_tokens = 0
+        self.rounds = 0
+        self.accept_lengths: Counter[int] = Counter()  # accepted drafts per request-round -> count
+
+    @property
+    def slots_per_round(self) -> int:
+        """Verify slots (last token + proposals), plus the tree's scratch slots for draft K/V."""
+        scratch = self.topk * (self.num_steps - 1) if self.tree else 0
+        return self.k + 1 + scratch
+
+    # ---- model calls ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def _target(self, fb, backend, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits (every token's, or each request's last) and head features for every token."""
+        require(self.target.phase, Phase.BACKENDS_READY, "run a forward pass", self.target.name)
+        capture = HiddenCapture(self.draft.aux_layers)
+        rows = fb.logit_rows(last_only)
+        logits = self.target.model(fb, backend, rows, capture)
+        return logits.float(), capture.features()
+
+    @torch.inference_mode()
+    def _draft(self, fb, backend, hidden, from_target: bool, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits over the target's vocabulary and next features, at ``rows``."""
+        require(self.draft.phase, Phase.BACKENDS_READY, "run a forward pass", self.draft.name)
+        normed, feature = self.head(self.embed(fb.input_ids), hidden, from_target, fb, backend)
+        normed = normed[rows]
+        lm_head = getattr(self.head, "lm_head", None)
+        if lm_head is None:
+            logits = torch.nn.functional.linear(normed, self.target.model.head_weight()).float()
+        else:
+            logits = lm_head(normed).float()
+            if self._draft_ids is not None:  # scatter draft ids onto their target ids
+                full = torch.full((logits.shape[0], self.target.shape.vocab_size), float("-inf"), device=logits.device)
+                full[:, self._draft_ids] = logits
+                logits = full
+        return logits, feature[rows]
+
+    # ---- prefill ----------------------------------------------------------------------------
+    def prefill(self, reqs: list[Request]) -> None:
+        pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
+        segments = []
+        for r in reqs:
+            alloc_positions(pool, alloc, r.req_idx, 0, len(r.prompt_ids))
+            segments.append(Segment(r.req_idx, r.prompt_ids, 0))
+        fb = with_cache_locs(make_batch(segments, self.target.device), pool, segments)
+        logits, features = self._target(fb, self.target.backend, last_only=True)
+        start = 0
+        for i, (r, s) in enumerate(zip(reqs, segments)):
+            end = start + len(s.tokens)
+            token, _ = choose(logits[i], r.params, r.generator)
+            r.kv_len = len(r.prompt_ids)
+            r.draft_kv_len = 0
+            r.output_ids.append(token)
+            self._features[r.rid] = features[start:end]
+            start = end
+
+    # ---- one round ----------------------------------------------------------------------------
+    def decode_round(self, reqs: list[Request]) -> list[list[int]]:
+        self._features = {r.rid: self._features[r.rid] for r in reqs}  # finished requests drop out
+        pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
+        for r in reqs:
+            alloc_positions(pool, alloc, r.req_idx, r.kv_len, r.kv_len + self.k + 1)
+        logits, hidden = self._draft_extend(reqs)
+        if self.tree:
+            return self._tree_round(reqs, logits, hidden)
+        return self._chain_round(reqs, logits, hidden)
+
+    def _draft_extend(self, reqs):
+        segments = [Segment(r.req_idx, r.all_ids[r.draft_kv_len + 1 : r.kv_len + 1], r.draft_kv_len) for r in reqs]
+        fb = with_cache_locs(make_batch(segments, self.draft.device), self.draft.req_to_token_pool, segments)
+        hidden = torch.cat([self._features[r.rid] for r in reqs])
+        logits, feature = self._draft(fb, self.draft.backend, hidden, True, fb.logit_rows(True))
+        for r in reqs:
+            r.draft_kv_len = r.kv_len
+        return logits, feature
+
+    def _chain_round(self, reqs, logits, hidden) -> list[list[int]]:
+        tokens: list[list[int]] = [[] for _ in reqs]
+        probs: list[list] = [[] for _ in reqs]
+        for step in range(self.k):
+            for i, r in enumerate(reqs):
+                token, p = choose(logits[i], r.params, r.generator)
+                tokens[i].append(token)
+                probs[i].append(p)
+            if step + 1 < self.k:
+                segments = [Segment(r.req_idx, [tokens[i][-1]], r.kv_len + step) for i, r in enumerate(reqs)]
+                fb = with_cache_locs(make_batch(segments, self.draft.device), self.draft.req_to_token_pool, segments)
+                logits, hidden = self._draft(fb, self.draft.backend, hidden, False, fb.logit_rows(False))
+
+        pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
+        segments = [Segment(r.req_idx, [r.all_ids[-1]] + tokens[i], r.kv_len) for i, r in enumerate(reqs)]
+        fb = with_cache_locs(make_batch(segments, self.target.device), pool, segments)
+        target_logits, features = self._target(fb, self.target.backend)
+        committed, start = [], 0
+        for i, r in enumerate(reqs):
+            rows = slice(start, start + self.k + 1)
+            start += self.k + 1
+            n, nxt = verify(tokens[i], None if r.params.greedy else probs[i], target_logits[rows], r.params, r.generator)
+            last = r.kv_len
+            r.kv_len = last + n + 1
+            free_positions(pool, alloc, r.req_idx, r.kv_len, last + self.k + 1)
+            self._features[r.rid] = features[rows][: n + 1]
+            committed.append(self._commit(r, tokens[i][:n] + [nxt], n))
+        return committed
+
+    def _tree_round(self, reqs, logits, hidden) -> list[list[int]]:
+        k, device = self.topk, self.target.device
+        alloc = self.target.token_to_kv_pool_allocator
+        B = len(reqs)
+        # Candidates per request: token, parent candidate (-1: root), score, depth.
+        cands = [dict(tok=[], par=[], score=[], depth=[]) for _ in reqs]
+        logp = torch.log_softmax(logits, dim=-1)
+        top = torch.topk(logp, k, dim=-1)
+        frontier = []  # per request: candidate ids being expanded this step
+        for i in range(B):
+            c = cands[i]
+            c["tok"] += top.indices[i].tolist()
+            c["score"] += top.values[i].tolist()
+            c["par"] += [-1] * k
+            c["depth"] += [1] * k
+            frontier.append(list(range(k)))
+        front_hidden = hidden.repeat_interleave(k, dim=0)  # [B*k, H]: every root child's parent feature
+        scratch = [alloc.alloc(k * (self.num_steps - 1)) for _ in reqs]
+        expanded = [[] for _ in reqs]  # candidate ids whose draft K/V sit in scratch, in slot order
+        try:
+            for step in range(1, self.num_steps):
+                fb = self._tree_step_batch(reqs, cands, frontier, expanded, scratch, step)
+                step_logits, step_hidden = self._draft(fb, self.draft.tree_backend, front_hidden, False,
+                                                       fb.logit_rows(False))
+                top = torch.topk(torch.log_softmax(step_logits, dim=-1), k, dim=-1)
+                new_frontier, rows = [], []
+                for i in range(B):
+                    c = cands[i]
+                    base = len(c["tok"])
+                    for j, parent in enumerate(frontier[i]):
+                        row = i * k + j
+                        c["tok"] += top.indices[row].tolist()
+                        c["score"] += [c["score"][parent] + v for v in top.values[row].tolist()]
+                        c["par"] += [parent] * k
+                        c["depth"] += [step + 1] * k
+                    new = list(range(base, len(c["tok"])))
+                    best = sorted(new, key=lambda x: (-c["score"][x], x))[:k]
+                    new_frontier.append(best)
+                    rows += [i * k + (x - base) // k for x in best]
+                frontier = new_frontier
+                front_hidden = step_hidden[torch.tensor(rows, device=step_hidden.device)]
+            trees = [select_tree(r.all_ids[-1], c["tok"], c["par"], c["score"], c["depth"], self.k)
+                     for r, c in zip(reqs, cands)]
+        finally:
+            for s in scratch:
+                alloc.free(s)
+        return self._verify_trees(reqs, trees)
+
+    def _tree_step_batch(self, reqs, cands, frontier, expanded, scratch, step) -> TreeForwardBatch:
+        """Draft inputs for expanding ``frontier``: each node reads the prefix and its ancestors."""
+        k, device = self.topk, self.draft.device
+        ids, pos, locs, key_slots, key_pos, masks = [], [], [], [], [], []
+        for i, r in enumerate(reqs):
+            c = cands[i]
+            new_slots = scratch[i][(step - 1) * k : step * k]
+            expanded[i] += frontier[i]
+            parents = [c["par"][x] for x in expanded[i]]
+            index = {x: j for j, x in enumerate(expanded[i])}
+            mask = ancestor_mask([index[p] if p >= 0 else -1 for p in parents])[-k:]
+            ids += [c["tok"][x] for x in frontier[i]]
+            # A node at depth d is the draft's input at position L + d - 1 (it predicts depth d + 1).
+            pos += [r.kv_len + c["depth"][x] - 1 for x in frontier[i]]
+            locs.append(new_slots)
+            key_slots.append(scratch[i][: step * k].to(device))
+            key_pos.append(torch.tensor([r.kv_len + c["depth"][x] - 1 for x in expanded[i]], device=device))
+            masks.append(mask.to(device))
+        return TreeForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(pos, dtype=torch.int64, device=device),
+            out_cache_loc=torch.cat(locs).to(device),
+            req_pool_indices=torch.tensor([r.req_idx for r in reqs], dtype=torch.int64, device=device),
+            seq_lens=torch.tensor([r.kv_len + step for r in reqs], dtype=torch.int64, device=device),
+            extend_lens=[k] * len(reqs),
+            seq_lens_cpu=[r.kv_len + step for r in reqs],
+            prefix_lens=[r.kv_len for r in reqs],
+            key_slots=key_slots, key_positions=key_pos, masks=masks,
+        )
+
+    def _verify_trees(self, reqs, trees: list[DraftTree]) -> list[list[int]]:
+        pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
+        device = self.target.device
+        rows_of = pool.req_to_token
+        slots = [rows_of[r.req_idx, r.kv_len : r.kv_len + t.size].clone() for r, t in zip(reqs, trees)]
+        fb = TreeForwardBatch(
+            input_ids=torch.tensor([x for t in trees for x in t.tokens], dtype=torch.int64, device=device),
+            positions=torch.tensor([r.kv_len + d for r, t in zip(reqs, trees) for d in t.depths], dtype=torch.int64, device=device),
+            out_cache_loc=torch.cat(slots),
+            req_pool_indices=torch.tensor([r.req_idx for r in reqs], dtype=torch.int64, device=device),
+            seq_lens=torch.tensor([r.kv_len + max(t.depths) + 1 for r, t in zip(reqs, trees)], dtype=torch.int64, device=device),
+            extend_lens=[t.size for t in trees],
+            seq_lens_cpu=[r.kv_len + max(t.depths) + 1 for r, t in zip(reqs, trees)],
+            prefix_lens=[r.kv_len for r in reqs],
+            key_slots=slots,
+            key_positions=[torch.tensor([r.kv_len + d for d in t.depths], device=device) for r, t in zip(reqs, trees)],
+            masks=[t.mask(device) for t in trees],
+        )
+        logits, features = self._target(fb, self.target_tree_backend)
+        committed, start = [], 0
+        for r, t, s in zip(reqs, trees, slots):
+            rows = slice(start, start + t.size)
+            start += t.size
+            path, nxt = accept_path(t, logits[rows], r.params, r.generator)
+            keep = [0] + path
+            last = r.kv_len
+            # The accepted nodes' K/V become positions last..last+len(path); the rest are freed.
+            rows_of[r.req_idx, last : last + len(keep)] = s[keep]
+            rejected = torch.ones(t.size, dtype=torch.bool)
+            rejected[keep] = False
+            alloc.free(s[rejected.to(s.device)])
+            r.kv_len = last + len(keep)
+            self._features[r.rid] = features[rows][torch.tensor(keep, device=features.device)]
+            committed.append(self._commit(r, [t.tokens[x] for x in path] + [nxt], len(path), proposed=t.size - 1))
+        return committed
+
+    def _commit(self, r: Request, new: list[int], accepted: int, proposed: int | None = None) -> list[int]:
+        proposed = self.k if proposed is None else proposed
+        r.output_ids.extend(new)
+        r.proposed_draft_tokens += proposed
+        r.accepted_draft_tokens += accepted
+        r.verify_rounds += 1
+        self.proposed_tokens += proposed
+        self.accepted_tokens += accepted
+        self.rounds += 1
+        self.accept_lengths[accepted] += 1
+        return new

@@ -1,0 +1,56 @@
+"""Attention with an explicit mask over paged pools, for draft trees.
+
+Each request's new tokens see its committed prefix (positions ``0 .. prefix_len - 1`` read through
+``req_to_token``) and a list of extra KV slots (tree nodes, including the new tokens themselves)
+under a boolean mask. Tree nodes live in slots outside the request's linear position map until a
+path is accepted, so several branches can share a depth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .forward_batch import ForwardBatch
+from .pools import MHATokenToKVPool, ReqToTokenPool
+
+
+@dataclass
+class TreeForwardBatch(ForwardBatch):
+    prefix_lens: list[int] = field(default_factory=list)
+    key_slots: list[torch.Tensor] = field(default_factory=list)  # [E_i] KV slots beyond the prefix
+    key_positions: list[torch.Tensor] = field(default_factory=list)  # [E_i] their positions
+    masks: list[torch.Tensor] = field(default_factory=list)  # [n_i, E_i] bool
+
+
+class TreeAttnBackend:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, sliding_window: int | None):
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.kv_pool = kv_pool
+        self.sliding_window = sliding_window
+
+    def forward(self, q, k, v, layer_id: int, fb: TreeForwardBatch, scaling: float) -> torch.Tensor:
+        self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
+        out = torch.empty(q.shape[0], q.shape[1], v_buf.shape[-1], dtype=q.dtype, device=q.device)
+        group = q.shape[1] // k_buf.shape[1]
+        start = 0
+        for i, n in enumerate(fb.extend_lens):
+            p = fb.prefix_lens[i]
+            slots = torch.cat([self.req_to_token[fb.req_pool_indices[i], :p], fb.key_slots[i]])
+            keys = k_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)
+            vals = v_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)
+            mask = torch.cat([torch.ones((n, p), dtype=torch.bool, device=q.device), fb.masks[i]], dim=1)
+            if self.sliding_window is not None:
+                k_pos = torch.cat([torch.arange(p, device=q.device), fb.key_positions[i]])
+                q_pos = fb.positions[start : start + n]
+                mask &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
+            o = F.scaled_dot_product_attention(
+                q[start : start + n].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
+                attn_mask=mask, scale=scaling,
+            )
+            out[start : start + n] = o.transpose(0, 1)
+            start += n
+        return out
