@@ -26,6 +26,8 @@ from .memory import MemoryProfile, free_device_bytes, profile_memory
 from .phases import Phase, PhaseError
 from .pools import MemoryPoolConfig
 from .request import Request, make_generator
+from .eagle_loader import EAGLE_ALGORITHMS
+from .eagle_worker import EagleDraftWorker, EagleWorker, check_tree_args
 from .speculative import ALGORITHMS, SpeculativeWorker
 from .workers import DraftWorker, TargetWorker
 
@@ -52,6 +54,8 @@ class EngineArgs:
     max_running_requests: int = 8
     cuda_graph_max_bs: int = 0
     num_draft_tokens: int = 4
+    speculative_num_steps: int | None = None  # EAGLE draft steps per round (default: num_draft_tokens)
+    speculative_eagle_topk: int = 1  # EAGLE: 1 drafts a chain, more a tree of num_draft_tokens nodes
     ngram_max: int = 4
     planned_tokens: int | None = None
 
@@ -70,11 +74,16 @@ class Stats:
 
 class Scheduler:
     def __init__(self, args: EngineArgs):
-        if args.algorithm not in ALGORITHMS:
-            raise InputError(f"--algorithm {args.algorithm}: this engine serves {', '.join(ALGORITHMS)}")
-        if args.algorithm == "STANDALONE" and not args.draft:
-            raise InputError("--draft: STANDALONE needs a draft model folder")
-        if args.algorithm != "STANDALONE" and args.draft:
+        served = ALGORITHMS + EAGLE_ALGORITHMS
+        if args.algorithm not in served:
+            raise InputError(f"--algorithm {args.algorithm}: this engine serves {', '.join(served)}")
+        needs_draft = args.algorithm == "STANDALONE" or args.algorithm in EAGLE_ALGORITHMS
+        if needs_draft and not args.draft:
+            raise InputError(f"--draft: {args.algorithm} needs a draft model folder")
+        if args.algorithm in EAGLE_ALGORITHMS:
+            check_tree_args(args.speculative_eagle_topk, args.speculative_num_steps or args.num_draft_tokens,
+                            args.num_draft_tokens)
+        if not needs_draft and args.draft:
             raise InputError(f"--draft: {args.algorithm} takes no draft model; drop --draft")
         self.args = args
         self.device = torch.device(args.device)
@@ -104,7 +113,7 @@ class Scheduler:
             raise InputError(f"{a.draft}: an MTP draft (num_nextn_predict_layers) is not served by this engine; "
                              "use STANDALONE with a separate small model or NGRAM")
         self.draft_num_layers = self.draft_shape.draft_num_layers if self.draft_shape else 0
-        if self.draft_shape is not None and self.draft_shape.vocab_size != self.target_shape.vocab_size:
+        if a.algorithm == "STANDALONE" and self.draft_shape.vocab_size != self.target_shape.vocab_size:
             raise InputError(f"{a.draft}/config.json: vocab_size {self.draft_shape.vocab_size} differs from the "
                              f"target's {self.target_shape.vocab_size}; a STANDALONE draft must share the target's tokenizer")
 
@@ -116,7 +125,9 @@ class Scheduler:
             seen = nvml_memory()
             self.free_before_weights = seen.free_bytes if seen else free_device_bytes(self.device)
         self.target_worker = TargetWorker(a.target, a.device, a.dtype)
-        if a.draft:
+        if a.algorithm in EAGLE_ALGORITHMS:
+            self.draft_worker = EagleDraftWorker(a.draft, self.target_worker, a.algorithm)
+        elif a.draft:
             self.draft_worker = DraftWorker(a.draft, a.device, a.dtype)
         self.phase = Phase.WEIGHTS_LOADED
         self.stats.phase_seconds["load_weights"] = time.perf_counter() - start
@@ -137,7 +148,7 @@ class Scheduler:
 
     def init_memory_pools(self) -> None:
         a = self.args
-        expected = 2 if a.algorithm == "STANDALONE" else 1
+        expected = 2 if a.draft else 1
         loaded = [r for r in self._runners() if r.phase >= Phase.WEIGHTS_LOADED]
         if len(loaded) < expected:
             raise PhaseError("phase 2 (allocate KV pools) needs every weight resident: "
@@ -182,11 +193,17 @@ class Scheduler:
         self.target_worker.init_backends(bs)
         if self.draft_worker:
             self.draft_worker.init_backends(bs)
-        self.spec = SpeculativeWorker(
-            self.args.algorithm, self.target_worker.model_runner,
-            self.draft_worker.model_runner if self.draft_worker else None,
-            self.args.num_draft_tokens, self.args.ngram_max,
-        )
+        if self.args.algorithm in EAGLE_ALGORITHMS:
+            a = self.args
+            self.spec = EagleWorker(a.algorithm, self.target_worker.model_runner, self.draft_worker.model_runner,
+                                    a.speculative_num_steps or a.num_draft_tokens, a.speculative_eagle_topk,
+                                    a.num_draft_tokens)
+        else:
+            self.spec = SpeculativeWorker(
+                self.args.algorithm, self.target_worker.model_runner,
+                self.draft_worker.model_runner if self.draft_worker else None,
+                self.args.num_draft_tokens, self.args.ngram_max,
+            )
         self.phase = Phase.BACKENDS_READY
 
     @property
