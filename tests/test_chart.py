@@ -314,9 +314,9 @@ def test_install_reconcile_with_chart_credentials_upgrade_uninstall(cluster, nam
         op.stop()
     # ... and it could not have done more than the operator needs
     assert can_i(cluster, sa_user, "create", "pods", "-n", ns)
-    assert can_i(cluster, sa_user, "update", "specdecodedeployments/status", "-n", ns)
+    assert can_i(cluster, sa_user, "update", "specdecodedeployments", "--subresource=status", "-n", ns)
     for denied in (["get", "secrets", "-n", ns], ["delete", "deployments", "-n", ns],
-                   ["create", "pods/exec", "-n", ns], ["delete", "specdecodedeployments", "-n", ns],
+                   ["create", "pods", "--subresource=exec", "-n", ns], ["delete", "specdecodedeployments", "-n", ns],
                    ["update", "specdecodedeployments", "-n", ns], ["create", "clusterroles"],
                    ["patch", "nodes"], ["delete", "configmaps", "-n", ns]):
         assert not can_i(cluster, sa_user, *denied), f"the operator's account may {' '.join(denied)}"
