@@ -44,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     p.add_argument("--num-draft-tokens", type=int, default=4, help="proposals per verify round")
     p.add_argument("--ngram-max", type=int, default=4, help="longest suffix NGRAM matches")
+    p.add_argument("--draft-quantization", choices=("none", "int8"), default="none",
+                   help="int8: dynamically quantised draft linears (cpu only; a cheap draft of a copy of the target)")
     p.add_argument("--log-level", default="info")
     sizing = p.add_argument_group("planner sizing flags (as in 'specdecode-worker plan')")
     sizing.add_argument("--tp", default="1", help="tensor-parallel size (this worker serves 1)")
@@ -122,6 +124,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         context_len=kv["contextLength"], min_kv_tokens=kv["minTokens"], max_total_tokens=args.max_total_tokens,
         max_running_requests=reserve["maxRunningRequests"], cuda_graph_max_bs=reserve["cudaGraphMaxBs"],
         num_draft_tokens=args.num_draft_tokens, ngram_max=args.ngram_max, planned_tokens=kv["maxTotalNumTokens"],
+        draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization,
     )
     return engine_args, plan
 

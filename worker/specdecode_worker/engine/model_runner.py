@@ -43,7 +43,8 @@ def resolve_dtype(name: str | None, config_dtype, device: str) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str | None = None, name: str = "target"):
+    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str | None = None, name: str = "target",
+                 quantization: str | None = None):
         from transformers import AutoConfig
 
         self.model_dir = str(model_dir)
@@ -54,6 +55,11 @@ class ModelRunner:
         self.model_cls = model_class(self.shape.architecture, f"{model_dir}/config.json")
         self.dtype = resolve_dtype(dtype, getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None), self.device.type)
         self.kv_dtype = self.dtype
+        if quantization not in (None, "int8"):
+            raise InputError(f"quantization '{quantization}' is not supported; use int8 (cpu only) or none")
+        if quantization and self.device.type != "cpu":
+            raise InputError("int8 dynamic quantization runs on cpu only; drop it on cuda")
+        self.quantization = quantization
         self.tp = model_tp(self.config, name, f"{model_dir}/config.json")  # sharded, or a replicated draft
         self.phase = Phase.CREATED
         self.durations: dict[str, float] = {}
@@ -75,6 +81,9 @@ class ModelRunner:
             model = self.model_cls(self.config, **({"tp": self.tp} if self.tp.size > 1 else {}))
         load_safetensors(model, self.model_dir, self.device, self.dtype)
         model.rotary.reset(self.device)
+        if self.quantization == "int8":
+            # Dynamic int8 linear layers in the decoder (a cheap CPU draft); the tied head stays.
+            model.model.layers = torch.ao.quantization.quantize_dynamic(model.model.layers, {torch.nn.Linear}, torch.qint8)
         self.model = model.eval()
         self.weight_bytes = tensor_bytes(model)
         self.phase = Phase.WEIGHTS_LOADED

@@ -58,6 +58,7 @@ class EngineArgs:
     speculative_eagle_topk: int = 1  # EAGLE: 1 drafts a chain, more a tree of num_draft_tokens nodes
     ngram_max: int = 4
     planned_tokens: int | None = None
+    draft_quantization: str | None = None  # "int8": dynamic int8 draft linears (cpu)
 
 
 @dataclass
@@ -128,7 +129,7 @@ class Scheduler:
         if a.algorithm in EAGLE_ALGORITHMS:
             self.draft_worker = EagleDraftWorker(a.draft, self.target_worker, a.algorithm)
         elif a.draft:
-            self.draft_worker = DraftWorker(a.draft, a.device, a.dtype)
+            self.draft_worker = DraftWorker(a.draft, a.device, a.dtype, a.draft_quantization)
         self.phase = Phase.WEIGHTS_LOADED
         self.stats.phase_seconds["load_weights"] = time.perf_counter() - start
 

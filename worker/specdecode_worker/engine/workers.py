@@ -28,8 +28,8 @@ class TargetWorker:
 class DraftWorker:
     """A standalone draft model: its own weights and K/V buffers, the target's slots."""
 
-    def __init__(self, model_dir: str, device: str, dtype: str | None = None):
-        self.model_runner = ModelRunner(model_dir, device, dtype, name="draft")
+    def __init__(self, model_dir: str, device: str, dtype: str | None = None, quantization: str | None = None):
+        self.model_runner = ModelRunner(model_dir, device, dtype, name="draft", quantization=quantization)
         self.model_runner.load_weights()
 
     def alloc_memory_pool(
