@@ -137,6 +137,8 @@ class Reconciler:
         if status != old_status:
             self.kube.write_status(sdd, status)
             for t in c.transitions(list(old_status.get("conditions") or []), conds):
+                log.log(logging.WARNING if t.warning else logging.INFO, "%s/%s %s=%s reason=%s: %s",
+                        meta["namespace"], meta["name"], t.ctype, t.status, t.reason, t.message)
                 self.kube.event(sdd, t.reason, f"{t.ctype}={t.status}: {t.message}", t.warning)
         if requeue is None and status["phase"] in ("Planning", "Deploying"):
             requeue = POLL_SECONDS
@@ -200,7 +202,10 @@ class Reconciler:
     def _create_planner(self, view: SpecView, key: str, owner: dict[str, Any], pod_path: str) -> dict[str, Any]:
         body = planner.render_planner_pod(view, key, owner)
         try:
-            return self.kube.create(path("v1", "Pod", view.namespace), body)
+            created = self.kube.create(path("v1", "Pod", view.namespace), body)
+            log.info("%s/%s planner pod %s created for plan key %s", view.namespace, view.name,
+                     body["metadata"]["name"], key)
+            return created
         except ApiError as exc:
             if exc.status == 409:  # created by an earlier run of this reconcile
                 return self.kube.get(pod_path) or body
