@@ -21,6 +21,11 @@ from tests.cluster.controlplane import ControlPlane, build_binaries
 from tests.cluster.wait import wait_for
 
 _planes: list[ControlPlane] = []
+_build: dict[str, object] = {}
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -31,20 +36,32 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.e2e)
 
 
+def pytest_collection_finish(session):
+    # Build before any test starts, so a cold build (many minutes) does not count against the
+    # first e2e test's timeout. A failure is raised by the fixture, failing only e2e tests.
+    if session.config.option.collectonly:
+        return
+    if any("cluster" in getattr(item, "fixturenames", ()) for item in session.items):
+        capture = session.config.pluginmanager.getplugin("capturemanager")
+        with capture.global_and_fixture_disabled():
+            print(file=sys.stderr)
+            try:
+                _build["bin_dir"] = build_binaries(progress=_progress)
+            except Exception as exc:
+                _build["error"] = exc
+
+
 @pytest.fixture(scope="session")
 def cluster(pytestconfig, tmp_path_factory):
+    if "error" in _build:
+        raise _build["error"]
     capture = pytestconfig.pluginmanager.getplugin("capturemanager")
-
-    def progress(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
-    # Show build and start-up progress live: a cold build takes many minutes.
+    # Show start-up progress live.
     with capture.global_and_fixture_disabled():
-        print(file=sys.stderr)
-        bin_dir = build_binaries(progress=progress)
+        bin_dir = _build.get("bin_dir") or build_binaries(progress=_progress)
         plane = ControlPlane(tmp_path_factory.mktemp("cluster"), bin_dir)
-        progress(f"control plane logs: {plane.logs_dir}")
-        plane.start(progress=progress)
+        _progress(f"control plane logs: {plane.logs_dir}")
+        plane.start(progress=_progress)
     _planes.append(plane)
     try:
         yield plane

@@ -177,6 +177,7 @@ class ControlPlane:
         for d in (self.logs_dir, self.pvc_root, self.workdir / "etcd", self.workdir / "kwok",
                   self.workdir / "runtime"):
             d.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "etcd").chmod(0o700)  # etcd warns about wider permissions
         names = ["etcd", "etcd-peer", "kube-apiserver", "kube-controller-manager", "kube-scheduler"]
         self.ports = dict(zip(names, free_ports(len(names))))
         etcd_url = f"http://127.0.0.1:{self.ports['etcd']}"
@@ -202,7 +203,12 @@ class ControlPlane:
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--allow-privileged=true",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={p.sa_pub}", f"--service-account-signing-key-file={p.sa_key}",
-            f"--proxy-client-cert-file={p.admin_crt}", f"--proxy-client-key-file={p.admin_key}",
+            # Front-proxy settings, which the other components' delegated authentication reads.
+            f"--proxy-client-cert-file={p.front_proxy_client_crt}",
+            f"--proxy-client-key-file={p.front_proxy_client_key}",
+            f"--requestheader-client-ca-file={p.front_proxy_ca_crt}",
+            "--requestheader-allowed-names=front-proxy-client", "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group", "--requestheader-extra-headers-prefix=X-Remote-Extra-",
             "--enable-priority-and-fairness=false",
         ])
         say(f"kube-apiserver starting on https://127.0.0.1:{api}")

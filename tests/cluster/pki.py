@@ -1,7 +1,8 @@
 """Certificates and keys for a loopback control plane, made with the openssl command line.
 
 One CA signs the API server's serving certificate (valid for 127.0.0.1 and the in-cluster
-names) and the admin client certificate (group system:masters). A separate key pair signs
+names) and the admin client certificate (group system:masters); a front-proxy CA signs the
+aggregation layer's client certificate. A separate key pair signs
 service-account tokens. EC P-256 keys keep generation to a fraction of a second.
 """
 
@@ -24,6 +25,9 @@ class Pki:
     admin_key: Path
     sa_key: Path
     sa_pub: Path
+    front_proxy_ca_crt: Path
+    front_proxy_client_crt: Path
+    front_proxy_client_key: Path
 
 
 def make_pki(d: Path) -> Pki:
@@ -33,22 +37,33 @@ def make_pki(d: Path) -> Pki:
         serving_crt=d / "apiserver.crt", serving_key=d / "apiserver.key",
         admin_crt=d / "admin.crt", admin_key=d / "admin.key",
         sa_key=d / "sa.key", sa_pub=d / "sa.pub",
+        front_proxy_ca_crt=d / "front-proxy-ca.crt",
+        front_proxy_client_crt=d / "front-proxy-client.crt", front_proxy_client_key=d / "front-proxy-client.key",
     )
-    _run("req", "-x509", *_EC, "-keyout", p.ca_key, "-out", p.ca_crt, "-days", "3650",
-         "-subj", "/CN=specdecode-test-ca", "-addext", "basicConstraints=critical,CA:TRUE",
-         "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature")
+    _make_ca(p.ca_crt, p.ca_key, "/CN=specdecode-test-ca")
     san = ",".join([
         "IP:127.0.0.1", "IP:10.96.0.1", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
         "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local",
     ])
-    _sign(d, p, p.serving_crt, p.serving_key, "/CN=kube-apiserver", "serverAuth", san)
-    _sign(d, p, p.admin_crt, p.admin_key, "/O=system:masters/CN=specdecode-admin", "clientAuth", None)
+    _sign(p.ca_crt, p.ca_key, p.serving_crt, p.serving_key, "/CN=kube-apiserver", "serverAuth", san)
+    _sign(p.ca_crt, p.ca_key, p.admin_crt, p.admin_key, "/O=system:masters/CN=specdecode-admin", "clientAuth", None)
+    # The front proxy (aggregation layer) needs its own CA, as in kubeadm's layout.
+    front_proxy_ca_key = d / "front-proxy-ca.key"
+    _make_ca(p.front_proxy_ca_crt, front_proxy_ca_key, "/CN=specdecode-test-front-proxy-ca")
+    _sign(p.front_proxy_ca_crt, front_proxy_ca_key, p.front_proxy_client_crt, p.front_proxy_client_key,
+          "/CN=front-proxy-client", "clientAuth", None)
     _run("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", p.sa_key)
     _run("pkey", "-in", p.sa_key, "-pubout", "-out", p.sa_pub)
     return p
 
 
-def _sign(d: Path, p: Pki, crt: Path, key: Path, subject: str, usage: str, san: str | None) -> None:
+def _make_ca(crt: Path, key: Path, subject: str) -> None:
+    _run("req", "-x509", *_EC, "-keyout", key, "-out", crt, "-days", "3650", "-subj", subject,
+         "-addext", "basicConstraints=critical,CA:TRUE",
+         "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature")
+
+
+def _sign(ca_crt: Path, ca_key: Path, crt: Path, key: Path, subject: str, usage: str, san: str | None) -> None:
     csr = crt.with_suffix(".csr")
     ext = crt.with_suffix(".ext")
     lines = [
@@ -62,7 +77,7 @@ def _sign(d: Path, p: Pki, crt: Path, key: Path, subject: str, usage: str, san: 
         lines.append(f"subjectAltName={san}")
     ext.write_text("\n".join(lines) + "\n")
     _run("req", "-new", *_EC, "-keyout", key, "-out", csr, "-subj", subject)
-    _run("x509", "-req", "-in", csr, "-CA", p.ca_crt, "-CAkey", p.ca_key, "-CAcreateserial",
+    _run("x509", "-req", "-in", csr, "-CA", ca_crt, "-CAkey", ca_key, "-CAcreateserial",
          "-days", "3650", "-extfile", ext, "-out", crt)
     csr.unlink()
     ext.unlink()

@@ -116,15 +116,16 @@ def volume_paths(pod: dict, container: dict, pvc_root: Path, scratch: Path) -> d
 
 
 def map_paths(value: str, mapping: dict[str, str]) -> str:
-    """Replace each container path in ``mapping`` where it stands as a whole path or prefix.
+    """Replace each container path in ``mapping`` where it stands as whole path components.
 
-    A path counts when it starts the string or follows whitespace, ``=``, ``:``, ``,`` or a
-    quote, and ends the string or is followed by ``/``, whitespace, ``:``, ``,`` or a quote.
+    A match may not continue a longer name: the character before it may not be a letter,
+    digit, ``.``, ``-``, ``_`` or ``/``, and the one after it may not be a letter, digit,
+    ``.``, ``-`` or ``_`` (``/`` after it is fine: that is a path inside the mount).
     """
     if not mapping:
         return value
     alternatives = "|".join(re.escape(p) for p in sorted(mapping, key=len, reverse=True))
-    pattern = re.compile(rf"(?<![^\s=:,'\"])({alternatives})(?![^\s/:,'\"])")
+    pattern = re.compile(rf"(?<![\w./-])({alternatives})(?![\w.-])")
     return pattern.sub(lambda m: mapping[m.group(1)], value)
 
 

@@ -68,6 +68,9 @@ def test_map_paths_only_whole_path_components():
     assert map_paths("--dir='/models/a'", mapping) == "--dir='/pvc/ns/m/a'"
     assert map_paths("/modelsX", mapping) == "/modelsX"
     assert map_paths("/data/models", mapping) == "/data/models"
+    assert map_paths("x>/models/a;y", mapping) == "x>/pvc/ns/m/a;y"
+    assert map_paths("$(cat /models)|z", mapping) == "$(cat /pvc/ns/m)|z"
+    assert map_paths("/models.bak /models-old /models_x", mapping) == "/models.bak /models-old /models_x"
 
 
 def test_expand_vars_like_kubernetes():
