@@ -223,3 +223,27 @@ def test_worker_entry_point_resolves_from_project_venv(cluster, namespace):
     import sys
 
     assert terminated["message"].strip() == str(Path(sys.executable).parent / "specdecode-worker")
+
+
+def test_deleting_a_running_planner_pod_kills_its_process(cluster, namespace, tmp_path):
+    import os
+
+    # "$$$$": Kubernetes turns "$$" into "$", so the shell sees "$$", its own pid.
+    manifest = planner_pod("plan-slow", ["sh", "-c", "echo $$$$ > /work/pid; sleep 300"],
+                           volumeMounts=[{"name": "work", "mountPath": "/work"}])
+    manifest["spec"]["volumes"] = [{"name": "work", "hostPath": {"path": str(tmp_path)}}]
+    apply(cluster, namespace, manifest)
+    pid_file = tmp_path / "pid"
+    pid = int(wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), timeout=60,
+                       what="the planner process to start"))
+    os.kill(pid, 0)  # running
+    cluster.kubectl("delete", "pod", "plan-slow", "-n", namespace, "--timeout=30s")
+
+    def gone():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_for(gone, timeout=30, what=f"process {pid} to be killed")

@@ -107,3 +107,42 @@ def test_claim_gets_prebound_host_path_volume():
     assert pv["spec"]["capacity"] == {"storage": "50Gi"}
     assert pv["spec"]["storageClassName"] == "standard"
     assert pv["spec"]["accessModes"] == ["ReadOnlyMany"]
+
+
+class FakeApi:
+    """Serves a fixed pod list and records annotation patches."""
+
+    def __init__(self, pods):
+        self.pods = pods
+        self.patches = []
+
+    def get(self, path, **query):
+        assert query == {"labelSelector": "specdecode.io/role=planner"}
+        return {"items": self.pods}
+
+    def merge_patch(self, path, patch):
+        self.patches.append((path, patch))
+
+
+def _running_pod(uid, annotations=None):
+    return {
+        "metadata": {"name": f"p-{uid}", "namespace": "ns", "uid": uid, "annotations": annotations or {}},
+        "spec": {"nodeName": "h100-node-1", "containers": [{"name": "c", "command": ["true"]}]},
+        "status": {"phase": "Running"},
+    }
+
+
+def test_runner_never_reruns_a_pod_an_earlier_runner_started(tmp_path):
+    from tests.cluster.planner_runtime import ANN_EXIT_CODE, Runner
+
+    api = FakeApi([_running_pod("started-before"), _running_pod("done", {ANN_EXIT_CODE: "0"})])
+    (tmp_path / "started-before.started").touch()
+    runner = Runner(api, tmp_path, tmp_path, tmp_path)
+    runner.poll_once()
+    runner.poll_once()
+    assert runner.active == {}
+    assert len(api.patches) == 1
+    path, patch = api.patches[0]
+    assert path == "/api/v1/namespaces/ns/pods/p-started-before"
+    assert patch["metadata"]["uid"] == "started-before"
+    assert patch["metadata"]["annotations"][ANN_EXIT_CODE] == "137"
