@@ -152,9 +152,12 @@ class ControlPlane:
             raise CommandError(result.returncode, cmd, result.stdout, result.stderr)
         return result
 
-    def log_tails(self, lines: int = 25) -> str:
+    def log_tails(self, lines: int = 25, pods: int = 5) -> str:
+        """The end of each component's log, then of the newest planner pods' output."""
+        logs = sorted(self.logs_dir.glob("*.log"))
+        logs += sorted(self.logs_dir.glob("pods/*.log"), key=lambda p: p.stat().st_mtime)[-pods:]
         parts = []
-        for log in sorted(self.logs_dir.glob("*.log")):
+        for log in logs:
             tail = log.read_text(errors="replace").splitlines()[-lines:]
             parts.append(f"==> {log} <==\n" + "\n".join(tail))
         return "\n\n".join(parts)
