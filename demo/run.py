@@ -1,0 +1,470 @@
+"""The local demo: the whole path from `helm install` to one completion, on this machine.
+
+    make demo                      # = make setup; bash tests/cluster/build.sh; python demo/run.py
+    .venv/bin/python demo/run.py down   # stops the operator, the worker and the control plane
+
+1. starts the local control plane (tests/cluster: etcd, kube-apiserver, controller-manager,
+   scheduler, KWOK fake GPU nodes, the planner-pod runtime), building it on first use;
+2. installs the Helm chart (CRD, ServiceAccount, least-privilege RBAC);
+3. runs the operator as a local process with the chart ServiceAccount's token (not admin), with
+   the arguments of the chart's own Deployment (KWOK nodes run no containers, so the chart's
+   operator Deployment is scaled to 0 here);
+4. writes a tiny random-weight Llama target + draft pair into the model store claim;
+5. applies examples/standalone-draft.yaml pointed at that pair, and shows `kubectl get sdd` and the
+   conditions as they change (the planner pod runs the real `specdecode-worker plan`);
+6. runs a worker for the Ready replica as a local process, with that pod's own arguments (model
+   store mapped to the local folder, CPU instead of CUDA, a local port standing in for the
+   Service), and sends it one completion;
+7. prints the plan table, and how to stop everything.
+
+State: the control plane lives in ~/.cache/specdecode/cluster-up (as `make cluster-up`), the rest
+(models, credentials, logs, pids) in .demo/. A second run reuses all of it and takes seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import yaml  # noqa: E402
+
+from tests.cluster.__main__ import default_workdir  # noqa: E402
+from tests.cluster.__main__ import down as plane_down  # noqa: E402
+from tests.cluster.__main__ import up as plane_up  # noqa: E402
+from tests.cluster.controlplane import ControlPlane, free_ports  # noqa: E402
+from tests.cluster.planner_runtime import map_paths, volume_paths  # noqa: E402
+
+STATE = ROOT / ".demo"
+CHART = ROOT / "charts" / "specdecode-operator"
+EXAMPLE = ROOT / "examples" / "standalone-draft.yaml"
+# A release named like the chart names its objects (Deployment, ServiceAccount, RBAC) after itself.
+RELEASE, SYSTEM_NS, DEMO_NS, SDD = "specdecode-operator", "specdecode-system", "specdecode-demo", "tiny-llama"
+GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"  # a product of the fake nodes (tests/cluster/nodes.yaml)
+BIN = Path(sys.executable).parent
+PROMPT = "the capital of france is"
+CPU_KV_TOKENS = 16384  # KV slots the CPU worker allocates (the plan's count is for an 80 GiB GPU)
+
+T0 = time.monotonic()
+
+
+def say(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def step(n: int, title: str) -> None:
+    say(f"\n\033[1m[{n}/7] {title}\033[0m  (t={time.monotonic() - T0:.1f}s)")
+
+
+def fullname() -> str:
+    return RELEASE
+
+
+# ---- processes the demo leaves running --------------------------------------------------------
+
+
+def pid_file(name: str) -> Path:
+    return STATE / f"{name}.pid"
+
+
+def ours(pid: int, marker: str) -> bool:
+    """True when pid is alive and runs our command (a recycled pid is left alone)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return False
+    return marker in cmdline
+
+
+def stop_process(name: str, marker: str) -> None:
+    path = pid_file(name)
+    if not path.exists():
+        return
+    pid = int(path.read_text())
+    if ours(pid, marker):
+        os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while ours(pid, marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if ours(pid, marker):
+            os.killpg(pid, signal.SIGKILL)
+        say(f"stopped {name} (pid {pid})")
+    path.unlink()
+
+
+def start_process(name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    log = STATE / f"{name}.log"
+    with open(log, "wb") as out:  # one run per log: its tail explains this run's failure
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=STATE)
+    pid_file(name).write_text(str(proc.pid))
+    return proc
+
+
+def tail(name: str, lines: int = 40) -> str:
+    log = STATE / f"{name}.log"
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
+
+
+def wait_http(url: str, proc: subprocess.Popen, name: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            fail(f"{name} exited with code {proc.returncode}; last lines of .demo/{name}.log:\n{tail(name)}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    fail(f"{name} did not answer {url} within {timeout:.0f}s; last lines of .demo/{name}.log:\n{tail(name)}")
+
+
+def fail(msg: str) -> None:
+    say(f"\n\033[31mdemo failed:\033[0m {msg}")
+    say("\nStop everything with: .venv/bin/python demo/run.py down")
+    sys.exit(1)
+
+
+# ---- steps ------------------------------------------------------------------------------------
+
+
+def start_plane() -> ControlPlane:
+    workdir = default_workdir()
+    plane = ControlPlane.attach(workdir)
+    if plane is not None and plane.running():
+        say(f"reusing the control plane in {workdir}")
+        return plane
+    say(f"starting the control plane in {workdir} (binaries are built on first use, with progress)")
+    if plane_up(workdir) != 0:
+        fail("the control plane did not start; see the messages above")
+    plane = ControlPlane.attach(workdir)
+    assert plane is not None
+    return plane
+
+
+def install_chart(plane: ControlPlane) -> None:
+    cmd = ["upgrade", "--install", RELEASE, str(CHART), "-n", SYSTEM_NS, "--create-namespace",
+           "--set", "replicaCount=0", "--wait", "--timeout", "120s"]
+    say("$ helm " + " ".join(c if c != str(CHART) else "charts/specdecode-operator" for c in cmd))
+    result = plane.helm(*cmd, check=False)
+    if result.returncode != 0:
+        fail(f"helm failed:\n{result.stderr}")
+    status = json.loads(plane.helm("status", RELEASE, "-n", SYSTEM_NS, "-o", "json").stdout)
+    say(f"release {RELEASE} revision {status['version']}: {status['info']['status']}")
+    objs = plane.kubectl("get", "serviceaccount,clusterrole,clusterrolebinding,deployment", "-A",
+                         "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "name").stdout.split()
+    say("  " + "  ".join(objs))
+
+
+def sa_kubeconfig(plane: ControlPlane) -> Path:
+    token = plane.kubectl("create", "token", fullname(), "-n", SYSTEM_NS, "--duration=24h").stdout.strip()
+    admin = yaml.safe_load(Path(plane.kubeconfig).read_text())
+    user = f"system:serviceaccount:{SYSTEM_NS}:{fullname()}"
+    config = {
+        "apiVersion": "v1", "kind": "Config", "clusters": admin["clusters"],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": admin["clusters"][0]["name"], "user": "operator"}}],
+        "current-context": "operator",
+    }
+    path = STATE / "operator.kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    whoami = plane.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}",
+                           f"--kubeconfig={path}").stdout
+    if whoami != user:
+        fail(f"the token authenticates as {whoami!r}, expected {user}")
+    return path
+
+
+def start_operator(plane: ControlPlane) -> None:
+    stop_process("operator", "specdecode-operator")
+    kubeconfig = sa_kubeconfig(plane)
+    dep = json.loads(plane.kubectl("get", "deployment", fullname(), "-n", SYSTEM_NS, "-o", "json").stdout)
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    port = free_ports(1)[0]
+    args = [a for a in args if not a.startswith(("--liveness", "--log-format"))]
+    args += [f"--liveness=http://127.0.0.1:{port}/healthz", "--log-format=plain"]
+    env = dict(os.environ, KUBECONFIG=str(kubeconfig))
+    say(f"$ specdecode-operator {' '.join(args)}")
+    say(f"  credentials: ServiceAccount {SYSTEM_NS}/{fullname()} (token in .demo/operator.kubeconfig); "
+        "log: .demo/operator.log")
+    proc = start_process("operator", [str(BIN / "specdecode-operator"), *args], env)
+    wait_http(f"http://127.0.0.1:{port}/healthz", proc, "operator", 60)
+    say(f"operator running (pid {proc.pid}), liveness http://127.0.0.1:{port}/healthz answers")
+
+
+def prepare_models(plane: ControlPlane) -> None:
+    cache = STATE / "models"
+    if not (cache / "llama-draft" / "config.json").exists():
+        say("writing a tiny random-weight Llama target (2 layers) and draft (1 layer) with a local tokenizer")
+        from tests.tiny_models import write_tiny_pair
+
+        tmp = STATE / "models.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_tiny_pair(tmp, "llama")
+        tmp.rename(cache)
+    else:
+        say("tiny models: cached in .demo/models")
+    plane.kubectl("create", "namespace", DEMO_NS, check=False)
+    plane.kubectl("apply", "-n", DEMO_NS, "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
+        "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}},
+    }))
+    store = plane.pvc_root / DEMO_NS / "models"  # the test bed binds claim `models` to this folder
+    for name in ("llama-target", "llama-draft"):
+        if not (store / name / "config.json").exists():
+            shutil.copytree(cache / name, store / name, dirs_exist_ok=True)
+    say(f"model store claim {DEMO_NS}/models -> {store}")
+
+
+def demo_sdd() -> dict:
+    sdd = yaml.safe_load(EXAMPLE.read_text())
+    sdd["metadata"] = {"name": SDD, "namespace": DEMO_NS}
+    spec = sdd["spec"]
+    spec["replicas"] = 1
+    spec["target"] = {"model": "llama-target"}
+    spec["draft"] = {"algorithm": "STANDALONE", "model": "llama-draft", "numSteps": 3}
+    spec["serving"] = {"contextLength": 256, "maxRunningRequests": 4}
+    spec["gpu"] = {"product": GPU_PRODUCT}
+    spec["modelStore"] = {"pvc": {"claimName": "models"}}
+    return sdd
+
+
+def apply_example(plane: ControlPlane) -> None:
+    sdd = demo_sdd()
+    say(f"examples/standalone-draft.yaml, pointed at the tiny pair on {GPU_PRODUCT} fake nodes:")
+    say("  " + yaml.safe_dump(sdd, sort_keys=False).replace("\n", "\n  ").rstrip())
+    say(f"$ kubectl apply -f - -n {DEMO_NS}")
+    say("  " + plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(sdd)).stdout.strip())
+
+
+def watch_until_ready(plane: ControlPlane, timeout: float) -> dict:
+    say(f"$ kubectl get sdd -n {DEMO_NS}   (printed again whenever it changes)")
+    deadline = time.monotonic() + timeout
+    last_table, last_conds = None, None
+    while True:
+        table = plane.kubectl("get", "sdd", SDD, "-n", DEMO_NS, check=False).stdout.rstrip()
+        rows = table.splitlines()
+        key = [r.rsplit(None, 1)[0] for r in rows]  # ignore the AGE column
+        if key != last_table:
+            say(f"  [{time.monotonic() - T0:5.1f}s]")
+            say("  " + "\n  ".join(rows))
+            last_table = key
+        obj = json.loads(plane.kubectl("get", "sdd", SDD, "-n", DEMO_NS, "-o", "json").stdout)
+        status = obj.get("status") or {}
+        conds = [(c["type"], c["status"], c.get("reason", ""), c.get("message", ""))
+                 for c in status.get("conditions") or []]
+        if conds != last_conds:
+            for ctype, cstatus, reason, message in conds:
+                say(f"    {ctype:<12} {cstatus:<6} {reason:<22} {message[:110]}")
+            last_conds = conds
+        if status.get("phase") == "Ready":
+            return obj
+        if status.get("phase") == "Failed":
+            fail(f"{SDD} is Failed: {conds}\noperator log:\n{tail('operator')}")
+        if time.monotonic() > deadline:
+            fail(f"{SDD} not Ready after {timeout:.0f}s (phase {status.get('phase')}); operator log:\n"
+                 f"{tail('operator')}")
+        time.sleep(1)
+
+
+def ready_pod(plane: ControlPlane, sdd: dict) -> dict:
+    selector = sdd["status"]["selector"]
+    pods = json.loads(plane.kubectl("get", "pods", "-n", DEMO_NS, "-l", selector, "-o", "json").stdout)["items"]
+    for pod in pods:
+        conds = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions", [])}
+        if conds.get("Ready") == "True" and not pod["metadata"].get("deletionTimestamp"):
+            return pod
+    fail(f"no Ready worker pod matches {selector}")
+
+
+def plan_json(plane: ControlPlane, pod: dict, container: dict) -> tuple[str, Path]:
+    """The plan ConfigMap's mount path in the pod, and a local folder holding its files."""
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        cm = volumes.get(mount["name"], {}).get("configMap")
+        if cm:
+            data = json.loads(plane.kubectl("get", "configmap", cm["name"], "-n", DEMO_NS, "-o", "json").stdout)
+            local = STATE / "worker" / "plan"
+            local.mkdir(parents=True, exist_ok=True)
+            for key, value in (data.get("data") or {}).items():
+                (local / key).write_text(value)
+            return mount["mountPath"].rstrip("/"), local
+    fail("the worker pod mounts no plan ConfigMap")
+
+
+def cpu_budget_gib(plan: dict, tokens: int) -> float:
+    """A CPU memory budget standing in for the GPU: the plan's weights and runtime reserve plus
+    `tokens` KV slots, at the plan's mem_fraction_static (rounded up to a quarter GiB)."""
+    kv = plan["kvCache"]
+    need = (plan["weights"]["targetBytes"] + plan["weights"]["draftBytes"] + plan["reserve"]["runtimeBytes"]
+            + tokens * (kv["targetBytesPerToken"] + kv["draftBytesPerToken"])) / plan["memFractionStatic"]
+    return -(-need // (1 << 28)) / 4
+
+
+def worker_argv(plane: ControlPlane, pod: dict, port: int) -> list[str]:
+    """The pod's own command line, run here: model store and plan mapped to local folders, a local
+    address, and CPU instead of CUDA with a small memory budget standing in for the GPU's."""
+    container = pod["spec"]["containers"][0]
+    mapping = volume_paths(pod, container, plane.pvc_root, STATE / "worker")
+    plan_mount, plan_local = plan_json(plane, pod, container)
+    mapping[plan_mount] = str(plan_local)
+    args = [map_paths(a, mapping) for a in (container.get("command") or ["specdecode-worker"]) + container["args"]]
+    args[0] = str(BIN / "specdecode-worker") if args[0] == "specdecode-worker" else args[0]
+    plan = json.loads(next(plan_local.glob("*.json")).read_text())
+    tokens = min(CPU_KV_TOKENS, plan["kvCache"]["maxTotalNumTokens"])
+    replace = {"--device": "cpu", "--host": "127.0.0.1", "--port": str(port), "--max-total-tokens": str(tokens)}
+    for i, a in enumerate(args[:-1]):
+        if a in replace:
+            args[i + 1] = replace.pop(a)
+    for flag, value in replace.items():  # flags the pod did not pass
+        if flag == "--max-total-tokens":
+            args += [flag, value]
+    args += ["--device-memory-gib", f"{cpu_budget_gib(plan, tokens):g}"]
+    say(f"  changed for this machine: --device cpu, --device-memory-gib {cpu_budget_gib(plan, tokens):g} "
+        f"(stands in for the {plan['gpuMemoryBytes'] / (1 << 30):.1f} GiB GPU), KV capped at {tokens} tokens "
+        f"(the plan allows {plan['kvCache']['maxTotalNumTokens']} on the GPU)")
+    return args
+
+
+def run_worker(plane: ControlPlane, sdd: dict) -> str:
+    stop_process("worker", "specdecode-worker")
+    pod = ready_pod(plane, sdd)
+    svc = json.loads(plane.kubectl("get", "service", SDD, "-n", DEMO_NS, "-o", "json").stdout)
+    svc_port = svc["spec"]["ports"][0]["port"]
+    port = free_ports(1)[0]
+    argv = worker_argv(plane, pod, port)
+    say(f"Ready replica: pod {pod['metadata']['name']} on node {pod['spec'].get('nodeName')} "
+        f"(KWOK runs no containers, so its command runs here)")
+    say("$ " + " ".join(Path(argv[0]).name if i == 0 else a for i, a in enumerate(argv)))
+    say(f"  127.0.0.1:{port} stands in for Service {DEMO_NS}/{SDD} ({svc['spec'].get('clusterIP')}:{svc_port}); "
+        "log: .demo/worker.log")
+    proc = start_process("worker", argv, dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/health", proc, "worker", 300)
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as resp:
+        model = json.loads(resp.read())["data"][0]["id"]
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    say(f"$ curl {url}/v1/completions -d '{json.dumps(body)}'")
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            answer = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        fail(f"completion failed: HTTP {exc.code}: {exc.read().decode(errors='replace')}")
+    text = answer["choices"][0]["text"]
+    say(f"  prompt:     {PROMPT!r}")
+    say(f"  completion: {text!r}   (random weights: the words are noise, the path is real)")
+    extra = {k: v for k, v in answer.items() if k in ("usage",) or k.startswith("spec")}
+    if extra:
+        say(f"  {json.dumps(extra)}")
+    return url
+
+
+def plan_table(plane: ControlPlane, sdd: dict) -> None:
+    """The planner pod's own command line with --output table, run here."""
+    key = (sdd["status"].get("plan") or {}).get("key", "")
+    pods = json.loads(plane.kubectl("get", "pods", "-n", DEMO_NS, "-l",
+                                    f"specdecode.io/name={SDD},specdecode.io/role=planner", "-o", "json").stdout)["items"]
+    pods = [p for p in pods if key and key in json.dumps(p["metadata"].get("labels", {}))] or pods
+    if pods:
+        pod = pods[0]
+        container = pod["spec"]["containers"][0]
+        mapping = volume_paths(pod, container, plane.pvc_root, STATE / "planner")
+        args = [map_paths(a, mapping) for a in container["args"]]
+    else:  # cleaned up: the operator's own rendering of the same arguments
+        sys.path.insert(0, str(ROOT / "operator"))
+        from specdecode_operator.planner import planner_args
+        from specdecode_operator.spec import MODELS_MOUNT, parse_spec
+
+        store = str(plane.pvc_root / DEMO_NS / "models")
+        args = [map_paths(a, {MODELS_MOUNT: store}) for a in planner_args(parse_spec(sdd))]
+    cleaned, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in ("--output", "--termination-log"):
+            skip = True
+            continue
+        cleaned.append(a)
+    cmd = [str(BIN / "specdecode-worker"), *cleaned, "--output", "table"]
+    say("$ specdecode-worker " + " ".join(cleaned) + " --output table")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if result.returncode not in (0, 3):
+        fail(f"the planner exited {result.returncode}:\n{result.stderr}")
+    say(result.stdout.rstrip())
+
+
+def finish(plane: ControlPlane, worker_url: str) -> None:
+    say(f"\nDone in {time.monotonic() - T0:.1f}s. Still running: the control plane, the operator "
+        "(.demo/operator.log) and the worker (.demo/worker.log). Look around:")
+    say(f"  export KUBECONFIG={plane.kubeconfig} PATH={plane.bin_dir}:$PATH")
+    say(f"  kubectl get sdd -A;  kubectl describe sdd {SDD} -n {DEMO_NS};  kubectl get pods,deploy,svc -n {DEMO_NS}")
+    say(f"  curl {worker_url}/v1/completions -H 'Content-Type: application/json' "
+        f"-d '{{\"prompt\": \"hello world\", \"max_tokens\": 8}}'")
+    say("Stop everything (operator, worker, control plane):")
+    say("  .venv/bin/python demo/run.py down")
+
+
+def down() -> int:
+    stop_process("worker", "specdecode-worker")
+    stop_process("operator", "specdecode-operator")
+    return plane_down(default_workdir())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", nargs="?", choices=["up", "down"], default="up",
+                        help="up (default): run the demo; down: stop what it started")
+    parser.add_argument("--fresh", action="store_true", help="delete the demo SDD first, to watch it plan again")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for Ready")
+    args = parser.parse_args(argv)
+    STATE.mkdir(exist_ok=True)
+    if args.command == "down":
+        return down()
+
+    step(1, "Local control plane (etcd, kube-apiserver, controller-manager, scheduler, KWOK GPU nodes)")
+    plane = start_plane()
+    say(plane.kubectl("get", "nodes", "-L", "nvidia.com/gpu.product").stdout.rstrip())
+
+    step(2, "Install the Helm chart")
+    install_chart(plane)
+
+    step(3, "Run the operator with the chart ServiceAccount's credentials")
+    start_operator(plane)
+
+    step(4, "A tiny target + draft model pair in the model store")
+    prepare_models(plane)
+    if args.fresh:
+        plane.kubectl("delete", "sdd", SDD, "-n", DEMO_NS, "--ignore-not-found", "--wait=true")
+
+    step(5, "Apply the example and watch it plan, deploy and become Ready")
+    apply_example(plane)
+    sdd = watch_until_ready(plane, args.timeout)
+
+    step(6, "Serve: a worker for the Ready replica, and one completion")
+    url = run_worker(plane, sdd)
+
+    step(7, "The memory plan")
+    plan_table(plane, sdd)
+    finish(plane, url)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
