@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok and helm from their
-# Go modules into a cache folder keyed by the pins, and prints that folder's bin/ path last.
+# Builds etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok and helm from
+# their Go modules into a cache folder keyed by the pins, and prints that folder's bin/ path last.
 # A warm cache returns at once. Progress goes to stderr. The cache key is the pins only, so
 # editing this script does not rebuild: bump a pin (or delete the cache) to force a rebuild.
 set -euo pipefail
@@ -13,12 +13,23 @@ out="$cache_root/$key"
 bin="$out/bin"
 tools="etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm"
 
-ready=1
-for t in $tools; do [ -x "$bin/$t" ] || ready=0; done
-if [ $ready = 1 ]; then echo "$bin"; exit 0; fi
+all_built() { for t in $tools; do [ -x "$bin/$t" ] || return 1; done; }
+if all_built; then echo "$bin"; exit 0; fi
 
+if ! command -v go >/dev/null; then
+  echo "build.sh: Go is needed to build the local control plane (Go 1.26 or newer for Kubernetes $KUBERNETES_VERSION)" >&2
+  exit 1
+fi
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
 mkdir -p "$bin" "$out/src"
+# One build at a time per cache folder (CI, a test run and `make cluster-up` may start together);
+# whoever waited finds the binaries built.
+exec 9>"$out/.build.lock"
+if ! flock -n 9; then
+  printf '[cluster-build] another build of %s is running; waiting for it\n' "$out" >&2
+  flock 9
+fi
+if all_built; then echo "$bin"; exit 0; fi
 log() { printf '[cluster-build %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 start=$(date +%s)
 step() { # name, then a command that builds it
@@ -36,6 +47,9 @@ MINOR=$(echo "$K" | cut -d. -f2)
 GOV=$(go env GOVERSION | sed -E 's/^go([0-9]+\.[0-9]+).*/\1/')
 
 build_kubernetes() {
+  local c missing=0
+  for c in kube-apiserver kube-controller-manager kube-scheduler kubectl; do [ -x "$bin/$c" ] || missing=1; done
+  if [ $missing = 0 ]; then log "kubernetes binaries: cached"; return; fi
   local d="$out/src/kubernetes"
   mkdir -p "$d" && cd "$d"
   cat > go.mod <<MOD
