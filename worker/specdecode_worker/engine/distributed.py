@@ -120,9 +120,15 @@ def announce_forward(name: str, fb: ForwardBatch, req_to_token: torch.Tensor, la
     get_tp().broadcast(("forward", name, batch, list(fb.extend_lens), list(fb.seq_lens_cpu), rows, last_only))
 
 
+_followers_stopped = False
+
+
 def stop_followers() -> None:
+    """Release the followers from ``follow`` (once; they are gone after it)."""
+    global _followers_stopped
     tp = get_tp()
-    if tp.size > 1 and tp.is_leader:
+    if tp.size > 1 and tp.is_leader and not _followers_stopped:
+        _followers_stopped = True
         tp.broadcast(("stop",))
 
 

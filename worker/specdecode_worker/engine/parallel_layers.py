@@ -99,21 +99,21 @@ def kv_head_block(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
     return tp.rank * num_kv_heads // tp.size, max(1, num_kv_heads // tp.size)
 
 
-def split_problem(config, size: int) -> str | None:
-    """Why ``size`` ranks cannot shard this model, or None when they can."""
+def heads_problem(config, size: int) -> str | None:
+    """Why ``size`` ranks cannot split the heads (the planner's rule), or None when they can."""
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     if heads % size:
         return f"{heads} attention heads do not divide by {size}"
     if kv % size and size % kv:
         return f"{kv} KV heads neither divide by {size} nor divide {size}"
-    if config.intermediate_size % size:
-        return f"intermediate_size {config.intermediate_size} does not divide by {size}"
     return None
 
 
 def check_splits(config, size: int, where: str) -> None:
-    problem = split_problem(config, size)
+    problem = heads_problem(config, size)
+    if problem is None and config.intermediate_size % size:
+        problem = f"intermediate_size {config.intermediate_size} does not divide by {size}"
     if problem:
         raise InputError(f"{where}: --tp {size} cannot shard this model: {problem}; use a tensor-parallel size "
                          "that divides the attention heads, the KV heads (or a multiple of them) and intermediate_size")
@@ -152,7 +152,29 @@ def model_tp(config, role: str, where: str) -> TPGroup:
     tp = get_tp()
     if tp.size == 1:
         return tp
-    if role == "draft" and split_problem(config, tp.size):
+    if role == "draft" and heads_problem(config, tp.size):
         return SINGLE
     check_splits(config, tp.size, where)
     return tp
+
+
+# Builders: plain torch modules on a single rank (so tools that look for ``nn.Linear``, such as
+# dynamic quantization, keep working there), parallel ones across ranks.
+
+def column_linear(in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE,
+                  start: int | None = None, length: int | None = None) -> nn.Module:
+    if tp.size == 1:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return ColumnParallelLinear(in_features, out_features, bias, tp, start, length)
+
+
+def row_linear(in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE) -> nn.Module:
+    return nn.Linear(in_features, out_features, bias=bias) if tp.size == 1 else RowParallelLinear(in_features, out_features, bias, tp)
+
+
+def vocab_embedding(vocab_size: int, hidden_size: int, tp: TPGroup = SINGLE) -> nn.Module:
+    return nn.Embedding(vocab_size, hidden_size) if tp.size == 1 else VocabParallelEmbedding(vocab_size, hidden_size, tp)
+
+
+def lm_head(vocab_size: int, hidden_size: int, tp: TPGroup = SINGLE) -> nn.Module:
+    return nn.Linear(hidden_size, vocab_size, bias=False) if tp.size == 1 else ParallelLMHead(vocab_size, hidden_size, tp)

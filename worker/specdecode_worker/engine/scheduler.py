@@ -22,6 +22,7 @@ import torch
 from ..errors import InputError
 from ..model_config import load_shape
 from .batch import free_positions
+from .distributed import get_tp, stop_followers
 from .memory import MemoryProfile, free_device_bytes, profile_memory
 from .phases import Phase, PhaseError
 from .pools import MemoryPoolConfig
@@ -167,7 +168,8 @@ class Scheduler:
             self.device, budget, a.mem_fraction_static, target.weight_bytes, draft.weight_bytes if draft else 0,
             a.runtime_bytes, target.kv_cell_bytes, draft.kv_cell_bytes if draft else 0, free_after,
         )
-        tokens = self.memory_profile.max_total_num_tokens
+        # Every tensor-parallel rank allocates the same slots: the fewest any rank can hold.
+        tokens = get_tp().min_int(self.memory_profile.max_total_num_tokens)
         planned = a.planned_tokens
         log.info("KV tokens: planned %s, actual %d (floor %d)", planned, tokens, a.min_kv_tokens)
         if tokens < max(a.min_kv_tokens, 1):
@@ -262,6 +264,7 @@ class Scheduler:
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=30)
+        stop_followers()
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -10,8 +10,7 @@ from torch import nn
 
 from ..distributed import SINGLE, TPGroup
 from ..forward_batch import ForwardBatch
-from ..parallel_layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
-                               kv_head_block, parallel_logits)
+from ..parallel_layers import column_linear, kv_head_block, lm_head, parallel_logits, row_linear, vocab_embedding
 from .rope import RotaryEmbedding
 
 
@@ -54,12 +53,12 @@ class Attention(nn.Module):
         self.scaling = self.head_dim**-0.5
         bias = _qkv_bias(config)
         h, d = config.hidden_size, self.head_dim
-        self.q_proj = ColumnParallelLinear(h, heads * d, bias, tp)
+        self.q_proj = column_linear(h, heads * d, bias, tp)
         kv_rows = dict(start=kv_first * d, length=self.num_kv_heads * d)
-        self.k_proj = ColumnParallelLinear(h, kv_heads * d, bias, tp, **kv_rows)
-        self.v_proj = ColumnParallelLinear(h, kv_heads * d, bias, tp, **kv_rows)
+        self.k_proj = column_linear(h, kv_heads * d, bias, tp, **kv_rows)
+        self.v_proj = column_linear(h, kv_heads * d, bias, tp, **kv_rows)
         o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
-        self.o_proj = RowParallelLinear(heads * d, h, o_bias, tp)
+        self.o_proj = row_linear(heads * d, h, o_bias, tp)
 
     def forward(self, x, cos, sin, fb: ForwardBatch, backend) -> torch.Tensor:
         n = x.shape[0]
@@ -76,9 +75,9 @@ class MLP(nn.Module):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = ColumnParallelLinear(h, i, bias, tp)
-        self.up_proj = ColumnParallelLinear(h, i, bias, tp)
-        self.down_proj = RowParallelLinear(i, h, bias, tp)
+        self.gate_proj = column_linear(h, i, bias, tp)
+        self.up_proj = column_linear(h, i, bias, tp)
+        self.down_proj = row_linear(i, h, bias, tp)
 
     def forward(self, x):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -100,7 +99,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -113,7 +112,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+            self.lm_head = lm_head(config.vocab_size, config.hidden_size, tp)
         self.rotary = RotaryEmbedding(config)
         self.sliding_window = sliding_window(config)
 
