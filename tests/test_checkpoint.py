@@ -126,7 +126,7 @@ def test_kv_projections_stop_shrinking_once_tp_exceeds_kv_heads(models):
     h, L = 3584, 28
     kv_weights = L * 2 * (512 * h) * 2
     kv_biases = L * 2 * 512 * 2
-    replicated = (2 * L + 1) * h * 2 + L * 3584 * 2  # norms and q biases
+    replicated = (2 * L + 1) * h * 2  # norms; q biases split with q_proj's rows
     sharded = 15_231_233_024 - kv_weights - kv_biases - replicated
     assert total_bytes(tensors, 8, 4) == sharded // 8 + (kv_weights + kv_biases) // 4 + replicated
     assert total_bytes(tensors, 4, 4) == sharded // 4 + (kv_weights + kv_biases) // 4 + replicated

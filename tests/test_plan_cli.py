@@ -68,10 +68,15 @@ def test_qwen_standalone_draft_with_real_geometry(models, capsys):
     assert plan["kvCache"]["draftNumLayers"] == 24
     assert plan["kvCache"]["maxTotalNumTokens"] == 768_846
     assert plan["layerRatio"] == {"maxTotalNumTokens": 502_707, "bytesPerToken": 106_496}
-    # Qwen heads (28 and 14) rule out 4 and 8 GPUs
+    # The draft's 14 heads do not split 4 ways: at --tp 4 it is replicated, whole on every GPU.
+    code, plan4 = plan_of(capsys, "--target", models["qwen2.5-7b-instruct"], "--draft", models["qwen2.5-0.5b-instruct"],
+                          "--algorithm", "STANDALONE", "--gpu-memory-gib", 79, "--tp", 4)
+    assert code == 0 and plan4["weights"]["draftBytes"] == 988_065_536
+    assert plan4["kvCache"]["draftBytesPerToken"] == 12_288
+    # The target's 28 heads rule out 8 GPUs.
     code, out, err = run(capsys, "--target", models["qwen2.5-7b-instruct"], "--draft", models["qwen2.5-0.5b-instruct"],
-                         "--algorithm", "STANDALONE", "--gpu-memory-gib", 79, "--tp", 4)
-    assert code == 2 and "--tp 4:" in err and "14 attention heads" in err and "valid sizes: 1, 2" in err
+                         "--algorithm", "STANDALONE", "--gpu-memory-gib", 79, "--tp", 8)
+    assert code == 2 and "--tp 8:" in err and "28 attention heads" in err and "valid sizes: 1, 2, 4" in err
 
 
 def test_llama70b_on_80gb_needs_more_than_one_gpu(models, capsys):

@@ -10,7 +10,8 @@ Per-GPU bytes under tensor parallelism t (the layout SGLang's parallel layers us
   lm_head, FP8 block scales) are split t ways: ceil(bytes / t);
 - K/V projections hold ``max(1, kv_heads // t)`` of ``kv_heads`` heads per GPU, so they stop
   shrinking (are replicated) once t exceeds the KV head count;
-- one-dimensional tensors (norms, biases, score-correction biases) and the layers serving
+- biases of column-parallel projections (q, gate, up) are split with their rows;
+- other one-dimensional tensors (norms, row-parallel biases, score-correction biases) and the layers serving
   engines keep replicated (MLA down-projections ``q_a_proj``/``kv_a_proj_with_mqa``, the MoE
   router ``mlp.gate``, the EAGLE ``fc`` and MTP ``eh_proj`` linears) are whole on every GPU.
 """
@@ -56,6 +57,8 @@ _INDEX_NAMES = ("model.safetensors.index.json",)
 # Modules serving engines keep whole on every rank (plain or replicated linears).
 _REPLICATED_MODULES = frozenset({"q_a_proj", "kv_a_proj_with_mqa", "fc", "eh_proj"})
 _KV_MODULES = frozenset({"k_proj", "v_proj"})
+# Column-parallel projections: their output rows, bias included, are split across ranks.
+_COLUMN_MODULES = frozenset({"q_proj", "gate_proj", "up_proj"})
 
 
 def _classify(name: str, ndim: int) -> str:
@@ -64,6 +67,8 @@ def _classify(name: str, ndim: int) -> str:
     last = module.rpartition(".")[2]
     if last in _KV_MODULES:
         return "kv"
+    if last in _COLUMN_MODULES and name.endswith(".bias"):
+        return "sharded"
     if last in _REPLICATED_MODULES or module.endswith("mlp.gate") or ndim < 2:
         return "replicated"
     return "sharded"

@@ -181,7 +181,10 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     draft_dir, draft, draft_layers = _draft_shape(args, target_dir, target)
     same_dir = draft_dir is not None and draft_dir.resolve() == target_dir.resolve()
     mem_fraction = _checked_numbers(args)
-    shapes = [target] + ([draft] if draft is not None and draft is not target else [])
+    # A STANDALONE draft whose heads t GPUs cannot split is replicated whole on every GPU, as the
+    # worker does; any other draft shares the target's layout and must split the same way.
+    replicable = algorithm == "STANDALONE"
+    shapes = [target] + ([draft] if draft is not None and draft is not target and not replicable else [])
     valid = [tp for tp in TP_CANDIDATES if all(_splits(tp, s) for s in shapes)]
     tp_req = _requested_tp(args, shapes, valid)
 
@@ -202,13 +205,14 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
 
     @functools.lru_cache(maxsize=None)
     def candidate(tp: int) -> Candidate:
-        draft_cell = 0
+        draft_cell, draft_tp = 0, tp
         if draft is not None:  # MTP's draft is the target's own geometry over its NextN layers
-            draft_cell = draft.kv_bytes_per_token(tp, _kv_bytes(draft, args.kv_cache_dtype), draft_layers)
+            draft_tp = tp if not replicable or _splits(tp, draft) else 1
+            draft_cell = draft.kv_bytes_per_token(draft_tp, _kv_bytes(draft, args.kv_cache_dtype), draft_layers)
         return Candidate(
             tp=tp,
             target_weight_bytes=total_bytes(target_w, tp, target.num_kv_heads),
-            draft_weight_bytes=total_bytes(draft_w, tp, draft.num_kv_heads if draft else None),
+            draft_weight_bytes=total_bytes(draft_w, draft_tp, draft.num_kv_heads if draft else None),
             target_bytes_per_token=target.kv_bytes_per_token(tp, kv_t_bytes),
             draft_bytes_per_token=draft_cell,
         )
