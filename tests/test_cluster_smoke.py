@@ -4,6 +4,7 @@ CRD validation with CEL, and planner pods that really run and terminate with a m
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import yaml
@@ -247,3 +248,28 @@ def test_deleting_a_running_planner_pod_kills_its_process(cluster, namespace, tm
         return False
 
     wait_for(gone, timeout=30, what=f"process {pid} to be killed")
+
+
+def test_helm_install_waits_for_a_ready_deployment(cluster, namespace, tmp_path):
+    chart = tmp_path / "tiny"
+    (chart / "templates").mkdir(parents=True)
+    # kubeVersion is checked against the server's stamped version.
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: tiny\nversion: 0.1.0\nkubeVersion: '>=1.30.0-0'\n")
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "tiny"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "tiny"}},
+                 "template": {"metadata": {"labels": {"app": "tiny"}},
+                              "spec": {"containers": [{"name": "c", "image": "specdecode/operator:test"}]}}},
+    }
+    (chart / "templates" / "deployment.yaml").write_text(yaml.safe_dump(deployment))
+    cluster.helm("install", "tiny", str(chart), "-n", namespace, "--wait", "--timeout", "60s")
+    status = json.loads(cluster.helm("status", "tiny", "-n", namespace, "-o", "json").stdout)
+    assert status["info"]["status"] == "deployed"
+    assert get(cluster, namespace, "deployment", "tiny")["status"]["readyReplicas"] == 1
+
+    too_new = chart.parent / "too-new"
+    shutil.copytree(chart, too_new)
+    (too_new / "Chart.yaml").write_text("apiVersion: v2\nname: too-new\nversion: 0.1.0\nkubeVersion: '>=9.0.0'\n")
+    refused = cluster.helm("install", "too-new", str(too_new), "-n", namespace, check=False)
+    assert refused.returncode != 0
+    assert f"v{VERSIONS['KUBERNETES_VERSION']}" in refused.stderr, refused.stderr
