@@ -10,6 +10,7 @@ are chosen free, so runs never collide. Everything lives in one work folder: ``k
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import json
 import os
@@ -326,8 +327,6 @@ class ControlPlane:
         return True
 
     def _write_kubeconfig(self, p: pki_mod.Pki) -> None:
-        import base64
-
         b64 = lambda path: base64.b64encode(path.read_bytes()).decode()  # noqa: E731
         config = {
             "apiVersion": "v1",
