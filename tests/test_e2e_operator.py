@@ -52,8 +52,9 @@ def _free_port() -> int:
 class Operator:
     """`specdecode-operator` as a subprocess with the cluster's kubeconfig."""
 
-    def __init__(self, cluster, namespace: str, *extra: str):
+    def __init__(self, cluster, namespace: str, *extra: str, env: dict | None = None):
         self.cluster, self.namespace, self.extra = cluster, namespace, extra
+        self.env = env or cluster.env
         self.log = Path(cluster.logs_dir) / f"operator-{namespace}.log"
         self.proc: subprocess.Popen | None = None
         self.starts = 0
@@ -65,7 +66,7 @@ class Operator:
         self.proc = subprocess.Popen(
             [str(BIN / "specdecode-operator"), "--namespace", self.namespace, "--log-format", "plain",
              "--worker-image", "specdecode/worker:test", "--liveness", f"http://127.0.0.1:{port}/healthz",
-             *self.extra], env=self.cluster.env, stdout=out, stderr=subprocess.STDOUT)
+             *self.extra], env=self.env, stdout=out, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}/healthz"
 
         def healthy():
@@ -349,3 +350,53 @@ def test_replicas_beyond_free_gpus_are_unschedulable_with_the_scheduler_message(
     # scaling down to what fits clears it
     cluster.kubectl("scale", "sdd", NAME, "-n", namespace, "--replicas=2")
     wait_sdd(cluster, namespace, NAME, phase_is("Ready"), "Ready at 2 replicas")
+
+
+# Exactly what the operator needs in a watched namespace (plus `list nodes` cluster-wide, optional).
+OPERATOR_RULES = [
+    {"apiGroups": ["specdecode.io"], "resources": ["specdecodedeployments"], "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": ["specdecode.io"], "resources": ["specdecodedeployments/status"], "verbs": ["update"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
+    # server-side apply needs create as well as patch when the object does not exist yet
+    {"apiGroups": [""], "resources": ["configmaps", "services"], "verbs": ["get", "create", "patch"]},
+    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list", "watch", "create", "patch"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+]
+NODE_RULES = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]
+
+
+def test_operator_runs_with_least_privilege(cluster, crd, namespace, store, tmp_path):
+    sa = "specdecode-operator"
+    cluster_role = f"specdecode-nodes-{namespace}"[:63]
+    docs = [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": namespace}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": sa, "namespace": namespace},
+         "rules": OPERATOR_RULES},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": sa, "namespace": namespace},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa},
+         "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": namespace}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": cluster_role},
+         "rules": NODE_RULES},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": cluster_role},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
+         "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": namespace}]},
+    ]
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+    token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=1h").stdout.strip()
+    config = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    config["users"] = [{"name": "admin", "user": {"token": token}}]
+    kubeconfig = tmp_path / "operator.kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(config))
+    op = Operator(cluster, namespace, env=dict(cluster.env, KUBECONFIG=str(kubeconfig))).start()
+    try:
+        apply(cluster, namespace, example())
+        sdd = wait_sdd(cluster, namespace, NAME, phase_is("Ready"), "Ready under least privilege")
+        cluster.kubectl("scale", "sdd", NAME, "-n", namespace, "--replicas=2")
+        wait_sdd(cluster, namespace, NAME, lambda s: s["status"].get("readyReplicas") == 2
+                 and s["status"]["phase"] == "Ready", "2 ready replicas")
+        assert "Forbidden" not in op.tail(400) and "forbidden" not in op.tail(400), op.tail(60)
+        assert sdd["status"]["plan"]["tensorParallelSize"] == 1
+    finally:
+        op.stop()
+        print(f"--- operator log (tail) ---\n{op.tail(80)}")
+        cluster.kubectl("delete", "clusterrole,clusterrolebinding", cluster_role, check=False)

@@ -81,12 +81,15 @@ class Controller:
 
 CONTROLLER: Controller | None = None
 _STOP: asyncio.Event | None = None
+# With exact namespaces there is nothing to discover: no need to list namespaces or watch CRDs.
+_SCANNING = True
 
 
-def configure(options: Options, kube: Kube | None = None) -> None:
+def configure(options: Options, kube: Kube | None = None, scanning: bool = True) -> None:
     """Called by main() before kopf starts (tests may pass a fake client)."""
-    global CONTROLLER
+    global CONTROLLER, _SCANNING
     CONTROLLER = Controller(Reconciler(kube or Kube(), options))
+    _SCANNING = scanning
 
 
 @kopf.on.startup()
@@ -101,6 +104,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 270
     settings.watching.client_timeout = 300
     settings.execution.max_workers = 8
+    settings.scanning.disabled = not _SCANNING
     if CONTROLLER is None:
         configure(Options())
     global _STOP

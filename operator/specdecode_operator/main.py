@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     kopf.configure(verbose=args.verbose,
                    log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL)
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
-    handlers.configure(Options(default_image=args.worker_image, check_nodes=not args.no_node_check))
+    handlers.configure(Options(default_image=args.worker_image, check_nodes=not args.no_node_check),
+                       scanning=not args.namespace)
     kwargs = {"namespaces": args.namespace} if args.namespace else {"clusterwide": True}
     kopf.run(standalone=True, liveness_endpoint=None if args.liveness == "off" else args.liveness, **kwargs)
     return 0
