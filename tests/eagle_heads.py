@@ -108,3 +108,36 @@ def write_eagle3_head(out: str | Path, target_dir: str | Path, draft_vocab: int,
     }
     tensors.update(_layer("midlayer.", h, inter, heads, kv, 2 * h, g, scale, input_norm=True, hidden_norm=True))
     return _save(Path(out), cfg, tensors, fmt)
+
+
+def make_repeating(target_dir: str | Path, layer_scale: float = 0.3, head_scale: float = 4.0) -> Path:
+    """Turn a tiny target into one whose greedy output mostly repeats its last token.
+
+    lm_head becomes a multiple of the embedding and the decoder layers shrink, so the residual
+    stream keeps the current token's embedding on top; attention still nudges some steps.
+    """
+    from safetensors.torch import load_file, save_file
+
+    path = Path(target_dir) / "model.safetensors"
+    state = load_file(str(path))
+    for name in state:
+        if ".layers." in name and "norm" not in name:
+            state[name] = state[name] * layer_scale
+    state["lm_head.weight"] = state["model.embed_tokens.weight"] * head_scale
+    save_file(state, str(path), metadata={"format": "pt"})
+    return Path(target_dir)
+
+
+def write_copying_eagle_head(out: str | Path, target_dir: str | Path, seed: int = 0, scale: float = 0.3,
+                             gain: float = 30.0) -> Path:
+    """An EAGLE-1 head whose output is about the embedding of its input token: it proposes
+    "repeat the last token", which a repeating target accepts often, several tokens deep."""
+    from safetensors.torch import load_file, save_file
+
+    out = write_eagle_head(out, target_dir, seed=seed, scale=scale)
+    state = load_file(str(out / "model.safetensors"))
+    h = state["fc.weight"].shape[0]
+    state["fc.weight"] = torch.cat([torch.eye(h) * gain, torch.zeros(h, h)], dim=1)
+    state["fc.bias"] = torch.zeros(h)
+    save_file(state, str(out / "model.safetensors"))
+    return out
