@@ -107,6 +107,9 @@ def test_startup_failure_shows_the_workers_message():
                  "lastState": {"terminated": {"exitCode": 4, "reason": "Error", "message": msg}}}]
     v = observe.observe(1, True, deployment(ready=0, available=False), [pod(statuses=statuses)], None).verdicts
     assert v[c.DEGRADED].reason == c.WORKER_STARTUP_FAILED and msg in v[c.DEGRADED].message
+    statuses[0]["lastState"]["terminated"]["exitCode"] = 3  # the serve CLI's "below the plan" exit
+    v = observe.observe(1, True, deployment(ready=0, available=False), [pod(statuses=statuses)], None).verdicts
+    assert "refused to serve: the memory it found" in v[c.DEGRADED].message and msg in v[c.DEGRADED].message
 
 
 def test_image_pull_errors_are_startup_failures():

@@ -150,7 +150,8 @@ def test_deployment_pins_the_plan(tp):
     assert int(_flag(args, "--max-total-tokens")) == plan["kvCache"]["maxTotalNumTokens"]
     assert _flag(args, "--plan") == "/etc/specdecode/plan.json"
     assert _flag(args, "--draft") == "/models/yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
-    assert _flag(args, "--speculative-num-draft-tokens") == "4"
+    assert _flag(args, "--num-draft-tokens") == "3"  # numSteps proposals (numDraftTokens 4 counts the root)
+    assert _flag(args, "--dtype") == "bfloat16"
     assert pod["metadata"]["annotations"][labels.PLAN_KEY] == key
     assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     shm = [v for v in pod["spec"]["volumes"] if v["name"] == "dshm"]
@@ -223,3 +224,22 @@ def test_hub_store_downloads_into_the_pod():
     init = spec["initContainers"][0]
     assert init["args"] == ["meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"]
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in init["env"]
+
+
+@pytest.mark.parametrize("name", [
+    "spec-deploy.yaml", "ngram.yaml",
+    pytest.param("standalone-draft.yaml", marks=pytest.mark.xfail(
+        strict=True, reason="the serve CLI accepts --kv-cache-dtype auto only; the plan and CRD allow fp8")),
+])
+def test_worker_args_parse_with_the_serve_cli(name):
+    """Every flag the operator renders is one `specdecode-worker serve` accepts."""
+    from specdecode_worker.serve_cli import parser
+
+    view = parse_spec(example(name))
+    ns = parser().parse_args(workload.worker_args(view, make_plan(tp=2))[1:])
+    assert ns.tp == "2" and ns.plan == "/etc/specdecode/plan.json" and ns.algorithm == view.algorithm
+
+
+def test_ngram_worker_args():
+    ngram = workload.worker_args(parse_spec(example("ngram.yaml")), make_plan())
+    assert _flag(ngram, "--num-draft-tokens") == "8" and "--draft" not in ngram

@@ -11,6 +11,10 @@ from typing import Any
 
 from . import conditions as c
 
+# `specdecode-worker serve` exit codes
+WORKER_EXIT_BAD_INPUT = 2
+WORKER_EXIT_BELOW_PLAN = 3
+
 
 @dataclass(frozen=True)
 class Observation:
@@ -76,8 +80,12 @@ def pod_problem(pod: dict[str, Any]) -> c.Verdict | None:
         failed_exit = term is not None and term.get("exitCode", 0) != 0
         if crashing or failed_exit:
             detail = ((term or {}).get("message") or waiting.get("message") or "").strip()
+            code = (term or {}).get("exitCode")
+            why = {WORKER_EXIT_BELOW_PLAN: "the worker refused to serve: the memory it found after loading the "
+                   "weights is below the plan (another process on the GPU, or a smaller GPU than planned); ",
+                   WORKER_EXIT_BAD_INPUT: "the worker rejected its arguments or model files; "}.get(code, "")
             return c.Verdict("True", c.WORKER_STARTUP_FAILED,
-                             f"pod {name}: container {cs.get('name')} exited with code "
+                             f"{why}pod {name}: container {cs.get('name')} exited with code "
                              f"{(term or {}).get('exitCode', '?')} (restarts: {cs.get('restartCount', 0)})"
                              + (f": {detail[-2000:]}" if detail else ""))
         if waiting.get("reason") in ("ErrImagePull", "ImagePullBackOff", "InvalidImageName",

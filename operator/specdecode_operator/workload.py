@@ -73,9 +73,10 @@ def worker_args(view: SpecView, plan: dict[str, Any]) -> list[str]:
     chunk = reserve.get("chunkedPrefillSize", s.chunked_prefill_size)
     if chunk is not None:
         args += ["--chunked-prefill-size", str(chunk)]
-    if view.algorithm != "NGRAM":
-        args += ["--speculative-num-steps", str(view.num_steps), "--speculative-eagle-topk", str(view.top_k)]
-    args += ["--speculative-num-draft-tokens", str(view.num_draft_tokens)]
+    # The worker counts proposals per verify round: a chain draft proposes numSteps tokens
+    # (numDraftTokens = numSteps + 1 counts the verified root as well); NGRAM proposes numDraftTokens.
+    proposals = view.num_draft_tokens if view.algorithm == "NGRAM" else view.num_steps
+    args += ["--dtype", view.target_dtype, "--num-draft-tokens", str(proposals)]
     return args
 
 
