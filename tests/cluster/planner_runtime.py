@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pvc-root", required=True, type=Path)
     parser.add_argument("--state-dir", required=True, type=Path)
     parser.add_argument("--logs-dir", required=True, type=Path)
-    parser.add_argument("--interval", type=float, default=0.25)
+    parser.add_argument("--interval", type=float, default=0.3, help="seconds between pod polls")
     args = parser.parse_args(argv)
     args.state_dir.mkdir(parents=True, exist_ok=True)
     runner = Runner(KubeClient(args.kubeconfig), args.pvc_root, args.state_dir, args.logs_dir)
@@ -370,9 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     ready = args.state_dir / "ready"
     print(f"planner runtime: watching pods with {ROLE_SELECTOR}", flush=True)
+    volumes_synced = 0.0
     while not stop.is_set():
         try:
-            sync_volumes(runner.client, args.pvc_root)
+            # Claims matter less promptly than planner pods; polling them less often spares CPU.
+            if time.monotonic() - volumes_synced >= 1.0:
+                sync_volumes(runner.client, args.pvc_root)
+                volumes_synced = time.monotonic()
             runner.poll_once()
             ready.touch()
         except (ApiError, OSError) as exc:
