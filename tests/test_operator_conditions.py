@@ -37,6 +37,12 @@ def test_transitions_are_changes_of_status_or_reason():
     assert (t.ctype, t.status, t.reason, t.warning) == (c.PLANNED, "False", c.PLANNER_FAILED, True)
     ok = c.apply_verdicts(failed, {c.PLANNED: c.Verdict("True", c.PLAN_READY, "ok")}, 1, T1)
     assert c.transitions(failed, ok)[0].warning is False
+    # a rollout in progress or complete is Normal; only failure reasons are Warnings
+    rolling = c.apply_verdicts([], {c.READY: c.Verdict("False", "RollingOut"),
+                                    c.PROGRESSING: c.Verdict("False", "RolloutComplete"),
+                                    c.DEGRADED: c.Verdict("True", c.UNSCHEDULABLE)}, 1, T0)
+    assert {t.ctype: t.warning for t in c.transitions([], rolling)} == {
+        c.READY: False, c.PROGRESSING: False, c.DEGRADED: True}
 
 
 def test_phase():

@@ -72,9 +72,14 @@ def get(conditions: Iterable[dict[str, Any]], ctype: str) -> dict[str, Any] | No
     return next((c for c in conditions if c.get("type") == ctype), None)
 
 
-def is_bad(ctype: str, status: str) -> bool:
-    """Whether a condition in this state is a problem (Degraded has the opposite polarity)."""
-    return status == "True" if ctype == DEGRADED else status == "False"
+FAILURE_REASONS = frozenset({INSUFFICIENT_GPU_MEMORY, PLANNER_FAILED, PLAN_EXCEEDS_NODE_GPUS, UNSCHEDULABLE,
+                             WORKER_STARTUP_FAILED, WORKER_OOM_KILLED, PODS_NOT_READY})
+
+
+def is_bad(ctype: str, status: str, reason: str = "") -> bool:
+    """Whether a condition in this state is a problem worth a Warning (not a rollout in progress)."""
+    bad_status = status == "True" if ctype == DEGRADED else status == "False"
+    return bad_status and reason in FAILURE_REASONS
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,7 @@ def transitions(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[Tr
         prev = get(old, c["type"])
         if prev is None or prev.get("status") != c["status"] or prev.get("reason") != c["reason"]:
             out.append(Transition(c["type"], c["status"], c["reason"], c.get("message", ""),
-                                  is_bad(c["type"], c["status"]) and c["reason"] != PLANNING))
+                                  is_bad(c["type"], c["status"], c["reason"])))
     return out
 
 
