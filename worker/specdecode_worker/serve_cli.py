@@ -48,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
                    help="int8: dynamically quantised draft linears (cpu only; a cheap draft of a copy of the target)")
     p.add_argument("--log-level", default="info")
     sizing = p.add_argument_group("planner sizing flags (as in 'specdecode-worker plan')")
-    sizing.add_argument("--tp", default="1", help="tensor-parallel size (this worker serves 1)")
+    sizing.add_argument("--tp", help="tensor-parallel size: one process per GPU, rank 0 serves HTTP; auto: the "
+                        "smallest that fits (default: 1, or the --plan's)")
     sizing.add_argument("--gpu-memory-gib", type=float, help="free GPU memory before weights, when no GPU is visible")
     sizing.add_argument("--gpu-product", help="nvidia.com/gpu.product label")
     sizing.add_argument("--mem-fraction-static", default="auto")
@@ -88,8 +89,6 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     for name in ("num_draft_tokens", "ngram_max", "port"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')}: must be positive, got {getattr(args, name)}")
-    if args.tp not in ("1", "auto"):
-        raise InputError(f"--tp {args.tp}: this worker serves one GPU per process; use --tp 1")
     device = args.device or _default_device()
     if device == "cpu" and args.device_memory_gib is None and args.plan is None:
         raise InputError("--device-memory-gib: on cpu give the memory budget that stands in for the GPU")
@@ -105,10 +104,13 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
         ns = argparse.Namespace(**vars(args))
         ns.algorithm = "NGRAM" if args.algorithm == "NONE" else args.algorithm
-        ns.tp = "1"
+        ns.tp = args.tp or "1"
         if device == "cpu":
             ns.gpu_memory_gib = args.device_memory_gib
         plan = make_plan(ns)
+    if args.tp not in (None, "auto", str(plan["tensorParallelSize"])):
+        raise InputError(f"--tp {args.tp}: the plan is for {plan['tensorParallelSize']} GPU(s); give --tp "
+                         f"{plan['tensorParallelSize']} or auto")
     if not plan["fits"]:
         raise InputError(f"the memory plan does not fit: {plan['message']}")
 
@@ -194,6 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        args = parser().parse_args(argv)
+        engine_args, plan = resolve(args)
+        from .engine.tp_engine import serve_tensor_parallel
+
+        code = serve_tensor_parallel(argv, plan["tensorParallelSize"], engine_args.device)
+        if code is not None:  # this process supervised the ranks; rank 0 served
+            return code
         server, state, outcome = build(argv)
         server.run()
     except InputError as exc:

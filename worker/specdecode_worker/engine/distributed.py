@@ -20,6 +20,8 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -203,6 +205,10 @@ def launch(size: int, fn: Callable, args: tuple = (), device: str = "cpu", timeo
         p.start()
     out: dict[int, Any] = {}
     deadline = None if wall_timeout_s is None else time.monotonic() + wall_timeout_s
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        # A pod being stopped: unwind through the finally below, which stops every rank.
+        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         while True:
             while not results.empty():
@@ -236,6 +242,8 @@ def launch(size: int, fn: Callable, args: tuple = (), device: str = "cpu", timeo
         return [out.get(r) for r in range(size)]
     finally:
         _stop(procs)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _stop(procs) -> None:

@@ -8,9 +8,11 @@ replay its forward passes until it stops them.
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import Any, Callable
 
-from .distributed import follow, get_tp
+from .distributed import RankFailure, follow, get_tp, launch
 from .scheduler import EngineArgs, Scheduler
 
 
@@ -26,3 +28,37 @@ def run_rank(args: EngineArgs, lead: Callable[[Scheduler], Any],
             sched.stop()  # releases the followers
     follow({r.name: r for r in sched._runners() if r.tp.size > 1})
     return report(sched) if report else None
+
+
+def follow_rank(args: EngineArgs) -> None:
+    """A follower's whole life: its shards through the three phases, then replay until released."""
+    sched = Scheduler(args)
+    sched.init_model_worker()
+    follow({r.name: r for r in sched._runners() if r.tp.size > 1})
+
+
+def _serve_rank(argv: list[str]) -> int:
+    from ..serve_cli import main, parser, resolve
+
+    if get_tp().is_leader:
+        return main(argv)  # inside the group this serves HTTP as a single worker would
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {get_tp().rank} %(name)s: %(message)s")
+    engine_args, _plan = resolve(parser().parse_args(argv))
+    follow_rank(engine_args)
+    return 0
+
+
+def serve_tensor_parallel(argv: list[str], tp: int, device: str) -> int | None:
+    """Start ``tp`` rank processes for ``serve`` and supervise them; None when this process serves.
+
+    Returns rank 0's exit code, or 1 with the failing rank's message when any rank fails (the
+    others are stopped, so the pod restarts as a whole).
+    """
+    if tp == 1 or get_tp().size > 1:
+        return None
+    try:
+        codes = launch(tp, _serve_rank, (list(argv),), device=device)
+    except RankFailure as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    return codes[0] if codes[0] is not None else 1

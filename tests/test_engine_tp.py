@@ -1,0 +1,243 @@
+"""Tensor parallelism on CPU with gloo: t ranks give the single-rank greedy output, hold the bytes
+the planner predicts per GPU, and a rank that fails at load stops the whole worker."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import shutil
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from specdecode_worker import plan_cli  # noqa: E402
+from specdecode_worker.engine.distributed import RankFailure, launch  # noqa: E402
+from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
+from specdecode_worker.engine.scheduler import EngineArgs  # noqa: E402
+from specdecode_worker.plan import runtime_reserve_bytes  # noqa: E402
+
+from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
+from tests.tiny_models import write_tiny_model  # noqa: E402
+
+GIB = 1 << 30
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [20, 21, 22], list(range(30, 50))]
+MAX_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+# Per t: a budget whose KV area after the planner's runtime reserve (1 GiB + t x 128 MiB) is ~0.1 GiB.
+BUDGET_GIB = {1: 1.2, 2: 1.45, 4: 1.7}
+FRACTION = 0.95
+CONTEXT = 64
+WALL_S = 240  # no rank may hang: the supervisor ends the run after this
+
+
+def _describe(sched) -> dict:
+    t = sched.target_worker.model_runner
+    d = sched.draft_worker.model_runner if sched.draft_worker else None
+    info = {
+        "target_weight_bytes": t.weight_bytes, "target_kv_cell": t.kv_cell_bytes,
+        "target_kv_heads": t.token_to_kv_pool.k_buffer[0].shape[1],
+        "profiled_tokens": sched.memory_profile.max_total_num_tokens,
+        "allocated_tokens": t.token_to_kv_pool_allocator.size, "kv_rows": t.token_to_kv_pool.k_buffer[0].shape[0],
+    }
+    if d is not None:
+        info.update(draft_weight_bytes=d.weight_bytes, draft_kv_cell=d.kv_cell_bytes, draft_tp=d.tp.size,
+                    draft_kv_rows=d.token_to_kv_pool.k_buffer[0].shape[0])
+    return info
+
+
+def _lead(sched) -> dict:
+    reqs = run_all(sched, [Request(list(p), GREEDY) for p in PROMPTS])
+    return {**_describe(sched), "outputs": [r.output_ids for r in reqs], "proposed": sched.stats.proposed_tokens}
+
+
+def _tp_rank(engine_kw: dict, bad_target: dict | None = None) -> dict:
+    """Runs inside each rank process (spawned): init, then lead or follow."""
+    from specdecode_worker.engine.distributed import get_tp
+    from specdecode_worker.engine.tp_engine import run_rank
+
+    torch.set_num_threads(1)
+    kw = dict(engine_kw)
+    if bad_target and get_tp().rank in bad_target:
+        kw["target"] = bad_target[get_tp().rank]
+    return run_rank(EngineArgs(**kw), _lead, _describe)
+
+
+def _engine_kw(models, tp: int, algorithm: str) -> dict:
+    return dict(target=str(models["target"]), draft=str(models["draft"]) if algorithm == "STANDALONE" else None,
+                algorithm=algorithm, device_memory_bytes=int(BUDGET_GIB[tp] * GIB), mem_fraction_static=FRACTION,
+                runtime_bytes=runtime_reserve_bytes(tp), context_len=CONTEXT, max_running_requests=4,
+                num_draft_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tiny_models(tmp_path_factory.mktemp("tp"))
+
+
+@pytest.fixture(scope="module")
+def single(models):
+    """Single-rank greedy output per algorithm, in this process."""
+    out = {}
+    for algorithm in ("NONE", "STANDALONE"):
+        draft = models["draft"] if algorithm == "STANDALONE" else None
+        sched = engine(models["target"], algorithm, draft, context_len=CONTEXT, num_draft_tokens=3)
+        out[algorithm] = [r.output_ids for r in run_all(sched, [Request(list(p), GREEDY) for p in PROMPTS])]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_runs(models):
+    """Results per rank of a launched tensor-parallel engine, run once per (t, algorithm)."""
+    cache = {}
+
+    def get(tp: int, algorithm: str) -> list[dict]:
+        if (tp, algorithm) not in cache:
+            cache[tp, algorithm] = launch(tp, _tp_rank, (_engine_kw(models, tp, algorithm),), wall_timeout_s=WALL_S)
+        return cache[tp, algorithm]
+
+    return get
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("algorithm", ["NONE", "STANDALONE"])
+def test_greedy_output_equals_single_rank(tp_runs, single, tp, algorithm):
+    ranks = tp_runs(tp, algorithm)
+    assert len(ranks) == tp and all(r is not None for r in ranks)  # every follower was released
+    assert ranks[0]["outputs"] == single[algorithm]
+    assert all(len(o) == MAX_TOKENS for o in ranks[0]["outputs"])
+    if algorithm == "STANDALONE":
+        assert ranks[0]["proposed"] > 0
+
+
+def _plan(models, tp: int, capsys) -> dict:
+    argv = ["--target", str(models["target"]), "--algorithm", "STANDALONE", "--draft", str(models["draft"]),
+            "--gpu-memory-gib", str(BUDGET_GIB[tp]), "--mem-fraction-static", str(FRACTION),
+            "--context-length", str(CONTEXT), "--tp", str(tp)]
+    assert plan_cli.main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_every_rank_holds_what_the_planner_predicts_per_gpu(models, tp_runs, capsys, tp):
+    plan = _plan(models, tp, capsys)
+    assert plan["tensorParallelSize"] == tp
+    ranks = tp_runs(tp, "STANDALONE")
+    planned = plan["kvCache"]["maxTotalNumTokens"]
+    for info in ranks:
+        assert info["target_weight_bytes"] == plan["weights"]["targetBytes"]
+        assert info["draft_weight_bytes"] == plan["weights"]["draftBytes"]
+        assert info["target_kv_cell"] == plan["kvCache"]["targetBytesPerToken"]
+        assert info["draft_kv_cell"] == plan["kvCache"]["draftBytesPerToken"]
+        assert info["profiled_tokens"] == planned
+        assert info["allocated_tokens"] == planned and info["kv_rows"] == planned + 1
+        assert info["draft_kv_rows"] == planned + 1  # the draft pool holds the same slots
+
+
+def test_weights_shard_by_hand_count(models, tp_runs):
+    """Tiny target (float32): vocab 160, hidden 64, intermediate 128, 2 layers, 4 heads of 16, 2 KV heads."""
+    h, v, i, d = 64, 160, 128, 16
+    per_layer_2 = (h * h + h * h + 3 * h * i) // 2 + 2 * h * d + 2 * h  # q, o, mlp halves; k, v 1 head; norms
+    t2 = 2 * v * h // 2 + 2 * per_layer_2 + h  # embedding and head halves, final norm
+    assert tp_runs(2, "STANDALONE")[1]["target_weight_bytes"] == 4 * t2
+    # The draft (2 heads, 1 KV head) splits 2 ways, but not 4: at t=4 every rank holds it whole.
+    assert [r["draft_tp"] for r in tp_runs(2, "STANDALONE")] == [2, 2]
+    assert [r["draft_tp"] for r in tp_runs(4, "STANDALONE")] == [1, 1, 1, 1]
+
+
+def test_kv_heads_fewer_than_ranks_are_replicated(tp_runs):
+    # 2 KV heads over 4 ranks: each rank holds one (max(1, 2 // 4)); 2 layers x 1 x (16 + 16) x 4 bytes.
+    for info in tp_runs(4, "NONE"):
+        assert info["target_kv_heads"] == 1 and info["target_kv_cell"] == 256
+    for info in tp_runs(2, "NONE"):
+        assert info["target_kv_heads"] == 1 and info["target_kv_cell"] == 256
+
+
+def test_a_rank_failing_at_load_stops_the_whole_worker(models, tmp_path):
+    bad = tmp_path / "truncated"
+    shutil.copytree(models["target"], bad)
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(RankFailure, match=r"rank 1 of 2 failed: .*stopped the other 1 rank") as err:
+        launch(2, _tp_rank, (_engine_kw(models, 2, "NONE"), {1: str(bad)}), wall_timeout_s=WALL_S)
+    assert "deserializing header" in str(err.value)  # the failing rank's own error, not a peer's
+    assert multiprocessing.active_children() == []  # no rank left behind
+
+
+def test_planner_replicates_a_standalone_draft_that_cannot_split(models, capsys):
+    one, two, four = (_plan(models, t, capsys) for t in (1, 2, 4))  # 2 draft heads split 2 ways, not 4
+    assert two["weights"]["draftBytes"] < one["weights"]["draftBytes"] == four["weights"]["draftBytes"]
+    assert two["weights"]["targetBytes"] > four["weights"]["targetBytes"]
+    # 1 layer x 1 KV head x (16 + 16) x 4 bytes, whole at t=4 as at t=1.
+    assert four["kvCache"]["draftBytesPerToken"] == 128
+
+
+def test_a_target_that_cannot_split_is_refused(tmp_path):
+    from specdecode_worker.engine.parallel_layers import check_splits
+    from specdecode_worker.errors import InputError
+
+    target = write_tiny_model(tmp_path / "odd", num_attention_heads=4, num_key_value_heads=2, intermediate_size=130)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(target)
+    with pytest.raises(InputError, match="intermediate_size 130 does not divide by 4"):
+        check_splits(cfg, 4, "odd/config.json")
+    cfg.num_attention_heads = 6
+    with pytest.raises(InputError, match="6 attention heads do not divide by 4"):
+        check_splits(cfg, 4, "odd/config.json")
+
+
+def test_serve_tp2_answers_like_transformers(models, tmp_path):
+    """``specdecode-worker serve --tp 2``: a supervisor, two ranks, rank 0 on HTTP; greedy text equals transformers'."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdecode_worker.engine.distributed import free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "specdecode_worker", "serve", "--tp", "2", "--target", str(models["target"]),
+            "--draft", str(models["draft"]), "--algorithm", "STANDALONE", "--device", "cpu",
+            "--device-memory-gib", str(BUDGET_GIB[2]), "--mem-fraction-static", str(FRACTION),
+            "--context-length", str(CONTEXT), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+            "--served-model-name", "target"]
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + WALL_S
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"server never became healthy: {(tmp_path / 'serve.log').read_text()[-2000:]}")
+        assert httpx.get(f"{base}/plan").json()["plan"]["tensorParallelSize"] == 2
+        tok = AutoTokenizer.from_pretrained(models["target"])
+        hf = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
+        for prompt in ("hello world what is the", "the cat and the dog"):
+            ids = tok(prompt, return_tensors="pt").input_ids
+            want = tok.decode(hf.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, ids.shape[1]:],
+                              skip_special_tokens=True)
+            body = {"model": "target", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
