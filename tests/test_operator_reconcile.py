@@ -196,8 +196,11 @@ def test_full_lifecycle_plan_then_children_then_ready(kube):
     assert cond(sdd, c.AVAILABLE)["status"] == "True" and cond(sdd, c.READY)["status"] == "True"
     assert sdd["status"]["observedGeneration"] == 1
     assert sdd["status"]["selector"] == "specdecode.io/name=llama-8b-eagle3,specdecode.io/role=worker"
-    reasons = [e[0] for e in kube.events]
-    assert reasons.count(c.PLAN_READY) == 1 and reasons.count(c.PLANNING) == 1
+    transitions = [(e[1].split(":")[0], e[0]) for e in kube.events]  # ("Planned=Unknown", "Planning"), ...
+    assert transitions.count(("Planned=Unknown", c.PLANNING)) == 1
+    assert transitions.count(("Planned=True", c.PLAN_READY)) == 1
+    assert transitions.count(("Ready=True", "Ready")) == 1
+    assert not [e for e in kube.events if e[2]]  # a clean deploy posts no Warning
 
     # a reconcile with nothing new writes nothing and posts nothing
     rv, n_events = sdd["metadata"]["resourceVersion"], len(kube.events)
@@ -241,6 +244,10 @@ def test_draft_change_replans_rolls_and_cleans_up(kube):
     sdd = kube.sdd()
     assert sdd["status"]["phase"] == "Planning"
     assert sdd["status"]["plan"]["key"] == old_key  # the plan in effect until the new one exists
+    # the old workers still serve; the new spec is not rolled out yet
+    assert cond(sdd, c.AVAILABLE)["status"] == "True" and sdd["status"]["readyReplicas"] == 1
+    assert (cond(sdd, c.READY)["status"], cond(sdd, c.READY)["reason"]) == ("False", c.PLANNING)
+    assert (cond(sdd, c.PROGRESSING)["status"], cond(sdd, c.PROGRESSING)["reason"]) == ("True", c.PLANNING)
     assert kube.deployment()["spec"]["template"]["metadata"]["annotations"][labels.PLAN_KEY] == old_key
 
     kube.finish_planner(0, json.dumps(make_plan(tp=2)))

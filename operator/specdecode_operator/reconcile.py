@@ -120,11 +120,10 @@ class Reconciler:
             verdicts.update(obs.verdicts)
             status.update(replicas=obs.replicas, readyReplicas=obs.ready_replicas,
                           updatedReplicas=obs.updated_replicas)
-        elif plan is not None:  # does not fit: no workload for this plan; report the old one's pods
-            self._cleanup_planners(view, key)
-            status.update(self._counts(view))
-        else:
-            status.update(self._counts(view))
+        else:  # planning, or the plan does not fit: nothing new is applied
+            if plan is not None:
+                self._cleanup_planners(view, key)
+            verdicts.update(self._previous_workers(view, status, verdicts[c.PLANNED]))
 
         now = now_iso()
         conds = c.apply_verdicts(list(old_status.get("conditions") or []), verdicts, generation, now)
@@ -225,11 +224,24 @@ class Reconciler:
     def _worker_pods(self, view: SpecView) -> list[dict[str, Any]]:
         return self.kube.list(path("v1", "Pod", view.namespace), labels.selector_string(view.name))
 
-    def _counts(self, view: SpecView) -> dict[str, int]:
+    def _previous_workers(self, view: SpecView, status: dict[str, Any],
+                          planned: c.Verdict) -> dict[str, c.Verdict]:
+        """Without a plan for the current spec, workers of an earlier plan may still serve: report
+        them (Available, Degraded) while Ready and Progressing say why the spec is not rolled out."""
         dep = self.kube.get(path("apps/v1", "Deployment", view.namespace, view.name))
-        st = (dep or {}).get("status") or {}
-        return {"replicas": int(st.get("replicas", 0) or 0), "readyReplicas": int(st.get("readyReplicas", 0) or 0),
-                "updatedReplicas": int(st.get("updatedReplicas", 0) or 0)}
+        verdicts: dict[str, c.Verdict] = {}
+        if dep is not None:
+            obs = observe.observe(view.replicas, False, dep, self._worker_pods(view), None)
+            verdicts = {k: v for k, v in obs.verdicts.items() if k in (c.AVAILABLE, c.DEGRADED)}
+            status.update(replicas=obs.replicas, readyReplicas=obs.ready_replicas, updatedReplicas=0)
+            planning = planned.status == "Unknown"
+            verdicts[c.PROGRESSING] = c.Verdict("True" if planning else "False", planned.reason,
+                                                "making a new plan; the workers keep the previous one" if planning
+                                                else "no new plan to roll out: see Planned")
+        else:
+            status.update(replicas=0, readyReplicas=0, updatedReplicas=0)
+        verdicts[c.READY] = c.Verdict("False", planned.reason, planned.message)
+        return verdicts
 
     def _observe(self, view: SpecView, key: str, tp: int, dep: dict[str, Any] | None) -> observe.Observation:
         pods = self._worker_pods(view)
