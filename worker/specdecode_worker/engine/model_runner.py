@@ -84,7 +84,7 @@ class ModelRunner:
         if self.quantization == "int8":
             # Dynamic int8 linear layers in the decoder (a cheap CPU draft); the tied head stays.
             model.model.layers = torch.ao.quantization.quantize_dynamic(model.model.layers, {torch.nn.Linear}, torch.qint8)
-        self.model = model.eval()
+        self.model = model.eval().requires_grad_(False)  # no autograd state, also in CUDA graphs
         self.weight_bytes = tensor_bytes(model)
         self.phase = Phase.WEIGHTS_LOADED
         self.durations["load_weights"] = time.perf_counter() - start
@@ -154,6 +154,7 @@ class ModelRunner:
         require(self.phase, Phase.BACKENDS_READY, "run a forward pass", self.name)
         if self.tp.size > 1 and self.tp.is_leader:  # the followers run the same pass on their shards
             announce_forward(self.name, fb, self.req_to_token_pool.req_to_token, last_only)
-        if last_only and self.cuda_graphs is not None and self.cuda_graphs.can_run(fb):
+        # A decode batch has one row per request, so "last only" and "all rows" are the same.
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(fb):
             return self.cuda_graphs.replay(fb)
         return self.model(fb, self.backend, fb.logit_rows(last_only))

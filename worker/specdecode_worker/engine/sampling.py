@@ -31,7 +31,8 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+    # Per-request generators live on the CPU, so draws are reproducible on any device.
+    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
 
 
 def choose(logits_row: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
