@@ -201,6 +201,11 @@ def test_example_plans_deploys_scales_replans_and_deletes(cluster, namespace, st
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == tp
     assert container["args"][container["args"].index("--max-total-tokens") + 1] == str(plan["kvCache"]["maxTotalNumTokens"])
     assert dep["metadata"]["ownerReferences"][0]["uid"] == sdd["metadata"]["uid"]
+    managers = {(m["manager"], m["operation"]) for m in dep["metadata"]["managedFields"]}
+    assert ("specdecode-operator", "Apply") in managers  # server-side apply with our field manager
+    for kind, child in (("configmap", f"{NAME}-plan"), ("service", NAME)):
+        owner = _get(cluster, namespace, kind, child)["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["uid"], owner["controller"]) == ("SpecDecodeDeployment", sdd["metadata"]["uid"], True)
     workers = _list(cluster, namespace, "pods", "specdecode.io/name=llama-8b-eagle3,specdecode.io/role=worker")
     assert len(workers) == 1 and workers[0]["spec"]["nodeName"].startswith("h100-node-")
     assert json.loads(_get(cluster, namespace, "configmap", f"{NAME}-plan")["data"]["plan.json"])["kvCache"] == plan["kvCache"]
