@@ -201,7 +201,9 @@ def test_example_plans_deploys_scales_replans_and_deletes(cluster, namespace, st
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == tp
     assert container["args"][container["args"].index("--max-total-tokens") + 1] == str(plan["kvCache"]["maxTotalNumTokens"])
     assert dep["metadata"]["ownerReferences"][0]["uid"] == sdd["metadata"]["uid"]
-    managers = {(m["manager"], m["operation"]) for m in dep["metadata"]["managedFields"]}
+    full = json.loads(cluster.kubectl("get", "deployment", NAME, "-n", namespace, "-o", "json",
+                                      "--show-managed-fields").stdout)
+    managers = {(m["manager"], m["operation"]) for m in full["metadata"]["managedFields"]}
     assert ("specdecode-operator", "Apply") in managers  # server-side apply with our field manager
     for kind, child in (("configmap", f"{NAME}-plan"), ("service", NAME)):
         owner = _get(cluster, namespace, kind, child)["metadata"]["ownerReferences"][0]
