@@ -365,7 +365,7 @@ OPERATOR_RULES = [
     {"apiGroups": ["specdecode.io"], "resources": ["specdecodedeployments/status"], "verbs": ["update"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
     # server-side apply needs create as well as patch when the object does not exist yet
-    {"apiGroups": [""], "resources": ["configmaps", "services"], "verbs": ["get", "create", "patch"]},
+    {"apiGroups": [""], "resources": ["configmaps", "services"], "verbs": ["create", "patch"]},
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list", "watch", "create", "patch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
