@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import shutil
 import signal
 import socket

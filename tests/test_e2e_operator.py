@@ -9,7 +9,6 @@ no worker process runs.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
