@@ -372,3 +372,15 @@ def test_child_events_refresh_status_without_reapplying(kube):
     kube.put_sdd(body)
     r.reconcile(NS, "llama-8b-eagle3", force_apply=False)
     assert len(kube.applied) == n + 3 and kube.deployment()["spec"]["replicas"] == 2
+
+
+def test_misfit_message_names_spec_fields():
+    from specdecode_operator.reconcile import in_spec_terms
+
+    msg = ("does not fit on 8 GPU(s) of 8.00 GiB: 57231 KV tokens for a floor of 65536, short by 0.14 GiB per GPU; "
+           "or with --mem-fraction-static 0.636 on 8 GPU(s); or lower --context-length/--min-kv-tokens, use "
+           "--kv-cache-dtype fp8_e4m3, or a larger GPU")
+    out = in_spec_terms(msg)
+    assert "--" not in out
+    assert "spec.serving.memFractionStatic: 0.636" in out and "spec.serving.kvCacheDtype: fp8_e4m3" in out
+    assert "spec.serving.contextLength/spec.serving.minKVTokens" in out

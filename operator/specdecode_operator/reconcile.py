@@ -288,5 +288,23 @@ def _planned_verdict(plan: dict[str, Any]) -> c.Verdict:
         return c.Verdict("True", c.PLAN_READY, plan.get("message", "plan ready"))
     short = plan.get("shortfallBytes", 0)
     return c.Verdict("False", c.INSUFFICIENT_GPU_MEMORY,
-                     f"{plan.get('message', 'the models do not fit')} (short by {short / GIB:.2f} GiB "
+                     f"{in_spec_terms(plan.get('message', 'the models do not fit'))} (short by {short / GIB:.2f} GiB "
                      f"= {short} bytes per GPU)")
+
+
+# The planner speaks in CLI flags; a user of the SDD changes spec fields.
+_FLAG_TO_FIELD = (
+    ("--kv-cache-dtype ", "spec.serving.kvCacheDtype: "),
+    ("--mem-fraction-static ", "spec.serving.memFractionStatic: "),
+    ("--context-length", "spec.serving.contextLength"),
+    ("--min-kv-tokens", "spec.serving.minKVTokens"),
+    ("--max-running-requests", "spec.serving.maxRunningRequests"),
+    ("--gpu-memory-gib", "spec.gpu.memoryGiB"),
+    ("--tp ", "tensor parallelism "),
+)
+
+
+def in_spec_terms(message: str) -> str:
+    for flag, field in _FLAG_TO_FIELD:
+        message = message.replace(flag, field)
+    return message
