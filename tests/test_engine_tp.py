@@ -52,16 +52,19 @@ def _lead(sched) -> dict:
     return {**_describe(sched), "outputs": [r.output_ids for r in reqs], "proposed": sched.stats.proposed_tokens}
 
 
-def _tp_rank(engine_kw: dict, bad_target: dict | None = None) -> dict:
-    """Runs inside each rank process (spawned): init, then lead or follow."""
+def _tp_rank(engine_kws: dict[str, dict], bad_target: dict | None = None) -> dict:
+    """Runs inside each rank process (spawned): per algorithm one engine, init, then lead or follow."""
     from specdecode_worker.engine.distributed import get_tp
     from specdecode_worker.engine.tp_engine import run_rank
 
     torch.set_num_threads(1)
-    kw = dict(engine_kw)
-    if bad_target and get_tp().rank in bad_target:
-        kw["target"] = bad_target[get_tp().rank]
-    return run_rank(EngineArgs(**kw), _lead, _describe)
+    out = {}
+    for algorithm, engine_kw in engine_kws.items():
+        kw = dict(engine_kw)
+        if bad_target and get_tp().rank in bad_target:
+            kw["target"] = bad_target[get_tp().rank]
+        out[algorithm] = run_rank(EngineArgs(**kw), _lead, _describe)
+    return out
 
 
 def _engine_kw(models, tp: int, algorithm: str) -> dict:
@@ -89,13 +92,14 @@ def single(models):
 
 @pytest.fixture(scope="module")
 def tp_runs(models):
-    """Results per rank of a launched tensor-parallel engine, run once per (t, algorithm)."""
+    """Results per rank of launched tensor-parallel engines: one launch per t serves both algorithms."""
     cache = {}
 
     def get(tp: int, algorithm: str) -> list[dict]:
-        if (tp, algorithm) not in cache:
-            cache[tp, algorithm] = launch(tp, _tp_rank, (_engine_kw(models, tp, algorithm),), wall_timeout_s=WALL_S)
-        return cache[tp, algorithm]
+        if tp not in cache:
+            kws = {a: _engine_kw(models, tp, a) for a in ("NONE", "STANDALONE")}
+            cache[tp] = launch(tp, _tp_rank, (kws,), wall_timeout_s=WALL_S)
+        return [rank[algorithm] for rank in cache[tp]]
 
     return get
 
@@ -160,7 +164,7 @@ def test_a_rank_failing_at_load_stops_the_whole_worker(models, tmp_path):
     weights = bad / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])
     with pytest.raises(RankFailure, match=r"rank 1 of 2 failed: .*stopped the other 1 rank") as err:
-        launch(2, _tp_rank, (_engine_kw(models, 2, "NONE"), {1: str(bad)}), wall_timeout_s=WALL_S)
+        launch(2, _tp_rank, ({"NONE": _engine_kw(models, 2, "NONE")}, {1: str(bad)}), wall_timeout_s=WALL_S)
     assert "deserializing header" in str(err.value)  # the failing rank's own error, not a peer's
     assert multiprocessing.active_children() == []  # no rank left behind
 
@@ -241,3 +245,32 @@ def test_serve_tp2_answers_like_transformers(models, tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_each_rank_loads_only_its_slice_and_the_planner_counts_it(tmp_path):
+    """Qwen2 (q/k/v biases) at t=2, built per rank in this process: shards rejoin into the
+    checkpoint's tensors, and each rank's bytes equal the planner's per-GPU count."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from specdecode_worker.checkpoint import read_checkpoint, total_bytes
+    from specdecode_worker.engine.distributed import TPGroup
+    from specdecode_worker.engine.loader import load_safetensors, tensor_bytes
+    from specdecode_worker.engine.models.llama import LlamaForCausalLM
+
+    folder = write_tiny_model(tmp_path / "qwen", "qwen2", num_attention_heads=4, num_key_value_heads=2)
+    cfg = AutoConfig.from_pretrained(folder)
+    full = load_file(str(folder / "model.safetensors"))
+    ranks = []
+    for rank in range(2):
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg, tp=TPGroup(rank, 2))
+        load_safetensors(model, folder, "cpu", torch.float32)
+        ranks.append(dict(model.named_parameters()))
+        assert tensor_bytes(model) == total_bytes(read_checkpoint(folder), 2, 2)
+    for name in ("model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(torch.cat([r[name] for r in ranks], dim=0), full[name])
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(torch.cat([r[name] for r in ranks], dim=1), full[name])
+    assert torch.equal(ranks[0]["model.norm.weight"], ranks[1]["model.norm.weight"])

@@ -125,6 +125,12 @@ def announce_forward(name: str, fb: ForwardBatch, req_to_token: torch.Tensor, la
 _followers_stopped = False
 
 
+def expect_followers() -> None:
+    """The followers are (again) following this rank: the next ``stop_followers`` releases them."""
+    global _followers_stopped
+    _followers_stopped = False
+
+
 def stop_followers() -> None:
     """Release the followers from ``follow`` (once; they are gone after it)."""
     global _followers_stopped

@@ -12,13 +12,15 @@ import logging
 import sys
 from typing import Any, Callable
 
-from .distributed import RankFailure, follow, get_tp, launch
+from .distributed import RankFailure, expect_followers, follow, get_tp, launch
 from .scheduler import EngineArgs, Scheduler
 
 
 def run_rank(args: EngineArgs, lead: Callable[[Scheduler], Any],
              report: Callable[[Scheduler], Any] | None = None) -> Any:
     """Rank 0 returns ``lead(sched)``; a follower returns ``report(sched)`` once released (or None)."""
+    if get_tp().is_leader:
+        expect_followers()
     sched = Scheduler(args)
     sched.init_model_worker()
     if get_tp().is_leader:
