@@ -61,6 +61,9 @@ class ModelRunner:
             raise InputError("int8 dynamic quantization runs on cpu only; drop it on cuda")
         self.quantization = quantization
         self.tp = model_tp(self.config, name, f"{model_dir}/config.json")  # sharded, or a replicated draft
+        if quantization and self.tp.size > 1:
+            raise InputError(f"int8 dynamic quantization quantizes whole linears; the {name} is sharded over "
+                             f"{self.tp.size} ranks here: drop the quantization or serve with --tp 1")
         self.phase = Phase.CREATED
         self.durations: dict[str, float] = {}
         self.model = None
