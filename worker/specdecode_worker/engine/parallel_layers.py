@@ -169,7 +169,9 @@ def column_linear(in_features: int, out_features: int, bias: bool, tp: TPGroup =
 
 
 def row_linear(in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE) -> nn.Module:
-    return nn.Linear(in_features, out_features, bias=bias) if tp.size == 1 else RowParallelLinear(in_features, out_features, bias, tp)
+    if tp.size == 1:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp)
 
 
 def vocab_embedding(vocab_size: int, hidden_size: int, tp: TPGroup = SINGLE) -> nn.Module:
