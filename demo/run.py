@@ -117,6 +117,25 @@ def tail(name: str, lines: int = 40) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
 
 
+def still_running(name: str, marker: str, key: list[str]) -> dict | None:
+    """What a previous run recorded for a process that still runs the same command and answers."""
+    record, pid = STATE / f"{name}.json", pid_file(name)
+    if not (record.exists() and pid.exists()):
+        return None
+    info = json.loads(record.read_text())
+    if info.get("key") != key or not ours(int(pid.read_text()), marker):
+        return None
+    try:
+        with urllib.request.urlopen(info["health"], timeout=2) as resp:
+            return info if resp.status == 200 else None
+    except OSError:
+        return None
+
+
+def remember(name: str, key: list[str], **info: str) -> None:
+    (STATE / f"{name}.json").write_text(json.dumps({"key": key, **info}))
+
+
 def wait_http(url: str, proc: subprocess.Popen, name: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -190,20 +209,26 @@ def sa_kubeconfig(plane: ControlPlane) -> Path:
 
 
 def start_operator(plane: ControlPlane) -> None:
-    stop_process("operator", "specdecode-operator")
-    kubeconfig = sa_kubeconfig(plane)
     dep = json.loads(plane.kubectl("get", "deployment", fullname(), "-n", SYSTEM_NS, "-o", "json").stdout)
-    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
-    port = free_ports(1)[0]
-    args = [a for a in args if not a.startswith(("--liveness", "--log-format"))]
-    args += [f"--liveness=http://127.0.0.1:{port}/healthz", "--log-format=plain"]
-    env = dict(os.environ, KUBECONFIG=str(kubeconfig))
-    say(f"$ specdecode-operator {' '.join(args)}")
+    args = [a for a in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+            if not a.startswith(("--liveness", "--log-format"))] + ["--log-format=plain"]
+    say(f"the chart's operator arguments: {' '.join(args)}")
     say(f"  credentials: ServiceAccount {SYSTEM_NS}/{fullname()} (token in .demo/operator.kubeconfig); "
         "log: .demo/operator.log")
-    proc = start_process("operator", [str(BIN / "specdecode-operator"), *args], env)
-    wait_http(f"http://127.0.0.1:{port}/healthz", proc, "operator", 60)
-    say(f"operator running (pid {proc.pid}), liveness http://127.0.0.1:{port}/healthz answers")
+    previous = still_running("operator", "specdecode-operator", args)
+    if previous:
+        say(f"operator already running with these arguments (pid {pid_file('operator').read_text()}), "
+            f"liveness {previous['health']} answers")
+        return
+    stop_process("operator", "specdecode-operator")
+    kubeconfig = sa_kubeconfig(plane)
+    health = f"http://127.0.0.1:{free_ports(1)[0]}/healthz"
+    env = dict(os.environ, KUBECONFIG=str(kubeconfig))
+    say(f"$ specdecode-operator {' '.join(args)} --liveness={health}")
+    proc = start_process("operator", [str(BIN / "specdecode-operator"), *args, f"--liveness={health}"], env)
+    wait_http(health, proc, "operator", 60)
+    remember("operator", args, health=health)
+    say(f"operator running (pid {proc.pid}), liveness {health} answers")
 
 
 def prepare_models(plane: ControlPlane) -> None:
@@ -269,7 +294,7 @@ def watch_until_ready(plane: ControlPlane, timeout: float) -> dict:
                  for c in status.get("conditions") or []]
         if conds != last_conds:
             for ctype, cstatus, reason, message in conds:
-                say(f"    {ctype:<12} {cstatus:<6} {reason:<22} {message[:110]}")
+                say(f"    {ctype:<12} {cstatus:<6} {reason:<22} {message}")
             last_conds = conds
         if status.get("phase") == "Ready":
             return obj
@@ -341,20 +366,27 @@ def worker_argv(plane: ControlPlane, pod: dict, port: int) -> list[str]:
 
 
 def run_worker(plane: ControlPlane, sdd: dict) -> str:
-    stop_process("worker", "specdecode-worker")
     pod = ready_pod(plane, sdd)
     svc = json.loads(plane.kubectl("get", "service", SDD, "-n", DEMO_NS, "-o", "json").stdout)
     svc_port = svc["spec"]["ports"][0]["port"]
-    port = free_ports(1)[0]
-    argv = worker_argv(plane, pod, port)
     say(f"Ready replica: pod {pod['metadata']['name']} on node {pod['spec'].get('nodeName')} "
         f"(KWOK runs no containers, so its command runs here)")
-    say("$ " + " ".join(Path(argv[0]).name if i == 0 else a for i, a in enumerate(argv)))
-    say(f"  127.0.0.1:{port} stands in for Service {DEMO_NS}/{SDD} ({svc['spec'].get('clusterIP')}:{svc_port}); "
+    key = worker_argv(plane, pod, 0)  # the command line but for the port
+    previous = still_running("worker", "specdecode-worker", key)
+    if previous:
+        url = previous["url"]
+        say(f"worker already running with this command line (pid {pid_file('worker').read_text()}) at {url}")
+    else:
+        stop_process("worker", "specdecode-worker")
+        port = free_ports(1)[0]
+        argv = [str(port) if a == "0" and prev == "--port" else a for prev, a in zip([""] + key, key)]
+        say("$ " + " ".join(Path(argv[0]).name if i == 0 else a for i, a in enumerate(argv)))
+        proc = start_process("worker", argv, dict(os.environ))
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/health", proc, "worker", 300)
+        remember("worker", key, health=f"{url}/health", url=url)
+    say(f"  {url} stands in for Service {DEMO_NS}/{SDD} ({svc['spec'].get('clusterIP')}:{svc_port}); "
         "log: .demo/worker.log")
-    proc = start_process("worker", argv, dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/health", proc, "worker", 300)
     with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as resp:
         model = json.loads(resp.read())["data"][0]["id"]
     body = {"model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
