@@ -17,8 +17,9 @@
    Service), and sends it one completion;
 7. prints the plan table, and how to stop everything.
 
-State: the control plane lives in ~/.cache/specdecode/cluster-up (as `make cluster-up`), the rest
-(models, credentials, logs, pids) in .demo/. A second run reuses all of it and takes seconds.
+State: the control plane lives in ~/.cache/specdecode/cluster-up (as `make cluster-up`; or
+$SPECDECODE_CLUSTER_DIR), the rest (models, credentials, logs, pids) in .demo/ (or
+$SPECDECODE_DEMO_DIR). A second run reuses all of it and takes seconds.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from tests.cluster.__main__ import up as plane_up  # noqa: E402
 from tests.cluster.controlplane import ControlPlane, free_ports  # noqa: E402
 from tests.cluster.planner_runtime import map_paths, volume_paths  # noqa: E402
 
-STATE = ROOT / ".demo"
+STATE = Path(os.environ.get("SPECDECODE_DEMO_DIR") or ROOT / ".demo")
 CHART = ROOT / "charts" / "specdecode-operator"
 EXAMPLE = ROOT / "examples" / "standalone-draft.yaml"
 # A release named like the chart names its objects (Deployment, ServiceAccount, RBAC) after itself.
@@ -57,6 +58,12 @@ PROMPT = "the capital of france is"
 CPU_KV_TOKENS = 16384  # KV slots the CPU worker allocates (the plan's count is for an 80 GiB GPU)
 
 T0 = time.monotonic()
+
+
+def shown(name: str) -> str:
+    """A state file as a person types it: relative to the repository when it lies inside."""
+    path = STATE / name
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def say(msg: str = "") -> None:
@@ -140,7 +147,7 @@ def wait_http(url: str, proc: subprocess.Popen, name: str, timeout: float) -> No
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            fail(f"{name} exited with code {proc.returncode}; last lines of .demo/{name}.log:\n{tail(name)}")
+            fail(f"{name} exited with code {proc.returncode}; last lines of {shown(name + '.log')}:\n{tail(name)}")
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
@@ -148,7 +155,7 @@ def wait_http(url: str, proc: subprocess.Popen, name: str, timeout: float) -> No
         except OSError:
             pass
         time.sleep(0.3)
-    fail(f"{name} did not answer {url} within {timeout:.0f}s; last lines of .demo/{name}.log:\n{tail(name)}")
+    fail(f"{name} did not answer {url} within {timeout:.0f}s; last lines of {shown(name + '.log')}:\n{tail(name)}")
 
 
 def fail(msg: str) -> None:
@@ -213,8 +220,8 @@ def start_operator(plane: ControlPlane) -> None:
     args = [a for a in dep["spec"]["template"]["spec"]["containers"][0]["args"]
             if not a.startswith(("--liveness", "--log-format"))] + ["--log-format=plain"]
     say(f"the chart's operator arguments: {' '.join(args)}")
-    say(f"  credentials: ServiceAccount {SYSTEM_NS}/{fullname()} (token in .demo/operator.kubeconfig); "
-        "log: .demo/operator.log")
+    say(f"  credentials: ServiceAccount {SYSTEM_NS}/{fullname()} (token in {shown('operator.kubeconfig')}); "
+        f"log: {shown('operator.log')}")
     previous = still_running("operator", "specdecode-operator", args)
     if previous:
         say(f"operator already running with these arguments (pid {pid_file('operator').read_text()}), "
@@ -242,7 +249,7 @@ def prepare_models(plane: ControlPlane) -> None:
         write_tiny_pair(tmp, "llama")
         tmp.rename(cache)
     else:
-        say("tiny models: cached in .demo/models")
+        say(f"tiny models: cached in {shown('models')}")
     plane.kubectl("create", "namespace", DEMO_NS, check=False)
     plane.kubectl("apply", "-n", DEMO_NS, "-f", "-", input=yaml.safe_dump({
         "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
@@ -386,7 +393,7 @@ def run_worker(plane: ControlPlane, sdd: dict) -> str:
         wait_http(f"{url}/health", proc, "worker", 300)
         remember("worker", key, health=f"{url}/health", url=url)
     say(f"  {url} stands in for Service {DEMO_NS}/{SDD} ({svc['spec'].get('clusterIP')}:{svc_port}); "
-        "log: .demo/worker.log")
+        f"log: {shown('worker.log')}")
     with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as resp:
         model = json.loads(resp.read())["data"][0]["id"]
     body = {"model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
@@ -444,7 +451,7 @@ def plan_table(plane: ControlPlane, sdd: dict) -> None:
 
 def finish(plane: ControlPlane, worker_url: str) -> None:
     say(f"\nDone in {time.monotonic() - T0:.1f}s. Still running: the control plane, the operator "
-        "(.demo/operator.log) and the worker (.demo/worker.log). Look around:")
+        f"({shown('operator.log')}) and the worker ({shown('worker.log')}). Look around:")
     say(f"  export KUBECONFIG={plane.kubeconfig} PATH={plane.bin_dir}:$PATH")
     say(f"  kubectl get sdd -A;  kubectl describe sdd {SDD} -n {DEMO_NS};  kubectl get pods,deploy,svc -n {DEMO_NS}")
     say(f"  curl {worker_url}/v1/completions -H 'Content-Type: application/json' "
@@ -466,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", action="store_true", help="delete the demo SDD first, to watch it plan again")
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for Ready")
     args = parser.parse_args(argv)
-    STATE.mkdir(exist_ok=True)
+    STATE.mkdir(parents=True, exist_ok=True)
     if args.command == "down":
         return down()
 
