@@ -16,6 +16,7 @@ from specdecode_worker.engine.phases import PhaseError  # noqa: E402
 from specdecode_worker.engine.pools import MemoryPoolConfig  # noqa: E402
 from specdecode_worker.engine.scheduler import EngineArgs, Scheduler, StartupError  # noqa: E402
 from specdecode_worker.engine.workers import TargetWorker  # noqa: E402
+from specdecode_worker.errors import InputError  # noqa: E402
 
 from tests.engine_helpers import engine, tiny_models  # noqa: E402
 
@@ -108,3 +109,15 @@ def test_cpu_pools_hold_exactly_the_planned_tokens(models, capsys):
 def test_below_the_floor_the_worker_stops_before_serving(models):
     with pytest.raises(StartupError, match="KV token slots fit"):
         engine(models["target"], "STANDALONE", models["draft"], device_memory_bytes=1 << 20, min_kv_tokens=4096)
+
+
+def test_frozen_kv_mtp_draft_is_refused_before_any_weight_loads(models, tmp_path, monkeypatch):
+    from tests.tiny_models import write_tiny_model
+
+    mtp = write_tiny_model(tmp_path / "mtp", num_nextn_predict_layers=1)
+    loads = []
+    monkeypatch.setattr(ModelRunner, "load_weights", lambda self: loads.append(self.name))
+    sched = Scheduler(EngineArgs(str(models["target"]), str(mtp), "STANDALONE", device_memory_bytes=64 << 20))
+    with pytest.raises(InputError, match="MTP draft"):
+        sched.init_model_worker()
+    assert loads == []
