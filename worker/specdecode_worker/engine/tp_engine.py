@@ -12,8 +12,13 @@ import logging
 import sys
 from typing import Any, Callable
 
-from .distributed import RankFailure, expect_followers, follow, get_tp, launch
+from .distributed import SINGLE, RankFailure, expect_followers, follow, get_tp, launch
 from .scheduler import EngineArgs, Scheduler
+
+
+def _sharded_runners(sched: Scheduler) -> dict:
+    # A replicated draft runs on rank 0 alone, so followers replay only the sharded models.
+    return {r.name: r for r in sched._runners() if getattr(r, "tp", SINGLE).size > 1}
 
 
 def run_rank(args: EngineArgs, lead: Callable[[Scheduler], Any],
@@ -28,7 +33,7 @@ def run_rank(args: EngineArgs, lead: Callable[[Scheduler], Any],
             return lead(sched)
         finally:
             sched.stop()  # releases the followers
-    follow({r.name: r for r in sched._runners() if r.tp.size > 1})
+    follow(_sharded_runners(sched))
     return report(sched) if report else None
 
 
@@ -36,7 +41,7 @@ def follow_rank(args: EngineArgs) -> None:
     """A follower's whole life: its shards through the three phases, then replay until released."""
     sched = Scheduler(args)
     sched.init_model_worker()
-    follow({r.name: r for r in sched._runners() if r.tp.size > 1})
+    follow(_sharded_runners(sched))
 
 
 def _serve_rank(argv: list[str]) -> int:
