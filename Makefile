@@ -35,4 +35,4 @@ demo: setup cluster-build
 	$(PY) demo/run.py
 
 demo-down:
-	$(PY) -m tests.cluster down
+	$(PY) demo/run.py down
