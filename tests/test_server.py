@@ -219,7 +219,7 @@ def test_serve_cli_refuses_bad_flags_with_exit_2(models, capsys):
     port = str(_free_port())
     cases = [
         (["--algorithm", "EAGLE"], "serves NONE, STANDALONE, NGRAM"),
-        (["--tp", "2"], "--tp 2"),
+        (["--tp", "3"], "--tp 3"),  # 4 attention heads do not split over 3 GPUs
         (["--plan", "/nonexistent/plan.json"], "cannot read"),
     ]
     for extra, needle in cases:
