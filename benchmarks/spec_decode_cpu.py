@@ -102,6 +102,7 @@ def main(argv=None) -> int:
                      "tok_per_s": len(out) / secs, "exact": out == ref[: len(out)] and len(out) == len(ref),
                      "acceptance": None if not prop else acc / prop,
                      "accept_length": None if not rounds else (acc + rounds) / rounds})
+        print(f"  {method} / {name}: {rows[-1]['tok_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
 
     hf_run(hf, ids["explain"], 4)  # warm-up
     reference = {}
