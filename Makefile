@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= operator,worker,dev,models
 
-.PHONY: setup test test-unit demo demo-down cluster-build cluster-up cluster-down bench
+.PHONY: setup test test-unit demo demo-down cluster-build cluster-up cluster-down
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
