@@ -23,6 +23,7 @@ from .errors import InputError
 log = logging.getLogger("specdecode_worker.serve")
 
 SERVED_ALGORITHMS = ("NONE", "STANDALONE", "NGRAM")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # the planner's and the CRD's values
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,7 +54,9 @@ def parser() -> argparse.ArgumentParser:
     sizing.add_argument("--gpu-memory-gib", type=float, help="free GPU memory before weights, when no GPU is visible")
     sizing.add_argument("--gpu-product", help="nvidia.com/gpu.product label")
     sizing.add_argument("--mem-fraction-static", default="auto")
-    sizing.add_argument("--kv-cache-dtype", default="auto", choices=("auto",))
+    sizing.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                        help="K/V pool storage: auto (the compute dtype) or fp8, one byte per element "
+                        "(default: the --plan's, else auto)")
     sizing.add_argument("--context-length", type=int)
     sizing.add_argument("--min-kv-tokens", type=int, default=0)
     sizing.add_argument("--max-running-requests", type=int)
@@ -99,10 +102,13 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         plan = load_plan_file(args.plan)
         if plan["algorithm"] != ("NGRAM" if args.algorithm == "NONE" else args.algorithm):
             raise InputError(f"--plan {args.plan}: planned for {plan['algorithm']}, serving {args.algorithm}")
+        kv_cache_dtype = plan_kv_cache_dtype(plan, args.kv_cache_dtype, args.plan)
     else:
         from .plan_cli import make_plan
 
+        kv_cache_dtype = args.kv_cache_dtype or "auto"
         ns = argparse.Namespace(**vars(args))
+        ns.kv_cache_dtype = kv_cache_dtype
         ns.algorithm = "NGRAM" if args.algorithm == "NONE" else args.algorithm
         ns.tp = args.tp or "1"
         if device == "cpu":
@@ -127,8 +133,24 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         max_running_requests=reserve["maxRunningRequests"], cuda_graph_max_bs=reserve["cudaGraphMaxBs"],
         num_draft_tokens=args.num_draft_tokens, ngram_max=args.ngram_max, planned_tokens=kv["maxTotalNumTokens"],
         draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )
     return engine_args, plan
+
+
+def plan_kv_cache_dtype(plan: dict[str, Any], flag: str | None, path: str) -> str:
+    """The KV dtype a pinned plan was sized with; a --kv-cache-dtype that contradicts it is refused.
+
+    The plan names fp8 as the flag does and auto by the model's dtype (for example bfloat16).
+    """
+    planned = plan["kvCache"].get("dtype")
+    if planned is None:  # a plan written without it: the flag decides
+        return flag or "auto"
+    planned_flag = planned if planned in KV_CACHE_DTYPES else "auto"
+    if flag is not None and flag != planned_flag:
+        raise InputError(f"--kv-cache-dtype {flag}: the plan {path} was sized for a {planned} KV cache; "
+                         f"give --kv-cache-dtype {planned_flag} or re-plan with {flag}")
+    return planned_flag
 
 
 def _default_device() -> str:
@@ -180,8 +202,9 @@ def build(argv: list[str]):
         server.should_exit = True
 
     def start_engine() -> None:  # the HTTP port is up first, so /health can report the phases
-        log.info("planned max_total_num_tokens %s (floor %s)", plan["kvCache"]["maxTotalNumTokens"],
-                 plan["kvCache"]["minTokens"])
+        log.info("planned max_total_num_tokens %s (floor %s), KV cache dtype %s (--kv-cache-dtype %s)",
+                 plan["kvCache"]["maxTotalNumTokens"], plan["kvCache"]["minTokens"], plan["kvCache"].get("dtype"),
+                 engine_args.kv_cache_dtype)
         start_engine_in_background(state, on_failure)
 
     app = build_app(state, on_startup=start_engine, on_shutdown=scheduler.stop)

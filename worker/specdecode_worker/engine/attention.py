@@ -24,7 +24,8 @@ class TorchNativeAttnBackend:
 
     def forward(self, q, k, v, layer_id: int, fb: ForwardBatch, scaling: float) -> torch.Tensor:
         """q: [N, H, D], k/v: [N, Hkv, D] for the new tokens; returns [N, H, Dv]."""
-        self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)  # cast to the pool's dtype (fp8: scale 1.0)
+        # Buffers may be fp8: the gathered K/V are upcast to q's dtype before any arithmetic.
         k_buf = self.kv_pool.k_buffer[layer_id]
         v_buf = self.kv_pool.v_buffer[layer_id]
         if fb.is_decode:

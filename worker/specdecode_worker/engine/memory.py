@@ -27,6 +27,7 @@ class MemoryProfile:
     target_bytes_per_token: int
     draft_bytes_per_token: int
     max_total_num_tokens: int
+    kv_dtype: str = ""  # the K/V pools' storage dtype, as torch names it
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -50,6 +51,7 @@ def profile_memory(
     target_bytes_per_token: int,
     draft_bytes_per_token: int,
     free_after_weights: int | None = None,
+    kv_dtype: str = "",
 ) -> MemoryProfile:
     """``device_memory_bytes``: the budget (CPU) or the free memory measured before start-up (CUDA)."""
     runtime = runtime_bytes
@@ -62,5 +64,5 @@ def profile_memory(
     )
     return MemoryProfile(
         device.type, device_memory_bytes, mem_fraction_static, target_weight_bytes, draft_weight_bytes,
-        runtime, target_bytes_per_token, draft_bytes_per_token, tokens,
+        runtime, target_bytes_per_token, draft_bytes_per_token, tokens, kv_dtype,
     )

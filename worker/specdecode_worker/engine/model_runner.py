@@ -22,7 +22,7 @@ from .loader import load_safetensors, tensor_bytes
 from .models import model_class
 from .parallel_layers import model_tp
 from .phases import Phase, PhaseError, require
-from .pools import MemoryPoolConfig, MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from .pools import MemoryPoolConfig, MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator, resolve_kv_dtype
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def resolve_dtype(name: str | None, config_dtype, device: str) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str | None = None, name: str = "target",
-                 quantization: str | None = None):
+                 quantization: str | None = None, kv_cache_dtype: str | None = None):
         from transformers import AutoConfig
 
         self.model_dir = str(model_dir)
@@ -54,7 +54,7 @@ class ModelRunner:
         self.config = AutoConfig.from_pretrained(self.model_dir)
         self.model_cls = model_class(self.shape.architecture, f"{model_dir}/config.json")
         self.dtype = resolve_dtype(dtype, getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None), self.device.type)
-        self.kv_dtype = self.dtype
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
         if quantization not in (None, "int8"):
             raise InputError(f"quantization '{quantization}' is not supported; use int8 (cpu only) or none")
         if quantization and self.device.type != "cpu":
@@ -130,8 +130,9 @@ class ModelRunner:
         )
         self.phase = Phase.POOLS_ALLOCATED
         self.durations["alloc_memory_pool"] = time.perf_counter() - start
-        log.info("%s: KV pool of %d tokens (%d bytes), %s req_to_token pool", self.name, cfg.max_total_num_tokens,
-                 self.token_to_kv_pool.nbytes(), "adopted" if req_to_token_pool is not None else "own")
+        log.info("%s: KV pool of %d tokens (%d bytes, %s), %s req_to_token pool", self.name, cfg.max_total_num_tokens,
+                 self.token_to_kv_pool.nbytes(), str(self.kv_dtype).replace("torch.", ""),
+                 "adopted" if req_to_token_pool is not None else "own")
 
     def get_memory_pool(self) -> tuple[ReqToTokenPool, TokenToKVPoolAllocator]:
         require(self.phase, Phase.POOLS_ALLOCATED, "share its pools", self.name)

@@ -10,6 +10,26 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InputError
+
+# --kv-cache-dtype values: auto stores K/V in the compute dtype; the fp8 formats store one byte per
+# element, the planner's cell. There is no calibration: every tensor's scale is 1.0 (values are cast
+# as they are), which is what serving engines do for an fp8 KV cache without calibrated scales.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def resolve_kv_dtype(name: str | None, compute_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype of the K/V buffers for a ``--kv-cache-dtype`` value (None: auto)."""
+    if name is None:
+        return compute_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise InputError(f"--kv-cache-dtype '{name}' is not supported; use one of {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name] or compute_dtype
+
 
 class OutOfSlotsError(RuntimeError):
     """The KV pool has fewer free token slots than a step needs."""
@@ -71,7 +91,11 @@ class TokenToKVPoolAllocator:
 
 
 class MHATokenToKVPool:
-    """K and V buffers per layer, ``[size + 1, kv_heads, head_dim]`` each (row 0 is padding)."""
+    """K and V buffers per layer, ``[size + 1, kv_heads, head_dim]`` each (row 0 is padding).
+
+    ``dtype`` is the storage dtype: new K/V are cast to it on store (scale 1.0 for fp8) and the
+    attention backend upcasts what it reads to the compute dtype.
+    """
 
     def __init__(
         self,

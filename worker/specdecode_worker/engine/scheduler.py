@@ -25,7 +25,7 @@ from .batch import free_positions
 from .distributed import get_tp, stop_followers
 from .memory import MemoryProfile, free_device_bytes, profile_memory
 from .phases import Phase, PhaseError
-from .pools import MemoryPoolConfig
+from .pools import KV_CACHE_DTYPES, MemoryPoolConfig
 from .request import Request, make_generator
 from .eagle_loader import EAGLE_ALGORITHMS
 from .eagle_worker import EagleDraftWorker, EagleWorker, check_tree_args
@@ -60,6 +60,7 @@ class EngineArgs:
     ngram_max: int = 4
     planned_tokens: int | None = None
     draft_quantization: str | None = None  # "int8": dynamic int8 draft linears (cpu)
+    kv_cache_dtype: str = "auto"  # auto (the compute dtype), fp8_e4m3 or fp8_e5m2: every model's K/V pool
 
 
 @dataclass
@@ -85,6 +86,8 @@ class Scheduler:
         if args.algorithm in EAGLE_ALGORITHMS:
             check_tree_args(args.speculative_eagle_topk, args.speculative_num_steps or args.num_draft_tokens,
                             args.num_draft_tokens)
+        if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InputError(f"--kv-cache-dtype {args.kv_cache_dtype}: use one of {', '.join(KV_CACHE_DTYPES)}")
         if not needs_draft and args.draft:
             raise InputError(f"--draft: {args.algorithm} takes no draft model; drop --draft")
         self.args = args
@@ -126,11 +129,12 @@ class Scheduler:
 
             seen = nvml_memory()
             self.free_before_weights = seen.free_bytes if seen else free_device_bytes(self.device)
-        self.target_worker = TargetWorker(a.target, a.device, a.dtype)
+        kv = None if a.kv_cache_dtype == "auto" else a.kv_cache_dtype
+        self.target_worker = TargetWorker(a.target, a.device, a.dtype, kv)
         if a.algorithm in EAGLE_ALGORITHMS:
             self.draft_worker = EagleDraftWorker(a.draft, self.target_worker, a.algorithm)
         elif a.draft:
-            self.draft_worker = DraftWorker(a.draft, a.device, a.dtype, a.draft_quantization)
+            self.draft_worker = DraftWorker(a.draft, a.device, a.dtype, a.draft_quantization, kv)
         self.phase = Phase.WEIGHTS_LOADED
         self.stats.phase_seconds["load_weights"] = time.perf_counter() - start
 
@@ -167,11 +171,13 @@ class Scheduler:
         self.memory_profile = profile_memory(
             self.device, budget, a.mem_fraction_static, target.weight_bytes, draft.weight_bytes if draft else 0,
             a.runtime_bytes, target.kv_cell_bytes, draft.kv_cell_bytes if draft else 0, free_after,
+            kv_dtype=str(target.kv_dtype).replace("torch.", ""),
         )
         # Every tensor-parallel rank allocates the same slots: the fewest any rank can hold.
         tokens = get_tp().min_int(self.memory_profile.max_total_num_tokens)
         planned = a.planned_tokens
-        log.info("KV tokens: planned %s, actual %d (floor %d)", planned, tokens, a.min_kv_tokens)
+        log.info("KV tokens: planned %s, actual %d (floor %d), KV cache dtype %s", planned, tokens, a.min_kv_tokens,
+                 str(target.kv_dtype).replace("torch.", ""))
         if tokens < max(a.min_kv_tokens, 1):
             raise StartupError(
                 f"only {tokens} KV token slots fit (planned {planned}, floor {a.min_kv_tokens}): weights "

@@ -11,8 +11,8 @@ from .pools import MemoryPoolConfig, ReqToTokenPool, TokenToKVPoolAllocator
 
 
 class TargetWorker:
-    def __init__(self, model_dir: str, device: str, dtype: str | None = None):
-        self.model_runner = ModelRunner(model_dir, device, dtype, name="target")
+    def __init__(self, model_dir: str, device: str, dtype: str | None = None, kv_cache_dtype: str | None = None):
+        self.model_runner = ModelRunner(model_dir, device, dtype, name="target", kv_cache_dtype=kv_cache_dtype)
         self.model_runner.load_weights()
 
     def alloc_memory_pool(self, memory_pool_config: MemoryPoolConfig) -> None:
@@ -28,8 +28,10 @@ class TargetWorker:
 class DraftWorker:
     """A standalone draft model: its own weights and K/V buffers, the target's slots."""
 
-    def __init__(self, model_dir: str, device: str, dtype: str | None = None, quantization: str | None = None):
-        self.model_runner = ModelRunner(model_dir, device, dtype, name="draft", quantization=quantization)
+    def __init__(self, model_dir: str, device: str, dtype: str | None = None, quantization: str | None = None,
+                 kv_cache_dtype: str | None = None):
+        self.model_runner = ModelRunner(model_dir, device, dtype, name="draft", quantization=quantization,
+                                        kv_cache_dtype=kv_cache_dtype)
         self.model_runner.load_weights()
 
     def alloc_memory_pool(
