@@ -227,9 +227,7 @@ def test_hub_store_downloads_into_the_pod():
 
 
 @pytest.mark.parametrize("name", [
-    "spec-deploy.yaml", "ngram.yaml",
-    pytest.param("standalone-draft.yaml", marks=pytest.mark.xfail(
-        strict=True, reason="the serve CLI accepts --kv-cache-dtype auto only; the plan and CRD allow fp8")),
+    "spec-deploy.yaml", "ngram.yaml", "standalone-draft.yaml",
 ])
 def test_worker_args_parse_with_the_serve_cli(name):
     """Every flag the operator renders is one `specdecode-worker serve` accepts."""
