@@ -260,6 +260,9 @@ def test_invalid_specs_are_refused_by_the_api_server(cluster, crd, namespace):
         ({"draft": {"algorithm": "MEDUSA", "model": DRAFT}}, "Unsupported value: \"MEDUSA\""),
         ({"draft": {"algorithm": "EAGLE3", "model": DRAFT, "numSteps": 3, "numDraftTokens": 7}},
          "numDraftTokens must equal numSteps + 1"),
+        # top-2 over 3 steps has 2 + 2 * 4 = 10 candidates: 11 verified tokens at most
+        ({"draft": {"algorithm": "EAGLE3", "model": DRAFT, "numSteps": 3, "topK": 2, "numDraftTokens": 12}},
+         "the tree's candidates plus its root"),
         ({"serving": {"memFractionStatic": 1.2}}, "strictly between 0 and 1"),
         ({"serving": {"contextLength": 8}}, "should be greater than or equal to 16"),
         ({"gpu": {}}, "so the planner knows how much memory a GPU has"),

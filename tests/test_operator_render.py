@@ -241,3 +241,13 @@ def test_worker_args_parse_with_the_serve_cli(name):
 def test_ngram_worker_args():
     ngram = workload.worker_args(parse_spec(example("ngram.yaml")), make_plan())
     assert _flag(ngram, "--num-draft-tokens") == "8" and "--draft" not in ngram
+
+
+def test_eagle_tree_worker_args_count_proposals_without_the_root():
+    spec = example()
+    spec["spec"]["draft"].update(topK=4, numSteps=3, numDraftTokens=16)
+    args = workload.worker_args(parse_spec(spec), make_plan())
+    assert _flag(args, "--speculative-eagle-topk") == "4" and _flag(args, "--speculative-num-steps") == "3"
+    assert _flag(args, "--num-draft-tokens") == "15"  # 16 verified tokens: the root and 15 proposals
+    chain = workload.worker_args(parse_spec(example()), make_plan())
+    assert _flag(chain, "--speculative-eagle-topk") == "1" and _flag(chain, "--num-draft-tokens") == "3"

@@ -79,6 +79,13 @@ def reference(models):
     return out
 
 
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def _complete(base, prompt, **kw):
     body = {"model": "target", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **kw}
     return httpx.post(f"{base}/v1/completions", json=body, timeout=60)
@@ -218,7 +225,8 @@ def test_metrics_and_plan_report_planned_and_actual_tokens(server):
 def test_serve_cli_refuses_bad_flags_with_exit_2(models, capsys):
     port = str(_free_port())
     cases = [
-        (["--algorithm", "EAGLE"], "serves NONE, STANDALONE, NGRAM"),
+        (["--algorithm", "MTP"], "MTP is planned but not served yet"),
+        (["--algorithm", "EAGLE3", "--speculative-eagle-topk", "0"], "--speculative-eagle-topk: must be positive"),
         (["--tp", "3"], "--tp 3"),  # 4 attention heads do not split over 3 GPUs
         (["--plan", "/nonexistent/plan.json"], "cannot read"),
     ]
@@ -248,3 +256,36 @@ def test_worker_below_the_plan_floor_exits_3(models, tmp_path, capsys):
             "--host", "127.0.0.1", "--port", str(_free_port()), "--log-level", "warning"]
     assert serve_cli.main(argv) == 3
     assert "KV token slots fit" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_eagle3_head_serves_the_target_greedy_text(models, reference, tmp_path, tree):
+    """`serve --algorithm EAGLE3` with a head checkpoint: the same text as the target alone."""
+    from tests.eagle_heads import write_eagle3_head
+
+    vocab = json.loads((models["target"] / "config.json").read_text())["vocab_size"]
+    # The 2-layer target is too shallow for the default layers (2, L//2, L-3): name them.
+    head = write_eagle3_head(tmp_path / "eagle3", models["target"], draft_vocab=vocab - 4, seed=3, aux_layer_ids=[-1, 0, 1])
+    port = _free_port()
+    shape = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--num-draft-tokens", "5"] if tree \
+        else ["--num-draft-tokens", "3"]
+    argv = _argv(models, port, *shape)
+    argv[argv.index("--draft") + 1] = str(head)
+    argv[argv.index("--algorithm") + 1] = "EAGLE3"
+    srv, state, _ = serve_cli.build(argv)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while not _healthy(base):
+            assert state.init_error is None and time.time() < deadline, state.init_error
+            time.sleep(0.1)
+        for prompt, text in reference.items():
+            r = _complete(base, prompt)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == text
+        assert state.scheduler.stats.verify_rounds > 0
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)

@@ -73,11 +73,24 @@ def worker_args(view: SpecView, plan: dict[str, Any]) -> list[str]:
     chunk = reserve.get("chunkedPrefillSize", s.chunked_prefill_size)
     if chunk is not None:
         args += ["--chunked-prefill-size", str(chunk)]
-    # The worker counts proposals per verify round: a chain draft proposes numSteps tokens
-    # (numDraftTokens = numSteps + 1 counts the verified root as well); NGRAM proposes numDraftTokens.
-    proposals = view.num_draft_tokens if view.algorithm == "NGRAM" else view.num_steps
-    args += ["--dtype", view.target_dtype, "--num-draft-tokens", str(proposals)]
+    args += ["--dtype", view.target_dtype, "--num-draft-tokens", str(draft_proposals(view))]
+    if view.algorithm in ("EAGLE", "EAGLE3"):
+        args += ["--speculative-num-steps", str(view.num_steps), "--speculative-eagle-topk", str(view.top_k)]
     return args
+
+
+def draft_proposals(view: SpecView) -> int:
+    """Tokens the worker proposes per verify round.
+
+    The spec's numDraftTokens counts the verified root as well (numSteps + 1 for a chain); the
+    worker counts proposals only: numSteps for a chain, the tree's nodes below the root for an
+    EAGLE tree, numDraftTokens for NGRAM (it has no root of its own).
+    """
+    if view.algorithm == "NGRAM":
+        return view.num_draft_tokens
+    if view.top_k > 1:
+        return view.num_draft_tokens - 1
+    return view.num_steps
 
 
 def host_memory_request(view: SpecView, plan: dict[str, Any]) -> str:

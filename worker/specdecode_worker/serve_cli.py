@@ -22,7 +22,7 @@ from .errors import InputError
 
 log = logging.getLogger("specdecode_worker.serve")
 
-SERVED_ALGORITHMS = ("NONE", "STANDALONE", "NGRAM")
+SERVED_ALGORITHMS = ("NONE", "STANDALONE", "NGRAM", "EAGLE", "EAGLE3")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # the planner's and the CRD's values
 
 
@@ -34,8 +34,8 @@ class _Parser(argparse.ArgumentParser):
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specdecode-worker serve", description="Serve an OpenAI-compatible API with speculative decoding.")
     p.add_argument("--target", required=True, help="target model folder (config.json, *.safetensors, tokenizer)")
-    p.add_argument("--draft", help="draft model folder (STANDALONE only)")
-    p.add_argument("--algorithm", default="NONE", help="NONE, STANDALONE or NGRAM")
+    p.add_argument("--draft", help="draft model folder (STANDALONE) or head checkpoint (EAGLE, EAGLE3)")
+    p.add_argument("--algorithm", default="NONE", help=", ".join(SERVED_ALGORITHMS))
     p.add_argument("--plan", help="MemoryPlan JSON to serve against (default: plan in-process from the flags below)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
     p.add_argument("--device-memory-gib", type=float, help="memory budget standing in for the GPU on cpu")
@@ -44,6 +44,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="model id in the API (default: the target folder's name)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     p.add_argument("--num-draft-tokens", type=int, default=4, help="proposals per verify round")
+    p.add_argument("--speculative-num-steps", type=int,
+                   help="EAGLE draft steps per round (default: --num-draft-tokens, a chain)")
+    p.add_argument("--speculative-eagle-topk", type=int, default=1,
+                   help="EAGLE branches per draft step: 1 drafts a chain, more a tree of --num-draft-tokens nodes")
     p.add_argument("--ngram-max", type=int, default=4, help="longest suffix NGRAM matches")
     p.add_argument("--draft-quantization", choices=("none", "int8"), default="none",
                    help="int8: dynamically quantised draft linears (cpu only; a cheap draft of a copy of the target)")
@@ -88,8 +92,8 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     if args.algorithm not in SERVED_ALGORITHMS:
         raise InputError(f"--algorithm {args.algorithm}: this worker serves {', '.join(SERVED_ALGORITHMS)} "
-                         "(EAGLE/EAGLE3/MTP heads are planned but not served)")
-    for name in ("num_draft_tokens", "ngram_max", "port"):
+                         "(MTP is planned but not served yet)")
+    for name in ("num_draft_tokens", "ngram_max", "port", "speculative_eagle_topk"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')}: must be positive, got {getattr(args, name)}")
     device = args.device or _default_device()
@@ -131,7 +135,8 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         mem_fraction_static=plan["memFractionStatic"], runtime_bytes=reserve["runtimeBytes"],
         context_len=kv["contextLength"], min_kv_tokens=kv["minTokens"], max_total_tokens=args.max_total_tokens,
         max_running_requests=reserve["maxRunningRequests"], cuda_graph_max_bs=reserve["cudaGraphMaxBs"],
-        num_draft_tokens=args.num_draft_tokens, ngram_max=args.ngram_max, planned_tokens=kv["maxTotalNumTokens"],
+        num_draft_tokens=args.num_draft_tokens, ngram_max=args.ngram_max,
+        speculative_num_steps=args.speculative_num_steps, speculative_eagle_topk=args.speculative_eagle_topk, planned_tokens=kv["maxTotalNumTokens"],
         draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization,
         kv_cache_dtype=kv_cache_dtype,
     )

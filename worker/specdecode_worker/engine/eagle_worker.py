@@ -140,14 +140,14 @@ class EagleDraftWorker:
 def check_tree_args(topk: int, num_steps: int, num_draft_tokens: int) -> None:
     if topk < 1 or num_steps < 1 or num_draft_tokens < 1:
         raise InputError("EAGLE needs --speculative-eagle-topk, --speculative-num-steps and "
-                         "--speculative-num-draft-tokens of at least 1")
+                         "--num-draft-tokens of at least 1")
     if topk == 1 and num_draft_tokens != num_steps:
-        raise InputError(f"chain drafting (top-k 1) proposes one token per step: --speculative-num-draft-tokens "
+        raise InputError(f"chain drafting (top-k 1) proposes one token per step: --num-draft-tokens "
                          f"({num_draft_tokens}) must equal --speculative-num-steps ({num_steps})")
     candidates = topk + (num_steps - 1) * topk * topk
     if topk > 1 and num_draft_tokens > candidates:
         raise InputError(f"a tree of top-k {topk} over {num_steps} steps has {candidates} candidates; "
-                         f"--speculative-num-draft-tokens {num_draft_tokens} must not exceed that")
+                         f"--num-draft-tokens {num_draft_tokens} must not exceed that")
 
 
 class EagleWorker:
