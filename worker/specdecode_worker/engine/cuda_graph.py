@@ -26,11 +26,15 @@ class CudaGraphRunner:
         z = lambda: torch.zeros(max_bs, dtype=torch.int64, device=device)  # noqa: E731
         self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices = z(), z(), z(), z()
         self.seq_lens = torch.ones(max_bs, dtype=torch.int64, device=device)
+        # Logit rows of a decode batch: one per request. A graph reads every tensor at the address it
+        # had at capture, so this must outlive the capture (a per-size temporary would be freed and
+        # its memory reused, and replay would gather with whatever lies there).
+        self.rows = torch.arange(max_bs, device=device)
         backend.decode_ctx = context_len  # fixed gather width so shapes are static
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):  # largest first so smaller graphs reuse its memory
             fb = self._batch(bs)
-            rows = torch.arange(bs, device=device)
+            rows = self.rows[:bs]
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
