@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 
@@ -41,26 +42,29 @@ def models(tmp_path_factory):
     return tiny_models(tmp_path_factory.mktemp("server"))
 
 
-@pytest.fixture(scope="module")
-def server(models):
-    port = _free_port()
-    srv, state, outcome = serve_cli.build(_argv(models, port))
+@contextmanager
+def serving(argv):
+    """A real server from `serve` arguments on a thread; yields (base URL, state) once healthy."""
+    port = argv[argv.index("--port") + 1]
+    srv, state, _ = serve_cli.build(argv)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"server never became healthy: {state.init_error}")
-    yield base, state
-    srv.should_exit = True
-    thread.join(timeout=30)
+    try:
+        deadline = time.time() + 60
+        while not _healthy(base):
+            assert state.init_error is None and time.time() < deadline, f"never healthy: {state.init_error}"
+            time.sleep(0.1)
+        yield base, state
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    with serving(_argv(models, _free_port())) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -266,26 +270,14 @@ def test_eagle3_head_serves_the_target_greedy_text(models, reference, tmp_path, 
     vocab = json.loads((models["target"] / "config.json").read_text())["vocab_size"]
     # The 2-layer target is too shallow for the default layers (2, L//2, L-3): name them.
     head = write_eagle3_head(tmp_path / "eagle3", models["target"], draft_vocab=vocab - 4, seed=3, aux_layer_ids=[-1, 0, 1])
-    port = _free_port()
     shape = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--num-draft-tokens", "5"] if tree \
         else ["--num-draft-tokens", "3"]
-    argv = _argv(models, port, *shape)
+    argv = _argv(models, _free_port(), *shape)
     argv[argv.index("--draft") + 1] = str(head)
     argv[argv.index("--algorithm") + 1] = "EAGLE3"
-    srv, state, _ = serve_cli.build(argv)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while not _healthy(base):
-            assert state.init_error is None and time.time() < deadline, state.init_error
-            time.sleep(0.1)
+    with serving(argv) as (base, state):
         for prompt, text in reference.items():
             r = _complete(base, prompt)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == text
         assert state.scheduler.stats.verify_rounds > 0
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=30)
