@@ -31,6 +31,16 @@ class Segment:
     start: int
 
 
+def prompt_segments(runner, reqs) -> list[Segment]:
+    """Take KV slots for every prompt token of ``reqs`` in ``runner``'s pools; one segment each."""
+    pool, allocator = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
+    segments = []
+    for r in reqs:
+        alloc_positions(pool, allocator, r.req_idx, 0, len(r.prompt_ids))
+        segments.append(Segment(r.req_idx, r.prompt_ids, 0))
+    return segments
+
+
 def make_batch(segments: list[Segment], device) -> ForwardBatch:
     ids, pos = [], []
     for s in segments:

@@ -29,7 +29,7 @@ import torch
 from ..errors import InputError
 from ..model_config import load_shape
 from .attention import TorchNativeAttnBackend
-from .batch import Segment, alloc_positions, free_positions, make_batch, with_cache_locs
+from .batch import Segment, alloc_positions, free_positions, make_batch, prompt_segments, with_cache_locs
 from .distributed import SINGLE
 from .eagle_loader import EAGLE_ALGORITHMS, load_eagle_head
 from .loader import tensor_bytes
@@ -209,12 +209,8 @@ class EagleWorker:
 
     # ---- prefill ----------------------------------------------------------------------------
     def prefill(self, reqs: list[Request]) -> None:
-        pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
-        segments = []
-        for r in reqs:
-            alloc_positions(pool, alloc, r.req_idx, 0, len(r.prompt_ids))
-            segments.append(Segment(r.req_idx, r.prompt_ids, 0))
-        fb = with_cache_locs(make_batch(segments, self.target.device), pool, segments)
+        segments = prompt_segments(self.target, reqs)
+        fb = with_cache_locs(make_batch(segments, self.target.device), self.target.req_to_token_pool, segments)
         logits, features = self._target(fb, self.target.backend, last_only=True)
         start = 0
         for i, (r, s) in enumerate(zip(reqs, segments)):

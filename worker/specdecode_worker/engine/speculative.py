@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import Segment, alloc_positions, forward_segments, free_positions
+from .batch import Segment, alloc_positions, forward_segments, free_positions, prompt_segments
 from .request import Request
 from .sampling import choose, verify
 
@@ -57,11 +57,7 @@ class SpeculativeWorker:
 
     # prefill: the prompt goes through the target; the draft catches up in its first round.
     def prefill(self, reqs: list[Request]) -> None:
-        pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
-        segments = []
-        for r in reqs:
-            alloc_positions(pool, alloc, r.req_idx, 0, len(r.prompt_ids))
-            segments.append(Segment(r.req_idx, r.prompt_ids, 0))
+        segments = prompt_segments(self.target, reqs)
         logits = forward_segments(self.target, segments, last_only=True)
         for r, row in zip(reqs, logits):
             token, _ = choose(row, r.params, r.generator)
