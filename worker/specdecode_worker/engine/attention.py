@@ -14,6 +14,20 @@ from .forward_batch import ForwardBatch
 from .pools import MHATokenToKVPool, ReqToTokenPool
 
 
+def attend_slots(q: torch.Tensor, k_buf, v_buf, slots: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One request's queries [n, H, D] over the K/V stored at ``slots``; returns [n, H, Dv].
+
+    K/V are upcast to q's dtype (the pool may be fp8) and KV heads repeated for grouped queries.
+    """
+    group = q.shape[1] // k_buf.shape[1]
+    keys = k_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)  # [S, H, D]
+    vals = v_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask, scale=scaling,
+    )
+    return o.transpose(0, 1)
+
+
 class TorchNativeAttnBackend:
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, sliding_window: int | None):
         self.req_to_token = req_to_token_pool.req_to_token
@@ -40,20 +54,12 @@ class TorchNativeAttnBackend:
 
     def _extend(self, q, k_buf, v_buf, fb: ForwardBatch, scaling: float) -> torch.Tensor:
         out = torch.empty(q.shape[0], q.shape[1], v_buf.shape[-1], dtype=q.dtype, device=q.device)
-        group = q.shape[1] // k_buf.shape[1]
         start = 0
         for i, n in enumerate(fb.extend_lens):
             seq_len = fb.seq_lens_cpu[i]
             slots = self.req_to_token[fb.req_pool_indices[i], :seq_len]
-            keys = k_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)  # [S, H, D]
-            vals = v_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)
-            q_pos = fb.positions[start : start + n]
-            mask = self._mask(q_pos, torch.arange(seq_len, device=q.device))
-            o = F.scaled_dot_product_attention(
-                q[start : start + n].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
-                attn_mask=mask, scale=scaling,
-            )
-            out[start : start + n] = o.transpose(0, 1)
+            mask = self._mask(fb.positions[start : start + n], torch.arange(seq_len, device=q.device))
+            out[start : start + n] = attend_slots(q[start : start + n], k_buf, v_buf, slots, mask, scaling)
             start += n
         return out
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
+from .attention import attend_slots
 from .forward_batch import ForwardBatch
 from .pools import MHATokenToKVPool, ReqToTokenPool
 
@@ -35,22 +35,15 @@ class TreeAttnBackend:
         self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         out = torch.empty(q.shape[0], q.shape[1], v_buf.shape[-1], dtype=q.dtype, device=q.device)
-        group = q.shape[1] // k_buf.shape[1]
         start = 0
         for i, n in enumerate(fb.extend_lens):
             p = fb.prefix_lens[i]
             slots = torch.cat([self.req_to_token[fb.req_pool_indices[i], :p], fb.key_slots[i]])
-            keys = k_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)
-            vals = v_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)
             mask = torch.cat([torch.ones((n, p), dtype=torch.bool, device=q.device), fb.masks[i]], dim=1)
             if self.sliding_window is not None:
                 k_pos = torch.cat([torch.arange(p, device=q.device), fb.key_positions[i]])
                 q_pos = fb.positions[start : start + n]
                 mask &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
-            o = F.scaled_dot_product_attention(
-                q[start : start + n].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
-                attn_mask=mask, scale=scaling,
-            )
-            out[start : start + n] = o.transpose(0, 1)
+            out[start : start + n] = attend_slots(q[start : start + n], k_buf, v_buf, slots, mask, scaling)
             start += n
         return out
