@@ -28,12 +28,10 @@ MODEL = "llama-3.1-70b-instruct"
 
 
 def plan_once(folder: Path) -> int:
-    from specdecode_worker import plan_cli
+    from specdecode_worker.plan import PlanArgs
+    from specdecode_worker.plan_cli import make_plan
 
-    args = plan_cli._parser().parse_args(
-        ["--target", str(folder), "--algorithm", "NGRAM", "--gpu-product", "NVIDIA-H100-80GB-HBM3"]
-    )
-    plan = plan_cli.make_plan(args)
+    plan = make_plan(PlanArgs(target=str(folder), algorithm="NGRAM", gpu_product="NVIDIA-H100-80GB-HBM3"))
     return plan["weights"]["targetBytes"]
 
 

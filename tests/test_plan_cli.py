@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from specdecode_worker import plan_cli
-from specdecode_worker.plan import validate_plan
+from specdecode_worker.errors import InputError
+from specdecode_worker.plan import PlanArgs, validate_plan
 from tests.checkpoints import CONFIGS, write_model, write_tokenizer
 
 GIB = 1 << 30
@@ -272,3 +273,16 @@ def test_console_entry_point(models):
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     assert validate_plan(json.loads(proc.stdout))["fits"]
+
+
+def test_make_plan_takes_the_typed_request_the_flags_become(models, capsys):
+    flags = ["--target", models["llama-3.1-8b-instruct"], "--algorithm", "NGRAM", "--gpu-memory-gib", "79",
+             "--mem-fraction-static", "0.8", "--tp", "2"]
+    args = plan_cli.plan_args(plan_cli._parser().parse_args(flags))
+    assert args == PlanArgs(target=models["llama-3.1-8b-instruct"], algorithm="NGRAM", gpu_memory_gib=79.0,
+                            mem_fraction_static=0.8, tp=2)
+    assert plan_cli.plan_args(plan_cli._parser().parse_args(flags[:6])).tp is None  # --tp auto
+    code, out, err = run(capsys, *flags)
+    assert code == 0 and json.loads(out) == plan_cli.make_plan(args)
+    with pytest.raises(InputError, match=r"--tp: must be auto or a positive integer, got 'two'"):
+        plan_cli.plan_args(plan_cli._parser().parse_args(flags[:-1] + ["two"]))

@@ -119,8 +119,33 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class PlanArgs:
+    """What to plan, as ``specdecode-worker plan`` is asked: model folders and sizing choices.
+
+    None means auto: the smallest tensor-parallel size that fits, the derived static fraction, the
+    model's own context length, SGLang's serving limits, the device's own memory.
+    """
+
+    target: str
+    algorithm: str
+    draft: str | None = None
+    tp: int | None = None
+    gpu_memory_gib: float | None = None
+    gpu_product: str | None = None
+    mem_fraction_static: float | None = None
+    kv_cache_dtype: str = "auto"
+    context_length: int | None = None
+    min_kv_tokens: int = 0
+    max_running_requests: int | None = None
+    cuda_graph_max_bs: int | None = None
+    chunked_prefill_size: int | None = None
+    max_total_tokens: int | None = None
+    kv_cache_memory_gib: float | None = None
+
+
+@dataclass(frozen=True)
 class PlanRequest:
-    """The user's request, already validated (the CLI turns flags into this)."""
+    """``PlanArgs`` resolved: configs and headers read, the device found, every number checked."""
 
     algorithm: str
     target_name: str

@@ -20,7 +20,7 @@ from .checkpoint import read_checkpoint, split_target_draft, total_bytes
 from .devices import GIB, resolve_device_memory
 from .errors import InputError
 from .model_config import ModelShape, load_shape
-from .plan import ALGORITHMS, TP_CANDIDATES, Candidate, PlanRequest, build_plan, to_json
+from .plan import ALGORITHMS, TP_CANDIDATES, Candidate, PlanArgs, PlanRequest, build_plan, to_json
 
 KV_DTYPES = {"auto": None, "fp8_e4m3": 1, "fp8_e5m2": 1}
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -107,39 +107,55 @@ def _splits(tp: int, shape: ModelShape) -> bool:
     return shape.num_attention_heads % tp == 0 and kv_ok
 
 
-def _checked_numbers(args: argparse.Namespace) -> float | None:
-    """Validate the numeric flags; return --mem-fraction-static as a number (None for auto)."""
+def plan_args(flags: argparse.Namespace) -> PlanArgs:
+    """The typed request from the sizing flags (``plan``'s, and ``serve``'s without --plan)."""
+    return PlanArgs(
+        target=flags.target, algorithm=flags.algorithm, draft=flags.draft,
+        tp=_auto_or(flags.tp, int, "--tp: must be auto or a positive integer"),
+        gpu_memory_gib=flags.gpu_memory_gib, gpu_product=flags.gpu_product,
+        mem_fraction_static=_auto_or(flags.mem_fraction_static, float,
+                                     "--mem-fraction-static: must be auto or a number in (0, 1)"),
+        kv_cache_dtype=flags.kv_cache_dtype, context_length=flags.context_length, min_kv_tokens=flags.min_kv_tokens,
+        max_running_requests=flags.max_running_requests, cuda_graph_max_bs=flags.cuda_graph_max_bs,
+        chunked_prefill_size=flags.chunked_prefill_size, max_total_tokens=flags.max_total_tokens,
+        kv_cache_memory_gib=flags.kv_cache_memory_gib,
+    )
+
+
+def _auto_or(value: str | None, kind: type, problem: str):
+    if value is None or value == "auto":
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        raise InputError(f"{problem}, got {value!r}") from None
+
+
+def _checked_numbers(args: PlanArgs) -> None:
+    """Refuse numeric choices that no plan can honour."""
     if args.min_kv_tokens < 0:
         raise InputError(f"--min-kv-tokens: must be >= 0, got {args.min_kv_tokens}")
     for name in ("context_length", "max_running_requests", "cuda_graph_max_bs", "chunked_prefill_size",
                  "max_total_tokens", "kv_cache_memory_gib"):
         _positive(name.replace("_", "-"), getattr(args, name))
-    if args.mem_fraction_static == "auto":
-        return None
+    if args.mem_fraction_static is None:
+        return
     if args.kv_cache_memory_gib is not None:
         raise InputError("--kv-cache-memory-gib and --mem-fraction-static both set the KV budget: give one")
-    try:
-        fraction = float(args.mem_fraction_static)
-    except ValueError:
-        fraction = -1.0
-    if not 0 < fraction < 1:
+    if not 0 < args.mem_fraction_static < 1:
         raise InputError(f"--mem-fraction-static: must be auto or a number in (0, 1), got {args.mem_fraction_static!r}")
-    return fraction
 
 
-def _requested_tp(args: argparse.Namespace, shapes: list[ModelShape], valid: list[int]) -> int | None:
-    """--tp as a number (None for auto), refused when the models' heads cannot be split that way."""
-    if args.tp == "auto":
+def _requested_tp(args: PlanArgs, shapes: list[ModelShape], valid: list[int]) -> int | None:
+    """--tp (None for auto), refused when the models' heads cannot be split that way."""
+    if args.tp is None:
         if not valid:
             raise InputError(f"{shapes[0].path}: no tensor-parallel size in 1, 2, 4, 8 splits the attention heads "
                              "of target and draft; give --tp")
         return None
-    try:
-        tp = int(args.tp)
-    except ValueError:
-        tp = 0
+    tp = args.tp
     if tp < 1:
-        raise InputError(f"--tp: must be auto or a positive integer, got {args.tp!r}")
+        raise InputError(f"--tp: must be auto or a positive integer, got {tp!r}")
     for shape in shapes:
         if not _splits(tp, shape):
             raise InputError(
@@ -149,7 +165,7 @@ def _requested_tp(args: argparse.Namespace, shapes: list[ModelShape], valid: lis
     return tp
 
 
-def _draft_shape(args: argparse.Namespace, target_dir: Path, target: ModelShape) -> tuple[Path | None, ModelShape | None, int]:
+def _draft_shape(args: PlanArgs, target_dir: Path, target: ModelShape) -> tuple[Path | None, ModelShape | None, int]:
     """The draft's folder, shape and KV layer count for the algorithm (MTP: the target's NextN layers)."""
     algorithm = args.algorithm
     if algorithm == "NGRAM":
@@ -173,14 +189,14 @@ def _draft_shape(args: argparse.Namespace, target_dir: Path, target: ModelShape)
     return draft_dir, draft, draft.draft_num_layers
 
 
-def make_plan(args: argparse.Namespace) -> dict[str, Any]:
+def make_plan(args: PlanArgs) -> dict[str, Any]:
     """Read configs and headers, resolve the device, and build the plan (raises InputError)."""
     algorithm = args.algorithm
     target_dir = Path(args.target)
     target = load_shape(target_dir)
     draft_dir, draft, draft_layers = _draft_shape(args, target_dir, target)
     same_dir = draft_dir is not None and draft_dir.resolve() == target_dir.resolve()
-    mem_fraction = _checked_numbers(args)
+    _checked_numbers(args)
     # A STANDALONE draft whose heads t GPUs cannot split is replicated whole on every GPU, as the
     # worker does; any other draft shares the target's layout and must split the same way.
     replicable = algorithm == "STANDALONE"
@@ -233,7 +249,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         min_tokens=max(context, args.min_kv_tokens),
         context_length=context,
         tp=tp_req,
-        mem_fraction_static=mem_fraction,
+        mem_fraction_static=args.mem_fraction_static,
         max_total_tokens=args.max_total_tokens,
         kv_cache_memory_bytes=None if args.kv_cache_memory_gib is None else int(args.kv_cache_memory_gib * GIB),
         max_running_requests=args.max_running_requests,
@@ -302,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         log_path = args.termination_log
-        plan = make_plan(args)
+        plan = make_plan(plan_args(args))
     except InputError as exc:
         message = " ".join(str(exc).split())
         print(message, file=sys.stderr)

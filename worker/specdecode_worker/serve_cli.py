@@ -108,7 +108,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             raise InputError(f"--plan {args.plan}: planned for {plan['algorithm']}, serving {args.algorithm}")
         kv_cache_dtype = plan_kv_cache_dtype(plan, args.kv_cache_dtype, args.plan)
     else:
-        from .plan_cli import make_plan
+        from .plan_cli import make_plan, plan_args
 
         kv_cache_dtype = args.kv_cache_dtype or "auto"
         ns = argparse.Namespace(**vars(args))
@@ -117,7 +117,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         ns.tp = args.tp or "1"
         if device == "cpu":
             ns.gpu_memory_gib = args.device_memory_gib
-        plan = make_plan(ns)
+        plan = make_plan(plan_args(ns))
     if args.tp not in (None, "auto", str(plan["tensorParallelSize"])):
         raise InputError(f"--tp {args.tp}: the plan is for {plan['tensorParallelSize']} GPU(s); give --tp "
                          f"{plan['tensorParallelSize']} or auto")
