@@ -62,9 +62,9 @@ def test_server_answers_a_chat_request_sensibly(model_dir):
     import httpx
 
     from specdecode_worker import serve_cli
-    from tests.test_server import _free_port
+    from specdecode_worker.engine.distributed import free_port
 
-    port = _free_port()
+    port = free_port()
     srv, state, _ = serve_cli.build([
         "--target", str(model_dir), "--algorithm", "NGRAM", "--device", "cpu", "--device-memory-gib", "1.9",
         "--mem-fraction-static", "0.9", "--context-length", "512", "--host", "127.0.0.1", "--port", str(port),

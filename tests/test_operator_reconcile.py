@@ -14,8 +14,7 @@ from specdecode_operator import labels
 from specdecode_operator.kube import ApiError, sdd_path
 from specdecode_operator.reconcile import Options, Reconciler
 from specdecode_operator.spec import parse_spec, plan_key, planner_pod_name
-from tests.test_operator_render import make_plan
-from tests.test_operator_spec import example
+from tests.operator_helpers import example, make_plan
 
 NS = "ns"
 

@@ -8,30 +8,11 @@ import pytest
 
 from specdecode_operator import labels, planner, workload
 from specdecode_operator.spec import parse_spec, plan_key
-from specdecode_worker.plan import kv_token_capacity, validate_plan
-from tests.test_operator_spec import example
+from specdecode_worker.contract import GIB
+from tests.operator_helpers import example, make_plan
 
-GIB = 1 << 30
 OWNER = {"apiVersion": "specdecode.io/v1alpha1", "kind": "SpecDecodeDeployment", "name": "llama-8b-eagle3",
          "uid": "u-1", "controller": True, "blockOwnerDeletion": True}
-
-
-def make_plan(tp=1, fits=True, target=16_060_522_496, draft=849_763_584, f=0.83, g=85_520_809_984):
-    """A MemoryPlan that satisfies the contract's identity (built with the planner's own formula)."""
-    t_cell, d_cell = 131_072 // tp, 4_096 // tp
-    tokens = kv_token_capacity(g, f, target // tp, draft // tp, GIB, t_cell, d_cell)
-    return validate_plan({
-        "apiVersion": "specdecode.io/v1alpha1", "kind": "MemoryPlan", "fits": fits, "algorithm": "EAGLE3",
-        "target": "t", "draft": "d", "tensorParallelSize": tp, "gpuMemoryBytes": g, "memFractionStatic": f,
-        "weights": {"targetBytes": target // tp, "draftBytes": draft // tp},
-        "kvCache": {"targetBytesPerToken": t_cell, "draftBytesPerToken": d_cell, "draftNumLayers": 1,
-                    "maxTotalNumTokens": tokens},
-        "reserve": {"runtimeBytes": GIB, "dynamicBytes": 2 * GIB, "chunkedPrefillSize": 8192,
-                    "cudaGraphMaxBs": 256, "maxRunningRequests": 64},
-        "shortfallBytes": 0 if fits else 5 * GIB, "minMemFractionStatic": 0.3,
-        "legacy": {"maxTotalNumTokens": tokens, "peakBytes": g}, "layerRatio": {"maxTotalNumTokens": tokens},
-        "message": "fits" if fits else "does not fit",
-    })
 
 
 def _flag(args: list[str], name: str) -> str:
@@ -99,32 +80,31 @@ def _terminated(code, message, reason=None):
 
 def test_read_outcome_fits_misfit_and_failures():
     plan = make_plan()
-    ok = planner.read_outcome(_terminated(0, json.dumps(plan)), validate_plan)
+    ok = planner.read_outcome(_terminated(0, json.dumps(plan)))
     assert ok.state == "fits" and ok.plan == plan
     misfit = make_plan(tp=8, fits=False)
-    out = planner.read_outcome(_terminated(3, json.dumps(misfit)), validate_plan)
+    out = planner.read_outcome(_terminated(3, json.dumps(misfit)))
     assert out.state == "misfit" and out.plan["shortfallBytes"] == 5 * GIB
-    bad = planner.read_outcome(_terminated(2, "config.json: field 'hidden_size' must be a positive integer"),
-                               validate_plan)
+    bad = planner.read_outcome(_terminated(2, "config.json: field 'hidden_size' must be a positive integer"))
     assert bad.state == "failed" and "bad input" in bad.message and "hidden_size" in bad.message
-    crash = planner.read_outcome(_terminated(1, "Traceback ... RuntimeError: boom"), validate_plan)
+    crash = planner.read_outcome(_terminated(1, "Traceback ... RuntimeError: boom"))
     assert crash.state == "failed" and "exit code 1" in crash.message and "boom" in crash.message
-    garbage = planner.read_outcome(_terminated(0, "{not json"), validate_plan)
+    garbage = planner.read_outcome(_terminated(0, "{not json"))
     assert garbage.state == "failed" and "not a valid MemoryPlan" in garbage.message
     broken = dict(plan, kvCache=dict(plan["kvCache"], maxTotalNumTokens=plan["kvCache"]["maxTotalNumTokens"] + 50))
-    assert planner.read_outcome(_terminated(0, json.dumps(broken)), validate_plan).state == "failed"
+    assert planner.read_outcome(_terminated(0, json.dumps(broken))).state == "failed"
     lying = dict(plan, fits=False)
-    assert planner.read_outcome(_terminated(0, json.dumps(lying)), validate_plan).state == "failed"
+    assert planner.read_outcome(_terminated(0, json.dumps(lying))).state == "failed"
 
 
 def test_read_outcome_while_pending_names_the_scheduler_reason():
     pod = {"status": {"phase": "Pending", "conditions": [
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
          "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}}
-    out = planner.read_outcome(pod, validate_plan)
+    out = planner.read_outcome(pod)
     assert out.state == "pending" and "Insufficient nvidia.com/gpu" in out.message
-    assert planner.read_outcome({"status": {"phase": "Running"}}, validate_plan).state == "running"
-    deadline = planner.read_outcome({"status": {"phase": "Failed", "reason": "DeadlineExceeded"}}, validate_plan)
+    assert planner.read_outcome({"status": {"phase": "Running"}}).state == "running"
+    deadline = planner.read_outcome({"status": {"phase": "Failed", "reason": "DeadlineExceeded"}})
     assert deadline.state == "failed" and "DeadlineExceeded" in deadline.message
 
 

@@ -4,24 +4,19 @@ examples satisfy the CRD's OpenAPI schema."""
 from __future__ import annotations
 
 import copy
-from pathlib import Path
+import subprocess
+import sys
 
 import jsonschema
 import pytest
 import yaml
 
-from specdecode_operator.spec import parse_spec, plan_key, planner_pod_name
-
-ROOT = Path(__file__).resolve().parents[1]
+from specdecode_operator.spec import GROUP, KIND, PLURAL, VERSION, parse_spec, plan_key, planner_pod_name
+from specdecode_worker.contract import KV_CACHE_DTYPES, PLANNED_ALGORITHMS
+from tests.operator_helpers import ROOT, example
 CRD = yaml.safe_load((ROOT / "crds" / "specdecode.io_specdecodedeployments.yaml").read_text())
 SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
-
-
-def example(name: str = "spec-deploy.yaml") -> dict:
-    body = yaml.safe_load((ROOT / "examples" / name).read_text())
-    body["metadata"].update(namespace="ns", uid="u-1", generation=1)
-    return body
 
 
 def key_of(body: dict) -> str:
@@ -162,3 +157,19 @@ def test_crd_shape():
     assert status["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
     draft_rules = " ".join(r["rule"] for r in SCHEMA["properties"]["spec"]["properties"]["draft"]["x-kubernetes-validations"])
     assert "NGRAM" in draft_rules and "numDraftTokens" in draft_rules
+
+
+def test_crd_names_the_contract_values():
+    spec = SCHEMA["properties"]["spec"]["properties"]
+    assert tuple(spec["draft"]["properties"]["algorithm"]["enum"]) == PLANNED_ALGORITHMS
+    assert tuple(spec["serving"]["properties"]["kvCacheDtype"]["enum"]) == KV_CACHE_DTYPES
+    assert CRD["spec"]["group"] == GROUP and CRD["spec"]["names"]["kind"] == KIND
+    assert CRD["spec"]["names"]["plural"] == PLURAL and CRD["spec"]["versions"][0]["name"] == VERSION
+
+
+def test_operator_imports_no_torch():
+    """The operator image has no torch: the worker contract it reads must not pull it in."""
+    code = ("import sys, specdecode_operator.handlers, specdecode_operator.main, specdecode_operator.reconcile; "
+            "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -9,23 +9,25 @@ import sys
 import pytest
 
 from specdecode_worker import devices
+from specdecode_worker.contract import (
+    GIB,
+    MIB,
+    PLAN_API_VERSION,
+    MemoryPlan,
+    kv_token_capacity,
+    to_json,
+    validate_plan,
+)
 from specdecode_worker.devices import GPU_PRODUCTS, product_memory_bytes, resolve_device_memory
 from specdecode_worker.errors import InputError
 from specdecode_worker.plan import (
-    PLAN_API_VERSION,
     Candidate,
     PlanRequest,
     build_plan,
     default_serving_limits,
     dynamic_reserve_bytes,
-    kv_token_capacity,
     runtime_reserve_bytes,
-    to_json,
-    validate_plan,
 )
-
-GIB = 1 << 30
-MIB = 1 << 20
 H100 = 81_559 * MIB
 
 # Llama-3.1-8B-Instruct + EAGLE3 head (see test_checkpoint for the byte counts)
@@ -233,11 +235,34 @@ def test_identity_tolerates_one_token():
     validate_plan(plan)
 
 
+def test_typed_plan_reads_every_section_and_keeps_the_document():
+    plan = build_plan(request(), eagle3_candidates, [1])
+    typed = MemoryPlan.from_dict(plan)
+    assert typed.document is plan and typed.fits is True and typed.algorithm == "EAGLE3"
+    assert typed.tensor_parallel_size == 1 and typed.gpu_memory_bytes == H100
+    assert typed.weights.target_bytes == LLAMA8B_W and typed.weights.draft_bytes == EAGLE3_W
+    assert typed.kv_cache.max_total_num_tokens == plan["kvCache"]["maxTotalNumTokens"]
+    assert typed.kv_cache.dtype == "bfloat16" and typed.kv_cache.context_length == 131072
+    assert typed.reserve.runtime_bytes == GIB and typed.gpu.name == "test"
+    assert typed.min_tensor_parallel_size == 1 and typed.draft == "d"
+    # Optional keys may be missing or null; required ones may not.
+    del plan["kvCache"]["dtype"], plan["gpu"]
+    plan["draft"] = None
+    sparse = MemoryPlan.from_dict(plan)
+    assert sparse.kv_cache.dtype is None and sparse.gpu is None and sparse.draft is None
+    plan["message"] = None
+    with pytest.raises(ValueError, match="key 'message' must be str, got None"):
+        MemoryPlan.from_dict(plan)
+    with pytest.raises(ValueError, match="missing required key 'reserve.runtimeBytes'"):
+        MemoryPlan.from_dict({**plan, "message": "m", "reserve": 5})
+
+
 def test_plan_module_imports_no_torch():
     import subprocess
 
     code = ("import sys, specdecode_worker.plan, specdecode_worker.plan_cli, specdecode_worker.checkpoint, "
-            "specdecode_worker.devices, specdecode_worker.model_config; print('torch' in sys.modules)")
+            "specdecode_worker.devices, specdecode_worker.model_config, specdecode_worker.contract; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -10,12 +10,10 @@ import sys
 import pytest
 
 from specdecode_worker import plan_cli
+from specdecode_worker.contract import GIB, MIB, validate_plan
 from specdecode_worker.errors import InputError
-from specdecode_worker.plan import PlanArgs, validate_plan
+from specdecode_worker.plan import PlanArgs
 from tests.checkpoints import CONFIGS, write_model, write_tokenizer
-
-GIB = 1 << 30
-MIB = 1 << 20
 
 
 @pytest.fixture(autouse=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .spec import API_VERSION
+
 NAME = "specdecode.io/name"
 ROLE = "specdecode.io/role"
 PLAN_KEY = "specdecode.io/plan-key"
@@ -35,7 +37,7 @@ def selector_string(name: str) -> str:
 def owner_reference(sdd: dict) -> dict:
     meta = sdd["metadata"]
     return {
-        "apiVersion": sdd.get("apiVersion", "specdecode.io/v1alpha1"),
+        "apiVersion": sdd.get("apiVersion", API_VERSION),
         "kind": sdd.get("kind", "SpecDecodeDeployment"),
         "name": meta["name"],
         "uid": meta["uid"],

@@ -9,11 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import conditions as c
+from specdecode_worker.contract import ExitCode
 
-# `specdecode-worker serve` exit codes
-WORKER_EXIT_BAD_INPUT = 2
-WORKER_EXIT_BELOW_PLAN = 3
+from . import conditions as c
 
 
 @dataclass(frozen=True)
@@ -81,9 +79,9 @@ def pod_problem(pod: dict[str, Any]) -> c.Verdict | None:
         if crashing or failed_exit:
             detail = ((term or {}).get("message") or waiting.get("message") or "").strip()
             code = (term or {}).get("exitCode")
-            why = {WORKER_EXIT_BELOW_PLAN: "the worker refused to serve: the memory it found after loading the "
+            why = {ExitCode.DOES_NOT_FIT: "the worker refused to serve: the memory it found after loading the "
                    "weights is below the plan (another process on the GPU, or a smaller GPU than planned); ",
-                   WORKER_EXIT_BAD_INPUT: "the worker rejected its arguments or model files; "}.get(code, "")
+                   ExitCode.BAD_INPUT: "the worker rejected its arguments or model files; "}.get(code, "")
             return c.Verdict("True", c.WORKER_STARTUP_FAILED,
                              f"{why}pod {name}: container {cs.get('name')} exited with code "
                              f"{(term or {}).get('exitCode', '?')} (restarts: {cs.get('restartCount', 0)})"

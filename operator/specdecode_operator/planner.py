@@ -10,13 +10,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from specdecode_worker.contract import ExitCode
+
 from . import labels, models
+from .plan_result import explains_misfit, read_plan
 from .spec import SpecView, planner_pod_name
 
 TERMINATION_LOG = "/dev/termination-log"
-EXIT_FITS = 0
-EXIT_MISFIT = 3
-EXIT_BAD_INPUT = 2
 # A planner that reads a few headers finishes in seconds; a hung one must not block forever.
 ACTIVE_DEADLINE_SECONDS = 900
 
@@ -116,8 +116,8 @@ class PlannerOutcome:
     finished_at: str | None = None
 
 
-def read_outcome(pod: dict[str, Any], validate) -> PlannerOutcome:
-    """Interpret a planner pod. ``validate`` checks a parsed plan (raises ValueError)."""
+def read_outcome(pod: dict[str, Any]) -> PlannerOutcome:
+    """Interpret a planner pod: its phase, or its exit code and the MemoryPlan it wrote."""
     status = pod.get("status") or {}
     phase = status.get("phase", "Pending")
     terminated = None
@@ -134,32 +134,26 @@ def read_outcome(pod: dict[str, Any], validate) -> PlannerOutcome:
     code = terminated.get("exitCode")
     message = (terminated.get("message") or "").strip()
     finished = terminated.get("finishedAt")
-    if code in (EXIT_FITS, EXIT_MISFIT):
+    if code in (ExitCode.OK, ExitCode.DOES_NOT_FIT):
+        parsed = None
         try:
             parsed = json.loads(message)
-            plan = validate(parsed)
+            plan = read_plan(parsed)
         except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
-            if code == EXIT_MISFIT and _explains_misfit(locals().get("parsed")):
-                # A misfit plan's numbers may be out of range (a negative fraction); its verdict stands.
+            if code == ExitCode.DOES_NOT_FIT and explains_misfit(parsed):
                 return PlannerOutcome("misfit", plan=parsed, message=parsed["message"], exit_code=code,
                                       finished_at=finished)
             return PlannerOutcome("failed", message=f"planner exited {code} but its termination message is not a "
                                   f"valid MemoryPlan: {exc}", exit_code=code, finished_at=finished)
-        if code == EXIT_FITS and not plan.get("fits"):
+        if code == ExitCode.OK and not plan.fits:
             return PlannerOutcome("failed", message="planner exited 0 with a plan that says it does not fit",
                                   exit_code=code, finished_at=finished)
-        return PlannerOutcome("fits" if code == EXIT_FITS else "misfit", plan=plan, message=plan.get("message", ""),
+        return PlannerOutcome("fits" if code == ExitCode.OK else "misfit", plan=plan.document, message=plan.message,
                               exit_code=code, finished_at=finished)
     reason = terminated.get("reason") or "Error"
-    what = "bad input" if code == EXIT_BAD_INPUT else f"exit code {code} ({reason})"
+    what = "bad input" if code == ExitCode.BAD_INPUT else f"exit code {code} ({reason})"
     return PlannerOutcome("failed", message=f"planner failed, {what}: {message or 'no message'}"[:4000],
                           exit_code=code, finished_at=finished)
-
-
-def _explains_misfit(obj: Any) -> bool:
-    return (isinstance(obj, dict) and obj.get("kind") == "MemoryPlan" and obj.get("fits") is False
-            and isinstance(obj.get("message"), str) and isinstance(obj.get("shortfallBytes"), int)
-            and isinstance(obj.get("tensorParallelSize"), int))
 
 
 def _pending_message(status: dict[str, Any]) -> str:

@@ -15,14 +15,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from specdecode_worker.contract import GIB, PLAN_API_VERSION, PLAN_KIND
+
 from . import conditions as c
 from . import labels, observe, planner, workload
 from .kube import ApiError, Kube, now_iso, path, sdd_path
-from .plan_result import validate_plan
 from .spec import DEFAULT_WORKER_IMAGE, SpecView, parse_spec, plan_key, planner_pod_name
 
 log = logging.getLogger(__name__)
-GIB = 1 << 30
 # Status refresh while waiting on something no watch event reports (a planner backoff).
 POLL_SECONDS = 30.0
 NODE_CACHE_SECONDS = 20.0
@@ -160,7 +160,7 @@ class Reconciler:
             pod = self._create_planner(view, key, owner, pod_path)
             verdicts[c.PLANNED] = c.Verdict("Unknown", c.PLANNING, f"planner pod {name} started")
             return None, POLL_SECONDS
-        outcome = planner.read_outcome(pod, validate_plan)
+        outcome = planner.read_outcome(pod)
         if outcome.state in ("pending", "running"):
             verdicts[c.PLANNED] = c.Verdict("Unknown", c.PLANNING, f"{name}: {outcome.message}")
             return None, POLL_SECONDS
@@ -280,7 +280,7 @@ def _applied(dep: dict[str, Any] | None, key: str, generation: int) -> bool:
 def _plan_body(plan: dict[str, Any]) -> dict[str, Any]:
     """The MemoryPlan as the planner wrote it (what the worker's --plan reads)."""
     body = {k: v for k, v in plan.items() if k not in ("key", "plannerPod")}
-    return {"apiVersion": "specdecode.io/v1alpha1", "kind": "MemoryPlan", **body}
+    return {"apiVersion": PLAN_API_VERSION, "kind": PLAN_KIND, **body}
 
 
 def _planned_verdict(plan: dict[str, Any]) -> c.Verdict:

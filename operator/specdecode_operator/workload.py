@@ -11,14 +11,14 @@ import json
 import math
 from typing import Any
 
+from specdecode_worker.contract import GIB, MIB
+
 from . import labels, models
 from .spec import SpecView
 
 HTTP_PORT = 8000
 PLAN_DIR = "/etc/specdecode"
 PLAN_FILE = "plan.json"
-GIB = 1 << 30
-MIB = 1 << 20
 # Host memory beyond the weights: Python, tokenizer, pinned buffers.
 HOST_MEMORY_HEADROOM = 2 * GIB
 # Slowest weight loading we plan the startup probe for (network volumes), and a fixed allowance

@@ -14,10 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .contract import GIB, MIB
 from .errors import InputError
-
-MIB = 1 << 20
-GIB = 1 << 30
 
 # Memory the driver reserves on an idle GPU (measured on an H200, driver 580.159).
 DRIVER_RESERVED_BYTES = 615 * MIB

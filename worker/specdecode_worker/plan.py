@@ -1,9 +1,9 @@
-"""The memory plan: pure arithmetic over shapes, weight bytes and device memory, and its JSON contract.
+"""The memory plan: pure arithmetic over shapes, weight bytes and device memory.
 
-No torch here: the operator imports ``validate_plan`` and the worker engine imports
-``kv_token_capacity`` so that the one formula lives in one place.
+No torch here. The MemoryPlan document it builds, and the formula every plan must satisfy
+(``kv_token_capacity``), are the contract in ``contract.py``, which the operator reads too.
 
-All terms are bytes per GPU under tensor-parallel size t (see DESIGN.md, "The memory plan"):
+All terms are bytes per GPU under tensor-parallel size t:
 
     max_total_num_tokens = floor((G * f - W_target - W_draft - R_runtime) / (kv_target + kv_draft))
 
@@ -28,19 +28,22 @@ All terms are bytes per GPU under tensor-parallel size t (see DESIGN.md, "The me
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-PLAN_API_VERSION = "specdecode.io/v1alpha1"
-PLAN_KIND = "MemoryPlan"
-TERMINATION_LOG_LIMIT = 4096
-ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "MTP", "NGRAM")
+from .contract import (
+    GIB,
+    MIB,
+    PLAN_API_VERSION,
+    PLAN_KIND,
+    TERMINATION_LOG_LIMIT,
+    kv_token_capacity,
+    to_json,
+)
+
 TP_CANDIDATES = (1, 2, 4, 8)
 
-MIB = 1 << 20
-GIB = 1 << 30
 RUNTIME_BASE_BYTES = GIB
 NCCL_BYTES_PER_RANK = 128 * MIB
 ACTIVATION_BYTES_PER_TOKEN = 3 * MIB // 2
@@ -48,26 +51,6 @@ GRAPH_BYTES_PER_BATCH = 2 * MIB
 # Tokens verified per request in one step (the draft proposals plus the bonus token).
 VERIFY_TOKENS = 4
 LOGIT_BYTES = 4
-
-
-def kv_token_capacity(
-    available_bytes: int,
-    mem_fraction_static: float,
-    target_weight_bytes: int,
-    draft_weight_bytes: int,
-    runtime_bytes: int,
-    target_bytes_per_token: int,
-    draft_bytes_per_token: int,
-) -> int:
-    """KV token slots shared by the target and draft pools; never negative.
-
-    floor((available * f - W_target - W_draft - R_runtime) / (kv_target + kv_draft))
-    """
-    cell = target_bytes_per_token + draft_bytes_per_token
-    if cell <= 0:
-        raise ValueError(f"KV bytes per token must be positive, got {cell}")
-    budget = available_bytes * mem_fraction_static - target_weight_bytes - draft_weight_bytes - runtime_bytes
-    return max(0, math.floor(budget / cell))
 
 
 def runtime_reserve_bytes(tp: int) -> int:
@@ -320,85 +303,3 @@ def _message(req: PlanRequest, plan: dict[str, Any], s: _Sizing) -> str:
         parts.append(f"or with --mem-fraction-static {plan['minMemFractionStatic']:.3f} on {tp} GPU(s)")
     parts.append("or lower --context-length/--min-kv-tokens, use --kv-cache-dtype fp8_e4m3, or a larger GPU")
     return "; ".join(parts)
-
-
-def to_json(plan: dict[str, Any]) -> str:
-    """Compact serialisation (what goes to the termination log)."""
-    return json.dumps(plan, separators=(",", ":"), sort_keys=False)
-
-
-# --- the contract -------------------------------------------------------------------------------
-
-_INT = (int,)
-_REQUIRED: dict[str, tuple[type, ...]] = {
-    "apiVersion": (str,),
-    "kind": (str,),
-    "fits": (bool,),
-    "algorithm": (str,),
-    "target": (str,),
-    "tensorParallelSize": _INT,
-    "gpuMemoryBytes": _INT,
-    "memFractionStatic": (int, float),
-    "weights.targetBytes": _INT,
-    "weights.draftBytes": _INT,
-    "kvCache.targetBytesPerToken": _INT,
-    "kvCache.draftBytesPerToken": _INT,
-    "kvCache.draftNumLayers": _INT,
-    "kvCache.maxTotalNumTokens": _INT,
-    "reserve.runtimeBytes": _INT,
-    "reserve.dynamicBytes": _INT,
-    "shortfallBytes": _INT,
-    "legacy.maxTotalNumTokens": _INT,
-    "legacy.peakBytes": _INT,
-    "layerRatio.maxTotalNumTokens": _INT,
-    "minMemFractionStatic": (int, float),
-    "message": (str,),
-}
-
-
-def _lookup(obj: dict[str, Any], dotted: str) -> Any:
-    cur: Any = obj
-    for part in dotted.split("."):
-        if not isinstance(cur, dict) or part not in cur:
-            raise ValueError(f"MemoryPlan: missing required key '{dotted}'")
-        cur = cur[part]
-    return cur
-
-
-def validate_plan(obj: dict[str, Any]) -> dict[str, Any]:
-    """Check a parsed MemoryPlan against the contract; return it, or raise ValueError saying what is wrong."""
-    if not isinstance(obj, dict):
-        raise ValueError(f"MemoryPlan: expected a JSON object, got {type(obj).__name__}")
-    for key, types in _REQUIRED.items():
-        value = _lookup(obj, key)
-        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-            names = "/".join(t.__name__ for t in types)
-            raise ValueError(f"MemoryPlan: key '{key}' must be {names}, got {value!r}")
-        if types is _INT and value < 0:
-            raise ValueError(f"MemoryPlan: key '{key}' must be a non-negative integer, got {value}")
-    if obj["apiVersion"] != PLAN_API_VERSION:
-        raise ValueError(f"MemoryPlan: apiVersion must be '{PLAN_API_VERSION}', got {obj['apiVersion']!r}")
-    if obj["kind"] != PLAN_KIND:
-        raise ValueError(f"MemoryPlan: kind must be '{PLAN_KIND}', got {obj['kind']!r}")
-    if obj["algorithm"] not in ALGORITHMS:
-        raise ValueError(f"MemoryPlan: algorithm must be one of {', '.join(ALGORITHMS)}, got {obj['algorithm']!r}")
-    if obj["tensorParallelSize"] < 1 or obj["gpuMemoryBytes"] < 1:
-        raise ValueError("MemoryPlan: tensorParallelSize and gpuMemoryBytes must be positive")
-    if not obj["memFractionStatic"] > 0:
-        raise ValueError(f"MemoryPlan: memFractionStatic must be positive, got {obj['memFractionStatic']}")
-    kv = obj["kvCache"]
-    if kv["targetBytesPerToken"] < 1:
-        raise ValueError("MemoryPlan: kvCache.targetBytesPerToken must be positive")
-    expected = kv_token_capacity(
-        obj["gpuMemoryBytes"], obj["memFractionStatic"], obj["weights"]["targetBytes"], obj["weights"]["draftBytes"],
-        obj["reserve"]["runtimeBytes"], kv["targetBytesPerToken"], kv["draftBytesPerToken"],
-    )
-    if abs(expected - kv["maxTotalNumTokens"]) > 1:
-        raise ValueError(
-            f"MemoryPlan: kvCache.maxTotalNumTokens is {kv['maxTotalNumTokens']} but gpuMemoryBytes x "
-            f"memFractionStatic - weights - reserve.runtimeBytes over the KV bytes per token gives {expected}"
-        )
-    size = len(to_json(obj).encode())
-    if size >= TERMINATION_LOG_LIMIT:
-        raise ValueError(f"MemoryPlan: compact JSON is {size} bytes, over the {TERMINATION_LOG_LIMIT}-byte limit")
-    return obj

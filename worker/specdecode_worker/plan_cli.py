@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import read_checkpoint, split_target_draft, total_bytes
-from .devices import GIB, resolve_device_memory
+from .contract import FP8_KV_CACHE_DTYPES, GIB, KV_CACHE_DTYPES, PLANNED_ALGORITHMS, ExitCode, to_json
+from .devices import resolve_device_memory
 from .errors import InputError
 from .model_config import ModelShape, load_shape
-from .plan import ALGORITHMS, TP_CANDIDATES, Candidate, PlanArgs, PlanRequest, build_plan, to_json
+from .plan import TP_CANDIDATES, Candidate, PlanArgs, PlanRequest, build_plan
 
-KV_DTYPES = {"auto": None, "fp8_e4m3": 1, "fp8_e5m2": 1}
 DEFAULT_CONTEXT_LENGTH = 4096
 
 
@@ -35,12 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specdecode-worker plan", description="Dry-run GPU memory plan for a target + draft pair.")
     p.add_argument("--target", required=True, help="target model folder (config.json + *.safetensors)")
     p.add_argument("--draft", help="draft model folder (not for NGRAM; MTP defaults to the target folder)")
-    p.add_argument("--algorithm", required=True, choices=ALGORITHMS)
+    p.add_argument("--algorithm", required=True, choices=PLANNED_ALGORITHMS)
     p.add_argument("--tp", default="auto", help="tensor-parallel size, or auto: smallest of 1,2,4,8 that fits")
     p.add_argument("--gpu-memory-gib", type=float, help="free GPU memory before weights, when no GPU is visible")
     p.add_argument("--gpu-product", help="nvidia.com/gpu.product label, e.g. NVIDIA-H100-80GB-HBM3")
     p.add_argument("--mem-fraction-static", default="auto", help="auto or a fraction in (0, 1)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_DTYPES))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--context-length", type=int, help="tokens one request may hold (default: the target's)")
     p.add_argument("--min-kv-tokens", type=int, default=0, help="KV token floor; the plan needs max(this, context length)")
     p.add_argument("--max-running-requests", type=int)
@@ -59,7 +59,7 @@ def _positive(name: str, value: float | None) -> None:
 
 
 def _kv_bytes(shape: ModelShape, kv_dtype: str) -> int:
-    return KV_DTYPES[kv_dtype] or shape.dtype_bytes
+    return 1 if kv_dtype in FP8_KV_CACHE_DTYPES else shape.dtype_bytes
 
 
 def _kv_dtype_name(shape: ModelShape, kv_dtype: str) -> str:
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         _parser().print_help()
-        return 0
+        return ExitCode.OK
     # Known before parsing, so that even a flag error reaches the termination log.
     log_path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--termination-log"), None)
     try:
@@ -323,12 +323,12 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(exc).split())
         print(message, file=sys.stderr)
         _write_log(log_path, message)
-        return 2
+        return ExitCode.BAD_INPUT
     except Exception as exc:  # a bug, not the user's input: keep the traceback for the report
         traceback.print_exc()
         _write_log(log_path, f"internal error: {type(exc).__name__}: {exc}")
-        return 1
+        return ExitCode.INTERNAL_ERROR
     compact = to_json(plan)
     _write_log(log_path, compact)
     print(render_table(plan) if args.output == "table" else compact, end="" if args.output == "table" else "\n")
-    return 0 if plan["fits"] else 3
+    return ExitCode.OK if plan["fits"] else ExitCode.DOES_NOT_FIT

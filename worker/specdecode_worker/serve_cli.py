@@ -18,12 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .contract import GIB, KV_CACHE_DTYPES, SERVED_ALGORITHMS, ExitCode
 from .errors import InputError
 
 log = logging.getLogger("specdecode_worker.serve")
-
-SERVED_ALGORITHMS = ("NONE", "STANDALONE", "NGRAM", "EAGLE", "EAGLE3")
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # the planner's and the CRD's values
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,7 +70,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def load_plan_file(path: str) -> dict[str, Any]:
-    from .plan import validate_plan
+    from .contract import validate_plan
 
     try:
         obj = json.loads(Path(path).read_text())
@@ -127,7 +125,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     kv, reserve = plan["kvCache"], plan["reserve"]
     budget = plan["gpuMemoryBytes"]
     if device == "cpu" and args.device_memory_gib is not None:
-        budget = int(args.device_memory_gib * (1 << 30))
+        budget = int(args.device_memory_gib * GIB)
     engine_args = EngineArgs(
         target=args.target, draft=args.draft, algorithm=args.algorithm, device=device,
         dtype=None if args.dtype == "auto" else args.dtype,
@@ -199,11 +197,12 @@ def build(argv: list[str]):
     tokenizer = load_tokenizer(args.target)
     scheduler.eos_token_ids = eos_ids(args.target, tokenizer)
     state = ServerState(scheduler, args.served_model_name or Path(args.target).resolve().name, plan, tokenizer)
-    outcome = {"exit": 0}
+    outcome = {"exit": ExitCode.OK}
     server = None
 
     def on_failure(exc: Exception) -> None:
-        outcome["exit"] = 3 if isinstance(exc, StartupError) else 2 if isinstance(exc, InputError) else 1
+        outcome["exit"] = (ExitCode.DOES_NOT_FIT if isinstance(exc, StartupError)
+                           else ExitCode.BAD_INPUT if isinstance(exc, InputError) else ExitCode.INTERNAL_ERROR)
         server.should_exit = True
 
     def start_engine() -> None:  # the HTTP port is up first, so /health can report the phases
@@ -221,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         parser().print_help()
-        return 0
+        return ExitCode.OK
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         args = parser().parse_args(argv)
@@ -235,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         server.run()
     except InputError as exc:
         print(" ".join(str(exc).split()), file=sys.stderr)
-        return 2
+        return ExitCode.BAD_INPUT
     if state.init_error:
         print(state.init_error, file=sys.stderr)
     return outcome["exit"]

@@ -23,7 +23,6 @@ from ..errors import InputError
 from ..model_config import read_config
 from .models.eagle import Eagle3Head, EagleHead
 
-EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 

@@ -26,12 +26,13 @@ from collections import Counter
 
 import torch
 
+from ..contract import EAGLE_ALGORITHMS
 from ..errors import InputError
 from ..model_config import load_shape
 from .attention import TorchNativeAttnBackend
 from .batch import Segment, alloc_positions, free_positions, make_batch, prompt_segments, with_cache_locs
 from .distributed import SINGLE
-from .eagle_loader import EAGLE_ALGORITHMS, load_eagle_head
+from .eagle_loader import load_eagle_head
 from .loader import tensor_bytes
 from .model_runner import ModelRunner
 from .phases import Phase, PhaseError, require

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..plan import kv_token_capacity
+from ..contract import kv_token_capacity
 
 
 @dataclass(frozen=True)

@@ -10,16 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..contract import FP8_KV_CACHE_DTYPES
 from ..errors import InputError
 
 # --kv-cache-dtype values: auto stores K/V in the compute dtype; the fp8 formats store one byte per
 # element, the planner's cell. There is no calibration: every tensor's scale is 1.0 (values are cast
 # as they are), which is what serving engines do for an fp8 KV cache without calibrated scales.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
+    "auto": None, **{name: getattr(torch, dtype) for name, dtype in FP8_KV_CACHE_DTYPES.items()}}
 
 
 def resolve_kv_dtype(name: str | None, compute_dtype: torch.dtype) -> torch.dtype:

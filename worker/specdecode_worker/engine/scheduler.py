@@ -27,7 +27,7 @@ from .memory import MemoryProfile, free_device_bytes, profile_memory
 from .phases import Phase, PhaseError
 from .pools import KV_CACHE_DTYPES, MemoryPoolConfig
 from .request import Request, make_generator
-from .eagle_loader import EAGLE_ALGORITHMS
+from ..contract import EAGLE_ALGORITHMS
 from .eagle_worker import EagleDraftWorker, EagleWorker, check_tree_args
 from .speculative import ALGORITHMS, SpeculativeWorker
 from .workers import DraftWorker, TargetWorker

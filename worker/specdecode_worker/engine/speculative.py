@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..contract import EAGLE_ALGORITHMS, SERVED_ALGORITHMS
 from .batch import Segment, alloc_positions, forward_segments, free_positions, prompt_segments
 from .request import Request
 from .sampling import choose, verify
 
-ALGORITHMS = ("NONE", "STANDALONE", "NGRAM")
+ALGORITHMS = tuple(a for a in SERVED_ALGORITHMS if a not in EAGLE_ALGORITHMS)  # EAGLE has its own worker
 
 
 @dataclass
