@@ -51,6 +51,8 @@ GRAPH_BYTES_PER_BATCH = 2 * MIB
 # Tokens verified per request in one step (the draft proposals plus the bonus token).
 VERIFY_TOKENS = 4
 LOGIT_BYTES = 4
+# The Triton decode kernel splits each request's keys over at most this many programs.
+DECODE_MAX_KV_SPLITS = 16
 
 
 def runtime_reserve_bytes(tp: int) -> int:

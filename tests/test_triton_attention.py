@@ -1,0 +1,204 @@
+"""The Triton paged-attention kernels against the torch-native backends, on CPU.
+
+The kernels run under Triton's interpreter (``TRITON_INTERPRET=1``), which executes them with
+numpy: the same index arithmetic, masks and online softmax as on a GPU, exactly. The variable must
+be set before the kernels are decorated, so this module sets it and (re)imports the kernel module;
+``test_kernels_run_under_the_interpreter`` checks that it took effect.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+
+os.environ["TRITON_INTERPRET"] = "1"
+torch = pytest.importorskip("torch")
+triton = pytest.importorskip("triton")
+
+from specdecode_worker.engine.attention import TorchNativeAttnBackend  # noqa: E402
+from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
+from specdecode_worker.engine.pools import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from specdecode_worker.engine.tree import ancestor_mask  # noqa: E402
+from specdecode_worker.engine.tree_attention import TreeAttnBackend, TreeForwardBatch  # noqa: E402
+
+_MODULE = "specdecode_worker.engine.triton_attention"
+if _MODULE in sys.modules:  # imported earlier in this process without the interpreter: decorate again
+    ta = importlib.reload(sys.modules[_MODULE])
+else:
+    ta = importlib.import_module(_MODULE)
+
+POOL = 720
+CTX = 96
+D = 16
+SCALE = D ** -0.5
+
+
+def _pools(kv_heads: int, kv_dtype=torch.float32, seed: int = 0, num_reqs: int = 6):
+    """Pools with random K/V in every slot and each request's positions on its own shuffled slots."""
+    g = torch.Generator().manual_seed(seed)
+    req_pool = ReqToTokenPool(num_reqs + 1, CTX, "cpu")
+    kv = MHATokenToKVPool(POOL, 1, kv_heads, D, D, kv_dtype, "cpu")
+    kv.k_buffer[0].copy_(torch.randn(POOL + 1, kv_heads, D, generator=g).to(kv_dtype))
+    kv.v_buffer[0].copy_(torch.randn(POOL + 1, kv_heads, D, generator=g).to(kv_dtype))
+    slots = torch.randperm(POOL, generator=g) + 1
+    for r in range(num_reqs + 1):
+        req_pool.req_to_token[r] = slots[r * CTX : (r + 1) * CTX]
+    return req_pool, kv, g
+
+
+def _batch(req_pool, seq_lens: list[int], extend_lens: list[int], reqs: list[int]) -> ForwardBatch:
+    positions, locs = [], []
+    for r, s, n in zip(reqs, seq_lens, extend_lens):
+        positions += list(range(s - n, s))
+        locs.append(req_pool.req_to_token[r, s - n : s])
+    return ForwardBatch(
+        input_ids=torch.zeros(sum(extend_lens), dtype=torch.int64), positions=torch.tensor(positions),
+        out_cache_loc=torch.cat(locs), req_pool_indices=torch.tensor(reqs), seq_lens=torch.tensor(seq_lens),
+        extend_lens=extend_lens, seq_lens_cpu=seq_lens,
+    )
+
+
+def _run(backend_cls, req_pool, kv, window, q, k, v, fb):
+    return backend_cls(req_pool, kv, window).forward(q, k, v, 0, fb, SCALE)
+
+
+def _compare(kv_heads, group, seq_lens, extend_lens, window=None, kv_dtype=torch.float32, seed=0):
+    req_pool, kv, g = _pools(kv_heads, kv_dtype, seed)
+    reqs = list(range(1, len(seq_lens) + 1))
+    fb = _batch(req_pool, seq_lens, extend_lens, reqs)
+    n = sum(extend_lens)
+    q = torch.randn(n, kv_heads * group, D, generator=g)
+    k = torch.randn(n, kv_heads, D, generator=g)
+    v = torch.randn(n, kv_heads, D, generator=g)
+    want = _run(TorchNativeAttnBackend, req_pool, kv, window, q, k, v, fb)
+    got = _run(ta.TritonAttnBackend, req_pool, kv, window, q, k, v, fb)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    return got
+
+
+def test_kernels_run_under_the_interpreter():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for kernel in (ta._decode_partial_kernel, ta._decode_reduce_kernel, ta._extend_kernel):
+        assert isinstance(kernel, InterpretedFunction)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_mixed_lengths_and_gqa(group):
+    # Lengths below, at and above one 64-key block, split over several programs and reduced.
+    _compare(kv_heads=2, group=group, seq_lens=[1, 5, 64, 65, 96], extend_lens=[1] * 5)
+
+
+def test_decode_splits_cover_every_key_whatever_their_number():
+    req_pool, kv, g = _pools(kv_heads=2)
+    fb = _batch(req_pool, [3, 90, 40], [1, 1, 1], [1, 2, 3])
+    q = torch.randn(3, 4, D, generator=g)
+    k_buf, v_buf = kv.k_buffer[0], kv.v_buffer[0]
+    want = TorchNativeAttnBackend(req_pool, kv, None)._decode(q, k_buf, v_buf, fb, SCALE)
+    for splits in (1, 3, 16):
+        got = ta.decode_attention(q, k_buf, v_buf, req_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                                  SCALE, None, splits)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_reads_only_live_slots():
+    # Poison every slot outside the requests' live positions: a read of one would show as NaN.
+    req_pool, kv, g = _pools(kv_heads=1)
+    seq_lens, reqs = [7, 30], [1, 2]
+    live = torch.cat([req_pool.req_to_token[r, :s] for r, s in zip(reqs, seq_lens)])
+    dead = torch.ones(POOL + 1, dtype=torch.bool)
+    dead[live] = False
+    kv.k_buffer[0][dead] = float("nan")
+    kv.v_buffer[0][dead] = float("nan")
+    fb = _batch(req_pool, seq_lens, [1, 1], reqs)
+    q = torch.randn(2, 4, D, generator=g)
+    out = ta.decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], req_pool.req_to_token, fb.req_pool_indices,
+                              fb.seq_lens, SCALE, None, 4)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_pools_are_upcast_inside_the_kernels(kv_dtype):
+    _compare(kv_heads=2, group=4, seq_lens=[9, 70], extend_lens=[1, 1], kv_dtype=kv_dtype)
+    _compare(kv_heads=2, group=4, seq_lens=[9, 70], extend_lens=[9, 4], kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_extend_prefill_and_chain_verify_in_one_launch(group):
+    # A whole prompt (no prefix), a prompt over a prefix, and two verify rows of k + 1 = 4 tokens.
+    _compare(kv_heads=2, group=group, seq_lens=[20, 90, 33, 7], extend_lens=[20, 70, 4, 4])
+
+
+def test_extend_with_uniform_verify_lengths_builds_metadata_on_device():
+    out = _compare(kv_heads=1, group=4, seq_lens=[12, 50, 81], extend_lens=[4, 4, 4])
+    assert out.shape == (12, 4, D)
+
+
+@pytest.mark.parametrize("window", [1, 8, 40])
+def test_sliding_window(window):
+    _compare(kv_heads=2, group=2, seq_lens=[3, 50, 90], extend_lens=[1, 1, 1], window=window)
+    _compare(kv_heads=2, group=2, seq_lens=[30, 90, 12], extend_lens=[30, 5, 4], window=window)
+
+
+def _tree_batch(req_pool, prefix_lens, trees, g):
+    """Verification of one draft tree per request: nodes at positions prefix + depth, in spare slots."""
+    ids, pos, locs, slots, key_pos, masks = [], [], [], [], [], []
+    used = set(req_pool.req_to_token[1 : len(trees) + 1].flatten().tolist())
+    spare = [s for s in range(1, POOL + 1) if s not in used]
+    for r, (p, parents) in enumerate(zip(prefix_lens, trees)):
+        depth = [0] * len(parents)
+        for i, par in enumerate(parents):
+            depth[i] = 0 if par < 0 else depth[par] + 1
+        s = torch.tensor(spare[:len(parents)])
+        spare = spare[len(parents):]
+        ids += [0] * len(parents)
+        pos += [p + d for d in depth]
+        locs.append(s)
+        slots.append(s)
+        key_pos.append(torch.tensor([p + d for d in depth]))
+        masks.append(ancestor_mask(parents))
+    seq = [p + max(k.tolist()) - p + 1 for p, k in zip(prefix_lens, key_pos)]
+    return TreeForwardBatch(
+        input_ids=torch.tensor(ids), positions=torch.tensor(pos), out_cache_loc=torch.cat(locs),
+        req_pool_indices=torch.arange(1, len(trees) + 1), seq_lens=torch.tensor(seq),
+        extend_lens=[len(t) for t in trees], seq_lens_cpu=seq, prefix_lens=prefix_lens,
+        key_slots=slots, key_positions=key_pos, masks=masks,
+    )
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("group", [1, 4])
+def test_tree_masked_verification(group, window):
+    req_pool, kv, g = _pools(kv_heads=2, seed=3)
+    trees = [[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2], [-1, 0, 0, 0, 1, 2, 3, 4, 4]]
+    fb = _tree_batch(req_pool, [5, 66, 1], trees, g)
+    n = sum(fb.extend_lens)
+    q = torch.randn(n, 2 * group, D, generator=g)
+    k = torch.randn(n, 2, D, generator=g)
+    v = torch.randn(n, 2, D, generator=g)
+    want = _run(TreeAttnBackend, req_pool, kv, window, q, k, v, fb)
+    got = _run(ta.TritonAttnBackend, req_pool, kv, window, q, k, v, fb)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_tree_mask_changes_the_answer():
+    # The same nodes under a chain mask instead of the tree's give other outputs: the mask is read.
+    req_pool, kv, g = _pools(kv_heads=1, seed=4)
+    fb = _tree_batch(req_pool, [10], [[-1, 0, 0, 0]], g)
+    q, k, v = (torch.randn(4, 1, D, generator=g) for _ in range(3))
+    backend = ta.TritonAttnBackend(req_pool, kv, None)
+    tree_out = backend.forward(q, k, v, 0, fb, SCALE)
+    fb.masks = [ancestor_mask([-1, 0, 1, 2])]
+    chain_out = ta.TritonAttnBackend(req_pool, kv, None).forward(q, k, v, 0, fb, SCALE)
+    torch.testing.assert_close(tree_out[:2], chain_out[:2])  # root and first child see the same keys
+    assert not torch.allclose(tree_out[2:], chain_out[2:])
+
+
+def test_decode_splits_depend_on_batch_size_only():
+    assert ta.decode_num_splits(1, 8, 132) == 16
+    assert ta.decode_num_splits(64, 8, 132) == 1
+    assert ta.decode_num_splits(4, 8, 132) == 9
+    assert ta.decode_workspace_bytes(2, 4, 16, 3) == 2 * 4 * 3 * 17 * 4
