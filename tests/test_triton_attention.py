@@ -202,3 +202,56 @@ def test_decode_splits_depend_on_batch_size_only():
     assert ta.decode_num_splits(64, 8, 132) == 1
     assert ta.decode_num_splits(4, 8, 132) == 9
     assert ta.decode_workspace_bytes(2, 4, 16, 3) == 2 * 4 * 3 * 17 * 4
+
+
+def test_backend_choice(monkeypatch):
+    from specdecode_worker.engine.attention import ATTENTION_BACKEND_ENV, attention_backend_name
+    from specdecode_worker.errors import InputError
+
+    monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
+    assert attention_backend_name("cpu") == "torch_native"
+    assert attention_backend_name("cuda:0") == "triton"
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "torch_native")
+    assert attention_backend_name("cuda:0") == "torch_native"
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "flash")
+    with pytest.raises(InputError, match="one of auto, triton, torch_native"):
+        attention_backend_name("cpu")
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "triton")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(InputError, match="TRITON_INTERPRET=1"):
+        attention_backend_name("cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["STANDALONE", "EAGLE3-tree"])
+def test_engine_greedy_output_is_the_same_on_both_backends(case, tmp_path, monkeypatch):
+    """Whole engine runs: prefill, target and draft decode, chain and tree verification, EAGLE draft steps."""
+    from specdecode_worker.engine.attention import ATTENTION_BACKEND_ENV
+    from specdecode_worker.engine.request import Request, SamplingParams
+
+    from tests.eagle_heads import write_eagle3_head
+    from tests.engine_helpers import engine, run_all
+    from tests.tiny_models import write_tiny_model, write_tiny_pair
+
+    algorithm, _, variant = case.partition("-")
+    extra = {}
+    if algorithm == "EAGLE3":
+        target = write_tiny_model(tmp_path / "small", "llama", seed=0, weight_scale=3.0, vocab_size=8,
+                                  num_hidden_layers=4)
+        draft = write_eagle3_head(tmp_path / "eagle3", target, draft_vocab=6, seed=3)
+        extra = dict(num_draft_tokens=4, speculative_num_steps=2, speculative_eagle_topk=2)
+    else:
+        target, draft = write_tiny_pair(tmp_path)
+        draft = draft if algorithm == "STANDALONE" else None
+    prompts = [[3, 4, 5, 6, 7, 3, 4], [5, 6], [7, 7, 3]]
+
+    def outputs(backend: str):
+        monkeypatch.setenv(ATTENTION_BACKEND_ENV, backend)
+        sched = engine(target, algorithm, draft, **extra)
+        assert type(sched.target_worker.model_runner.backend).__name__ == (
+            "TritonAttnBackend" if backend == "triton" else "TorchNativeAttnBackend")
+        reqs = run_all(sched, [Request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts])
+        return [r.output_ids for r in reqs]
+
+    want = outputs("torch_native")
+    assert outputs("triton") == want

@@ -7,11 +7,42 @@ batches gather a padded ``[B, ctx]`` block so the same code can be captured in a
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
+from ..errors import InputError
 from .forward_batch import ForwardBatch
 from .pools import MHATokenToKVPool, ReqToTokenPool
+
+# auto: Triton kernels on CUDA devices, torch-native on CPU. torch_native forces the reference path
+# (also on CUDA); triton on CPU needs TRITON_INTERPRET=1 (exact but very slow: for tests only).
+ATTENTION_BACKEND_ENV = "SPECDECODE_ATTENTION_BACKEND"
+ATTENTION_BACKENDS = ("auto", "triton", "torch_native")
+
+
+def attention_backend_name(device: torch.device | str) -> str:
+    """The backend this process uses on ``device``: 'triton' or 'torch_native'."""
+    device = torch.device(device)
+    choice = os.environ.get(ATTENTION_BACKEND_ENV, "auto") or "auto"
+    if choice not in ATTENTION_BACKENDS:
+        raise InputError(f"{ATTENTION_BACKEND_ENV}={choice!r} is not supported; use one of {', '.join(ATTENTION_BACKENDS)}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" else "torch_native"
+    if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise InputError(f"{ATTENTION_BACKEND_ENV}=triton on {device.type} needs TRITON_INTERPRET=1 (slow, for "
+                         "tests); unset it to serve with the torch-native backend")
+    return choice
+
+
+def make_attn_backend(req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, sliding_window: int | None):
+    """Decode and extend attention over these pools, on the backend chosen for their device."""
+    if attention_backend_name(req_to_token_pool.req_to_token.device) == "triton":
+        from .triton_attention import TritonAttnBackend  # imports triton: only where it runs
+
+        return TritonAttnBackend(req_to_token_pool, kv_pool, sliding_window)
+    return TorchNativeAttnBackend(req_to_token_pool, kv_pool, sliding_window)
 
 
 def attend_slots(q: torch.Tensor, k_buf, v_buf, slots: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:

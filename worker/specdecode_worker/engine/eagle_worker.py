@@ -29,7 +29,7 @@ import torch
 from ..contract import EAGLE_ALGORITHMS
 from ..errors import InputError
 from ..model_config import load_shape
-from .attention import TorchNativeAttnBackend
+from .attention import make_attn_backend
 from .batch import Segment, alloc_positions, free_positions, make_batch, prompt_segments, with_cache_locs
 from .distributed import SINGLE
 from .eagle_loader import load_eagle_head
@@ -40,7 +40,7 @@ from .pools import MemoryPoolConfig, ReqToTokenPool, TokenToKVPoolAllocator
 from .request import Request
 from .sampling import choose, verify
 from .tree import DraftTree, accept_path, ancestor_mask, select_tree
-from .tree_attention import TreeAttnBackend, TreeForwardBatch
+from .tree_attention import TreeForwardBatch, make_tree_attn_backend
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +116,8 @@ class EagleRunner(ModelRunner):
     def init_backends(self, cuda_graph_max_bs: int = 0) -> None:
         require(self.phase, Phase.POOLS_ALLOCATED, "initialise attention backends", self.name)
         start = time.perf_counter()
-        self.backend = TorchNativeAttnBackend(self.req_to_token_pool, self.token_to_kv_pool, None)
-        self.tree_backend = TreeAttnBackend(self.req_to_token_pool, self.token_to_kv_pool, None)
+        self.backend = make_attn_backend(self.req_to_token_pool, self.token_to_kv_pool, None)
+        self.tree_backend = make_tree_attn_backend(self.req_to_token_pool, self.token_to_kv_pool, None)
         log.info("%s: EAGLE draft steps run eagerly (no CUDA graphs)", self.name)
         self.phase = Phase.BACKENDS_READY
         self.durations["init_backends"] = time.perf_counter() - start
@@ -164,8 +164,9 @@ class EagleWorker:
         self.head = draft_runner.model
         self.num_steps, self.topk, self.k = num_steps, topk, num_draft_tokens
         self.tree = topk > 1
-        self.target_tree_backend = TreeAttnBackend(target_runner.req_to_token_pool, target_runner.token_to_kv_pool,
-                                                   target_runner.model.sliding_window)
+        self.target_tree_backend = make_tree_attn_backend(target_runner.req_to_token_pool,
+                                                          target_runner.token_to_kv_pool,
+                                                          target_runner.model.sliding_window)
         self.embed = target_runner.model.model.embed_tokens
         d2t = getattr(self.head, "d2t", None)
         self._draft_ids = None if d2t is None else torch.arange(d2t.numel(), device=d2t.device) + d2t

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import InputError
 from ..model_config import load_shape
-from .attention import TorchNativeAttnBackend
+from .attention import TorchNativeAttnBackend, make_attn_backend
 from .distributed import announce_forward
 from .forward_batch import ForwardBatch
 from .loader import load_safetensors, tensor_bytes
@@ -142,7 +142,7 @@ class ModelRunner:
     def init_backends(self, cuda_graph_max_bs: int = 0) -> None:
         require(self.phase, Phase.POOLS_ALLOCATED, "initialise attention backends", self.name)
         start = time.perf_counter()
-        self.backend = TorchNativeAttnBackend(self.req_to_token_pool, self.token_to_kv_pool, self.model.sliding_window)
+        self.backend = make_attn_backend(self.req_to_token_pool, self.token_to_kv_pool, self.model.sliding_window)
         if self.device.type == "cuda" and cuda_graph_max_bs > 0:
             from .cuda_graph import CudaGraphRunner
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import attend_slots
+from .attention import attend_slots, attention_backend_name
 from .forward_batch import ForwardBatch
 from .pools import MHATokenToKVPool, ReqToTokenPool
 
@@ -47,3 +47,12 @@ class TreeAttnBackend:
             out[start : start + n] = attend_slots(q[start : start + n], k_buf, v_buf, slots, mask, scaling)
             start += n
         return out
+
+
+def make_tree_attn_backend(req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, sliding_window: int | None):
+    """Tree-masked attention on the backend chosen for the pools' device (Triton serves both kinds)."""
+    if attention_backend_name(req_to_token_pool.req_to_token.device) == "triton":
+        from .triton_attention import TritonAttnBackend
+
+        return TritonAttnBackend(req_to_token_pool, kv_pool, sliding_window)
+    return TreeAttnBackend(req_to_token_pool, kv_pool, sliding_window)
