@@ -255,3 +255,35 @@ def test_engine_greedy_output_is_the_same_on_both_backends(case, tmp_path, monke
 
     want = outputs("torch_native")
     assert outputs("triton") == want
+
+
+@pytest.mark.parametrize("tokens_per_req", [1, 4])
+def test_padded_graph_batch_gives_the_eager_rows(tokens_per_req):
+    """What a graph replays: the batch staged into static buffers of a larger captured size.
+
+    The real rows equal an eager run of the batch alone; padding rows write only KV slot 0.
+    """
+    from specdecode_worker.engine.cuda_graph import GraphInputs, capture_sizes, padded_size
+
+    req_pool, kv, g = _pools(kv_heads=2, seed=5)
+    seq_lens = [9, 77, 33]
+    fb = _batch(req_pool, seq_lens, [tokens_per_req] * 3, [2, 4, 6])
+    n = sum(fb.extend_lens)
+    q, k, v = torch.randn(n, 8, D, generator=g), torch.randn(n, 2, D, generator=g), torch.randn(n, 2, D, generator=g)
+    eager = ta.TritonAttnBackend(req_pool, kv, None).forward(q, k, v, 0, fb, SCALE)
+
+    sizes = capture_sizes(8)
+    bs = padded_size(sizes, fb.batch_size)
+    assert bs == 4
+    inputs = GraphInputs(8, tokens_per_req, "cpu")
+    inputs.stage(fb, bs)
+    static = inputs.batch(bs)
+    assert inputs.accepts(fb) and static.seq_lens.tolist() == seq_lens + [tokens_per_req]
+    pad = slice(n, bs * tokens_per_req)
+    assert static.out_cache_loc[pad].eq(0).all() and static.req_pool_indices[3] == 0
+    padded = lambda x: torch.cat([x, torch.zeros(bs * tokens_per_req - n, *x.shape[1:])])  # noqa: E731
+    before = kv.k_buffer[0].clone()
+    replayed = ta.TritonAttnBackend(req_pool, kv, None).forward(padded(q), padded(k), padded(v), 0, static, SCALE)
+    torch.testing.assert_close(replayed[:n], eager)
+    changed = (kv.k_buffer[0] != before).any(dim=(1, 2)).nonzero().flatten().tolist()
+    assert changed == [0]  # the real rows rewrote the same values; padding went to slot 0

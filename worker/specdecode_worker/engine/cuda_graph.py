@@ -1,4 +1,16 @@
-"""CUDA graphs for decode batches: static buffers per batch size, replayed with padding."""
+"""CUDA graphs for uniform batches: static buffers per batch size, replayed with padding.
+
+A runner serves batches whose requests each bring the same number of new tokens: 1 for decode,
+k + 1 for chain verification. Buffers are sized by batch size only. With the Triton backend the
+kernels read ``seq_lens`` and ``req_to_token`` at replay and bound their loops by each request's
+length, so one graph per batch size serves every context length and the graph pool holds
+activations of ``bs x tokens`` rows, never ``bs x contextLength``. (The torch-native backend,
+forced on CUDA, still gathers a fixed ``[bs, contextLength]`` block: it is the reference, not the
+fast path.)
+
+``GraphInputs`` (the buffers and how a batch is staged into them) holds no CUDA call, so it is
+tested on CPU; ``CudaGraphRunner`` adds capture and replay.
+"""
 
 from __future__ import annotations
 
@@ -16,55 +28,90 @@ def capture_sizes(max_bs: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_bs} | {max_bs})
 
 
+def padded_size(sizes: list[int], n: int) -> int:
+    """The smallest captured batch size that holds ``n`` requests."""
+    return next(s for s in sizes if s >= n)
+
+
+class GraphInputs:
+    """Static input buffers for up to ``max_bs`` requests of ``tokens_per_req`` new tokens each."""
+
+    def __init__(self, max_bs: int, tokens_per_req: int, device):
+        self.max_bs, self.tokens_per_req = max_bs, tokens_per_req
+        n_tok = max_bs * tokens_per_req
+        z = lambda n: torch.zeros(n, dtype=torch.int64, device=device)  # noqa: E731
+        self.input_ids, self.out_cache_loc, self.req_pool_indices = z(n_tok), z(n_tok), z(max_bs)
+        self.seq_lens = torch.full((max_bs,), tokens_per_req, dtype=torch.int64, device=device)
+        # Logit rows: every new token. A graph reads every tensor at the address it had at capture,
+        # so this must outlive the capture (a per-size temporary would be freed and reused).
+        self.rows = torch.arange(n_tok, device=device)
+        # A padding request: positions 0..n-1 of request slot 0, written to KV slot 0 (no request owns
+        # it). It reads request 0's first positions and its output is discarded.
+        self._pad_positions = torch.arange(tokens_per_req, device=device).repeat(max_bs)
+        self.positions = self._pad_positions.clone()
+
+    def batch(self, bs: int) -> ForwardBatch:
+        """The static batch of ``bs`` requests that a graph is captured with and replays."""
+        n = self.tokens_per_req
+        return ForwardBatch(
+            input_ids=self.input_ids[: bs * n], positions=self.positions[: bs * n],
+            out_cache_loc=self.out_cache_loc[: bs * n], req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs], extend_lens=[n] * bs, seq_lens_cpu=[n] * bs,
+        )
+
+    def accepts(self, fb: ForwardBatch) -> bool:
+        return (not hasattr(fb, "masks") and fb.batch_size <= self.max_bs
+                and all(e == self.tokens_per_req for e in fb.extend_lens))
+
+    def stage(self, fb: ForwardBatch, bs: int) -> None:
+        """Copy ``fb`` into the first rows and pad up to ``bs`` requests (device copies only)."""
+        real, n = fb.batch_size, self.tokens_per_req
+        t_real, t_bs = real * n, bs * n
+        self.input_ids[t_real:t_bs].zero_()
+        self.out_cache_loc[t_real:t_bs].zero_()
+        self.positions[t_real:t_bs].copy_(self._pad_positions[t_real:t_bs])
+        self.req_pool_indices[real:bs].zero_()
+        self.seq_lens[real:bs].fill_(n)
+        self.input_ids[:t_real].copy_(fb.input_ids)
+        self.positions[:t_real].copy_(fb.positions)
+        self.out_cache_loc[:t_real].copy_(fb.out_cache_loc)
+        self.req_pool_indices[:real].copy_(fb.req_pool_indices)
+        self.seq_lens[:real].copy_(fb.seq_lens)
+
+
 class CudaGraphRunner:
-    def __init__(self, model, backend, max_bs: int, context_len: int, device):
+    def __init__(self, model, backend, max_bs: int, context_len: int, device, tokens_per_req: int = 1):
         self.model, self.backend = model, backend
         self.sizes = capture_sizes(max_bs)
         self.max_bs = max_bs
+        self.inputs = GraphInputs(max_bs, tokens_per_req, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        z = lambda: torch.zeros(max_bs, dtype=torch.int64, device=device)  # noqa: E731
-        self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices = z(), z(), z(), z()
-        self.seq_lens = torch.ones(max_bs, dtype=torch.int64, device=device)
-        # Logit rows of a decode batch: one per request. A graph reads every tensor at the address it
-        # had at capture, so this must outlive the capture (a per-size temporary would be freed and
-        # its memory reused, and replay would gather with whatever lies there).
-        self.rows = torch.arange(max_bs, device=device)
-        backend.decode_ctx = context_len  # fixed gather width so shapes are static
+        if hasattr(backend, "decode_ctx"):  # torch-native: a fixed gather width keeps shapes static
+            backend.decode_ctx = context_len
+            log.warning("CUDA graphs with the torch-native backend gather [batch, %d] K/V per layer; "
+                        "their memory grows with the context length", context_len)
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):  # largest first so smaller graphs reuse its memory
-            fb = self._batch(bs)
-            rows = self.rows[:bs]
+            fb = self.inputs.batch(bs)
+            rows = self.inputs.rows[: bs * tokens_per_req]
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for _ in range(2):
+                for _ in range(2):  # compiles the Triton kernels for this shape before capture
                     model(fb, backend, rows)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[bs] = model(fb, backend, rows)
             self.graphs[bs] = graph
-        log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
-
-    def _batch(self, bs: int) -> ForwardBatch:
-        return ForwardBatch(
-            input_ids=self.input_ids[:bs], positions=self.positions[:bs], out_cache_loc=self.out_cache_loc[:bs],
-            req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
-            extend_lens=[1] * bs, seq_lens_cpu=[1] * bs,
-        )
+        log.info("captured CUDA graphs for batch sizes %s (%d token(s) per request)", self.sizes, tokens_per_req)
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.is_decode and fb.batch_size <= self.max_bs
+        return self.inputs.accepts(fb)
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
-        n = fb.batch_size
-        bs = next(s for s in self.sizes if s >= n)
-        # Padding rows write to KV slot 0, which no request owns.
-        self.input_ids[:bs].zero_(); self.out_cache_loc[:bs].zero_(); self.positions[:bs].zero_()  # noqa: E702
-        self.req_pool_indices[:bs].zero_(); self.seq_lens[:bs].fill_(1)  # noqa: E702
-        self.input_ids[:n].copy_(fb.input_ids); self.positions[:n].copy_(fb.positions)  # noqa: E702
-        self.out_cache_loc[:n].copy_(fb.out_cache_loc); self.req_pool_indices[:n].copy_(fb.req_pool_indices)  # noqa: E702
-        self.seq_lens[:n].copy_(fb.seq_lens)
+        bs = padded_size(self.sizes, fb.batch_size)
+        self.inputs.stage(fb, bs)
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        return self.outputs[bs][: fb.batch_size * self.inputs.tokens_per_req]
