@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= operator,worker,dev,models
 
-.PHONY: setup test test-unit demo demo-down cluster-build cluster-up cluster-down
+.PHONY: setup lint test test-unit demo demo-down cluster-build cluster-up cluster-down
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,9 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 setup: $(VENV)/.installed
+
+lint: setup
+	$(VENV)/bin/ruff check .
 
 # The whole suite: unit tests, then end-to-end tests on the local control plane
 # (built from Go modules on first use, cached under ~/.cache/specdecode/cluster).

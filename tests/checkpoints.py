@@ -168,7 +168,8 @@ def _deepseek_layer(cfg: dict, i: int) -> list[Tensor]:
     heads, qr, kvr = cfg["num_attention_heads"], cfg["q_lora_rank"], cfg["kv_lora_rank"]
     nope, rope, vhd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     p = f"model.layers.{i}."
-    out: list[Tensor] = [(p + "input_layernorm.weight", "BF16", (h,)), (p + "post_attention_layernorm.weight", "BF16", (h,))]
+    out: list[Tensor] = [(p + "input_layernorm.weight", "BF16", (h,)),
+                         (p + "post_attention_layernorm.weight", "BF16", (h,))]
     out += _fp8(p + "self_attn.q_a_proj", qr, h)
     out.append((p + "self_attn.q_a_layernorm.weight", "BF16", (qr,)))
     out += _fp8(p + "self_attn.q_b_proj", heads * (nope + rope), qr)
@@ -178,7 +179,8 @@ def _deepseek_layer(cfg: dict, i: int) -> list[Tensor]:
     out += _fp8(p + "self_attn.o_proj", h, heads * vhd)
     if i < cfg["first_k_dense_replace"]:
         inter = cfg["intermediate_size"]
-        out += _fp8(p + "mlp.gate_proj", inter, h) + _fp8(p + "mlp.up_proj", inter, h) + _fp8(p + "mlp.down_proj", h, inter)
+        out += (_fp8(p + "mlp.gate_proj", inter, h) + _fp8(p + "mlp.up_proj", inter, h)
+                + _fp8(p + "mlp.down_proj", h, inter))
         return out
     m, e = cfg["moe_intermediate_size"], cfg["n_routed_experts"]
     out += [(p + "mlp.gate.weight", "BF16", (e, h)), (p + "mlp.gate.e_score_correction_bias", "F32", (e,))]

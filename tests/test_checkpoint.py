@@ -16,10 +16,9 @@ from specdecode_worker.checkpoint import (
     split_target_draft,
     total_bytes,
 )
+from specdecode_worker.contract import GIB
 from specdecode_worker.errors import InputError
 from tests.checkpoints import write_model, write_safetensors
-
-GIB = 1 << 30
 
 
 def llama_bytes(h, inter, layers, heads, kv, vocab, tied=False, qkv_bias=False, dtype_bytes=2):

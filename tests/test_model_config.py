@@ -127,5 +127,6 @@ def test_hybrid_model_counts_only_layers_with_a_kv_cache():
     assert shape.kv_bytes_per_token(1, 2) == 12 * 8 * 256 * 2
     assert shape.draft_num_layers == 48
     # sliding-window layers still hold KV
-    gemma_like = {**LLAMA_8B, "layer_types": ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 26}
+    gemma_like = {**LLAMA_8B,
+                  "layer_types": ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 26}
     assert shape_from_config(gemma_like).num_attention_layers == 32

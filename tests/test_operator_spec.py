@@ -155,7 +155,8 @@ def test_crd_shape():
     status = SCHEMA["properties"]["status"]["properties"]
     assert status["phase"]["enum"] == ["Pending", "Planning", "Deploying", "Ready", "Degraded", "Failed"]
     assert status["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
-    draft_rules = " ".join(r["rule"] for r in SCHEMA["properties"]["spec"]["properties"]["draft"]["x-kubernetes-validations"])
+    draft = SCHEMA["properties"]["spec"]["properties"]["draft"]
+    draft_rules = " ".join(r["rule"] for r in draft["x-kubernetes-validations"])
     assert "NGRAM" in draft_rules and "numDraftTokens" in draft_rules
 
 

@@ -172,7 +172,8 @@ def test_max_total_tokens_caps_the_pools_and_keeps_the_identity():
     assert plan["memFractionStatic"] < 0.830
     validate_plan(plan)
     uncapped = build_plan(request(max_total_tokens=10_000_000), eagle3_candidates, [1])
-    assert uncapped["kvCache"]["maxTotalNumTokens"] == build_plan(request(), eagle3_candidates, [1])["kvCache"]["maxTotalNumTokens"]
+    default = build_plan(request(), eagle3_candidates, [1])
+    assert uncapped["kvCache"]["maxTotalNumTokens"] == default["kvCache"]["maxTotalNumTokens"]
 
 
 def test_kv_cache_memory_sets_the_budget_directly():

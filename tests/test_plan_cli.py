@@ -79,7 +79,8 @@ def test_qwen_standalone_draft_with_real_geometry(models, capsys):
 
 
 def test_llama70b_on_80gb_needs_more_than_one_gpu(models, capsys):
-    code, plan = plan_of(capsys, "--target", models["llama-3.1-70b-instruct"], "--draft", models["llama-3.1-8b-instruct"],
+    code, plan = plan_of(capsys, "--target", models["llama-3.1-70b-instruct"],
+                         "--draft", models["llama-3.1-8b-instruct"],
                          "--algorithm", "STANDALONE", "--gpu-product", "NVIDIA-H100-80GB-HBM3")
     assert code == 0 and plan["tensorParallelSize"] == 4 and plan["minTensorParallelSize"] == 4
     # per GPU at tp 4: 2-D tensors split 4 ways, norms whole (hand: (W - norms)/4 + norms)
@@ -88,7 +89,8 @@ def test_llama70b_on_80gb_needs_more_than_one_gpu(models, capsys):
     assert plan["weights"]["draftBytes"] == (16_060_522_496 - norms_8b) // 4 + norms_8b
     # 80 layers x 2 KV heads per GPU x 256 x 2 bytes; draft 32 x 2 x 256 x 2
     assert plan["kvCache"]["targetBytesPerToken"] == 81_920 and plan["kvCache"]["draftBytesPerToken"] == 32_768
-    code, plan1 = plan_of(capsys, "--target", models["llama-3.1-70b-instruct"], "--draft", models["llama-3.1-8b-instruct"],
+    code, plan1 = plan_of(capsys, "--target", models["llama-3.1-70b-instruct"],
+                          "--draft", models["llama-3.1-8b-instruct"],
                           "--algorithm", "STANDALONE", "--gpu-product", "NVIDIA-H100-80GB-HBM3", "--tp", 1)
     assert code == 3 and not plan1["fits"] and plan1["kvCache"]["maxTotalNumTokens"] == 0
     assert plan1["minMemFractionStatic"] > 1 and "fits with --tp 4" in plan1["message"]
@@ -96,7 +98,8 @@ def test_llama70b_on_80gb_needs_more_than_one_gpu(models, capsys):
 
 
 def test_deepseek_mtp_on_h200_needs_eight_gpus(models, capsys):
-    code, plan = plan_of(capsys, "--target", models["deepseek-v3"], "--algorithm", "MTP", "--gpu-product", "NVIDIA-H200")
+    code, plan = plan_of(capsys, "--target", models["deepseek-v3"], "--algorithm", "MTP",
+                         "--gpu-product", "NVIDIA-H200")
     assert code == 0 and plan["tensorParallelSize"] == 8 and plan["draft"] == "deepseek-v3"
     kv = plan["kvCache"]
     assert (kv["targetBytesPerToken"], kv["draftBytesPerToken"], kv["draftNumLayers"]) == (70_272, 1_152, 1)
@@ -111,7 +114,8 @@ def test_deepseek_mtp_on_h200_needs_eight_gpus(models, capsys):
 
 
 def test_mtp_without_nextn_layers_is_bad_input(models, capsys):
-    code, out, err = run(capsys, "--target", models["llama-3.1-8b-instruct"], "--algorithm", "MTP", "--gpu-memory-gib", 70)
+    code, out, err = run(capsys, "--target", models["llama-3.1-8b-instruct"], "--algorithm", "MTP",
+                         "--gpu-memory-gib", 70)
     assert code == 2 and "field 'num_nextn_predict_layers' must be a positive integer for MTP" in err
 
 
@@ -223,7 +227,8 @@ def test_standalone_vocabulary_mismatch(models, capsys, tmp_path):
     [
         (["--gpu-product", "NVIDIA-X9"], "--gpu-product: unknown GPU product 'NVIDIA-X9'"),
         ([], "no GPU visible: give the GPU with --gpu-product"),
-        (["--gpu-memory-gib", "80", "--mem-fraction-static", "1.2"], "--mem-fraction-static: must be auto or a number in (0, 1)"),
+        (["--gpu-memory-gib", "80", "--mem-fraction-static", "1.2"],
+         "--mem-fraction-static: must be auto or a number in (0, 1)"),
         (["--gpu-memory-gib", "80", "--tp", "three"], "--tp: must be auto or a positive integer"),
         (["--gpu-memory-gib", "-1"], "--gpu-memory-gib: must be a positive number"),
         (["--gpu-memory-gib", "80", "--max-total-tokens", "0"], "--max-total-tokens: must be positive"),
@@ -241,7 +246,8 @@ def test_draft_flag_rules(models, capsys):
     code, out, err = run(capsys, "--target", models["llama-3.1-8b-instruct"], "--draft", models["eagle3-llama-3.1-8b"],
                          "--algorithm", "NGRAM", "--gpu-memory-gib", 80)
     assert code == 2 and "--draft: NGRAM drafts from the prompt" in err
-    code, out, err = run(capsys, "--target", models["llama-3.1-8b-instruct"], "--algorithm", "EAGLE", "--gpu-memory-gib", 80)
+    code, out, err = run(capsys, "--target", models["llama-3.1-8b-instruct"], "--algorithm", "EAGLE",
+                         "--gpu-memory-gib", 80)
     assert code == 2 and "--draft: EAGLE needs the draft model folder" in err
 
 
@@ -266,7 +272,8 @@ def test_bad_input_reaches_the_termination_log(capsys, tmp_path):
 
 def test_console_entry_point(models):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "specdecode_worker", "plan", "--target", models["llama-3.1-8b-instruct"],
+    proc = subprocess.run([sys.executable, "-m", "specdecode_worker", "plan",
+                           "--target", models["llama-3.1-8b-instruct"],
                            "--algorithm", "NGRAM", "--gpu-product", "NVIDIA-H100-80GB-HBM3"],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr

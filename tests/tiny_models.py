@@ -64,7 +64,8 @@ def _config(arch: str, **kw):
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 
-def write_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, weight_scale: float = 1.0, **config) -> Path:
+def write_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, weight_scale: float = 1.0,
+                     **config) -> Path:
     """Write a random ``arch`` checkpoint plus tokenizer into ``out_dir``; returns the folder.
 
     ``config`` overrides the tiny shape (hidden_size, num_hidden_layers, ...). ``weight_scale``

@@ -45,7 +45,8 @@ def capacity_verdict(tp: int, max_per_replica: int | None, node_gpus: int | None
     if max_per_replica is not None and tp > max_per_replica:
         return c.Verdict("True", c.PLAN_EXCEEDS_NODE_GPUS,
                          f"the plan needs {tp} GPUs per replica but gpu.maxPerReplica is {max_per_replica}: raise it, "
-                         "use a GPU with more memory, lower serving.contextLength/minKVTokens or use kvCacheDtype fp8_e4m3")
+                         "use a GPU with more memory, lower serving.contextLength/minKVTokens "
+                         "or use kvCacheDtype fp8_e4m3")
     if node_gpus is not None and tp > node_gpus:
         where = f"nodes labelled nvidia.com/gpu.product={product}" if product else "any node"
         return c.Verdict("True", c.PLAN_EXCEEDS_NODE_GPUS,
@@ -123,7 +124,8 @@ def observe(desired: int, generation_ok: bool, deployment: dict[str, Any] | None
     problems.sort(key=lambda v: _PRIORITY.get(v.reason, 9))
     if problems:
         degraded = problems[0]
-    elif deployment is not None and _dep_condition(deployment, "Progressing").get("reason") == "ProgressDeadlineExceeded":
+    elif deployment is not None and \
+            _dep_condition(deployment, "Progressing").get("reason") == "ProgressDeadlineExceeded":
         degraded = c.Verdict("True", c.PODS_NOT_READY,
                              f"{desired - ready} of {desired} replicas not ready before the progress deadline: "
                              f"{_dep_condition(deployment, 'Progressing').get('message', '')}")

@@ -163,7 +163,8 @@ def _pending_message(status: dict[str, Any]) -> str:
     for cs in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
         waiting = (cs.get("state") or {}).get("waiting")
         if waiting and waiting.get("reason") not in (None, "ContainerCreating", "PodInitializing"):
-            return f"planner container {cs.get('name')} waiting: {waiting.get('reason')} {waiting.get('message', '')}".strip()
+            return (f"planner container {cs.get('name')} waiting: {waiting.get('reason')} "
+                    f"{waiting.get('message', '')}").strip()
     return "planner pod is running"
 
 

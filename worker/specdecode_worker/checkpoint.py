@@ -19,7 +19,6 @@ Per-GPU bytes under tensor parallelism t (the layout SGLang's parallel layers us
 from __future__ import annotations
 
 import json
-import math
 import struct
 from pathlib import Path
 from typing import Iterable, NamedTuple
@@ -233,7 +232,8 @@ def _files_from_index(index: Path) -> list[Path]:
         raise InputError(f"{index}: field 'weight_map' names invalid shard file {bad[0]!r}")
     missing = [n for n in names if not (index.parent / n).is_file()]
     if missing:
-        raise InputError(f"{index}: field 'weight_map' names shard '{missing[0]}', which is missing from {index.parent}")
+        raise InputError(f"{index}: field 'weight_map' names shard '{missing[0]}', "
+                         f"which is missing from {index.parent}")
     return [index.parent / n for n in names]
 
 
