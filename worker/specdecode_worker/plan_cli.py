@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import traceback
 from pathlib import Path
@@ -22,6 +21,7 @@ from .devices import resolve_device_memory
 from .errors import InputError
 from .model_config import ModelShape, load_shape
 from .plan import TP_CANDIDATES, Candidate, PlanArgs, PlanRequest, build_plan
+from .vocabulary import check_vocabulary
 
 DEFAULT_CONTEXT_LENGTH = 4096
 
@@ -64,41 +64,6 @@ def _kv_bytes(shape: ModelShape, kv_dtype: str) -> int:
 
 def _kv_dtype_name(shape: ModelShape, kv_dtype: str) -> str:
     return shape.torch_dtype if kv_dtype == "auto" else kv_dtype
-
-
-def _token_count(tokenizer: Path) -> int | None:
-    """Number of token ids a tokenizer.json defines (vocabulary plus added tokens), or None."""
-    if not tokenizer.is_file():
-        return None
-    try:
-        data = json.loads(tokenizer.read_text())
-        vocab = data["model"]["vocab"]
-        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
-        ids += [t["id"] for t in data.get("added_tokens") or []]
-        return max(ids) + 1 if ids else 0
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"{tokenizer}: not a readable tokenizer.json ({exc})") from None
-
-
-def check_vocabulary(target_dir: Path, draft_dir: Path, target: ModelShape, draft: ModelShape) -> None:
-    """A standalone draft proposes token ids the target must read the same way: same tokenizer.
-
-    With tokenizer.json in both folders their token counts are compared (config vocab sizes are often
-    padded differently for the same tokenizer, as in the Qwen2.5 family); otherwise the configs'.
-    """
-    t_count, d_count = _token_count(target_dir / "tokenizer.json"), _token_count(draft_dir / "tokenizer.json")
-    if t_count is not None and d_count is not None:
-        if t_count != d_count:
-            raise InputError(
-                f"{draft_dir / 'tokenizer.json'}: defines {d_count} token ids but the target's "
-                f"{target_dir / 'tokenizer.json'} defines {t_count}; a STANDALONE draft must use the target's tokenizer"
-            )
-        return
-    if target.vocab_size != draft.vocab_size:
-        raise InputError(
-            f"{draft_dir / 'config.json'}: field 'vocab_size' is {draft.vocab_size} but the target's "
-            f"{target_dir / 'config.json'} has {target.vocab_size}; a STANDALONE draft must use the target's tokenizer"
-        )
 
 
 def _splits(tp: int, shape: ModelShape) -> bool:

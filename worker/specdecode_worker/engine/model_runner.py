@@ -74,6 +74,7 @@ class ModelRunner:
         self.token_to_kv_pool: MHATokenToKVPool | None = None
         self.backend: TorchNativeAttnBackend | None = None
         self.cuda_graphs = None
+        self.vocabulary = None  # a DraftVocabulary when this draft pads its vocabulary unlike the target
 
     # phase 1
     def load_weights(self) -> None:
@@ -156,9 +157,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, last_only: bool) -> torch.Tensor:
         require(self.phase, Phase.BACKENDS_READY, "run a forward pass", self.name)
+        if self.vocabulary is not None:
+            fb.input_ids = self.vocabulary.inputs(fb.input_ids)
         if self.tp.size > 1 and self.tp.is_leader:  # the followers run the same pass on their shards
             announce_forward(self.name, fb, self.req_to_token_pool.req_to_token, last_only)
         # A decode batch has one row per request, so "last only" and "all rows" are the same.
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(fb):
-            return self.cuda_graphs.replay(fb)
-        return self.model(fb, self.backend, fb.logit_rows(last_only))
+            logits = self.cuda_graphs.replay(fb)
+        else:
+            logits = self.model(fb, self.backend, fb.logit_rows(last_only))
+        return logits if self.vocabulary is None else self.vocabulary.logits(logits)

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import InputError
 from ..model_config import load_shape
+from ..vocabulary import check_vocabulary
 from .batch import free_positions
 from .distributed import get_tp, stop_followers
 from .memory import MemoryProfile, free_device_bytes, profile_memory
@@ -30,6 +31,7 @@ from .request import Request, make_generator
 from ..contract import EAGLE_ALGORITHMS
 from .eagle_worker import EagleDraftWorker, EagleWorker, check_tree_args
 from .speculative import ALGORITHMS, SpeculativeWorker
+from .vocab_map import DraftVocabulary
 from .workers import DraftWorker, TargetWorker
 
 log = logging.getLogger(__name__)
@@ -118,9 +120,9 @@ class Scheduler:
             raise InputError(f"{a.draft}: an MTP draft (num_nextn_predict_layers) is not served by this engine; "
                              "use STANDALONE with a separate small model or NGRAM")
         self.draft_num_layers = self.draft_shape.draft_num_layers if self.draft_shape else 0
-        if a.algorithm == "STANDALONE" and self.draft_shape.vocab_size != self.target_shape.vocab_size:
-            raise InputError(f"{a.draft}/config.json: vocab_size {self.draft_shape.vocab_size} differs from the "
-                             f"target's {self.target_shape.vocab_size}; a STANDALONE draft must share the target's tokenizer")
+        # The planner's rule: the tokenizers agree; padded vocab sizes may differ.
+        vocabulary = check_vocabulary(a.target, a.draft, self.target_shape, self.draft_shape) \
+            if a.algorithm == "STANDALONE" else None
 
         start = time.perf_counter()
         self.free_before_weights = None
@@ -135,6 +137,8 @@ class Scheduler:
             self.draft_worker = EagleDraftWorker(a.draft, self.target_worker, a.algorithm)
         elif a.draft:
             self.draft_worker = DraftWorker(a.draft, a.device, a.dtype, a.draft_quantization, kv)
+            if vocabulary is not None and not DraftVocabulary(vocabulary).is_identity:
+                self.draft_worker.model_runner.vocabulary = DraftVocabulary(vocabulary)
         self.phase = Phase.WEIGHTS_LOADED
         self.stats.phase_seconds["load_weights"] = time.perf_counter() - start
 
