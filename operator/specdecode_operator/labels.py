@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .spec import API_VERSION
+from .spec import API_VERSION, KIND
 
 NAME = "specdecode.io/name"
 ROLE = "specdecode.io/role"
@@ -38,7 +38,7 @@ def owner_reference(sdd: dict) -> dict:
     meta = sdd["metadata"]
     return {
         "apiVersion": sdd.get("apiVersion", API_VERSION),
-        "kind": sdd.get("kind", "SpecDecodeDeployment"),
+        "kind": sdd.get("kind", KIND),
         "name": meta["name"],
         "uid": meta["uid"],
         "controller": True,

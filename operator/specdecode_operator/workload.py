@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from specdecode_worker.contract import GIB, MIB
+from specdecode_worker.contract import EAGLE_ALGORITHMS, GIB, MIB
 
 from . import labels, models
 from .spec import SpecView
@@ -74,7 +74,7 @@ def worker_args(view: SpecView, plan: dict[str, Any]) -> list[str]:
     if chunk is not None:
         args += ["--chunked-prefill-size", str(chunk)]
     args += ["--dtype", view.target_dtype, "--num-draft-tokens", str(draft_proposals(view))]
-    if view.algorithm in ("EAGLE", "EAGLE3"):
+    if view.algorithm in EAGLE_ALGORITHMS:
         args += ["--speculative-num-steps", str(view.num_steps), "--speculative-eagle-topk", str(view.top_k)]
     return args
 
