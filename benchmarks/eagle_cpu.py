@@ -31,8 +31,10 @@ from tests.smollm2 import cache_dir, smollm2_dir  # noqa: E402
 CONFIGS = [
     ("none", "NONE", {}),
     ("EAGLE chain k=3", "EAGLE", dict(num_draft_tokens=3)),
-    ("EAGLE tree top-3, 3 steps, 6 nodes", "EAGLE", dict(num_draft_tokens=6, speculative_num_steps=3, speculative_eagle_topk=3)),
-    ("EAGLE tree top-4, 4 steps, 10 nodes", "EAGLE", dict(num_draft_tokens=10, speculative_num_steps=4, speculative_eagle_topk=4)),
+    ("EAGLE tree top-3, 3 steps, 6 nodes", "EAGLE",
+     dict(num_draft_tokens=6, speculative_num_steps=3, speculative_eagle_topk=3)),
+    ("EAGLE tree top-4, 4 steps, 10 nodes", "EAGLE",
+     dict(num_draft_tokens=10, speculative_num_steps=4, speculative_eagle_topk=4)),
 ]
 
 

@@ -82,8 +82,8 @@ def generate_data(model, tok, texts, answer_tokens, batch):
     seqs, starts = [], []
     for i in range(0, len(texts), batch):
         chunk = texts[i : i + batch]
-        rendered = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
-                    for t in chunk]
+        rendered = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                            tokenize=False) for t in chunk]
         enc = tok(rendered, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.inference_mode():
             out = model.generate(**enc, max_new_tokens=answer_tokens, do_sample=False)
@@ -185,7 +185,8 @@ def train(head, model, data, minutes, lr, max_tokens):
         opt.step()
         if step % 10 == 0:
             acc = float(((logits.detach().argmax(-1) == label).float() * weight).sum() / weight.sum())
-            print(f"  step {step} ({time.strftime('%X')}): ce {float(ce):.3f} reg {float(reg):.4f} top-1 {acc:.3f}", flush=True)
+            print(f"  step {step} ({time.strftime('%X')}): ce {float(ce):.3f} reg {float(reg):.4f} top-1 {acc:.3f}",
+                  flush=True)
         step += 1
     return step
 

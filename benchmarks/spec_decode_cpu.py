@@ -134,8 +134,9 @@ def main(argv=None) -> int:
     # Assisted generation takes one request at a time: 8 requests cost the sum of the single runs above.
     single = {r["prompt"]: r for r in rows if r["method"].startswith("transformers assisted")}
     names = (list(ids) * 3)[:8]
-    batch_rows.append({"method": "transformers assisted, 8 requests one after another", "exact": None, "acceptance": None,
-                       "seconds": sum(single[x]["seconds"] for x in names), "tokens": sum(single[x]["tokens"] for x in names)})
+    batch_rows.append({"method": "transformers assisted, 8 requests one after another", "exact": None,
+                       "acceptance": None, "seconds": sum(single[x]["seconds"] for x in names),
+                       "tokens": sum(single[x]["tokens"] for x in names)})
     tok.padding_side = "left"
     padded = tok.pad({"input_ids": batch}, return_tensors="pt")
     start = time.perf_counter()

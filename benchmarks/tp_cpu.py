@@ -99,7 +99,8 @@ def main(argv=None) -> int:
         res = launch(tp, _bench_rank, (kw, threads, prompt, args.new_tokens, args.repeats), wall_timeout_s=1800)[0]
         res.update(tp=tp, threads_per_rank=threads, wall_s=time.perf_counter() - start)
         rows.append(res)
-        print(f"t={tp} threads/rank={threads}: TTFT {res['ttft_s'] * 1000:.0f} ms, decode {res['decode_tok_s']:.1f} tok/s "
+        print(f"t={tp} threads/rank={threads}: TTFT {res['ttft_s'] * 1000:.0f} ms, "
+              f"decode {res['decode_tok_s']:.1f} tok/s "
               f"(run incl. start-up {res['wall_s']:.0f} s)", flush=True)
     same = all(r["output"] == rows[0]["output"] for r in rows)
     print(f"greedy outputs identical across configurations: {same}")

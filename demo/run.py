@@ -417,8 +417,8 @@ def run_worker(plane: ControlPlane, sdd: dict) -> str:
 def plan_table(plane: ControlPlane, sdd: dict) -> None:
     """The planner pod's own command line with --output table, run here."""
     key = (sdd["status"].get("plan") or {}).get("key", "")
-    pods = json.loads(plane.kubectl("get", "pods", "-n", DEMO_NS, "-l",
-                                    f"specdecode.io/name={SDD},specdecode.io/role=planner", "-o", "json").stdout)["items"]
+    selector = f"specdecode.io/name={SDD},specdecode.io/role=planner"
+    pods = json.loads(plane.kubectl("get", "pods", "-n", DEMO_NS, "-l", selector, "-o", "json").stdout)["items"]
     pods = [p for p in pods if key and key in json.dumps(p["metadata"].get("labels", {}))] or pods
     if pods:
         pod = pods[0]

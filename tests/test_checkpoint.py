@@ -16,7 +16,6 @@ from specdecode_worker.checkpoint import (
     split_target_draft,
     total_bytes,
 )
-from specdecode_worker.contract import GIB
 from specdecode_worker.errors import InputError
 from tests.checkpoints import write_model, write_safetensors
 

@@ -198,7 +198,8 @@ def test_example_plans_deploys_scales_replans_and_deletes(cluster, namespace, st
     dep = _get(cluster, namespace, "deployment", NAME)
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == tp
-    assert container["args"][container["args"].index("--max-total-tokens") + 1] == str(plan["kvCache"]["maxTotalNumTokens"])
+    args = container["args"]
+    assert args[args.index("--max-total-tokens") + 1] == str(plan["kvCache"]["maxTotalNumTokens"])
     assert dep["metadata"]["ownerReferences"][0]["uid"] == sdd["metadata"]["uid"]
     full = json.loads(cluster.kubectl("get", "deployment", NAME, "-n", namespace, "-o", "json",
                                       "--show-managed-fields").stdout)
@@ -206,10 +207,12 @@ def test_example_plans_deploys_scales_replans_and_deletes(cluster, namespace, st
     assert ("specdecode-operator", "Apply") in managers  # server-side apply with our field manager
     for kind, child in (("configmap", f"{NAME}-plan"), ("service", NAME)):
         owner = _get(cluster, namespace, kind, child)["metadata"]["ownerReferences"][0]
-        assert (owner["kind"], owner["uid"], owner["controller"]) == ("SpecDecodeDeployment", sdd["metadata"]["uid"], True)
+        assert (owner["kind"], owner["uid"], owner["controller"]) == \
+            ("SpecDecodeDeployment", sdd["metadata"]["uid"], True)
     workers = _list(cluster, namespace, "pods", "specdecode.io/name=llama-8b-eagle3,specdecode.io/role=worker")
     assert len(workers) == 1 and workers[0]["spec"]["nodeName"].startswith("h100-node-")
-    assert json.loads(_get(cluster, namespace, "configmap", f"{NAME}-plan")["data"]["plan.json"])["kvCache"] == plan["kvCache"]
+    pinned = json.loads(_get(cluster, namespace, "configmap", f"{NAME}-plan")["data"]["plan.json"])
+    assert pinned["kvCache"] == plan["kvCache"]
     assert _get(cluster, namespace, "service", NAME)["spec"]["ports"][0]["port"] == 8000
     table = cluster.kubectl("get", "sdd", NAME, "-n", namespace).stdout
     assert "Ready" in table and str(plan["kvCache"]["maxTotalNumTokens"]) in table
@@ -233,7 +236,8 @@ def test_example_plans_deploys_scales_replans_and_deletes(cluster, namespace, st
     # a new draft model: a new plan, a rolled pod template, the old planner pod cleaned up
     apply(cluster, namespace, example(replicas=3, draft__model=OTHER_DRAFT))
     sdd = wait_sdd(cluster, namespace, NAME, lambda s: s["status"]["plan"]["key"] != plan["key"]
-                   and s["status"]["phase"] == "Ready" and s["status"].get("updatedReplicas") == 3, "re-planned and rolled")
+                   and s["status"]["phase"] == "Ready" and s["status"].get("updatedReplicas") == 3,
+                   "re-planned and rolled")
     dep = _get(cluster, namespace, "deployment", NAME)
     assert dep["spec"]["template"]["metadata"]["annotations"]["specdecode.io/plan-key"] == sdd["status"]["plan"]["key"]
     assert f"/models/{OTHER_DRAFT}" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -329,7 +333,8 @@ def test_operator_killed_mid_plan_resumes_with_one_planner_pod(cluster, crd, nam
         op.start()
         wait_for(lambda: "resum" in op.tail(200).lower() or None, timeout=30, what="resume handled")
         assert _get(cluster, namespace, "sdd", NAME)["status"]["phase"] == "Ready"
-        assert len(planner_pods(cluster, namespace, NAME)) == 1 and rv["plan"] == _get(cluster, namespace, "sdd", NAME)["status"]["plan"]
+        assert len(planner_pods(cluster, namespace, NAME)) == 1
+        assert rv["plan"] == _get(cluster, namespace, "sdd", NAME)["status"]["plan"]
     finally:
         op.stop()
 
@@ -363,7 +368,8 @@ def test_replicas_beyond_free_gpus_are_unschedulable_with_the_scheduler_message(
 
 # Exactly what the operator needs in a watched namespace (plus `list nodes` cluster-wide, optional).
 OPERATOR_RULES = [
-    {"apiGroups": ["specdecode.io"], "resources": ["specdecodedeployments"], "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": ["specdecode.io"], "resources": ["specdecodedeployments"],
+     "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": ["specdecode.io"], "resources": ["specdecodedeployments/status"], "verbs": ["update"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
     # server-side apply needs create as well as patch when the object does not exist yet
@@ -381,7 +387,8 @@ def test_operator_runs_with_least_privilege(cluster, crd, namespace, store, tmp_
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": namespace}},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": sa, "namespace": namespace},
          "rules": OPERATOR_RULES},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": sa, "namespace": namespace},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": sa, "namespace": namespace},
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa},
          "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": namespace}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": cluster_role},

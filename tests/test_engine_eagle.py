@@ -104,7 +104,8 @@ def test_sampling_runs_with_chain_and_tree(models):
 def test_pytorch_model_bin_head_loads_like_safetensors(models, reference):
     out, sched = _generate(models["target"], "EAGLE", models["eagle_bin"], **CHAIN)
     assert out == reference
-    same, other = sched.draft_worker.model_runner.model, engine(models["target"], "EAGLE", models["eagle"]).draft_worker.model_runner.model
+    same = sched.draft_worker.model_runner.model
+    other = engine(models["target"], "EAGLE", models["eagle"]).draft_worker.model_runner.model
     for (n, a), (_, b) in zip(same.state_dict().items(), other.state_dict().items()):
         assert torch.equal(a, b), n
 

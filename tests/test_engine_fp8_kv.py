@@ -178,6 +178,7 @@ def test_a_pinned_plan_decides_the_kv_dtype_and_a_contradicting_flag_is_refused(
     base = ["--target", str(models["target"]), "--draft", str(models["draft"]), "--algorithm", "STANDALONE",
             "--device", "cpu", "--plan", str(plan_file)]
     assert serve_cli.resolve(serve_cli.parser().parse_args(base))[0].kv_cache_dtype == "fp8_e5m2"
-    assert serve_cli.resolve(serve_cli.parser().parse_args(base + ["--kv-cache-dtype", "fp8_e5m2"]))[0].kv_cache_dtype == "fp8_e5m2"
+    flagged = serve_cli.parser().parse_args(base + ["--kv-cache-dtype", "fp8_e5m2"])
+    assert serve_cli.resolve(flagged)[0].kv_cache_dtype == "fp8_e5m2"
     with pytest.raises(InputError, match="sized for a fp8_e5m2 KV cache; give --kv-cache-dtype fp8_e5m2"):
         serve_cli.resolve(serve_cli.parser().parse_args(base + ["--kv-cache-dtype", "auto"]))

@@ -42,7 +42,8 @@ def test_runner_refuses_steps_out_of_order(models):
 
 
 def test_scheduler_allocates_only_with_every_weight_resident(models):
-    sched = Scheduler(EngineArgs(str(models["target"]), str(models["draft"]), "STANDALONE", device_memory_bytes=64 << 20))
+    sched = Scheduler(EngineArgs(str(models["target"]), str(models["draft"]), "STANDALONE",
+                                 device_memory_bytes=64 << 20))
     sched.target_worker = TargetWorker(str(models["target"]), "cpu")  # the draft is not loaded yet
     with pytest.raises(PhaseError, match=r"phase 2 .*phase 1 \(load weights\)"):
         sched.init_memory_pools()
@@ -62,7 +63,8 @@ def test_init_model_worker_orders_the_phases(models, monkeypatch):
     for name in ("load_weights", "alloc_memory_pool", "init_backends"):
         monkeypatch.setattr(ModelRunner, name, spy(name, getattr(ModelRunner, name)))
     real_load_shape = scheduler_mod.load_shape
-    monkeypatch.setattr(scheduler_mod, "load_shape", lambda d: events.append(("read_config", str(d))) or real_load_shape(d))
+    monkeypatch.setattr(scheduler_mod, "load_shape",
+                        lambda d: events.append(("read_config", str(d))) or real_load_shape(d))
     engine(models["target"], "STANDALONE", models["draft"])
     assert events == [
         ("read_config", str(models["target"])), ("read_config", str(models["draft"])),

@@ -80,7 +80,8 @@ def test_engine_second_token_marginal_is_the_targets(tmp_path):
 
     exact, draft_marginal = marginal(hf), marginal(hf_d)
     sched = engine(target, "STANDALONE", draft, num_draft_tokens=3, max_running_requests=64)
-    reqs = [Request(prompt, SamplingParams(max_tokens=2, temperature=1.0, seed=i, ignore_eos=True)) for i in range(3000)]
+    reqs = [Request(prompt, SamplingParams(max_tokens=2, temperature=1.0, seed=i, ignore_eos=True))
+            for i in range(3000)]
     run_all(sched, reqs)
     assert [r.error for r in reqs if r.error] == [] and {len(r.output_ids) for r in reqs} == {2}
     counts = torch.zeros(8, dtype=torch.float64)

@@ -54,9 +54,10 @@ def test_phase():
     assert ph({c.PLANNED: c.Verdict("False", c.INSUFFICIENT_GPU_MEMORY)}) == "Failed"
     assert ph({c.PLANNED: c.Verdict("False", c.PLANNER_FAILED)}, ready=1) == "Degraded"  # old plan still serves
     planned = {c.PLANNED: c.Verdict("True", c.PLAN_READY)}
-    assert ph(planned | {c.READY: c.Verdict("False", "RollingOut"), c.DEGRADED: c.Verdict("False", "AsExpected")}) == "Deploying"
+    as_expected = {c.DEGRADED: c.Verdict("False", "AsExpected")}
+    assert ph(planned | {c.READY: c.Verdict("False", "RollingOut")} | as_expected) == "Deploying"
     assert ph(planned | {c.DEGRADED: c.Verdict("True", c.UNSCHEDULABLE)}) == "Degraded"
-    assert ph(planned | {c.READY: c.Verdict("True", "Ready"), c.DEGRADED: c.Verdict("False", "AsExpected")}, 1) == "Ready"
+    assert ph(planned | {c.READY: c.Verdict("True", "Ready")} | as_expected, 1) == "Ready"
 
 
 # --- observation ----------------------------------------------------------------------------------

@@ -217,7 +217,8 @@ def test_metrics_and_plan_report_planned_and_actual_tokens(server):
     planned = plan["plan"]["kvCache"]["maxTotalNumTokens"]
     assert plan["plannedMaxTotalNumTokens"] == planned == plan["actualMaxTotalNumTokens"]
     text = httpx.get(f"{base}/metrics").text
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    values = {line.split()[0]: float(line.split()[1])
+              for line in text.splitlines() if line and not line.startswith("#")}
     assert values["specdecode_kv_tokens_planned"] == planned == values["specdecode_kv_tokens_actual"]
     assert values["specdecode_generation_tokens_total"] > 0
     assert values["specdecode_draft_proposed_tokens_total"] > 0
@@ -269,7 +270,8 @@ def test_eagle3_head_serves_the_target_greedy_text(models, reference, tmp_path, 
 
     vocab = json.loads((models["target"] / "config.json").read_text())["vocab_size"]
     # The 2-layer target is too shallow for the default layers (2, L//2, L-3): name them.
-    head = write_eagle3_head(tmp_path / "eagle3", models["target"], draft_vocab=vocab - 4, seed=3, aux_layer_ids=[-1, 0, 1])
+    head = write_eagle3_head(tmp_path / "eagle3", models["target"], draft_vocab=vocab - 4, seed=3,
+                             aux_layer_ids=[-1, 0, 1])
     shape = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--num-draft-tokens", "5"] if tree \
         else ["--num-draft-tokens", "3"]
     argv = _argv(models, _free_port(), *shape)

@@ -148,7 +148,7 @@ def _tree_batch(req_pool, prefix_lens, trees, g):
     ids, pos, locs, slots, key_pos, masks = [], [], [], [], [], []
     used = set(req_pool.req_to_token[1 : len(trees) + 1].flatten().tolist())
     spare = [s for s in range(1, POOL + 1) if s not in used]
-    for r, (p, parents) in enumerate(zip(prefix_lens, trees)):
+    for p, parents in zip(prefix_lens, trees):
         depth = [0] * len(parents)
         for i, par in enumerate(parents):
             depth[i] = 0 if par < 0 else depth[par] + 1

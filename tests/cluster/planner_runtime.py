@@ -277,7 +277,8 @@ class Runner:
                 if marker.exists():
                     # An earlier runner started this pod and stopped before recording it.
                     self.finished.add(uid)
-                    self._record(pod, Result(137, "Error", "the test container runtime stopped while this container ran"))
+                    self._record(pod, Result(137, "Error",
+                                             "the test container runtime stopped while this container ran"))
                     continue
                 marker.touch()
                 self.active[uid] = None

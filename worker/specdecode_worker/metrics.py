@@ -35,7 +35,8 @@ class _EngineCollector:
         yield gauge("acceptance_rate", "accepted / proposed draft tokens since start", rate)
         length = (st.accepted_tokens + st.verify_rounds) / st.verify_rounds if st.verify_rounds else 0.0
         yield gauge("accept_length", "mean tokens committed per verify round (accepted + 1)", length)
-        phases = GaugeMetricFamily("specdecode_phase_seconds", "duration of each initialisation phase", labels=["phase"])
+        phases = GaugeMetricFamily("specdecode_phase_seconds", "duration of each initialisation phase",
+                                   labels=["phase"])
         for name, secs in st.phase_seconds.items():
             phases.add_metric([name], secs)
         yield phases
@@ -44,7 +45,8 @@ class _EngineCollector:
         if planned is not None:
             yield gauge("kv_tokens_planned", "max_total_num_tokens in the memory plan", planned)
         if s.memory_profile is not None:
-            yield gauge("kv_tokens_actual", "max_total_num_tokens measured in phase 2", s.memory_profile.max_total_num_tokens)
+            yield gauge("kv_tokens_actual", "max_total_num_tokens measured in phase 2",
+                        s.memory_profile.max_total_num_tokens)
         if s.ready:
             used, total = s.kv_usage()
             yield gauge("kv_pool_used_tokens", "KV token slots in use", used)
