@@ -22,6 +22,7 @@ from specdecode_worker.devices import GPU_PRODUCTS, product_memory_bytes, resolv
 from specdecode_worker.errors import InputError
 from specdecode_worker.plan import (
     Candidate,
+    ForwardGeometry,
     PlanRequest,
     build_plan,
     default_serving_limits,
@@ -36,10 +37,16 @@ LLAMA8B_W, EAGLE3_W = 16_060_522_496, 849_763_584
 QWEN7B_W, QWEN05B_W = 15_231_233_024, 988_065_536
 
 
+# hidden, intermediate, heads, KV heads, head dims, vocabulary, bf16
+LLAMA8B_GEOMETRY = ForwardGeometry(4096, 14336, 32, 8, 128, 128, 128_256, 2)
+EAGLE3_GEOMETRY = ForwardGeometry(4096, 14336, 32, 8, 128, 128, 32_000, 2)
+
+
 def request(**kw):
     base = dict(algorithm="EAGLE3", target_name="t", draft_name="d", gpu_memory_bytes=H100, gpu_total_bytes=H100,
                 gpu_source="override", gpu_name="test", kv_cache_dtype="bfloat16", draft_num_layers=1,
-                target_num_layers=32, target_vocab_size=128256, min_tokens=131072, context_length=131072)
+                target_num_layers=32, target_vocab_size=128256, min_tokens=131072, context_length=131072,
+                target_geometry=LLAMA8B_GEOMETRY, draft_geometry=EAGLE3_GEOMETRY)
     base.update(kw)
     return PlanRequest(**base)
 
@@ -101,11 +108,18 @@ def test_standalone_draft_priced_with_its_own_geometry_beats_layer_ratio():
 
 def test_default_fraction_from_the_dynamic_reserve_by_hand():
     plan = build_plan(request(), eagle3_candidates, [1, 2, 4, 8])
-    # H100 tiers: chunk 8192, graph bs 256; activations 8192 x 1.5 MiB, graphs 256 x 2 MiB x 2 models,
-    # logits 256 x 4 tokens x 128,256 x 4 B
-    dyn = 8192 * 3 * MIB // 2 + 256 * 2 * MIB * 2 + 256 * 4 * 128_256 * 4
-    assert plan["reserve"]["dynamicBytes"] == dyn == 14_483_980_288
-    assert plan["memFractionStatic"] == math.floor((1 - dyn / H100) * 1000) / 1000 == 0.830
+    # Llama-3.1-8B per token at a layer's peak, bf16: 3 x 4096 (residual, normed, output)
+    # + 32 x 128 + 8 x 256 (q, k, v) + 32 x 128 (attention output) + 3 x 14,336 (gate, up, product)
+    token = 2 * (3 * 4096 + 32 * 128 + 8 * 256 + 32 * 128 + 3 * 14_336)
+    assert token == LLAMA8B_GEOMETRY.token_bytes(1) == EAGLE3_GEOMETRY.token_bytes(1) == 131_072
+    # H100 tiers: chunk 8192, graph bs 256 = max running; verify rows 256 x 4. Eager pass: the chunk's
+    # activations, the verify batch's logits (bf16 + fp32), the chunk's three EAGLE3 feature hiddens.
+    eager = 8192 * token + 1024 * 128_256 * (2 + 4) + 8192 * 3 * 4096 * 2
+    # decode graphs of the target up to batch 256: activations, logits, split-KV partials (16 splits)
+    graphs = 256 * token + 256 * 128_256 * 6 + 256 * 32 * 16 * 129 * 4
+    dyn = math.ceil(1.25 * (eager + graphs))
+    assert plan["reserve"]["dynamicBytes"] == dyn == 2_951_577_600
+    assert plan["memFractionStatic"] == math.floor((1 - dyn / H100) * 1000) / 1000 == 0.965
     assert plan["tensorParallelSize"] == 1 and plan["minTensorParallelSize"] == 1
 
 
@@ -117,7 +131,19 @@ def test_serving_tiers_and_reserves():
     assert default_serving_limits(143_771 * MIB, 8) == (8192, 512)  # H200
     assert default_serving_limits(183_359 * MIB, 8) == (16384, 512)  # B200
     assert runtime_reserve_bytes(1) == GIB and runtime_reserve_bytes(8) == 2 * GIB
-    assert dynamic_reserve_bytes(512, 8, 4, 1000, False) == 2048 * 3 * MIB // 2 + 8 * 2 * MIB + 8 * 4 * 1000 * 4
+    tiny = ForwardGeometry(64, 128, 4, 2, 16, 16, 1000, 4)
+    token = 4 * (3 * 64 + 4 * 16 + 2 * 32 + 4 * 16 + 3 * 128)
+    graph = 8 * token + 8 * 1000 * 8 + 8 * 4 * 16 * 17 * 4
+    assert tiny.token_bytes(1) == token
+    # NGRAM: no draft; the verify batch (4 x 4 rows) is smaller than the chunk
+    assert dynamic_reserve_bytes("NGRAM", tiny, None, 1, 512, 8, 4) == math.ceil(
+        1.25 * (512 * token + 16 * 1000 * 8 + graph))
+    # STANDALONE: a larger draft sets the chunk's activations and has its own graph pool
+    big = ForwardGeometry(128, 512, 4, 4, 32, 32, 1000, 4)
+    assert dynamic_reserve_bytes("STANDALONE", tiny, big, 1, 512, 8, 4, verify_tokens=5) == math.ceil(
+        1.25 * (512 * big.token_bytes(1) + 20 * 1000 * 8 + graph + big.graph_pool_bytes(8, 1)))
+    # tensor parallelism shards heads and the MLP, not the hidden stream
+    assert LLAMA8B_GEOMETRY.token_bytes(8) == 2 * (3 * 4096 + 4 * 128 + 1 * 256 + 4 * 128 + 3 * 1792)
 
 
 def test_auto_tp_picks_the_smallest_size_that_holds_the_floor():
@@ -136,7 +162,9 @@ def test_auto_tp_picks_the_smallest_size_that_holds_the_floor():
 
 def test_misfit_reports_shortfall_and_the_smallest_fraction_that_fits():
     l4 = 23_034 * MIB
-    req = request(gpu_memory_bytes=l4, gpu_total_bytes=l4, tp=1, min_tokens=32768, context_length=32768)
+    # a 32k-token prefill chunk: its activations are what leave too little for the floor on one L4
+    req = request(gpu_memory_bytes=l4, gpu_total_bytes=l4, tp=1, min_tokens=32768, context_length=32768,
+                  chunked_prefill_size=32768)
     plan = build_plan(req, eagle3_candidates, [1, 2, 4, 8])
     assert not plan["fits"] and plan["minTensorParallelSize"] == 2
     f = plan["memFractionStatic"]
@@ -154,14 +182,15 @@ def test_misfit_reports_shortfall_and_the_smallest_fraction_that_fits():
 
 
 def test_nothing_fits_plans_the_largest_size_and_says_so():
-    req = request(gpu_memory_bytes=8 * GIB, gpu_total_bytes=8 * GIB)
+    req = request(gpu_memory_bytes=4 * GIB, gpu_total_bytes=4 * GIB)
     plan = build_plan(req, eagle3_candidates, [1, 2, 4, 8])
     assert not plan["fits"] and plan["tensorParallelSize"] == 8 and plan["minTensorParallelSize"] is None
     assert "no tensor-parallel size up to 8 fits" in plan["message"]
 
 
 def test_gpu_smaller_than_the_dynamic_reserve_still_gives_a_valid_plan():
-    plan = build_plan(request(gpu_memory_bytes=2 * GIB, gpu_total_bytes=2 * GIB), eagle3_candidates, [1])
+    plan = build_plan(request(gpu_memory_bytes=256 * MIB, gpu_total_bytes=256 * MIB), eagle3_candidates, [1])
+    assert plan["reserve"]["dynamicBytes"] > 256 * MIB
     assert not plan["fits"] and plan["kvCache"]["maxTotalNumTokens"] == 0 and plan["memFractionStatic"] == 0.001
     validate_plan(plan)
 
@@ -169,7 +198,7 @@ def test_gpu_smaller_than_the_dynamic_reserve_still_gives_a_valid_plan():
 def test_max_total_tokens_caps_the_pools_and_keeps_the_identity():
     plan = build_plan(request(max_total_tokens=200_000), eagle3_candidates, [1])
     assert plan["kvCache"]["maxTotalNumTokens"] == 200_000
-    assert plan["memFractionStatic"] < 0.830
+    assert plan["memFractionStatic"] < build_plan(request(), eagle3_candidates, [1])["memFractionStatic"]
     validate_plan(plan)
     uncapped = build_plan(request(max_total_tokens=10_000_000), eagle3_candidates, [1])
     default = build_plan(request(), eagle3_candidates, [1])
@@ -182,7 +211,7 @@ def test_kv_cache_memory_sets_the_budget_directly():
     assert plan["memFractionStatic"] == pytest.approx((20 * GIB + LLAMA8B_W + EAGLE3_W + GIB) / H100)
     validate_plan(plan)
     # a budget that eats the dynamic reserve does not fit
-    greedy = build_plan(request(kv_cache_memory_bytes=60 * GIB), eagle3_candidates, [1])
+    greedy = build_plan(request(kv_cache_memory_bytes=62 * GIB), eagle3_candidates, [1])
     assert not greedy["fits"] and greedy["shortfallBytes"] > 0
 
 

@@ -14,12 +14,9 @@ All terms are bytes per GPU under tensor-parallel size t:
   1 GiB for the CUDA context, cuBLAS workspaces and allocator fragmentation (on an H200 the
   context took 621 MiB and a first bf16 matmul 719 MiB in all), plus, when t > 1, t x 128 MiB of
   NCCL communicator buffers (SGLang's ``tp/8 GiB`` rule).
-- ``R_dynamic`` (``reserve.dynamicBytes``), what the static share must leave free, in the spirit of
-  SGLang's ``reserved_mem`` rule:
-    activations  max(chunked_prefill_size, 2048) x 1.5 MiB (per prefill-chunk token)
-  + CUDA graphs  cuda_graph_max_bs x 2 MiB, for the target and again for a draft model
-  + logits       max(max_running_requests, cuda_graph_max_bs) x VERIFY_TOKENS x vocab x 4 B (fp32)
-  Unset sizes follow SGLang's GPU tiers (``default_serving_limits``).
+- ``R_dynamic`` (``reserve.dynamicBytes``), what the static share must leave free: this engine's
+  activations, derived from the models' tensor shapes (``dynamic_reserve_bytes`` says how). Unset
+  sizes follow SGLang's GPU tiers (``default_serving_limits``).
 - ``f`` (``memFractionStatic``): by default 1 - R_dynamic / G rounded down to 3 decimals. With
   ``--kv-cache-memory-gib K`` the KV budget is K and f is derived from it; with
   ``--max-total-tokens N`` below the capacity, f shrinks to what N tokens need, so the identity
@@ -46,13 +43,72 @@ TP_CANDIDATES = (1, 2, 4, 8)
 
 RUNTIME_BASE_BYTES = GIB
 NCCL_BYTES_PER_RANK = 128 * MIB
-ACTIVATION_BYTES_PER_TOKEN = 3 * MIB // 2
-GRAPH_BYTES_PER_BATCH = 2 * MIB
-# Tokens verified per request in one step (the draft proposals plus the bonus token).
+# --- the dynamic reserve ------------------------------------------------------------------------
+# Every constant below is read off the tensors this engine allocates (models/llama.py, sampling,
+# triton_attention.py), not measured: no GPU measurement backs them yet. Phase 3's warm-up on a GPU
+# (and benchmarks/gpu_serving.py, which prints planned against measured) must confirm them.
+#
+# Tokens verified per request in one step (the draft proposals plus the bonus token), when the
+# request does not say.
 VERIFY_TOKENS = 4
-LOGIT_BYTES = 4
-# The Triton decode kernel splits each request's keys over at most this many programs.
+# Logit row bytes per vocabulary entry on top of the compute dtype's: the lm_head output in the
+# compute dtype, then the fp32 copy the sampler and acceptance read.
+LOGIT_FP32_BYTES = 4
+# The Triton decode kernel splits each request's keys over at most this many programs; its fp32
+# partial outputs (v_head_dim values and one log-sum-exp per head and split) are its workspace.
 DECODE_MAX_KV_SPLITS = 16
+PARTIAL_BYTES = 4
+# Hidden states an EAGLE head takes from the target per token, in units of hidden_size, held from
+# the target's pass until the head's: EAGLE3 concatenates three layers, EAGLE-1/2 and MTP one.
+FEATURE_HIDDENS = {"EAGLE3": 3, "EAGLE": 1, "MTP": 1}
+# PyTorch's caching allocator rounds blocks up (512 B, 2 MiB segments for large ones) and cannot
+# always reuse a freed block for a differently sized one: a quarter on top of the live bytes.
+ALLOCATOR_SLACK = 1.25
+
+
+@dataclass(frozen=True)
+class ForwardGeometry:
+    """The shapes one model's forward pass allocates per token (whole model; ``tp`` shards it)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    vocab_size: int
+    dtype_bytes: int
+
+    @classmethod
+    def of(cls, shape) -> "ForwardGeometry":
+        """From a ``ModelShape``; a config without ``intermediate_size`` is priced at 4 x hidden."""
+        return cls(shape.hidden_size, shape.intermediate_size or 4 * shape.hidden_size, shape.num_attention_heads,
+                   shape.num_kv_heads, shape.head_dim, shape.v_head_dim, shape.vocab_size, shape.dtype_bytes)
+
+    def token_bytes(self, tp: int) -> int:
+        """Bytes live per token at a decoder layer's peak, on one of ``tp`` GPUs.
+
+        Residual stream, normed input and layer output (3 x hidden); q, k and v; the attention
+        output; the MLP's gate, up and their product (3 x intermediate / t). Attention and MLP
+        temporaries are not live together, so summing both is an upper bound.
+        """
+        heads = math.ceil(self.num_heads / tp)
+        kv_heads = max(1, self.num_kv_heads // tp)
+        qkv = heads * self.head_dim + kv_heads * (self.head_dim + self.v_head_dim)
+        per_token = 3 * self.hidden_size + qkv + heads * self.v_head_dim + 3 * math.ceil(self.intermediate_size / tp)
+        return per_token * self.dtype_bytes
+
+    def logit_bytes(self, rows: int) -> int:
+        return rows * self.vocab_size * (self.dtype_bytes + LOGIT_FP32_BYTES)
+
+    def decode_workspace_bytes(self, batch: int, tp: int) -> int:
+        """Split-KV partials of one decode step (each layer reuses the same size)."""
+        return batch * math.ceil(self.num_heads / tp) * DECODE_MAX_KV_SPLITS * (self.v_head_dim + 1) * PARTIAL_BYTES
+
+    def graph_pool_bytes(self, batch: int, tp: int) -> int:
+        """A CUDA graph pool for decode batches up to ``batch``: the largest graph's activations,
+        logits and kernel workspace (smaller graphs reuse its memory). Independent of the context."""
+        return batch * self.token_bytes(tp) + self.logit_bytes(batch) + self.decode_workspace_bytes(batch, tp)
 
 
 def runtime_reserve_bytes(tp: int) -> int:
@@ -74,14 +130,30 @@ def default_serving_limits(total_bytes: int, tp: int) -> tuple[int, int]:
     return 16384, 512
 
 
-def dynamic_reserve_bytes(
-    chunked_prefill_size: int, cuda_graph_max_bs: int, max_running_requests: int, vocab_size: int, has_draft_model: bool
-) -> int:
-    """Activations of one prefill chunk, CUDA graph pools of target (and draft), verify logits."""
-    activations = max(chunked_prefill_size, 2048) * ACTIVATION_BYTES_PER_TOKEN
-    graphs = cuda_graph_max_bs * GRAPH_BYTES_PER_BATCH * (2 if has_draft_model else 1)
-    logits = max(max_running_requests, cuda_graph_max_bs) * VERIFY_TOKENS * vocab_size * LOGIT_BYTES
-    return activations + graphs + logits
+def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: ForwardGeometry | None, tp: int,
+                          chunked_prefill_size: int, cuda_graph_max_bs: int, max_running_requests: int,
+                          verify_tokens: int = VERIFY_TOKENS) -> int:
+    """Memory outside the weights and KV pools at the engine's peak, on one GPU:
+
+        ALLOCATOR_SLACK x (eager pass + CUDA graph pools)
+
+    eager pass: the larger of a prefill chunk and a verify batch (max_running x verify_tokens
+    tokens) through the larger model's layers, the verify batch's logits, and the features an EAGLE
+    head takes from the target for a chunk. Graph pools: decode graphs up to ``cuda_graph_max_bs``
+    for the target and for a STANDALONE draft (an EAGLE head runs eagerly). NGRAM has no draft:
+    its verify batches are priced like everyone's.
+    """
+    verify_rows = max_running_requests * verify_tokens
+    tokens = max(chunked_prefill_size, verify_rows)
+    per_token = target.token_bytes(tp)
+    if draft is not None:  # priced unsharded: an EAGLE head and a replicated draft run whole on each GPU
+        per_token = max(per_token, draft.token_bytes(1))
+    features = tokens * FEATURE_HIDDENS.get(algorithm, 0) * target.hidden_size * target.dtype_bytes
+    eager = tokens * per_token + target.logit_bytes(verify_rows) + features
+    graphs = target.graph_pool_bytes(cuda_graph_max_bs, tp)
+    if algorithm == "STANDALONE" and draft is not None:
+        graphs += draft.graph_pool_bytes(cuda_graph_max_bs, 1)
+    return math.ceil(ALLOCATOR_SLACK * (eager + graphs))
 
 
 def _floor3(x: float) -> float:
@@ -124,6 +196,9 @@ class PlanArgs:
     max_running_requests: int | None = None
     cuda_graph_max_bs: int | None = None
     chunked_prefill_size: int | None = None
+    target_geometry: ForwardGeometry | None = None  # required to size the dynamic reserve
+    draft_geometry: ForwardGeometry | None = None
+    verify_tokens: int = VERIFY_TOKENS
     max_total_tokens: int | None = None
     kv_cache_memory_gib: float | None = None
 
@@ -152,6 +227,9 @@ class PlanRequest:
     max_running_requests: int | None = None
     cuda_graph_max_bs: int | None = None
     chunked_prefill_size: int | None = None
+    target_geometry: ForwardGeometry | None = None  # required to size the dynamic reserve
+    draft_geometry: ForwardGeometry | None = None
+    verify_tokens: int = VERIFY_TOKENS
 
 
 @dataclass(frozen=True)
@@ -176,7 +254,10 @@ def _size(req: PlanRequest, c: Candidate) -> _Sizing:
     graph_bs = req.cuda_graph_max_bs or bs_default
     max_running = req.max_running_requests or graph_bs
     runtime = runtime_reserve_bytes(c.tp)
-    dynamic = dynamic_reserve_bytes(chunk, graph_bs, max_running, req.target_vocab_size, req.algorithm != "NGRAM")
+    if req.target_geometry is None:
+        raise ValueError("PlanRequest.target_geometry is needed to size the dynamic reserve")
+    dynamic = dynamic_reserve_bytes(req.algorithm, req.target_geometry, req.draft_geometry, c.tp, chunk, graph_bs,
+                                    max_running, req.verify_tokens)
     cell = c.target_bytes_per_token + c.draft_bytes_per_token
     static_fixed = c.target_weight_bytes + c.draft_weight_bytes + runtime
     f_cap = max(0.001, _floor3(1 - dynamic / g))  # a GPU smaller than the dynamic reserve fits nothing

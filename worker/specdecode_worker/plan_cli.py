@@ -20,7 +20,7 @@ from .contract import FP8_KV_CACHE_DTYPES, GIB, KV_CACHE_DTYPES, PLANNED_ALGORIT
 from .devices import resolve_device_memory
 from .errors import InputError
 from .model_config import ModelShape, load_shape
-from .plan import TP_CANDIDATES, Candidate, PlanArgs, PlanRequest, build_plan
+from .plan import TP_CANDIDATES, Candidate, ForwardGeometry, PlanArgs, PlanRequest, build_plan
 from .vocabulary import check_vocabulary
 
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -220,6 +220,8 @@ def make_plan(args: PlanArgs) -> dict[str, Any]:
         max_running_requests=args.max_running_requests,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         chunked_prefill_size=args.chunked_prefill_size,
+        target_geometry=ForwardGeometry.of(target),
+        draft_geometry=None if draft is None else ForwardGeometry.of(draft),
     )
     return build_plan(req, candidate, valid or [tp_req])
 
