@@ -27,7 +27,8 @@ def attention_backend_name(device: torch.device | str) -> str:
     device = torch.device(device)
     choice = os.environ.get(ATTENTION_BACKEND_ENV, "auto") or "auto"
     if choice not in ATTENTION_BACKENDS:
-        raise InputError(f"{ATTENTION_BACKEND_ENV}={choice!r} is not supported; use one of {', '.join(ATTENTION_BACKENDS)}")
+        raise InputError(f"{ATTENTION_BACKEND_ENV}={choice!r} is not supported; "
+                         f"use one of {', '.join(ATTENTION_BACKENDS)}")
     if choice == "auto":
         return "triton" if device.type == "cuda" else "torch_native"
     if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -45,7 +46,8 @@ def make_attn_backend(req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPo
     return TorchNativeAttnBackend(req_to_token_pool, kv_pool, sliding_window)
 
 
-def attend_slots(q: torch.Tensor, k_buf, v_buf, slots: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+def attend_slots(q: torch.Tensor, k_buf, v_buf, slots: torch.Tensor, mask: torch.Tensor,
+                 scaling: float) -> torch.Tensor:
     """One request's queries [n, H, D] over the K/V stored at ``slots``; returns [n, H, Dv].
 
     K/V are upcast to q's dtype (the pool may be fp8) and KV heads repeated for grouped queries.
