@@ -107,8 +107,10 @@ def test_other_tokenizer_is_refused_by_planner_and_worker_alike(models, tmp_path
         _plan(models["target"], other)
     loads = []
     monkeypatch.setattr(runner_mod.ModelRunner, "load_weights", lambda self: loads.append(self.name))
+    sched = Scheduler(EngineArgs(str(models["target"]), str(other), "STANDALONE", device_memory_bytes=64 << 20))
     with pytest.raises(InputError) as served:
-        Scheduler(EngineArgs(str(models["target"]), str(other), "STANDALONE", device_memory_bytes=64 << 20)).init_model_worker()
-    assert str(planned.value) == str(served.value)
-    assert f"defines {TOKENS + 4} token ids" in str(served.value) and "must use the target's tokenizer" in str(served.value)
+        sched.init_model_worker()
+    message = str(served.value)
+    assert str(planned.value) == message
+    assert f"defines {TOKENS + 4} token ids" in message and "must use the target's tokenizer" in message
     assert loads == []  # refused before any weight is read

@@ -21,10 +21,11 @@ def load_safetensors(model: torch.nn.Module, model_dir: str | Path, device, dtyp
         raise InputError(f"{model_dir}: no *.safetensors files; the worker loads safetensors checkpoints only")
     params = dict(model.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
+    skips = getattr(model, "skips_checkpoint_tensor", None)  # tensors of another model in the same files
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
+                if name.endswith(_IGNORED_SUFFIXES) or (skips is not None and skips(name)):
                     continue
                 if name not in params:
                     if name == "lm_head.weight" and "model.embed_tokens.weight" in params:

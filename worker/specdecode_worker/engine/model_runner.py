@@ -125,10 +125,13 @@ class ModelRunner:
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator or TokenToKVPoolAllocator(cfg.max_total_num_tokens, self.device)
         if self.token_to_kv_pool_allocator.size != cfg.max_total_num_tokens:
             raise ValueError(f"{self.name}: adopted allocator holds {self.token_to_kv_pool_allocator.size} slots, config says {cfg.max_total_num_tokens}")
-        self.token_to_kv_pool = MHATokenToKVPool(
-            cfg.max_total_num_tokens, self.shape.num_hidden_layers, self.shape.kv_heads_per_gpu(self.tp.size),
-            self.shape.head_dim, self.shape.v_head_dim, self.kv_dtype, self.device,
-        )
+        if hasattr(self.model, "make_kv_pool"):  # a model with its own cell layout (MLA's latent)
+            self.token_to_kv_pool = self.model.make_kv_pool(cfg.max_total_num_tokens, self.kv_dtype, self.device)
+        else:
+            self.token_to_kv_pool = MHATokenToKVPool(
+                cfg.max_total_num_tokens, self.shape.num_hidden_layers, self.shape.kv_heads_per_gpu(self.tp.size),
+                self.shape.head_dim, self.shape.v_head_dim, self.kv_dtype, self.device,
+            )
         self.phase = Phase.POOLS_ALLOCATED
         self.durations["alloc_memory_pool"] = time.perf_counter() - start
         log.info("%s: KV pool of %d tokens (%d bytes, %s), %s req_to_token pool", self.name, cfg.max_total_num_tokens,
@@ -143,8 +146,12 @@ class ModelRunner:
     def init_backends(self, cuda_graph_max_bs: int = 0) -> None:
         require(self.phase, Phase.POOLS_ALLOCATED, "initialise attention backends", self.name)
         start = time.perf_counter()
-        self.backend = make_attn_backend(self.req_to_token_pool, self.token_to_kv_pool, self.model.sliding_window)
-        if self.device.type == "cuda" and cuda_graph_max_bs > 0:
+        torch_native = getattr(self.model, "torch_native_attention", False)  # MLA: reference backend, eager
+        if torch_native:
+            self.backend = TorchNativeAttnBackend(self.req_to_token_pool, self.token_to_kv_pool, None)
+        else:
+            self.backend = make_attn_backend(self.req_to_token_pool, self.token_to_kv_pool, self.model.sliding_window)
+        if self.device.type == "cuda" and cuda_graph_max_bs > 0 and not torch_native:
             from .cuda_graph import CudaGraphRunner
 
             self.cuda_graphs = CudaGraphRunner(self.model, self.backend, cuda_graph_max_bs,

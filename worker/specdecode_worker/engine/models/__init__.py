@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ...errors import InputError
+from .deepseek_v3 import DeepseekV3ForCausalLM
 from .llama import LlamaForCausalLM
 
 # Llama, Qwen2 (biased q/k/v) and Mistral (sliding window) share one implementation.
@@ -10,6 +11,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

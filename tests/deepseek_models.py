@@ -1,0 +1,87 @@
+"""Tiny random DeepSeek-V3 checkpoints (MLA, grouped MoE routing, YaRN), optionally with an MTP layer.
+
+Written by transformers' ``save_pretrained`` (per-expert tensor names, as published). The MTP layer
+is appended the way the published checkpoints carry it: ``model.layers.{num_hidden_layers}`` with
+``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, a decoder block, and copies of
+``embed_tokens`` and ``shared_head.head`` (equal to the target's embedding and lm_head).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from tests.tiny_models import write_tokenizer
+
+TINY = dict(
+    vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+    n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+    qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256, routed_scaling_factor=2.5, norm_topk_prob=True,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 10000.0},
+    num_nextn_predict_layers=1, bos_token_id=1, eos_token_id=3, tie_word_embeddings=False,
+)
+
+
+def write_tiny_deepseek(out_dir: str | Path, seed: int = 0, weight_scale: float = 4.0, mtp: bool = False,
+                        **overrides) -> Path:
+    """A random DeepseekV3ForCausalLM plus tokenizer in ``out_dir``; ``mtp`` appends one NextN layer."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(**{**TINY, **overrides})
+    model = DeepseekV3ForCausalLM(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(weight_scale)
+        for module in model.modules():  # a non-zero bias, so the choice and the weights differ
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.copy_(torch.rand_like(module.e_score_correction_bias) * 0.5)
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    write_tokenizer(out)
+    if mtp:
+        tensors = load_file(out / "model.safetensors")
+        tensors.update(mtp_layer_tensors(config, tensors, seed + 1, weight_scale))
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def mtp_layer_tensors(config, target: dict, seed: int, weight_scale: float) -> dict:
+    """The NextN layer at index num_hidden_layers: a MoE decoder block plus the MTP glue."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    # A one-layer MoE model donates a decoder block with this geometry (first_k_dense_replace 0: MoE).
+    donor_cfg = DeepseekV3Config(**{**config.to_dict(), "num_hidden_layers": 1, "first_k_dense_replace": 0})
+    donor = DeepseekV3ForCausalLM(donor_cfg).float()
+    with tempfile.TemporaryDirectory() as tmp:  # saved, so the experts carry their published names
+        donor.save_pretrained(tmp, safe_serialization=True)
+        donor_tensors = load_file(Path(tmp) / "model.safetensors")
+    L, h = config.num_hidden_layers, config.hidden_size
+    p = f"model.layers.{L}."
+    out = {}
+    for name, t in donor_tensors.items():
+        if name.startswith("model.layers.0."):
+            scaled = t if "norm" in name else t * weight_scale
+            if name.endswith("e_score_correction_bias"):
+                scaled = torch.rand_like(t) * 0.5
+            out[p + name[len("model.layers.0."):]] = scaled.contiguous()
+    out[p + "enorm.weight"] = 1 + 0.1 * torch.randn(h)
+    out[p + "hnorm.weight"] = 1 + 0.1 * torch.randn(h)
+    out[p + "eh_proj.weight"] = torch.randn(h, 2 * h) * (weight_scale / (2 * h) ** 0.5)
+    out[p + "shared_head.norm.weight"] = 1 + 0.1 * torch.randn(h)
+    out[p + "embed_tokens.weight"] = target["model.embed_tokens.weight"].clone()
+    out[p + "shared_head.head.weight"] = target["lm_head.weight"].clone()
+    return out
+
+
+def config_of(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())

@@ -1,0 +1,282 @@
+"""DeepSeek-V3 (``DeepseekV3ForCausalLM``): MLA attention over the latent pool, MoE with grouped routing.
+
+- Attention (MLA): q through the low-rank ``q_a_proj -> q_a_layernorm -> q_b_proj`` (or ``q_proj``),
+  the latent ``kv_a_proj_with_mqa -> (c_kv, k_rope)``; the pool keeps ``c_kv`` (normalised) and the
+  rotated ``k_rope``. ``kv_b_proj`` is absorbed: queries move into latent space (q_nope @ W_UK) and
+  the attended latent is lifted by W_UV, so no per-head K/V is ever expanded from the cache.
+- Rope on the ``qk_rope_head_dim`` part only, YaRN with mscale (softmax scale times mscale^2), and
+  the interleaved pair layout of the published weights (``rope_interleave``, default true).
+- MoE layers (from ``first_k_dense_replace`` on): sigmoid scores, ``e_score_correction_bias`` for the
+  choice only, top-2 sum per group, ``topk_group`` groups kept, top-k experts, ``norm_topk_prob``,
+  ``routed_scaling_factor``; plus shared experts. Earlier layers have a dense MLP.
+- Tensor parallelism: attention heads are split (``q_b_proj``/``kv_b_proj`` by head rows, ``o_proj``
+  by columns); the latent projections and the router are replicated; every expert and the dense MLP
+  are split by the intermediate dimension, and one all-reduce joins each MLP or MoE block.
+
+Checkpoints load as published: per-expert tensor names ``mlp.experts.{j}.{gate,up,down}_proj``.
+The layers at index ``num_hidden_layers`` and up are MTP (NextN) layers: the target skips them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...errors import InputError
+from ..distributed import SINGLE, TPGroup
+from ..forward_batch import ForwardBatch
+from ..mla_pool import MLATokenToKVPool
+from ..parallel_layers import RowParallelLinear, column_linear, lm_head, parallel_logits, row_linear, vocab_embedding
+from .llama import RMSNorm
+from .rope import RotaryEmbedding, _rope_parameters
+
+# The low-rank norms of MLA use DeepSeek's fixed epsilon, not rms_norm_eps (as transformers does).
+LATENT_NORM_EPS = 1e-6
+
+
+def refuse_quantized(config, where: str) -> None:
+    """Block-quantized fp8 release weights are not served (the planner refuses them first)."""
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        raise InputError(f"{where}: quantization_config '{method}' checkpoints are not served; convert the weights to "
+                         "bf16 first (DeepSeek's fp8_cast_bf16.py) and serve that folder")
+
+
+def yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def softmax_scale(config) -> float:
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = _rope_parameters(config)
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        m = yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
+        scale *= m * m
+    return scale
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x0, x1), (x2, x3), ...; the output lists first, then second members (as transformers).
+
+    q and k get the same permutation, so their dot products are those of the interleaved layout."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class PartialRowLinear(RowParallelLinear):
+    """A row-parallel linear whose partial sums the caller reduces (one all-reduce per MoE block)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def partial_row_linear(in_features: int, out_features: int, tp: TPGroup) -> nn.Module:
+    return nn.Linear(in_features, out_features, bias=False) if tp.size == 1 else PartialRowLinear(
+        in_features, out_features, False, tp)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.layer_id = layer_id
+        h, heads = config.hidden_size, config.num_attention_heads
+        self.num_heads = heads // tp.size
+        self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.kv_lora_rank, self.v_head_dim = config.kv_lora_rank, config.v_head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        qk = self.nope + self.rope
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        if self.q_lora_rank is None:
+            self.q_proj = column_linear(h, heads * qk, False, tp)
+        else:
+            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)  # replicated
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = column_linear(self.q_lora_rank, heads * qk, False, tp)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope, bias=bias)  # replicated
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = column_linear(self.kv_lora_rank, heads * (self.nope + self.v_head_dim), False, tp)
+        self.o_proj = row_linear(heads * self.v_head_dim, h, bias, tp)
+        self.scaling = softmax_scale(config)
+        self.interleaved = bool(getattr(config, "rope_interleave", True))
+
+    def forward(self, x, cos, sin, fb: ForwardBatch, backend) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(n, self.num_heads, -1).split([self.nope, self.rope], dim=-1)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        rotate = rope_interleaved if self.interleaved else rope_halves
+        q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope[:, None, :], cos, sin)
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_head_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        q_latent = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
+        latent = torch.cat([c_kv[:, None, :], k_rope], dim=-1)  # [n, 1, kv_lora_rank + rope]: the cell
+        o_latent = backend.forward(torch.cat([q_latent, q_rope], dim=-1), latent, latent[..., : self.kv_lora_rank],
+                                   self.layer_id, fb, self.scaling)  # [n, heads, kv_lora_rank]
+        o = torch.einsum("nhc,hvc->nhv", o_latent, w_uv)
+        return self.o_proj(o.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    """Gated MLP split by its intermediate dimension; ``reduce`` False leaves the sum to the caller."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup = SINGLE, reduce: bool = True):
+        super().__init__()
+        self.gate_proj = column_linear(hidden, intermediate, False, tp)
+        self.up_proj = column_linear(hidden, intermediate, False, tp)
+        self.down_proj = row_linear(intermediate, hidden, False, tp) if reduce else partial_row_linear(
+            intermediate, hidden, tp)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid scores; the bias steers the choice only; groups ranked by their two best experts."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob = bool(config.norm_topk_prob)
+        self.routed_scaling_factor = float(config.routed_scaling_factor)
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(self.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        n = x.shape[0]
+        group_scores = choice.view(n, self.n_group, -1).topk(2, dim=-1)[0].sum(-1)
+        groups = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+        keep = keep[:, :, None].expand(n, self.n_group, self.num_experts // self.n_group).reshape(n, -1)
+        experts = choice.masked_fill(~keep, float("-inf")).topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return experts, weights * self.routed_scaling_factor
+
+
+class MoE(nn.Module):
+    def __init__(self, config, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.tp = tp
+        h, m = config.hidden_size, config.moe_intermediate_size
+        self.gate = Router(config)
+        self.experts = nn.ModuleList(MLP(h, m, tp, reduce=False) for _ in range(config.n_routed_experts))
+        shared = getattr(config, "n_shared_experts", None) or 0
+        self.shared_experts = MLP(h, m * shared, tp, reduce=False) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.gate(x)
+        out = torch.zeros_like(x)
+        for e in torch.unique(experts).tolist():  # every rank routes alike: same experts, same order
+            tokens, slot = torch.where(experts == e)
+            y = self.experts[e](x[tokens]) * weights[tokens, slot, None].to(x.dtype)
+            out.index_add_(0, tokens, y)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.self_attn = MLAttention(config, layer_id, tp)
+        dense = layer_id < config.first_k_dense_replace
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, tp) if dense else MoE(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, fb, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, fb, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MLARotary(RotaryEmbedding):
+    """Rope over the ``qk_rope_head_dim`` part of each head (YaRN and mscale from the config)."""
+
+    def __init__(self, config):
+        nn.Module.__init__(self)
+        self._config = config
+        self.head_dim = config.qk_rope_head_dim
+        self.reset("cpu")
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def check_moe_splits(config, size: int, where: str) -> None:
+    for name in ("moe_intermediate_size", "intermediate_size"):
+        if getattr(config, name) % size:
+            raise InputError(f"{where}: --tp {size} cannot shard this model: {name} {getattr(config, name)} does not "
+                             f"divide by {size}")
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """The target model. ``forward`` matches LlamaForCausalLM's (an MTP draft reads ``capture``)."""
+
+    sliding_window = None
+    # Attention runs on the torch-native backend over the latent pool, eagerly (no CUDA graphs).
+    torch_native_attention = True
+
+    def __init__(self, config, tp: TPGroup = SINGLE):
+        super().__init__()
+        refuse_quantized(config, "config.json")
+        if tp.size > 1:
+            check_moe_splits(config, tp.size, "config.json")
+        self.config = config
+        self.tp = tp
+        self.model = DeepseekV3Model(config, tp)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = lm_head(config.vocab_size, config.hidden_size, tp)
+        self.rotary = MLARotary(config)
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.model.layers)
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        """MTP layers (index >= num_hidden_layers) belong to the draft, not the target."""
+        prefix = "model.layers."
+        if not name.startswith(prefix):
+            return False
+        index = name[len(prefix):].partition(".")[0]
+        return index.isdigit() and int(index) >= self.config.num_hidden_layers
+
+    def make_kv_pool(self, size: int, dtype: torch.dtype, device) -> MLATokenToKVPool:
+        c = self.config
+        return MLATokenToKVPool(size, len(self.model.layers), c.kv_lora_rank, c.qk_rope_head_dim, dtype, device)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, fb: ForwardBatch, backend, logit_rows: torch.Tensor, capture=None) -> torch.Tensor:
+        x = self.model.embed_tokens(fb.input_ids)
+        cos, sin = self.rotary(fb.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, fb, backend)
+        x = self.model.norm(x)
+        if capture is not None:  # the MTP layer reads the target's final (normalised) hidden states
+            capture.last = x
+        return parallel_logits(x[logit_rows], self.head_weight(), self.config.vocab_size, self.tp).float()
