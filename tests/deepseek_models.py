@@ -85,3 +85,43 @@ def mtp_layer_tensors(config, target: dict, seed: int, weight_scale: float) -> d
 
 def config_of(model_dir: Path) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+FP8_KEEP_DENSE = ("mlp.gate.weight", "eh_proj.weight", "embed_tokens.weight", "shared_head.head.weight", "norm.weight")
+
+
+def quantize_fp8(src: Path, fp8_dir: Path, dense_dir: Path, block: tuple[int, int] = (8, 8)) -> tuple[Path, Path]:
+    """The release's format from a dense checkpoint: every decoder linear as E4M3 plus a float32
+    ``weight_scale_inv`` per block (amax / 448). ``dense_dir`` gets the same weights dequantized, an
+    independent reference any dense implementation can load."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(Path(src) / "model.safetensors")
+    fp8, dense = {}, {}
+    for name, w in tensors.items():
+        quantize = name.startswith("model.layers.") and w.dim() == 2 and not name.endswith(FP8_KEEP_DENSE)
+        if not quantize:
+            fp8[name] = dense[name] = w
+            continue
+        rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
+        amax = torch.zeros(rows, cols)
+        for i in range(rows):
+            for j in range(cols):
+                amax[i, j] = w[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]].abs().max()
+        scale = (amax / 448.0).clamp(min=1e-12)
+        full = scale.repeat_interleave(block[0], 0)[: w.shape[0]].repeat_interleave(block[1], 1)[:, : w.shape[1]]
+        q = (w / full).to(torch.float8_e4m3fn)
+        fp8[name], fp8[name[: -len("weight")] + "weight_scale_inv"] = q, scale
+        dense[name] = q.float() * full
+    for out, data, quantized in ((Path(fp8_dir), fp8, True), (Path(dense_dir), dense, False)):
+        shutil.copytree(src, out)
+        save_file(data, out / "model.safetensors", metadata={"format": "pt"})
+        if quantized:
+            cfg = config_of(out)
+            cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          "weight_block_size": list(block)}
+            (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return Path(fp8_dir), Path(dense_dir)

@@ -3,6 +3,8 @@ latent (MLA) pool, for prefill and for decode steps; the pool's cell is the plan
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -16,7 +18,7 @@ from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E4
 from specdecode_worker.errors import InputError  # noqa: E402
 from specdecode_worker.model_config import load_shape  # noqa: E402
 
-from tests.deepseek_models import config_of, write_tiny_deepseek  # noqa: E402
+from tests.deepseek_models import config_of, quantize_fp8, write_tiny_deepseek  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
 
 PROMPT = [5, 17, 42, 8, 99, 23, 4, 61, 7, 130, 12, 88, 31, 2, 77, 50, 9, 140, 3, 66]
@@ -92,12 +94,37 @@ def test_target_skips_the_mtp_layer_weights(model_dir):
     assert not any(n.startswith("model.layers.3.") for n in names)
 
 
-def test_fp8_block_quantized_release_is_refused_with_what_to_do(tmp_path):
-    folder = write_tiny_deepseek(tmp_path / "fp8", num_hidden_layers=2)
+def test_fp8_block_quantized_weights_are_served_as_stored(model_dir, tmp_path):
+    from specdecode_worker.engine.fp8_linear import FP8_DTYPE
+    from specdecode_worker.plan import PlanArgs
+    from specdecode_worker.plan_cli import make_plan
+
+    fp8, dense = quantize_fp8(model_dir, tmp_path / "fp8", tmp_path / "dense")
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    sched = engine(fp8, device_memory_bytes=1 << 30, context_len=64)
+    runner = sched.target_worker.model_runner
+    attn = runner.model.model.layers[1].self_attn
+    assert attn.q_b_proj.weight.dtype == FP8_DTYPE and attn.q_b_proj.weight_scale_inv.dtype == torch.float32
+    pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
+    req = pool.alloc()
+    alloc_positions(pool, alloc, req, 0, len(PROMPT))
+    ours = forward_segments(runner, [Segment(req, PROMPT, 0)], last_only=False)
+    ref = _reference_logits(hf, PROMPT)
+    assert torch.allclose(ours, ref, atol=1e-4, rtol=0), float((ours - ref).abs().max())
+    # Resident: fp8 weights and float32 scales, as the planner prices them from the headers.
+    plan = make_plan(PlanArgs(target=str(fp8), algorithm="NGRAM", tp=1, gpu_memory_gib=1.0,
+                              mem_fraction_static=0.9, context_length=64))
+    assert plan["weights"]["targetBytes"] == runner.weight_bytes
+    dense_runner = engine(dense, device_memory_bytes=1 << 30, context_len=64).target_worker.model_runner
+    assert runner.weight_bytes < dense_runner.weight_bytes
+
+
+def test_other_quantization_is_refused_with_what_to_do(tmp_path):
+    folder = write_tiny_deepseek(tmp_path / "awq", num_hidden_layers=2)
     cfg = config_of(folder)
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-    (folder / "config.json").write_text(__import__("json").dumps(cfg))
-    with pytest.raises(InputError, match="fp8.*not served.*bf16"):
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match="is not served; the worker serves fp8 e4m3 block-quantized"):
         engine(folder)
 
 

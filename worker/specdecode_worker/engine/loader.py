@@ -34,7 +34,14 @@ def load_safetensors(model: torch.nn.Module, model_dir: str | Path, device, dtyp
                 tensor, shape, expected = read_shard(f, name, params[name])  # this rank's slice under tp
                 if shape != expected:
                     raise InputError(f"{file}: tensor '{name}' has shape {shape}, config.json implies {expected}")
-                loaded[name] = tensor.to(device=device, dtype=dtype)
+                param = params[name]
+                if getattr(param, "keep_checkpoint_dtype", False):  # fp8 weights and their scales, as stored
+                    if tensor.dtype != param.dtype:
+                        raise InputError(f"{file}: tensor '{name}' is {tensor.dtype}, config.json's "
+                                         f"quantization_config implies {param.dtype}")
+                    loaded[name] = tensor.to(device=device)
+                else:
+                    loaded[name] = tensor.to(device=device, dtype=dtype)
     missing = sorted(set(params) - set(loaded))
     if missing:
         raise InputError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, first: {missing[:3]}")

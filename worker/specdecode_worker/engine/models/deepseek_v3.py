@@ -28,6 +28,7 @@ from torch import nn
 from ...errors import InputError
 from ..distributed import SINGLE, TPGroup
 from ..forward_batch import ForwardBatch
+from ..fp8_linear import Fp8BlockLinear, dense_weight, fp8_block_size
 from ..mla_pool import MLATokenToKVPool
 from ..parallel_layers import RowParallelLinear, column_linear, lm_head, parallel_logits, row_linear, vocab_embedding
 from .llama import RMSNorm
@@ -37,13 +38,31 @@ from .rope import RotaryEmbedding, _rope_parameters
 LATENT_NORM_EPS = 1e-6
 
 
-def refuse_quantized(config, where: str) -> None:
-    """Block-quantized fp8 release weights are not served (the planner refuses them first)."""
-    quant = getattr(config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-        raise InputError(f"{where}: quantization_config '{method}' checkpoints are not served; convert the weights to "
-                         "bf16 first (DeepSeek's fp8_cast_bf16.py) and serve that folder")
+class Linears:
+    """Builds this model's linears: dense, or fp8 block-quantized as the checkpoint stores them."""
+
+    def __init__(self, config, tp: TPGroup):
+        self.block = fp8_block_size(config, "config.json")
+        self.tp = tp
+        if self.block and getattr(config, "attention_bias", False):
+            raise InputError("config.json: fp8 block-quantized linears with attention_bias are not served")
+
+    def replicated(self, in_f: int, out_f: int, bias: bool = False) -> nn.Module:
+        return Fp8BlockLinear(in_f, out_f, self.block) if self.block else nn.Linear(in_f, out_f, bias=bias)
+
+    def column(self, in_f: int, out_f: int) -> nn.Module:
+        if self.block:
+            return Fp8BlockLinear(in_f, out_f, self.block, self.tp, "column")
+        return column_linear(in_f, out_f, False, self.tp)
+
+    def row(self, in_f: int, out_f: int, bias: bool = False, reduce: bool = True) -> nn.Module:
+        if self.block:
+            return Fp8BlockLinear(in_f, out_f, self.block, self.tp, "row", reduce)
+        if reduce:
+            return row_linear(in_f, out_f, bias, self.tp)
+        if self.tp.size == 1:
+            return nn.Linear(in_f, out_f, bias=False)
+        return PartialRowLinear(in_f, out_f, False, self.tp)
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:
@@ -82,13 +101,8 @@ class PartialRowLinear(RowParallelLinear):
         return F.linear(x, self.weight)
 
 
-def partial_row_linear(in_features: int, out_features: int, tp: TPGroup) -> nn.Module:
-    return nn.Linear(in_features, out_features, bias=False) if tp.size == 1 else PartialRowLinear(
-        in_features, out_features, False, tp)
-
-
 class MLAttention(nn.Module):
-    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
+    def __init__(self, config, layer_id: int, linears: Linears, tp: TPGroup = SINGLE):
         super().__init__()
         self.layer_id = layer_id
         h, heads = config.hidden_size, config.num_attention_heads
@@ -99,15 +113,15 @@ class MLAttention(nn.Module):
         qk = self.nope + self.rope
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         if self.q_lora_rank is None:
-            self.q_proj = column_linear(h, heads * qk, False, tp)
+            self.q_proj = linears.column(h, heads * qk)
         else:
-            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)  # replicated
+            self.q_a_proj = linears.replicated(h, self.q_lora_rank, bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = column_linear(self.q_lora_rank, heads * qk, False, tp)
-        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope, bias=bias)  # replicated
+            self.q_b_proj = linears.column(self.q_lora_rank, heads * qk)
+        self.kv_a_proj_with_mqa = linears.replicated(h, self.kv_lora_rank + self.rope, bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = column_linear(self.kv_lora_rank, heads * (self.nope + self.v_head_dim), False, tp)
-        self.o_proj = row_linear(heads * self.v_head_dim, h, bias, tp)
+        self.kv_b_proj = linears.column(self.kv_lora_rank, heads * (self.nope + self.v_head_dim))
+        self.o_proj = linears.row(heads * self.v_head_dim, h, bias)
         self.scaling = softmax_scale(config)
         self.interleaved = bool(getattr(config, "rope_interleave", True))
 
@@ -119,7 +133,7 @@ class MLAttention(nn.Module):
         c_kv = self.kv_a_layernorm(c_kv)
         rotate = rope_interleaved if self.interleaved else rope_halves
         q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope[:, None, :], cos, sin)
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_head_dim, self.kv_lora_rank)
+        w = dense_weight(self.kv_b_proj, x.dtype).view(self.num_heads, self.nope + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         q_latent = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
         latent = torch.cat([c_kv[:, None, :], k_rope], dim=-1)  # [n, 1, kv_lora_rank + rope]: the cell
@@ -132,12 +146,11 @@ class MLAttention(nn.Module):
 class MLP(nn.Module):
     """Gated MLP split by its intermediate dimension; ``reduce`` False leaves the sum to the caller."""
 
-    def __init__(self, hidden: int, intermediate: int, tp: TPGroup = SINGLE, reduce: bool = True):
+    def __init__(self, hidden: int, intermediate: int, linears: Linears, reduce: bool = True):
         super().__init__()
-        self.gate_proj = column_linear(hidden, intermediate, False, tp)
-        self.up_proj = column_linear(hidden, intermediate, False, tp)
-        self.down_proj = row_linear(intermediate, hidden, False, tp) if reduce else partial_row_linear(
-            intermediate, hidden, tp)
+        self.gate_proj = linears.column(hidden, intermediate)
+        self.up_proj = linears.column(hidden, intermediate)
+        self.down_proj = linears.row(intermediate, hidden, reduce=reduce)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -172,14 +185,14 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config, tp: TPGroup = SINGLE):
+    def __init__(self, config, linears: Linears):
         super().__init__()
-        self.tp = tp
+        self.tp = linears.tp
         h, m = config.hidden_size, config.moe_intermediate_size
         self.gate = Router(config)
-        self.experts = nn.ModuleList(MLP(h, m, tp, reduce=False) for _ in range(config.n_routed_experts))
+        self.experts = nn.ModuleList(MLP(h, m, linears, reduce=False) for _ in range(config.n_routed_experts))
         shared = getattr(config, "n_shared_experts", None) or 0
-        self.shared_experts = MLP(h, m * shared, tp, reduce=False) if shared else None
+        self.shared_experts = MLP(h, m * shared, linears, reduce=False) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.gate(x)
@@ -194,11 +207,11 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
+    def __init__(self, config, layer_id: int, linears: Linears, kv_layer: int | None = None):
         super().__init__()
-        self.self_attn = MLAttention(config, layer_id, tp)
+        self.self_attn = MLAttention(config, layer_id if kv_layer is None else kv_layer, linears, linears.tp)
         dense = layer_id < config.first_k_dense_replace
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, tp) if dense else MoE(config, tp)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, linears) if dense else MoE(config, linears)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -221,7 +234,8 @@ class DeepseekV3Model(nn.Module):
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
+        linears = Linears(config, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, linears) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -241,7 +255,6 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
-        refuse_quantized(config, "config.json")
         if tp.size > 1:
             check_moe_splits(config, tp.size, "config.json")
         self.config = config
