@@ -7,6 +7,7 @@ batches gather a padded ``[B, ctx]`` block so the same code can be captured in a
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -15,6 +16,8 @@ import torch.nn.functional as F
 from ..errors import InputError
 from .forward_batch import ForwardBatch
 from .pools import MHATokenToKVPool, ReqToTokenPool
+
+log = logging.getLogger(__name__)
 
 # auto: Triton kernels on CUDA devices, torch-native on CPU. torch_native forces the reference path
 # (also on CUDA); triton on CPU needs TRITON_INTERPRET=1 (exact but very slow: for tests only).
@@ -37,9 +40,22 @@ def attention_backend_name(device: torch.device | str) -> str:
     return choice
 
 
+def use_triton(req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool) -> bool:
+    """The Triton backend for these pools? Not for an fp8 pool on GPUs before sm_89 (Triton has no
+    e4m3 there): those keep the torch-native path, with a log line."""
+    device = req_to_token_pool.req_to_token.device
+    if attention_backend_name(device) != "triton":
+        return False
+    if (kv_pool.dtype == torch.float8_e4m3fn and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) < (8, 9)):
+        log.warning("fp8_e4m3 KV cache on a GPU before sm_89: attention runs on the torch-native backend")
+        return False
+    return True
+
+
 def make_attn_backend(req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, sliding_window: int | None):
     """Decode and extend attention over these pools, on the backend chosen for their device."""
-    if attention_backend_name(req_to_token_pool.req_to_token.device) == "triton":
+    if use_triton(req_to_token_pool, kv_pool):
         from .triton_attention import TritonAttnBackend  # imports triton: only where it runs
 
         return TritonAttnBackend(req_to_token_pool, kv_pool, sliding_window)

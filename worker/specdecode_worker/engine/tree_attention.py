@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import attend_slots, attention_backend_name
+from .attention import attend_slots, use_triton
 from .forward_batch import ForwardBatch
 from .pools import MHATokenToKVPool, ReqToTokenPool
 
@@ -51,7 +51,7 @@ class TreeAttnBackend:
 
 def make_tree_attn_backend(req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, sliding_window: int | None):
     """Tree-masked attention on the backend chosen for the pools' device (Triton serves both kinds)."""
-    if attention_backend_name(req_to_token_pool.req_to_token.device) == "triton":
+    if use_triton(req_to_token_pool, kv_pool):
         from .triton_attention import TritonAttnBackend
 
         return TritonAttnBackend(req_to_token_pool, kv_pool, sliding_window)

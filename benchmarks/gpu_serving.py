@@ -1,0 +1,366 @@
+"""The engine on one GPU at real sizes: start-up against the plan, decode speed against the HBM
+roofline, and speculative speedup at controlled acceptance. One script, about 8 minutes or less
+on an H100/H200.
+
+Models are random bf16 weights made on the device (nothing downloaded): checkpoints are written
+as sparse safetensors files (headers only, for the planner) and the engine's weight loader is
+replaced by one that fills every parameter with seeded random values on the device. Geometries:
+Llama-3.1-8B (target), an EAGLE3 head for it, a Llama-3.2-1B-shaped STANDALONE draft. Settings:
+contextLength 8192 and every other size at the planner's default for the GPU found.
+
+It reports
+  - start-up of the example's settings (8B + EAGLE3, default cudaGraphMaxBs) without OOM;
+  - planned against allocated KV tokens;
+  - planned against measured dynamic peak (caching allocator's peak reserved bytes minus weights
+    and pools, after a warm-up at the largest prefill chunk and the largest graph batch);
+  - decode tok/s at batch 1, 8, 64 (1k-token prompts, 256 new tokens) against the roofline
+    (weights + live KV bytes per step over the measured device-to-device copy bandwidth);
+  - decode step time at batch 64 with live length 1k against 7k;
+  - speculative speedup (STANDALONE, k = 3) with a copy of the target as draft (acceptance 1) and a
+    perturbed copy, and with the 1B draft, at batch 1 and 16;
+and prints a table (``--json`` writes the numbers too).
+
+Run on a GPU box:  PYTHONPATH=worker:operator:. python benchmarks/gpu_serving.py [--json out.json]
+CPU smoke run:     PYTHONPATH=worker:operator:. python benchmarks/gpu_serving.py --tiny
+(``--tiny``: the same code path with a tiny geometry on CPU, in seconds; the tests run it.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (ROOT, ROOT / "worker", ROOT / "operator"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from specdecode_worker import serve_cli  # noqa: E402
+from specdecode_worker.engine import model_runner  # noqa: E402
+from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
+from specdecode_worker.engine.scheduler import Scheduler  # noqa: E402
+from tests.checkpoints import CONFIGS, _decoder_tensors, model_tensors, write_checkpoint  # noqa: E402
+
+LLAMA_1B = {  # meta-llama/Llama-3.2-1B-Instruct
+    **CONFIGS["llama-3.1-8b-instruct"], "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True,
+    "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+}
+TINY_TARGET = {**CONFIGS["llama-3.1-8b-instruct"], "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+               "bos_token_id": 1, "eos_token_id": 2,
+               "max_position_embeddings": 512, "torch_dtype": "float32"}
+TINY_DRAFT = {**TINY_TARGET, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 1}
+TINY_EAGLE3 = {**CONFIGS["eagle3-llama-3.1-8b"], "hidden_size": 64, "intermediate_size": 128,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "draft_vocab_size": 256,
+               "bos_token_id": 1, "eos_token_id": 2}
+
+
+@dataclass
+class Settings:
+    device: str
+    context: int
+    prompt: int  # decode runs: prompt length
+    new_tokens: int
+    batches: tuple[int, ...]
+    long_prompt: int  # step time at long live length
+    step_batch: int
+    step_tokens: int
+    spec_batches: tuple[int, ...]
+    k: int
+    noise: float  # perturbed copy: relative Gaussian noise on every weight
+    cpu_budget_gib: float | None = None
+    configs: dict = field(default_factory=dict)
+    chunk: int = 0  # prompt tokens per step; set from the plan's chunkedPrefillSize
+
+
+FULL = Settings("cuda", 8192, 1024, 256, (1, 8, 64), 7168, 64, 16, (1, 16), 3, 0.1,
+                configs={"target": CONFIGS["llama-3.1-8b-instruct"], "draft1b": LLAMA_1B,
+                         "eagle3": CONFIGS["eagle3-llama-3.1-8b"]})
+TINY = Settings("cpu", 256, 24, 6, (1, 2), 180, 2, 3, (2,), 3, 0.1, cpu_budget_gib=2.0,
+                configs={"target": TINY_TARGET, "draft1b": TINY_DRAFT, "eagle3": TINY_EAGLE3})
+
+
+# ---- models -------------------------------------------------------------------------------------
+def eagle3_tensors(cfg: dict):
+    if cfg is CONFIGS["eagle3-llama-3.1-8b"]:
+        return model_tensors("eagle3-llama-3.1-8b")
+    from tests.checkpoints import _eagle3_tensors
+
+    return _eagle3_tensors(cfg)
+
+
+def write_models(root: Path, s: Settings) -> dict[str, Path]:
+    """Sparse checkpoints (real headers, no data): what the planner reads."""
+    c = s.configs
+    out = {
+        "target": write_checkpoint(root / "target", c["target"], _decoder_tensors(c["target"])),
+        "copy": write_checkpoint(root / "copy", c["target"], _decoder_tensors(c["target"])),
+        "perturbed": write_checkpoint(root / "perturbed", c["target"], _decoder_tensors(c["target"])),
+        "draft1b": write_checkpoint(root / "draft1b", c["draft1b"], _decoder_tensors(c["draft1b"])),
+        "eagle3": write_checkpoint(root / "eagle3", c["eagle3"], eagle3_tensors(c["eagle3"])),
+    }
+    return out
+
+
+def random_loader(seeds: dict[str, tuple[int, float]]):
+    """A stand-in for load_safetensors: seeded random weights made on the device.
+
+    ``seeds[folder] = (seed, noise)``: the same seed gives the same weights (a copy of the
+    target); noise > 0 adds noise x std Gaussian noise to every weight (a perturbed copy).
+    """
+    def load(model, model_dir, device, dtype):
+        seed, noise = seeds[str(Path(model_dir).resolve())]
+        gen = torch.Generator(device=device).manual_seed(seed)
+        noise_gen = torch.Generator(device=device).manual_seed(seed + 1000)
+        state = {}
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                t = torch.ones(p.shape, device=device, dtype=dtype)
+            else:
+                std = p.shape[-1] ** -0.5 if p.dim() > 1 else 0.02
+                t = torch.empty(p.shape, device=device, dtype=dtype).normal_(0, std, generator=gen)
+                if noise:
+                    t += torch.empty_like(t).normal_(0, std * noise, generator=noise_gen)
+            state[name] = t
+        model.load_state_dict(state, strict=False, assign=True)
+    return load
+
+
+def randomise_head(module: torch.nn.Module, seed: int) -> None:
+    """The EAGLE3 head is read from its sparse file (zeros): give it random values in place."""
+    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if not p.is_floating_point():
+                continue
+            if "norm" in name:
+                p.fill_(1)
+            else:
+                p.normal_(0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.02, generator=gen)
+
+
+# ---- engine runs ------------------------------------------------------------------------------
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@contextmanager
+def engine(s: Settings, models, target: str, algorithm: str = "NONE", draft: str | None = None, extra=()):
+    argv = ["--target", str(models[target]), "--algorithm", algorithm, "--device", s.device,
+            "--context-length", str(s.context), "--num-draft-tokens", str(s.k), *extra]
+    if draft:
+        argv += ["--draft", str(models[draft])]
+    if s.cpu_budget_gib:
+        argv += ["--device-memory-gib", str(s.cpu_budget_gib)]
+    engine_args, plan = serve_cli.resolve(serve_cli.parser().parse_args(argv))
+    sched = Scheduler(engine_args)
+    try:
+        sched.init_model_worker()
+        yield sched, plan
+    finally:
+        del sched
+        gc.collect()
+        if s.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 10, (n, length), generator=g).tolist()
+
+
+def generate(sched, s: Settings, batch: int, prompt_len: int, new_tokens: int, seed: int = 0) -> dict:
+    """Requests admitted in waves of at most one prefill chunk of prompt tokens per step (the engine
+    prefills whatever it admits in one pass), then the decode steps timed on their own."""
+    vocab = sched.target_shape.vocab_size
+    reqs = [Request(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+            for p in prompts(batch, prompt_len, vocab, seed)]
+    wave = max(1, s.chunk // prompt_len)
+    sync(s.device)
+    t0 = time.perf_counter()
+    for start in range(0, batch, wave):
+        for r in reqs[start : start + wave]:
+            sched.submit(r)
+        sched.step()
+    sync(s.device)
+    t1 = time.perf_counter()
+    after_admission = sum(len(r.output_ids) for r in reqs)
+    steps = 0
+    while not all(r.done.is_set() for r in reqs):
+        sched.step()
+        steps += 1
+    sync(s.device)
+    t2 = time.perf_counter()
+    decoded = sum(len(r.output_ids) for r in reqs) - after_admission
+    return {"batch": batch, "admission_s": t1 - t0, "decode_s": t2 - t1, "decode_tokens": decoded, "steps": steps,
+            "tok_s": decoded / max(t2 - t1, 1e-9), "step_ms": 1e3 * (t2 - t1) / max(steps, 1),
+            "outputs": [r.output_ids for r in reqs]}
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    n = (2 << 30) if device == "cuda" else (64 << 20)
+    x = torch.empty(n, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    sync(device)
+    reps = 10
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        y.copy_(x)
+    sync(device)
+    secs = time.perf_counter() - t0
+    del x, y
+    return 2 * n * reps / secs
+
+
+def static_bytes(sched) -> int:
+    """Weights, KV pools and the req_to_token map the engine holds (what the plan calls static)."""
+    target = sched.target_worker.model_runner
+    total = target.req_to_token_pool.nbytes()
+    for runner in (target, getattr(sched.draft_worker, "model_runner", None)):
+        if runner is not None:
+            total += runner.weight_bytes + runner.token_to_kv_pool.nbytes()
+    return total
+
+
+# ---- the report ---------------------------------------------------------------------------------
+def run(s: Settings, root: Path, log=print) -> dict:
+    models = write_models(root, s)
+    seeds = {str(models["target"].resolve()): (0, 0.0), str(models["copy"].resolve()): (0, 0.0),
+             str(models["perturbed"].resolve()): (0, s.noise), str(models["draft1b"].resolve()): (1, 0.0)}
+    model_runner.load_safetensors = random_loader(seeds)
+    res: dict = {"device": torch.cuda.get_device_name() if s.device == "cuda" else "cpu"}
+    bw = copy_bandwidth(s.device)
+    res["bandwidth_GBps"] = bw / 1e9
+    log(f"device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s")
+
+    # 1. the example's settings: 8B + EAGLE3, planner defaults; warm-up at the largest chunk and batch
+    if s.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with engine(s, models, "target", "EAGLE3", "eagle3") as (sched, plan):
+            randomise_head(sched.draft_worker.model_runner.model, 7)
+            r = plan["reserve"]
+            s.chunk = r["chunkedPrefillSize"]
+            res["startup"] = "ok"
+            res["planned_kv_tokens"] = plan["kvCache"]["maxTotalNumTokens"]
+            res["allocated_kv_tokens"] = sched.target_worker.model_runner.token_to_kv_pool_allocator.size
+            res["planned_dynamic_bytes"] = r["dynamicBytes"]
+            res["cuda_graph_max_bs"], res["chunked_prefill_size"] = r["cudaGraphMaxBs"], r["chunkedPrefillSize"]
+            generate(sched, s, min(r["cudaGraphMaxBs"], r["maxRunningRequests"]), 16, 4)  # largest graph batch
+            generate(sched, s, 1, min(s.chunk, s.context - 8), 2)  # largest prefill chunk
+            res["eagle3_b1"] = _strip(generate(sched, s, 1, s.prompt, s.new_tokens))
+            res["eagle3_b1"]["accept_len"] = sched.stats.accepted_tokens / max(sched.stats.verify_rounds, 1)
+            if s.device == "cuda":
+                res["measured_dynamic_bytes"] = torch.cuda.max_memory_reserved() - static_bytes(sched)
+    except torch.cuda.OutOfMemoryError as exc:
+        res["startup"] = f"OOM: {exc}"
+        log(res["startup"])
+        return res
+    log(f"start-up ok: planned {res['planned_kv_tokens']} KV tokens, allocated {res['allocated_kv_tokens']}")
+
+    # 2. decode against the roofline, and step time against live length
+    with engine(s, models, "target") as (sched, plan):
+        runner = sched.target_worker.model_runner
+        cell = runner.token_to_kv_pool.bytes_per_token()
+        res["decode"] = []
+        for b in s.batches:
+            out = _strip(generate(sched, s, b, s.prompt, s.new_tokens))
+            live = s.prompt + s.new_tokens / 2
+            out["roofline_tok_s"] = b * bw / (runner.weight_bytes + b * live * cell)
+            out["of_roofline"] = out["tok_s"] / out["roofline_tok_s"]
+            res["decode"].append(out)
+            log(f"decode batch {b}: {out['tok_s']:.0f} tok/s, {100 * out['of_roofline']:.0f}% of roofline")
+        res["step_ms"] = {}
+        for length in (s.prompt, s.long_prompt):
+            res["step_ms"][length] = generate(sched, s, s.step_batch, length, s.step_tokens)["step_ms"]
+        log(f"batch {s.step_batch} step: {res['step_ms']}")
+        base = {b: generate(sched, s, b, s.prompt, s.new_tokens, seed=5) for b in s.spec_batches}
+
+    # 3. speculative speedup at controlled acceptance
+    res["spec"] = []
+    for name in ("copy", "perturbed", "draft1b"):
+        with engine(s, models, "target", "STANDALONE", name) as (sched, plan):
+            for b in s.spec_batches:
+                before = (sched.stats.accepted_tokens, sched.stats.proposed_tokens)
+                out = generate(sched, s, b, s.prompt, s.new_tokens, seed=5)
+                acc = sched.stats.accepted_tokens - before[0]
+                prop = sched.stats.proposed_tokens - before[1]
+                row = {"draft": name, "batch": b, "acceptance": acc / max(prop, 1), "tok_s": out["tok_s"],
+                       "baseline_tok_s": base[b]["tok_s"], "speedup": out["tok_s"] / base[b]["tok_s"],
+                       "same_output": out["outputs"] == base[b]["outputs"]}
+                res["spec"].append(row)
+                log(f"STANDALONE {name} batch {b}: acceptance {row['acceptance']:.2f}, speedup {row['speedup']:.2f}x")
+    return res
+
+
+def _strip(out: dict) -> dict:
+    return {k: v for k, v in out.items() if k != "outputs"}
+
+
+def table(res: dict) -> str:
+    gib = 1 << 30
+    rows = [("device", res["device"]), ("copy bandwidth", f"{res['bandwidth_GBps']:.0f} GB/s"),
+            ("start-up (8B + EAGLE3, planner defaults)", res["startup"])]
+    if res["startup"] == "ok":
+        rows += [("KV tokens planned / allocated", f"{res['planned_kv_tokens']} / {res['allocated_kv_tokens']}"),
+                 ("graph batch / prefill chunk", f"{res['cuda_graph_max_bs']} / {res['chunked_prefill_size']}")]
+        measured = res.get("measured_dynamic_bytes")
+        rows.append(("dynamic bytes planned / measured", f"{res['planned_dynamic_bytes'] / gib:.2f} GiB / "
+                     + (f"{measured / gib:.2f} GiB" if measured is not None else "n/a (cpu)")))
+        e = res["eagle3_b1"]
+        rows.append(("EAGLE3 (random head) batch 1", f"{e['tok_s']:.1f} tok/s, accept length {e['accept_len']:.2f}"))
+        for d in res["decode"]:
+            rows.append((f"decode batch {d['batch']}", f"{d['tok_s']:.1f} tok/s = {100 * d['of_roofline']:.0f}% of "
+                         f"roofline {d['roofline_tok_s']:.1f} tok/s"))
+        (short, s_ms), (long, l_ms) = sorted(res["step_ms"].items())
+        rows.append(("step time at live length", f"{short}: {s_ms:.2f} ms, {long}: {l_ms:.2f} ms"))
+        for r in res["spec"]:
+            rows.append((f"STANDALONE {r['draft']} k=3 batch {r['batch']}",
+                         f"acceptance {r['acceptance']:.2f}, {r['tok_s']:.1f} vs {r['baseline_tok_s']:.1f} tok/s = "
+                         f"{r['speedup']:.2f}x, same output: {r['same_output']}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"| {k.ljust(width)} | {v} |" for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="tiny geometry on CPU: checks the script, measures nothing")
+    p.add_argument("--json", help="write the numbers here")
+    args = p.parse_args(argv)
+    s = copy.deepcopy(TINY if args.tiny else FULL)
+    if s.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --tiny for the CPU smoke run", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    original = model_runner.load_safetensors
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            res = run(s, Path(root), log=lambda m: print(m, flush=True))
+    finally:
+        model_runner.load_safetensors = original
+    res["wall_s"] = time.perf_counter() - start
+    print(table(res))
+    print(f"wall time {res['wall_s']:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+    return 0 if res["startup"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
