@@ -42,3 +42,11 @@ def test_reserve_grows_with_the_geometry_and_the_sizes():
     assert dynamic_reserve_bytes("NGRAM", small, None, 1, 2048, 8, 8, verify_tokens=1024) > base
     # the reserve does not depend on the context length: nothing in it is sized by it
     assert dynamic_reserve_bytes("NGRAM", large, None, 1, 8192, 256, 256) < 3 * GIB
+
+
+def test_serve_prices_its_own_verify_width(tmp_path):
+    from specdecode_worker.plan_cli import plan_args
+
+    argv = ["--target", str(tmp_path), "--algorithm", "NGRAM", "--device", "cpu", "--device-memory-gib", "2"]
+    assert plan_args(serve_cli.parser().parse_args(argv)).verify_tokens == 5  # the default 4 proposals + 1
+    assert plan_args(serve_cli.parser().parse_args(argv + ["--num-draft-tokens", "7"])).verify_tokens == 8

@@ -196,9 +196,7 @@ class PlanArgs:
     max_running_requests: int | None = None
     cuda_graph_max_bs: int | None = None
     chunked_prefill_size: int | None = None
-    target_geometry: ForwardGeometry | None = None  # required to size the dynamic reserve
-    draft_geometry: ForwardGeometry | None = None
-    verify_tokens: int = VERIFY_TOKENS
+    verify_tokens: int = VERIFY_TOKENS  # tokens verified per request per step (proposals + 1)
     max_total_tokens: int | None = None
     kv_cache_memory_gib: float | None = None
 

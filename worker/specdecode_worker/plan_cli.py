@@ -20,7 +20,7 @@ from .contract import FP8_KV_CACHE_DTYPES, GIB, KV_CACHE_DTYPES, PLANNED_ALGORIT
 from .devices import resolve_device_memory
 from .errors import InputError
 from .model_config import ModelShape, load_shape
-from .plan import TP_CANDIDATES, Candidate, ForwardGeometry, PlanArgs, PlanRequest, build_plan
+from .plan import TP_CANDIDATES, VERIFY_TOKENS, Candidate, ForwardGeometry, PlanArgs, PlanRequest, build_plan
 from .vocabulary import check_vocabulary
 
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -84,6 +84,8 @@ def plan_args(flags: argparse.Namespace) -> PlanArgs:
         max_running_requests=flags.max_running_requests, cuda_graph_max_bs=flags.cuda_graph_max_bs,
         chunked_prefill_size=flags.chunked_prefill_size, max_total_tokens=flags.max_total_tokens,
         kv_cache_memory_gib=flags.kv_cache_memory_gib,
+        # serve knows its proposals per round; the planner alone assumes the default width
+        verify_tokens=flags.num_draft_tokens + 1 if getattr(flags, "num_draft_tokens", None) else VERIFY_TOKENS,
     )
 
 
@@ -222,6 +224,7 @@ def make_plan(args: PlanArgs) -> dict[str, Any]:
         chunked_prefill_size=args.chunked_prefill_size,
         target_geometry=ForwardGeometry.of(target),
         draft_geometry=None if draft is None else ForwardGeometry.of(draft),
+        verify_tokens=args.verify_tokens,
     )
     return build_plan(req, candidate, valid or [tp_req])
 
