@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.eagle_train import prompts  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.scheduler import EngineArgs, Scheduler  # noqa: E402
+from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from tests.smollm2 import cache_dir, smollm2_dir  # noqa: E402
 
 CONFIGS = [
@@ -38,30 +38,30 @@ CONFIGS = [
 ]
 
 
-def engine(target, algorithm, head, kw) -> Scheduler:
+def engine(target, algorithm, head, kw) -> Engine:
     args = dict(device_memory_bytes=4 << 30, runtime_bytes=0, context_len=1024, max_total_tokens=8192,
                 max_running_requests=8)
     args.update(kw)
-    s = Scheduler(EngineArgs(str(target), str(head) if algorithm != "NONE" else None, algorithm, **args))
+    s = Engine(EngineArgs(str(target), str(head) if algorithm != "NONE" else None, algorithm, **args))
     s.init_model_worker()
     return s
 
 
-def run(sched: Scheduler, prompt_ids: list[list[int]], max_new: int, concurrent: bool):
+def run(eng: Engine, prompt_ids: list[list[int]], max_new: int, concurrent: bool):
     """Tokens, seconds and spec counters for the prompts (one at a time, or all at once)."""
     params = SamplingParams(max_tokens=max_new, ignore_eos=True)
-    spec = sched.spec
-    before = (spec.accepted_tokens, spec.rounds)
+    stats = eng.stats
+    before = (stats.accepted_tokens, stats.verify_rounds)
     start = time.perf_counter()
     outs = []
     groups = [prompt_ids] if concurrent else [[p] for p in prompt_ids]
     for group in groups:
-        reqs = [sched.submit(Request(list(p), params)) for p in group]
+        reqs = [eng.submit(Request(list(p), params)) for p in group]
         while not all(r.done.is_set() for r in reqs):
-            sched.step()
+            eng.step()
         outs += [r.output_ids for r in reqs]
     secs = time.perf_counter() - start
-    accepted, rounds = spec.accepted_tokens - before[0], spec.rounds - before[1]
+    accepted, rounds = stats.accepted_tokens - before[0], stats.verify_rounds - before[1]
     return outs, secs, accepted, rounds
 
 
@@ -88,16 +88,16 @@ def main(argv=None) -> int:
     sets = {"seen topics": [encode(t) for t in prompts("train")[: args.prompts]],
             "held-out topics": [encode(t) for t in prompts("bench")[: args.prompts]]}
     engines = {name: engine(target, algorithm, args.head, kw) for name, algorithm, kw in CONFIGS}
-    for sched in engines.values():
-        run(sched, list(sets.values())[0][:1], 4, False)  # warm-up
+    for eng in engines.values():
+        run(eng, list(sets.values())[0][:1], 4, False)  # warm-up
     # Methods interleaved prompt by prompt, so a change in machine load hits them alike.
     totals = {}
     for set_name, ids in sets.items():
         for concurrent in (False, True):
             groups = [ids] if concurrent else [[x] for x in ids]
             for group in groups:
-                for name, sched in engines.items():
-                    outs, secs, accepted, rounds = run(sched, group, args.max_new_tokens, concurrent)
+                for name, eng in engines.items():
+                    outs, secs, accepted, rounds = run(eng, group, args.max_new_tokens, concurrent)
                     t = totals.setdefault((set_name, concurrent, name), dict(outs=[], secs=0.0, accepted=0, rounds=0))
                     t["outs"] += outs
                     t["secs"] += secs

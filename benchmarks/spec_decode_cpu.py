@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.scheduler import EngineArgs, Scheduler  # noqa: E402
+from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from tests.smollm2 import smollm2_dir  # noqa: E402
 
 PARAGRAPH = (
@@ -54,7 +54,7 @@ def hf_run(model, ids, max_new, **kw):
 
 
 def engine(model_dir, algorithm, draft=None, quant=None, k=4):
-    s = Scheduler(EngineArgs(str(model_dir), draft and str(draft), algorithm, device_memory_bytes=4 << 30,
+    s = Engine(EngineArgs(str(model_dir), draft and str(draft), algorithm, device_memory_bytes=4 << 30,
                              runtime_bytes=0, context_len=1024, max_total_tokens=4096, max_running_requests=8,
                              num_draft_tokens=k, draft_quantization=quant))
     s.init_model_worker()

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdecode_worker.engine.distributed import launch  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.scheduler import EngineArgs  # noqa: E402
+from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
 
 
 def model_dir(cache: Path, hidden: int, layers: int, heads: int, kv_heads: int, vocab: int) -> Path:
@@ -43,15 +43,15 @@ def model_dir(cache: Path, hidden: int, layers: int, heads: int, kv_heads: int, 
     return out
 
 
-def _timed(sched, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float]:
+def _timed(eng, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float]:
     """(output, seconds to the first token, decode tokens per second after it)."""
     stamps: list[float] = []
     req = Request(prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True),
                   on_update=lambda r, toks: toks and stamps.extend([time.perf_counter()] * len(toks)))
     start = time.perf_counter()
-    sched.submit(req)
+    eng.submit(req)
     while not req.done.is_set():
-        sched.step()
+        eng.step()
     ttft = stamps[0] - start
     decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")
     return req.output_ids, ttft, decode
@@ -62,9 +62,9 @@ def _bench_rank(kw: dict, threads: int, prompt: list[int], new_tokens: int, repe
 
     torch.set_num_threads(threads)
 
-    def lead(sched):
-        _timed(sched, prompt[:16], 4)  # warm-up
-        runs = [_timed(sched, prompt, new_tokens) for _ in range(repeats)]
+    def lead(eng):
+        _timed(eng, prompt[:16], 4)  # warm-up
+        runs = [_timed(eng, prompt, new_tokens) for _ in range(repeats)]
         return {"output": runs[0][0], "ttft_s": statistics.median(r[1] for r in runs),
                 "decode_tok_s": statistics.median(r[2] for r in runs)}
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode_worker.engine.scheduler import EngineArgs, Scheduler
+from specdecode_worker.engine.engine import Engine, EngineArgs
 
 from tests.tiny_models import write_tiny_pair
 
@@ -24,19 +24,19 @@ def tiny_models(root: Path) -> dict[str, Path]:
     return {"target": target, "draft": draft, "copy": copy}
 
 
-def engine(target, algorithm="NONE", draft=None, **kw) -> Scheduler:
+def engine(target, algorithm="NONE", draft=None, **kw) -> Engine:
     args = dict(device_memory_bytes=64 << 20, mem_fraction_static=0.9, runtime_bytes=0, context_len=256,
                 max_running_requests=8, num_draft_tokens=4)
     args.update(kw)
-    sched = Scheduler(EngineArgs(str(target), str(draft) if draft else None, algorithm, **args))
-    sched.init_model_worker()
-    return sched
+    eng = Engine(EngineArgs(str(target), str(draft) if draft else None, algorithm, **args))
+    eng.init_model_worker()
+    return eng
 
 
-def run_all(sched: Scheduler, reqs):
+def run_all(eng: Engine, reqs):
     """Submit every request, then step the engine until all are done (no thread)."""
     for r in reqs:
-        sched.submit(r)
+        eng.submit(r)
     while not all(r.done.is_set() for r in reqs):
-        sched.step()
+        eng.step()
     return reqs

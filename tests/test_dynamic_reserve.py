@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from specdecode_worker import serve_cli  # noqa: E402
 from specdecode_worker.contract import GIB, MIB  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.scheduler import Scheduler  # noqa: E402
+from specdecode_worker.engine.engine import Engine  # noqa: E402
 from specdecode_worker.plan import ForwardGeometry, dynamic_reserve_bytes  # noqa: E402
 
 from tests.engine_helpers import run_all, tiny_models  # noqa: E402
@@ -26,9 +26,9 @@ def test_tiny_model_starts_in_a_2_gib_budget_with_defaults(tmp_path):
     # the reserve follows the tiny geometry (hidden 64, vocabulary of the tiny tokenizer), not a GPU's
     assert plan["reserve"]["dynamicBytes"] < 64 * MIB
     assert plan["memFractionStatic"] > 0.9
-    sched = Scheduler(engine_args)
-    sched.init_model_worker()
-    (req,) = run_all(sched, [Request([3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))])
+    eng = Engine(engine_args)
+    eng.init_model_worker()
+    (req,) = run_all(eng, [Request([3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))])
     assert len(req.output_ids) == 4
 
 

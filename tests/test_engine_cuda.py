@@ -44,9 +44,9 @@ def _prompts(vocab: int, n: int = 5):
 
 
 def _outputs(target, algorithm="NONE", draft=None, vocab=VOCAB, **kw):
-    sched = engine(target, algorithm, draft, **{**CUDA, **kw})
-    reqs = run_all(sched, [Request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in _prompts(vocab)])
-    allocator = sched.target_worker.model_runner.token_to_kv_pool_allocator
+    eng = engine(target, algorithm, draft, **{**CUDA, **kw})
+    reqs = run_all(eng, [Request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in _prompts(vocab)])
+    allocator = eng.target_runner.token_to_kv_pool_allocator
     free = allocator.available_size() if hasattr(allocator, "available_size") else None
     return [r.output_ids for r in reqs], free, allocator.size
 
@@ -100,10 +100,10 @@ def test_worker_tokens_match_the_plan_made_with_nvml(tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["gpu"]["source"] == "nvml"
     planned = plan["kvCache"]["maxTotalNumTokens"]
-    sched = engine(target, "NGRAM", device="cuda", device_memory_bytes=None, mem_fraction_static=0.5,
+    eng = engine(target, "NGRAM", device="cuda", device_memory_bytes=None, mem_fraction_static=0.5,
                    runtime_bytes=plan["reserve"]["runtimeBytes"], context_len=4096, cuda_graph_max_bs=8,
                    planned_tokens=planned, dtype="bfloat16")
-    actual = sched.memory_profile.max_total_num_tokens
+    actual = eng.memory_profile.max_total_num_tokens
     print(f"planned {planned} tokens, worker allocated {actual}")
     # The worker charges the larger of the plan's runtime reserve and what it measures in use, so it
     # may hold slightly fewer tokens, never more.

@@ -46,8 +46,8 @@ def test_tiny_config_exercises_grouped_routing_yarn_and_moe(model_dir):
 
 
 def test_prefill_and_decode_logits_equal_transformers(model_dir, hf):
-    sched = engine(model_dir)
-    runner = sched.target_worker.model_runner
+    eng = engine(model_dir)
+    runner = eng.target_runner
     pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
     req = pool.alloc()
     alloc_positions(pool, alloc, req, 0, len(PROMPT))
@@ -72,14 +72,14 @@ def test_greedy_generation_equals_transformers_for_a_batch(model_dir, hf):
     for p in prompts:
         out = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
         expected.append(out[0, len(p):].tolist())
-    sched = engine(model_dir)
-    reqs = run_all(sched, [Request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts])
+    eng = engine(model_dir)
+    reqs = run_all(eng, [Request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts])
     assert [r.output_ids for r in reqs] == expected
 
 
 def test_pool_holds_the_planner_mla_cell(model_dir):
-    sched = engine(model_dir)
-    runner = sched.target_worker.model_runner
+    eng = engine(model_dir)
+    runner = eng.target_runner
     kv_pool = runner.token_to_kv_pool
     assert isinstance(kv_pool, MLATokenToKVPool)
     shape = load_shape(model_dir)
@@ -89,8 +89,8 @@ def test_pool_holds_the_planner_mla_cell(model_dir):
 
 
 def test_target_skips_the_mtp_layer_weights(model_dir):
-    sched = engine(model_dir)
-    names = dict(sched.target_worker.model_runner.model.named_parameters())
+    eng = engine(model_dir)
+    names = dict(eng.target_runner.model.named_parameters())
     assert not any(n.startswith("model.layers.3.") for n in names)
 
 
@@ -134,7 +134,7 @@ def test_planner_prices_the_weights_and_latent_cells_the_worker_holds(model_dir)
 
     plan = make_plan(PlanArgs(target=str(model_dir), algorithm="NGRAM", tp=1, gpu_memory_gib=1.0,
                               mem_fraction_static=0.9, context_length=64))
-    sched = engine(model_dir, device_memory_bytes=1 << 30, context_len=64)
-    runner = sched.target_worker.model_runner
+    eng = engine(model_dir, device_memory_bytes=1 << 30, context_len=64)
+    runner = eng.target_runner
     assert plan["weights"]["targetBytes"] == runner.weight_bytes  # the MTP layer is not the target's
     assert plan["kvCache"]["targetBytesPerToken"] == runner.token_to_kv_pool.bytes_per_token()

@@ -11,11 +11,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from specdecode_worker import plan_cli  # noqa: E402
-from specdecode_worker.engine.eagle_worker import EagleRunner  # noqa: E402
+from specdecode_worker.engine.eagle_speculator import EagleRunner  # noqa: E402
 from specdecode_worker.engine.model_runner import ModelRunner  # noqa: E402
 from specdecode_worker.engine.phases import Phase, PhaseError  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.scheduler import EngineArgs, Scheduler  # noqa: E402
+from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 
 from tests.eagle_heads import make_repeating, write_copying_eagle_head, write_eagle3_head, write_eagle_head  # noqa: E402
@@ -52,10 +52,10 @@ def _prompts(n=5, seed=0, vocab=VOCAB):
 
 
 def _generate(target, algorithm="NONE", draft=None, params=None, vocab=VOCAB, **kw):
-    sched = engine(target, algorithm, draft, max_running_requests=3, **kw)
+    eng = engine(target, algorithm, draft, max_running_requests=3, **kw)
     params = params or SamplingParams(max_tokens=24, ignore_eos=True)
-    reqs = run_all(sched, [Request(p, params) for p in _prompts(vocab=vocab)])
-    return [r.output_ids for r in reqs], sched
+    reqs = run_all(eng, [Request(p, params) for p in _prompts(vocab=vocab)])
+    return [r.output_ids for r in reqs], eng
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +67,15 @@ def reference(models):
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_greedy_output_is_the_target_greedy_output(models, reference, head, mode):
     algorithm = "EAGLE3" if head.startswith("eagle3") else "EAGLE"
-    out, sched = _generate(models["target"], algorithm, models[head], **(CHAIN if mode == "chain" else TREE))
+    out, eng = _generate(models["target"], algorithm, models[head], **(CHAIN if mode == "chain" else TREE))
     assert out == reference
-    spec = sched.spec
+    stats = eng.stats
     # 5 requests, at most 3 running at once: requests joined and left a running batch.
-    assert sched.stats.finished_requests == 5 and spec.rounds > 0
+    assert stats.finished_requests == 5 and stats.verify_rounds > 0
     # Some rounds accepted drafts, so the commit of accepted slots and features ran.
-    assert spec.accepted_tokens > 0, spec.accept_lengths
-    assert sum(n * c for n, c in spec.accept_lengths.items()) == spec.accepted_tokens
-    kv = sched.target_worker.model_runner.token_to_kv_pool_allocator
+    assert stats.accepted_tokens > 0, stats.accept_lengths
+    assert sum(n * c for n, c in stats.accept_lengths.items()) == stats.accepted_tokens
+    kv = eng.target_runner.token_to_kv_pool_allocator
     assert kv.available_size() == kv.size  # every slot (verify, rejected, tree scratch) came back
 
 
@@ -88,24 +88,24 @@ def test_deep_acceptance_keeps_the_target_greedy_output(tmp_path, kw):
                                              num_hidden_layers=4), layer_scale=1.0)
     head = write_copying_eagle_head(tmp_path / "h", target)
     ref, _ = _generate(target, vocab=16)
-    out, sched = _generate(target, "EAGLE", head, vocab=16, **kw)
+    out, eng = _generate(target, "EAGLE", head, vocab=16, **kw)
     assert out == ref
-    lengths = sched.spec.accept_lengths
+    lengths = eng.stats.accept_lengths
     assert max(lengths) == 3 and min(lengths) < 3, lengths
 
 
 def test_sampling_runs_with_chain_and_tree(models):
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)
     for kw in (CHAIN, TREE):
-        out, sched = _generate(models["target"], "EAGLE3", models["eagle3"], params=params, **kw)
+        out, eng = _generate(models["target"], "EAGLE3", models["eagle3"], params=params, **kw)
         assert all(len(o) == 12 and all(0 <= t < VOCAB for t in o) for o in out)
 
 
 def test_pytorch_model_bin_head_loads_like_safetensors(models, reference):
-    out, sched = _generate(models["target"], "EAGLE", models["eagle_bin"], **CHAIN)
+    out, eng = _generate(models["target"], "EAGLE", models["eagle_bin"], **CHAIN)
     assert out == reference
-    same = sched.draft_worker.model_runner.model
-    other = engine(models["target"], "EAGLE", models["eagle"]).draft_worker.model_runner.model
+    same = eng.draft_runner.model
+    other = engine(models["target"], "EAGLE", models["eagle"]).draft_runner.model
     for (n, a), (_, b) in zip(same.state_dict().items(), other.state_dict().items()):
         assert torch.equal(a, b), n
 
@@ -127,15 +127,15 @@ def test_pickled_code_in_a_bin_head_is_refused(models, tmp_path):
 
 
 def test_phase_split_and_shared_tensors_loaded_once(models):
-    sched = engine(models["target"], "EAGLE", models["eagle"])
-    target, draft = sched.target_worker.model_runner, sched.draft_worker.model_runner
+    eng = engine(models["target"], "EAGLE", models["eagle"])
+    target, draft = eng.target_runner, eng.draft_runner
     assert draft.req_to_token_pool is target.req_to_token_pool
     assert draft.token_to_kv_pool_allocator is target.token_to_kv_pool_allocator
     assert draft.token_to_kv_pool is not target.token_to_kv_pool
     # The checkpoint carries a copy of embed_tokens; the head holds none and borrows the target's.
     names = dict(draft.model.named_parameters())
     assert not any("embed" in n or "lm_head" in n for n in names)
-    assert sched.spec.embed is target.model.model.embed_tokens
+    assert eng.speculator.embed is target.model.model.embed_tokens
     target_ptrs = {p.data_ptr() for p in target.model.parameters()}
     assert not target_ptrs & {p.data_ptr() for p in draft.model.parameters()}
 
@@ -154,15 +154,15 @@ def test_draft_pool_and_weights_equal_the_plan(models, capsys, algorithm, head):
             "--gpu-memory-gib", "1.1", "--mem-fraction-static", "0.95", "--context-length", "64"]
     assert plan_cli.main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
-    sched = engine(models["target"], algorithm, models[head], device_memory_bytes=int(1.1 * GIB),
+    eng = engine(models["target"], algorithm, models[head], device_memory_bytes=int(1.1 * GIB),
                    mem_fraction_static=0.95, runtime_bytes=plan["reserve"]["runtimeBytes"], context_len=64)
-    t, d = sched.target_worker.model_runner, sched.draft_worker.model_runner
+    t, d = eng.target_runner, eng.draft_runner
     # Hand count of the head's cell: 1 layer x 2 KV heads x (16 + 16) x 4 bytes.
     assert plan["kvCache"]["draftBytesPerToken"] == d.kv_cell_bytes == d.token_to_kv_pool.bytes_per_token() == 256
     assert plan["weights"]["targetBytes"] == t.weight_bytes
     assert plan["weights"]["draftBytes"] == d.weight_bytes
     planned = plan["kvCache"]["maxTotalNumTokens"]
-    assert sched.memory_profile.max_total_num_tokens == planned == t.token_to_kv_pool_allocator.size
+    assert eng.memory_profile.max_total_num_tokens == planned == t.token_to_kv_pool_allocator.size
     assert d.token_to_kv_pool.k_buffer[0].shape[0] == planned + 1
 
 
@@ -178,15 +178,15 @@ def test_head_bytes_by_hand(models):
     for algorithm, head, shared in (("EAGLE", "eagle", {"embed_tokens.weight"}), ("EAGLE3", "eagle3", set())):
         sizes = _head_bytes(models[head])
         own = sum(b for n, b in sizes.items() if n not in shared)
-        sched = engine(models["target"], algorithm, models[head])
-        assert sched.draft_worker.model_runner.weight_bytes == own
+        eng = engine(models["target"], algorithm, models[head])
+        assert eng.draft_runner.weight_bytes == own
 
 
 def _fails_at_load(target, algorithm, head, match):
-    sched = Scheduler(EngineArgs(str(target), str(head), algorithm, device_memory_bytes=64 << 20))
+    eng = Engine(EngineArgs(str(target), str(head), algorithm, device_memory_bytes=64 << 20))
     with pytest.raises(InputError, match=match):
-        sched.init_model_worker()
-    assert sched.phase == Phase.CREATED and sched.memory_pool_config is None  # phase 1 never finished
+        eng.init_model_worker()
+    assert eng.phase == Phase.CREATED and eng.memory_pool_config is None  # phase 1 never finished
 
 
 def test_missing_fc_fails_at_phase_1(models, tmp_path):
@@ -209,8 +209,8 @@ def test_d2t_of_the_wrong_length_fails_at_phase_1(models, tmp_path):
 
 def test_tree_arguments_are_checked_before_loading(models):
     with pytest.raises(InputError, match="must equal --speculative-num-steps"):
-        Scheduler(EngineArgs(str(models["target"]), str(models["eagle"]), "EAGLE", num_draft_tokens=4,
+        Engine(EngineArgs(str(models["target"]), str(models["eagle"]), "EAGLE", num_draft_tokens=4,
                              speculative_num_steps=2))
     with pytest.raises(InputError, match="has 6 candidates"):
-        Scheduler(EngineArgs(str(models["target"]), str(models["eagle"]), "EAGLE", num_draft_tokens=8,
+        Engine(EngineArgs(str(models["target"]), str(models["eagle"]), "EAGLE", num_draft_tokens=8,
                              speculative_num_steps=2, speculative_eagle_topk=2))

@@ -56,8 +56,8 @@ def test_fp8_pools_hold_exactly_the_planned_tokens(models, capsys, kv):
     assert (plan["kvCache"]["targetBytesPerToken"], plan["kvCache"]["draftBytesPerToken"]) == (128, 32)
     assert plan["kvCache"]["dtype"] == kv
 
-    sched = _engine_for(plan, models, kv)
-    t, d = sched.target_worker.model_runner, sched.draft_worker.model_runner
+    eng = _engine_for(plan, models, kv)
+    t, d = eng.target_runner, eng.draft_runner
     for runner in (t, d):
         pool = runner.token_to_kv_pool
         assert {b.dtype for b in pool.k_buffer + pool.v_buffer} == {FP8[kv]}
@@ -65,11 +65,11 @@ def test_fp8_pools_hold_exactly_the_planned_tokens(models, capsys, kv):
     assert t.token_to_kv_pool.bytes_per_token() == plan["kvCache"]["targetBytesPerToken"]
     assert d.token_to_kv_pool.bytes_per_token() == plan["kvCache"]["draftBytesPerToken"]
     planned = plan["kvCache"]["maxTotalNumTokens"]
-    assert sched.memory_profile.max_total_num_tokens == planned
+    assert eng.memory_profile.max_total_num_tokens == planned
     assert t.token_to_kv_pool_allocator.size == planned
     assert t.token_to_kv_pool.nbytes() == (planned + 1) * 128  # plus the padding slot 0
     assert d.token_to_kv_pool.nbytes() == (planned + 1) * 32
-    assert sched.memory_profile.kv_dtype == str(FP8[kv]).replace("torch.", "")
+    assert eng.memory_profile.kv_dtype == str(FP8[kv]).replace("torch.", "")
     # A quarter of float32's cell: the same KV budget holds four times the tokens (bfloat16
     # checkpoints on a GPU get twice), up to the rounding of the planner's integer division.
     assert auto_plan["kvCache"]["targetBytesPerToken"] == 512
@@ -120,16 +120,16 @@ def test_fp8_cache_logits_stay_close_to_the_full_precision_cache(models, kv):
     assert torch.equal(got.argmax(-1)[confident], ref.argmax(-1)[confident])
 
 
-def _greedy(sched):
-    return [r.output_ids for r in run_all(sched, [Request(p, GREEDY) for p in PROMPTS])]
+def _greedy(eng):
+    return [r.output_ids for r in run_all(eng, [Request(p, GREEDY) for p in PROMPTS])]
 
 
 @pytest.mark.parametrize("kv", sorted(FP8))
 def test_speculation_over_an_fp8_cache_equals_its_own_greedy(models, kv):
     plain = _greedy(engine(models["target"], kv_cache_dtype=kv))
-    sched = engine(models["target"], "STANDALONE", models["draft"], kv_cache_dtype=kv)
-    assert _greedy(sched) == plain
-    assert sched.stats.proposed_tokens > 0
+    eng = engine(models["target"], "STANDALONE", models["draft"], kv_cache_dtype=kv)
+    assert _greedy(eng) == plain
+    assert eng.stats.proposed_tokens > 0
     copy = engine(models["target"], "STANDALONE", models["copy"], kv_cache_dtype=kv)
     assert _greedy(copy) == plain
     assert copy.stats.accepted_tokens == copy.stats.proposed_tokens  # same model, same fp8 cache
@@ -145,11 +145,11 @@ def test_eagle3_tree_over_an_fp8_cache_equals_its_own_greedy(tmp_path):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     plain = engine(target, kv_cache_dtype="fp8_e4m3")
     want = [r.output_ids for r in run_all(plain, [Request(p, params) for p in prompts])]
-    sched = engine(target, "EAGLE3", head, kv_cache_dtype="fp8_e4m3", num_draft_tokens=6,
+    eng = engine(target, "EAGLE3", head, kv_cache_dtype="fp8_e4m3", num_draft_tokens=6,
                    speculative_num_steps=3, speculative_eagle_topk=3)
-    assert sched.draft_worker.model_runner.token_to_kv_pool.k_buffer[0].dtype == torch.float8_e4m3fn
-    assert [r.output_ids for r in run_all(sched, [Request(p, params) for p in prompts])] == want
-    assert sched.stats.accepted_tokens > 0
+    assert eng.draft_runner.token_to_kv_pool.k_buffer[0].dtype == torch.float8_e4m3fn
+    assert [r.output_ids for r in run_all(eng, [Request(p, params) for p in prompts])] == want
+    assert eng.stats.accepted_tokens > 0
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2"])

@@ -10,12 +10,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from specdecode_worker import plan_cli  # noqa: E402
-from specdecode_worker.engine import scheduler as scheduler_mod  # noqa: E402
+from specdecode_worker.engine import engine as engine_mod  # noqa: E402
 from specdecode_worker.engine.model_runner import ModelRunner  # noqa: E402
 from specdecode_worker.engine.phases import PhaseError  # noqa: E402
 from specdecode_worker.engine.pools import MemoryPoolConfig  # noqa: E402
-from specdecode_worker.engine.scheduler import EngineArgs, Scheduler, StartupError  # noqa: E402
-from specdecode_worker.engine.workers import TargetWorker  # noqa: E402
+from specdecode_worker.engine.engine import Engine, EngineArgs, StartupError  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 
 from tests.engine_helpers import engine, tiny_models  # noqa: E402
@@ -41,14 +40,14 @@ def test_runner_refuses_steps_out_of_order(models):
         runner.forward(None, last_only=True)
 
 
-def test_scheduler_allocates_only_with_every_weight_resident(models):
-    sched = Scheduler(EngineArgs(str(models["target"]), str(models["draft"]), "STANDALONE",
-                                 device_memory_bytes=64 << 20))
-    sched.target_worker = TargetWorker(str(models["target"]), "cpu")  # the draft is not loaded yet
+def test_engine_allocates_only_with_every_weight_resident(models):
+    eng = Engine(EngineArgs(str(models["target"]), str(models["draft"]), "STANDALONE", device_memory_bytes=64 << 20))
+    eng.create_runners()
+    eng.target_runner.load_weights()  # the draft is not loaded yet
     with pytest.raises(PhaseError, match=r"phase 2 .*phase 1 \(load weights\)"):
-        sched.init_memory_pools()
+        eng.init_memory_pools()
     with pytest.raises(PhaseError, match=r"phase 3 .*phase 2"):
-        sched.init_backends()
+        eng.init_backends()
 
 
 def test_init_model_worker_orders_the_phases(models, monkeypatch):
@@ -62,8 +61,8 @@ def test_init_model_worker_orders_the_phases(models, monkeypatch):
 
     for name in ("load_weights", "alloc_memory_pool", "init_backends"):
         monkeypatch.setattr(ModelRunner, name, spy(name, getattr(ModelRunner, name)))
-    real_load_shape = scheduler_mod.load_shape
-    monkeypatch.setattr(scheduler_mod, "load_shape",
+    real_load_shape = engine_mod.load_shape
+    monkeypatch.setattr(engine_mod, "load_shape",
                         lambda d: events.append(("read_config", str(d))) or real_load_shape(d))
     engine(models["target"], "STANDALONE", models["draft"])
     assert events == [
@@ -75,8 +74,8 @@ def test_init_model_worker_orders_the_phases(models, monkeypatch):
 
 
 def test_draft_adopts_the_target_request_pool_and_allocator(models):
-    sched = engine(models["target"], "STANDALONE", models["draft"])
-    t, d = sched.target_worker.model_runner, sched.draft_worker.model_runner
+    eng = engine(models["target"], "STANDALONE", models["draft"])
+    t, d = eng.target_runner, eng.draft_runner
     assert d.req_to_token_pool is t.req_to_token_pool
     assert d.token_to_kv_pool_allocator is t.token_to_kv_pool_allocator
     assert d.token_to_kv_pool is not t.token_to_kv_pool
@@ -94,15 +93,15 @@ def _plan(models, *extra):
 def test_cpu_pools_hold_exactly_the_planned_tokens(models, capsys):
     assert plan_cli.main(_plan(models)) == 0
     plan = json.loads(capsys.readouterr().out)
-    sched = engine(models["target"], "STANDALONE", models["draft"], device_memory_bytes=int(1.1 * GIB),
+    eng = engine(models["target"], "STANDALONE", models["draft"], device_memory_bytes=int(1.1 * GIB),
                    mem_fraction_static=0.95, runtime_bytes=plan["reserve"]["runtimeBytes"], context_len=64)
     # Hand count: target 2 layers x 2 KV heads x (16 + 16) x 4 bytes = 512; draft 1 x 1 x 32 x 4 = 128.
     assert plan["kvCache"]["targetBytesPerToken"] == 512 and plan["kvCache"]["draftBytesPerToken"] == 128
-    t, d = sched.target_worker.model_runner, sched.draft_worker.model_runner
+    t, d = eng.target_runner, eng.draft_runner
     assert (t.kv_cell_bytes, d.kv_cell_bytes) == (512, 128)
     assert t.weight_bytes == plan["weights"]["targetBytes"] and d.weight_bytes == plan["weights"]["draftBytes"]
     planned = plan["kvCache"]["maxTotalNumTokens"]
-    assert sched.memory_profile.max_total_num_tokens == planned
+    assert eng.memory_profile.max_total_num_tokens == planned
     assert t.token_to_kv_pool_allocator.size == planned
     assert t.token_to_kv_pool.bytes_per_token() == 512 and d.token_to_kv_pool.bytes_per_token() == 128
     assert t.token_to_kv_pool.k_buffer[0].shape[0] == planned + 1  # plus the padding slot 0
@@ -119,7 +118,7 @@ def test_frozen_kv_mtp_draft_is_refused_before_any_weight_loads(models, tmp_path
     mtp = write_tiny_model(tmp_path / "mtp", num_nextn_predict_layers=1)
     loads = []
     monkeypatch.setattr(ModelRunner, "load_weights", lambda self: loads.append(self.name))
-    sched = Scheduler(EngineArgs(str(models["target"]), str(mtp), "STANDALONE", device_memory_bytes=64 << 20))
+    eng = Engine(EngineArgs(str(models["target"]), str(mtp), "STANDALONE", device_memory_bytes=64 << 20))
     with pytest.raises(InputError, match="MTP draft"):
-        sched.init_model_worker()
+        eng.init_model_worker()
     assert loads == []

@@ -79,14 +79,14 @@ def test_engine_second_token_marginal_is_the_targets(tmp_path):
         return (q1[:, None] * q2).sum(0).double()
 
     exact, draft_marginal = marginal(hf), marginal(hf_d)
-    sched = engine(target, "STANDALONE", draft, num_draft_tokens=3, max_running_requests=64)
+    eng = engine(target, "STANDALONE", draft, num_draft_tokens=3, max_running_requests=64)
     reqs = [Request(prompt, SamplingParams(max_tokens=2, temperature=1.0, seed=i, ignore_eos=True))
             for i in range(3000)]
-    run_all(sched, reqs)
+    run_all(eng, reqs)
     assert [r.error for r in reqs if r.error] == [] and {len(r.output_ids) for r in reqs} == {2}
     counts = torch.zeros(8, dtype=torch.float64)
     for r in reqs:
         counts[r.output_ids[1]] += 1
-    assert sched.stats.accepted_tokens > 0 and sched.stats.accepted_tokens < sched.stats.proposed_tokens
+    assert eng.stats.accepted_tokens > 0 and eng.stats.accepted_tokens < eng.stats.proposed_tokens
     assert chi_square(counts, exact) < CHI2_CRIT[7]
     assert chi_square(counts, draft_marginal) > CHI2_CRIT[7]

@@ -35,8 +35,8 @@ def reference(models):
     return out
 
 
-def _greedy(sched):
-    return [r.output_ids for r in run_all(sched, [Request(p, GREEDY) for p in PROMPTS])]
+def _greedy(eng):
+    return [r.output_ids for r in run_all(eng, [Request(p, GREEDY) for p in PROMPTS])]
 
 
 def test_plain_decoding_equals_transformers_greedy(models, reference):
@@ -44,50 +44,50 @@ def test_plain_decoding_equals_transformers_greedy(models, reference):
 
 
 def test_standalone_random_draft_is_exact(models, reference):
-    sched = engine(models["target"], "STANDALONE", models["draft"])
-    assert _greedy(sched) == reference
-    assert sched.stats.proposed_tokens > 0
-    assert sched.kv_usage()[0] == 0  # every slot, rejected ones included, went back
+    eng = engine(models["target"], "STANDALONE", models["draft"])
+    assert _greedy(eng) == reference
+    assert eng.stats.proposed_tokens > 0
+    assert eng.kv_usage()[0] == 0  # every slot, rejected ones included, went back
 
 
 def test_standalone_copy_of_target_accepts_everything(models, reference):
-    sched = engine(models["target"], "STANDALONE", models["copy"])
-    assert _greedy(sched) == reference
-    assert sched.stats.proposed_tokens > 0
-    assert sched.stats.accepted_tokens == sched.stats.proposed_tokens  # acceptance 1.0
+    eng = engine(models["target"], "STANDALONE", models["copy"])
+    assert _greedy(eng) == reference
+    assert eng.stats.proposed_tokens > 0
+    assert eng.stats.accepted_tokens == eng.stats.proposed_tokens  # acceptance 1.0
 
 
 def test_ngram_is_exact_and_accepts_on_repetition(models, reference):
-    sched = engine(models["target"], "NGRAM")
-    assert _greedy(sched) == reference
-    assert sched.stats.accepted_tokens > 0
+    eng = engine(models["target"], "NGRAM")
+    assert _greedy(eng) == reference
+    assert eng.stats.accepted_tokens > 0
 
 
 @pytest.mark.parametrize("k", [1, 7])
 def test_draft_length_does_not_change_output(models, reference, k):
-    sched = engine(models["target"], "STANDALONE", models["draft"], num_draft_tokens=k)
-    assert _greedy(sched) == reference
+    eng = engine(models["target"], "STANDALONE", models["draft"], num_draft_tokens=k)
+    assert _greedy(eng) == reference
 
 
 def test_more_requests_than_batch_slots_queue_and_finish(models, reference):
-    sched = engine(models["target"], "STANDALONE", models["copy"], max_running_requests=2)
-    reqs = run_all(sched, [Request(p, GREEDY) for p in PROMPTS * 2])
+    eng = engine(models["target"], "STANDALONE", models["copy"], max_running_requests=2)
+    reqs = run_all(eng, [Request(p, GREEDY) for p in PROMPTS * 2])
     assert [r.output_ids for r in reqs] == reference * 2
 
 
 def test_request_that_never_fits_is_refused_without_harming_others(models, reference):
     # 300 slots: room for one request at a time, never for a 400-token one.
-    sched = engine(models["target"], "STANDALONE", models["draft"], device_memory_bytes=64 << 20,
+    eng = engine(models["target"], "STANDALONE", models["draft"], device_memory_bytes=64 << 20,
                    max_total_tokens=300, context_len=512)
     running = [Request(PROMPTS[0], GREEDY)]
-    sched.submit(running[0])
-    sched.step()
+    eng.submit(running[0])
+    eng.step()
     with pytest.raises(InputError, match="KV slots"):
-        sched.submit(Request(list(range(4, 104)) * 4, SamplingParams(max_tokens=8)))
+        eng.submit(Request(list(range(4, 104)) * 4, SamplingParams(max_tokens=8)))
     with pytest.raises(InputError, match="context length"):
-        sched.submit(Request([5] * 500, SamplingParams(max_tokens=20)))
+        eng.submit(Request([5] * 500, SamplingParams(max_tokens=20)))
     while not running[0].done.is_set():
-        sched.step()
+        eng.step()
     assert running[0].output_ids == reference[0]
 
 

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from specdecode_worker import plan_cli  # noqa: E402
 from specdecode_worker.engine.distributed import RankFailure, launch  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.scheduler import EngineArgs  # noqa: E402
+from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
 from specdecode_worker.plan import runtime_reserve_bytes  # noqa: E402
 
 from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
@@ -32,13 +32,13 @@ CONTEXT = 64
 WALL_S = 240  # no rank may hang: the supervisor ends the run after this
 
 
-def _describe(sched) -> dict:
-    t = sched.target_worker.model_runner
-    d = sched.draft_worker.model_runner if sched.draft_worker else None
+def _describe(eng) -> dict:
+    t = eng.target_runner
+    d = eng.draft_runner if eng.draft_runner else None
     info = {
         "target_weight_bytes": t.weight_bytes, "target_kv_cell": t.kv_cell_bytes,
         "target_kv_heads": t.token_to_kv_pool.k_buffer[0].shape[1],
-        "profiled_tokens": sched.memory_profile.max_total_num_tokens,
+        "profiled_tokens": eng.memory_profile.max_total_num_tokens,
         "allocated_tokens": t.token_to_kv_pool_allocator.size, "kv_rows": t.token_to_kv_pool.k_buffer[0].shape[0],
     }
     if d is not None:
@@ -47,9 +47,9 @@ def _describe(sched) -> dict:
     return info
 
 
-def _lead(sched) -> dict:
-    reqs = run_all(sched, [Request(list(p), GREEDY) for p in PROMPTS])
-    return {**_describe(sched), "outputs": [r.output_ids for r in reqs], "proposed": sched.stats.proposed_tokens}
+def _lead(eng) -> dict:
+    reqs = run_all(eng, [Request(list(p), GREEDY) for p in PROMPTS])
+    return {**_describe(eng), "outputs": [r.output_ids for r in reqs], "proposed": eng.stats.proposed_tokens}
 
 
 def _tp_rank(engine_kws: dict[str, dict], bad_target: dict | None = None) -> dict:
@@ -85,8 +85,8 @@ def single(models):
     out = {}
     for algorithm in ("NONE", "STANDALONE"):
         draft = models["draft"] if algorithm == "STANDALONE" else None
-        sched = engine(models["target"], algorithm, draft, context_len=CONTEXT, num_draft_tokens=3)
-        out[algorithm] = [r.output_ids for r in run_all(sched, [Request(list(p), GREEDY) for p in PROMPTS])]
+        eng = engine(models["target"], algorithm, draft, context_len=CONTEXT, num_draft_tokens=3)
+        out[algorithm] = [r.output_ids for r in run_all(eng, [Request(list(p), GREEDY) for p in PROMPTS])]
     return out
 
 

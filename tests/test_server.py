@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from specdecode_worker import serve_cli  # noqa: E402
-from specdecode_worker.engine.scheduler import EngineArgs, Scheduler  # noqa: E402
+from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from specdecode_worker.server import ServerState, build_app  # noqa: E402
 
 from tests.engine_helpers import tiny_models  # noqa: E402
@@ -98,11 +98,11 @@ def _complete(base, prompt, **kw):
 def test_health_is_503_until_phase_three(models):
     from fastapi.testclient import TestClient
 
-    sched = Scheduler(EngineArgs(str(models["target"]), device_memory_bytes=64 << 20, context_len=64))
-    client = TestClient(build_app(ServerState(sched, "target")))
+    eng = Engine(EngineArgs(str(models["target"]), device_memory_bytes=64 << 20, context_len=64))
+    client = TestClient(build_app(ServerState(eng, "target")))
     assert client.get("/health").status_code == 503
     assert client.post("/v1/completions", json={"prompt": [5, 6]}).status_code == 503
-    sched.init_model_worker()
+    eng.init_model_worker()
     assert client.get("/health").status_code == 200
 
 
@@ -282,4 +282,4 @@ def test_eagle3_head_serves_the_target_greedy_text(models, reference, tmp_path, 
             r = _complete(base, prompt)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == text
-        assert state.scheduler.stats.verify_rounds > 0
+        assert state.engine.stats.verify_rounds > 0

@@ -11,7 +11,7 @@ class _EngineCollector:
         self.state = state
 
     def collect(self):
-        s = self.state.scheduler
+        s = self.state.engine
         st = s.stats
 
         def counter(name, doc, value):
@@ -52,8 +52,8 @@ class _EngineCollector:
             yield gauge("kv_pool_used_tokens", "KV token slots in use", used)
             yield gauge("kv_pool_capacity_tokens", "KV token slots in the pool", total)
             yield gauge("kv_pool_usage_ratio", "share of KV token slots in use", used / total if total else 0.0)
-            yield gauge("running_requests", "requests being decoded", len(s._running))
-            yield gauge("waiting_requests", "requests queued for KV slots", s._waiting.qsize())
+            yield gauge("running_requests", "requests being decoded", s.num_running)
+            yield gauge("waiting_requests", "requests queued for KV slots", s.num_waiting)
 
 
 def render(state) -> bytes:

@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,7 @@ def load_plan_file(path: str) -> dict[str, Any]:
 
 def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """EngineArgs and the plan they follow."""
-    from .engine.scheduler import EngineArgs
+    from .engine.engine import EngineArgs
 
     if args.algorithm not in SERVED_ALGORITHMS:
         raise InputError(f"--algorithm {args.algorithm}: this worker serves {', '.join(SERVED_ALGORITHMS)} "
@@ -184,19 +185,37 @@ def eos_ids(model_dir: str, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+@dataclass(frozen=True)
+class HttpOptions:
+    host: str
+    port: int
+    model_name: str  # the model id in the API
+    log_level: str
+
+
+def http_options(args: argparse.Namespace) -> HttpOptions:
+    return HttpOptions(args.host, args.port, args.served_model_name or Path(args.target).resolve().name,
+                       args.log_level.lower())
+
+
 def build(argv: list[str]):
     """Parse, plan, and return (uvicorn server, ServerState, outcome) without running anything."""
-    import uvicorn
-
-    from .engine.scheduler import Scheduler, StartupError
-    from .server import ServerState, build_app, start_engine_in_background
-
     args = parser().parse_args(argv)
     engine_args, plan = resolve(args)
-    scheduler = Scheduler(engine_args)
-    tokenizer = load_tokenizer(args.target)
-    scheduler.eos_token_ids = eos_ids(args.target, tokenizer)
-    state = ServerState(scheduler, args.served_model_name or Path(args.target).resolve().name, plan, tokenizer)
+    return build_server(engine_args, plan, http_options(args))
+
+
+def build_server(engine_args, plan: dict[str, Any], http: HttpOptions):
+    """The uvicorn server, its ServerState and the outcome the engine start-up will set."""
+    import uvicorn
+
+    from .engine.engine import Engine, StartupError
+    from .server import ServerState, build_app, start_engine_in_background
+
+    engine = Engine(engine_args)
+    tokenizer = load_tokenizer(engine_args.target)
+    engine.eos_token_ids = eos_ids(engine_args.target, tokenizer)
+    state = ServerState(engine, http.model_name, plan, tokenizer)
     outcome = {"exit": ExitCode.OK}
     server = None
 
@@ -211,9 +230,36 @@ def build(argv: list[str]):
                  engine_args.kv_cache_dtype)
         start_engine_in_background(state, on_failure)
 
-    app = build_app(state, on_startup=start_engine, on_shutdown=scheduler.stop)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()))
+    app = build_app(state, on_startup=start_engine, on_shutdown=engine.stop)
+    server = uvicorn.Server(uvicorn.Config(app, host=http.host, port=http.port, log_level=http.log_level))
     return server, state, outcome
+
+
+def serve(engine_args, plan: dict[str, Any], http: HttpOptions) -> int:
+    """Serve HTTP until stopped; the exit code of the module docstring."""
+    try:
+        server, state, outcome = build_server(engine_args, plan, http)
+    except InputError as exc:
+        print(" ".join(str(exc).split()), file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    server.run()
+    if state.init_error:
+        print(state.init_error, file=sys.stderr)
+    return outcome["exit"]
+
+
+def _serve_rank(engine_args, plan: dict[str, Any], http: HttpOptions) -> int:
+    """One rank process of a tensor-parallel worker: rank 0 serves HTTP, the others follow it."""
+    from .engine.distributed import get_tp
+    from .engine.tp_engine import follow_rank
+
+    tp = get_tp()
+    if tp.is_leader:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return serve(engine_args, plan, http)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {tp.rank} %(name)s: %(message)s")
+    follow_rank(engine_args)
+    return ExitCode.OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,16 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
         engine_args, plan = resolve(args)
-        from .engine.tp_engine import serve_tensor_parallel
-
-        code = serve_tensor_parallel(argv, plan["tensorParallelSize"], engine_args.device)
-        if code is not None:  # this process supervised the ranks; rank 0 served
-            return code
-        server, state, outcome = build(argv)
-        server.run()
     except InputError as exc:
         print(" ".join(str(exc).split()), file=sys.stderr)
         return ExitCode.BAD_INPUT
-    if state.init_error:
-        print(state.init_error, file=sys.stderr)
-    return outcome["exit"]
+    http = http_options(args)
+    tp = plan["tensorParallelSize"]
+    if tp > 1:  # one process per rank, started with the arguments and plan resolved here
+        from .engine.tp_engine import run_tensor_parallel
+
+        return run_tensor_parallel(tp, _serve_rank, (engine_args, plan, http), engine_args.device)
+    return serve(engine_args, plan, http)

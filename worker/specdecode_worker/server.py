@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ServerState:
-    scheduler: Any
+    engine: Any
     model_name: str
     plan: dict | None = None
     tokenizer: Any = None
@@ -119,7 +119,7 @@ def build_app(state: ServerState, on_startup=None, on_shutdown=None) -> FastAPI:
     def _ready() -> JSONResponse | None:
         if state.init_error:
             return _error(503, f"initialisation failed: {state.init_error}")
-        if not state.scheduler.ready:
+        if not state.engine.ready:
             return _error(503, "the worker is still initialising")
         return None
 
@@ -127,8 +127,8 @@ def build_app(state: ServerState, on_startup=None, on_shutdown=None) -> FastAPI:
     async def health():
         if state.init_error:
             return JSONResponse({"status": "failed", "error": state.init_error}, status_code=503)
-        if not state.scheduler.ready:
-            return JSONResponse({"status": "initialising", "phase": state.scheduler.phase.name}, status_code=503)
+        if not state.engine.ready:
+            return JSONResponse({"status": "initialising", "phase": state.engine.phase.name}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -138,7 +138,7 @@ def build_app(state: ServerState, on_startup=None, on_shutdown=None) -> FastAPI:
 
     @app.get("/plan")
     async def plan():
-        s = state.scheduler
+        s = state.engine
         actual = None
         if s.memory_profile is not None:
             actual = {**s.memory_profile.as_dict(), "phaseSeconds": s.stats.phase_seconds,
@@ -211,7 +211,7 @@ def build_app(state: ServerState, on_startup=None, on_shutdown=None) -> FastAPI:
             raise InputError(f"'stream' must be true or false, got {stream!r}")
         sink = _Stream(asyncio.get_running_loop())
         req = Request(ids, params, on_update=sink)
-        state.scheduler.submit(req)  # raises InputError for a request that can never fit
+        state.engine.submit(req)  # raises InputError for a request that can never fit
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -232,7 +232,7 @@ def build_app(state: ServerState, on_startup=None, on_shutdown=None) -> FastAPI:
                 for s in stops:
                     cut = text.find(s)
                     if cut >= 0:
-                        state.scheduler.abort(req)
+                        state.engine.abort(req)
                         if cut > len(sent):
                             yield text[len(sent):cut], None
                         yield "", "stop"
@@ -284,7 +284,7 @@ def build_app(state: ServerState, on_startup=None, on_shutdown=None) -> FastAPI:
                 yield f"data: {json.dumps({'error': {'message': str(exc), 'code': 500}})}\n\n"
             finally:
                 if not req.done.is_set():
-                    state.scheduler.abort(req)  # the client went away
+                    state.engine.abort(req)  # the client went away
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -297,9 +297,9 @@ def start_engine_in_background(state: ServerState, on_failure) -> threading.Thre
 
     def run():
         try:
-            state.scheduler.init_model_worker()
-            state.scheduler.start()
-            log.info("ready: phases took %s", {k: round(v, 3) for k, v in state.scheduler.stats.phase_seconds.items()})
+            state.engine.init_model_worker()
+            state.engine.start()
+            log.info("ready: phases took %s", {k: round(v, 3) for k, v in state.engine.stats.phase_seconds.items()})
         except Exception as exc:  # reported on /health and by the CLI's exit code
             state.init_error = " ".join(str(exc).split()) or type(exc).__name__
             log.error("initialisation failed: %s", state.init_error)

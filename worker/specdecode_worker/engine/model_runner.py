@@ -8,7 +8,6 @@ the one before it has finished, so an out-of-order call fails with the phase it 
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -45,27 +44,38 @@ def resolve_dtype(name: str | None, config_dtype, device: str) -> torch.dtype:
 class ModelRunner:
     def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str | None = None, name: str = "target",
                  quantization: str | None = None, kv_cache_dtype: str | None = None):
+        """Reads config.json only (shape, dtypes, sharding); weights wait for ``load_weights``."""
         from transformers import AutoConfig
 
-        self.model_dir = str(model_dir)
-        self.name = name
-        self.device = torch.device(device)
-        self.shape = load_shape(model_dir)  # config.json only: layer count known before any weight
-        self.config = AutoConfig.from_pretrained(self.model_dir)
-        self.model_cls = model_class(self.shape.architecture, f"{model_dir}/config.json")
-        self.dtype = resolve_dtype(dtype, getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None), self.device.type)
-        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
+        device = torch.device(device)
+        shape = load_shape(model_dir)  # config.json only: layer count known before any weight
+        self.config = AutoConfig.from_pretrained(str(model_dir))
+        self.model_cls = model_class(shape.architecture, f"{model_dir}/config.json")
+        config_dtype = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None)
+        dtype = resolve_dtype(dtype, config_dtype, device.type)
         if quantization not in (None, "int8"):
             raise InputError(f"quantization '{quantization}' is not supported; use int8 (cpu only) or none")
-        if quantization and self.device.type != "cpu":
+        if quantization and device.type != "cpu":
             raise InputError("int8 dynamic quantization runs on cpu only; drop it on cuda")
-        self.quantization = quantization
-        self.tp = model_tp(self.config, name, f"{model_dir}/config.json")  # sharded, or a replicated draft
-        if quantization and self.tp.size > 1:
+        tp = model_tp(self.config, name, f"{model_dir}/config.json")  # sharded, or a replicated draft
+        if quantization and tp.size > 1:
             raise InputError(f"int8 dynamic quantization quantizes whole linears; the {name} is sharded over "
-                             f"{self.tp.size} ranks here: drop the quantization or serve with --tp 1")
+                             f"{tp.size} ranks here: drop the quantization or serve with --tp 1")
+        self._init_state(model_dir, name, device, shape, dtype, resolve_kv_dtype(kv_cache_dtype, dtype), tp,
+                         quantization)
+
+    def _init_state(self, model_dir, name: str, device: torch.device, shape, dtype: torch.dtype,
+                    kv_dtype: torch.dtype, tp, quantization: str | None = None) -> None:
+        """Everything a runner holds, before phase 1; subclasses resolve the arguments their own way."""
+        self.model_dir = str(model_dir)
+        self.name = name
+        self.device = device
+        self.shape = shape
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype
+        self.tp = tp
+        self.quantization = quantization
         self.phase = Phase.CREATED
-        self.durations: dict[str, float] = {}
         self.model = None
         self.weight_bytes = 0
         self.memory_pool_config: MemoryPoolConfig | None = None
@@ -80,7 +90,6 @@ class ModelRunner:
     def load_weights(self) -> None:
         if self.phase >= Phase.WEIGHTS_LOADED:
             raise PhaseError(f"{self.name}: weights are already loaded")
-        start = time.perf_counter()
         with torch.device("meta"):
             model = self.model_cls(self.config, **({"tp": self.tp} if self.tp.size > 1 else {}))
         load_safetensors(model, self.model_dir, self.device, self.dtype)
@@ -91,7 +100,6 @@ class ModelRunner:
         self.model = model.eval().requires_grad_(False)  # no autograd state, also in CUDA graphs
         self.weight_bytes = tensor_bytes(model)
         self.phase = Phase.WEIGHTS_LOADED
-        self.durations["load_weights"] = time.perf_counter() - start
         log.info("%s: loaded %s (%d weight bytes, %s)", self.name, self.shape.architecture, self.weight_bytes, self.dtype)
 
     @property
@@ -114,11 +122,10 @@ class ModelRunner:
         if memory_pool_config is None:
             raise PhaseError(
                 f"{self.name}: phase 2 needs a MemoryPoolConfig sized with every weight resident "
-                "(Scheduler.init_memory_pools computes it)"
+                "(Engine.init_memory_pools computes it)"
             )
         if (req_to_token_pool is None) != (token_to_kv_pool_allocator is None):
             raise ValueError("adopt the req_to_token pool and the token allocator together, or neither")
-        start = time.perf_counter()
         cfg = memory_pool_config
         self.memory_pool_config = cfg
         self.req_to_token_pool = req_to_token_pool or ReqToTokenPool(cfg.max_running_requests, cfg.context_len, self.device)
@@ -133,7 +140,6 @@ class ModelRunner:
                 self.shape.head_dim, self.shape.v_head_dim, self.kv_dtype, self.device,
             )
         self.phase = Phase.POOLS_ALLOCATED
-        self.durations["alloc_memory_pool"] = time.perf_counter() - start
         log.info("%s: KV pool of %d tokens (%d bytes, %s), %s req_to_token pool", self.name, cfg.max_total_num_tokens,
                  self.token_to_kv_pool.nbytes(), str(self.kv_dtype).replace("torch.", ""),
                  "adopted" if req_to_token_pool is not None else "own")
@@ -145,7 +151,6 @@ class ModelRunner:
     # phase 3
     def init_backends(self, cuda_graph_max_bs: int = 0) -> None:
         require(self.phase, Phase.POOLS_ALLOCATED, "initialise attention backends", self.name)
-        start = time.perf_counter()
         torch_native = getattr(self.model, "torch_native_attention", False)  # MLA: reference backend, eager
         if torch_native:
             self.backend = TorchNativeAttnBackend(self.req_to_token_pool, self.token_to_kv_pool, None)
@@ -159,7 +164,6 @@ class ModelRunner:
         else:
             log.info("%s: CUDA graphs skipped on %s", self.name, self.device.type if cuda_graph_max_bs else "request (max batch 0)")
         self.phase = Phase.BACKENDS_READY
-        self.durations["init_backends"] = time.perf_counter() - start
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, last_only: bool) -> torch.Tensor:

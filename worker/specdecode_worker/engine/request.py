@@ -1,4 +1,4 @@
-"""A generation request and its sampling parameters, as the scheduler tracks them."""
+"""A generation request and its sampling parameters, as the engine tracks them."""
 
 from __future__ import annotations
 

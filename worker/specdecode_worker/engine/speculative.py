@@ -1,4 +1,7 @@
-"""One decoding round for a batch of running requests: propose, verify once, commit.
+"""One decoding round for a batch of running requests: propose, verify once, report.
+
+A speculator proposes and verifies; it returns each request's new tokens and draft counts, and
+the engine commits them (the one place a request's output grows).
 
 STANDALONE: the draft model proposes k tokens over its own KV pool (same slots as the target).
 NGRAM: proposals come from the latest earlier match of the context's last n tokens; no draft
@@ -11,16 +14,52 @@ back to the allocator at the end of the round and serve the next one.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from ..contract import EAGLE_ALGORITHMS, SERVED_ALGORITHMS
 from .batch import Segment, alloc_positions, forward_segments, free_positions, prompt_segments
+from .model_runner import ModelRunner
 from .request import Request
 from .sampling import choose, verify
 
 ALGORITHMS = tuple(a for a in SERVED_ALGORITHMS if a not in EAGLE_ALGORITHMS)  # EAGLE has its own worker
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """One request's verified round: the accepted proposals then the target's own next token."""
+
+    tokens: list[int]
+    proposed: int  # draft tokens the target verified this round
+    accepted: int  # how many of them it accepted
+
+
+class Speculator(ABC):
+    """Prefill and decode rounds of one speculative algorithm over the target's KV pool.
+
+    Neither method touches a request's output or the engine's counters: the engine commits what
+    they return. ``decode_round`` may read ``Request.all_ids`` and moves ``kv_len`` (and the
+    draft's cache position) past the positions it verified.
+    """
+
+    algorithm: str
+    target: ModelRunner
+
+    @property
+    @abstractmethod
+    def slots_per_round(self) -> int:
+        """KV slots a request may hold beyond its committed tokens during one round."""
+
+    @abstractmethod
+    def prefill(self, reqs: list[Request]) -> list[int]:
+        """Run the prompts through the target; returns each request's first token."""
+
+    @abstractmethod
+    def decode_round(self, reqs: list[Request]) -> list[RoundResult]:
+        """Advance every request by one verified round."""
 
 
 @dataclass
@@ -39,8 +78,11 @@ def ngram_propose(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> 
     return []
 
 
-class SpeculativeWorker:
-    def __init__(self, algorithm: str, target_runner, draft_runner=None, num_draft_tokens: int = 4, ngram_max: int = 4):
+class StandaloneSpeculator(Speculator):
+    """NONE, STANDALONE (a draft model with its own K/V) and NGRAM (prompt lookup)."""
+
+    def __init__(self, algorithm: str, target_runner: ModelRunner, draft_runner: ModelRunner | None = None,
+                 num_draft_tokens: int = 4, ngram_max: int = 4):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm}")
         self.algorithm = algorithm
@@ -48,50 +90,40 @@ class SpeculativeWorker:
         self.draft = draft_runner
         self.k = 0 if algorithm == "NONE" else num_draft_tokens
         self.ngram_max = ngram_max
-        self.proposed_tokens = 0  # totals over every request and round
-        self.accepted_tokens = 0
-        self.rounds = 0
 
     @property
     def slots_per_round(self) -> int:
         return self.k + 1
 
     # prefill: the prompt goes through the target; the draft catches up in its first round.
-    def prefill(self, reqs: list[Request]) -> None:
+    def prefill(self, reqs: list[Request]) -> list[int]:
         segments = prompt_segments(self.target, reqs)
         logits = forward_segments(self.target, segments, last_only=True)
+        first = []
         for r, row in zip(reqs, logits):
             token, _ = choose(row, r.params, r.generator)
             r.kv_len = len(r.prompt_ids)
-            r.output_ids.append(token)
+            first.append(token)
+        return first
 
-    def decode_round(self, reqs: list[Request]) -> list[list[int]]:
-        """Advance every request by one verified round; returns the tokens each one committed."""
+    def decode_round(self, reqs: list[Request]) -> list[RoundResult]:
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
         for r in reqs:
             alloc_positions(pool, alloc, r.req_idx, r.kv_len, r.kv_len + self.k + 1)
         proposals = self._propose(reqs)
         segments = [Segment(r.req_idx, [r.all_ids[-1]] + p.tokens, r.kv_len) for r, p in zip(reqs, proposals)]
         logits = forward_segments(self.target, segments, last_only=False)
-        committed, start = [], 0
+        results, start = [], 0
         for r, p in zip(reqs, proposals):
             rows = logits[start : start + len(p.tokens) + 1]
             start += len(p.tokens) + 1
             n, nxt = verify(p.tokens, p.probs, rows, r.params, r.generator)
-            new = p.tokens[:n] + [nxt]
             last = r.kv_len
             r.kv_len = last + n + 1  # the last token and the n accepted proposals are now cached
             r.draft_kv_len = min(r.draft_kv_len, r.kv_len)
             free_positions(pool, alloc, r.req_idx, r.kv_len, last + self.k + 1)
-            r.output_ids.extend(new)
-            r.proposed_draft_tokens += len(p.tokens)
-            r.accepted_draft_tokens += n
-            r.verify_rounds += 1
-            self.proposed_tokens += len(p.tokens)
-            self.accepted_tokens += n
-            self.rounds += 1
-            committed.append(new)
-        return committed
+            results.append(RoundResult(p.tokens[:n] + [nxt], proposed=len(p.tokens), accepted=n))
+        return results
 
     def _propose(self, reqs: list[Request]) -> list[Proposal]:
         if self.algorithm == "NONE":

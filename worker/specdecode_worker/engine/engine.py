@@ -1,12 +1,14 @@
-"""The scheduler: orders the three initialisation phases, then runs continuous batching.
+"""The engine: three-phase start-up, then continuous batching over the target (and a draft).
 
 ``init_model_worker`` is the one place the phases are ordered:
-1. load: target weights, then draft weights (the draft's layer count is read from its config
-   before any weight is loaded);
+1. load: target weights, then draft weights (every model's config is read, and its runner
+   created, before any weight is loaded);
 2. alloc: profile memory with every weight resident, size the pools with the target + draft
    cell, allocate the target pools, then the draft pool adopting the target's req_to_token pool
    and allocator;
 3. backends: attention backends and CUDA graphs, target then draft.
+The speculator is built last, over the finished runners. ``step`` is admit -> prefill / decode
+round -> commit, and ``_commit`` is the one place a request's output grows.
 """
 
 from __future__ import annotations
@@ -15,24 +17,26 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
+from ..contract import EAGLE_ALGORITHMS
 from ..errors import InputError
-from ..model_config import load_shape
+from ..model_config import ModelShape, load_shape
 from ..vocabulary import check_vocabulary
 from .batch import free_positions
 from .distributed import get_tp, stop_followers
+from .eagle_speculator import EagleRunner, EagleSpeculator, check_tree_args
 from .memory import MemoryProfile, free_device_bytes, profile_memory
+from .model_runner import ModelRunner
 from .phases import Phase, PhaseError
 from .pools import KV_CACHE_DTYPES, MemoryPoolConfig
 from .request import Request, make_generator
-from ..contract import EAGLE_ALGORITHMS
-from .eagle_worker import EagleDraftWorker, EagleWorker, check_tree_args
-from .speculative import ALGORITHMS, SpeculativeWorker
+from .speculative import ALGORITHMS, RoundResult, Speculator, StandaloneSpeculator
 from .vocab_map import DraftVocabulary
-from .workers import DraftWorker, TargetWorker
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +77,11 @@ class Stats:
     accepted_tokens: int = 0
     verify_rounds: int = 0
     finished_requests: int = 0
-    rejected_requests: int = 0
+    accept_lengths: Counter[int] = field(default_factory=Counter)  # accepted drafts per request-round -> count
     phase_seconds: dict[str, float] = field(default_factory=dict)
 
 
-class Scheduler:
+class Engine:
     def __init__(self, args: EngineArgs):
         served = ALGORITHMS + EAGLE_ALGORITHMS
         if args.algorithm not in served:
@@ -94,77 +98,85 @@ class Scheduler:
             raise InputError(f"--draft: {args.algorithm} takes no draft model; drop --draft")
         self.args = args
         self.device = torch.device(args.device)
-        self.target_worker: TargetWorker | None = None
-        self.draft_worker: DraftWorker | None = None
+        self.target_shape: ModelShape | None = None
+        self.target_runner: ModelRunner | None = None
+        self.draft_runner: ModelRunner | None = None
+        self.free_before_weights: int | None = None  # cuda: the budget, measured before any weight
         self.memory_profile: MemoryProfile | None = None
         self.memory_pool_config: MemoryPoolConfig | None = None
-        self.spec: SpeculativeWorker | None = None
-        self.phase = Phase.CREATED
+        self.speculator: Speculator | None = None
         self.stats = Stats()
         self._waiting: queue.Queue[Request] = queue.Queue()
         self._running: list[Request] = []
         self._reserved = 0
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.eos_token_ids: frozenset[int] = frozenset()
 
     # ---- initialisation -------------------------------------------------------------------
     def init_model_worker(self) -> None:
+        """The three phases, each one call, then the speculator over the finished runners."""
+        self.create_runners()  # config.json only: shapes, dtypes, sharding; no weight yet
+        self._timed("load_weights", self.load_weights)  # phase 1
+        # A frozen-KV MTP draft reads the target's pool: it would be created here, after the
+        # target's phase 2 and before the draft's (see create_runners, which refuses it today).
+        self._timed("alloc_memory_pool", self.init_memory_pools)  # phase 2
+        self._timed("init_backends", self.init_backends)  # phase 3
+        self.speculator = self._make_speculator()
+
+    def _timed(self, name: str, phase: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        phase()
+        self.stats.phase_seconds[name] = time.perf_counter() - start
+
+    def create_runners(self) -> None:
+        """Read every config and create the runners; refuse a draft this engine cannot serve."""
         a = self.args
         self.target_shape = load_shape(a.target)
-        self.draft_shape = load_shape(a.draft) if a.draft else None
-        if self.draft_shape is not None and self.draft_shape.num_nextn_predict_layers:
+        draft_shape = load_shape(a.draft) if a.draft else None
+        if draft_shape is not None and draft_shape.num_nextn_predict_layers:
             # A frozen-KV MTP draft reads the target's pool, so it would have to be built after
             # phase 2 of the target; this engine serves Llama-family standalone drafts only.
             raise InputError(f"{a.draft}: an MTP draft (num_nextn_predict_layers) is not served by this engine; "
                              "use STANDALONE with a separate small model or NGRAM")
-        self.draft_num_layers = self.draft_shape.draft_num_layers if self.draft_shape else 0
         # The planner's rule: the tokenizers agree; padded vocab sizes may differ.
-        vocabulary = check_vocabulary(a.target, a.draft, self.target_shape, self.draft_shape) \
+        vocabulary = check_vocabulary(a.target, a.draft, self.target_shape, draft_shape) \
             if a.algorithm == "STANDALONE" else None
+        kv = None if a.kv_cache_dtype == "auto" else a.kv_cache_dtype
+        self.target_runner = ModelRunner(a.target, a.device, a.dtype, name="target", kv_cache_dtype=kv)
+        if a.algorithm in EAGLE_ALGORITHMS:
+            self.draft_runner = EagleRunner(a.draft, self.target_runner, a.algorithm)
+        elif a.draft:
+            self.draft_runner = ModelRunner(a.draft, a.device, a.dtype, name="draft", quantization=a.draft_quantization,
+                                            kv_cache_dtype=kv)
+            if vocabulary is not None and not DraftVocabulary(vocabulary).is_identity:
+                self.draft_runner.vocabulary = DraftVocabulary(vocabulary)
 
-        start = time.perf_counter()
-        self.free_before_weights = None
+    def model_runners(self) -> list[ModelRunner]:
+        """The target's runner, then the draft's when there is one."""
+        return [r for r in (self.target_runner, self.draft_runner) if r is not None]
+
+    @property
+    def phase(self) -> Phase:
+        """The last phase every model has finished (the runners track their own steps)."""
+        return min((r.phase for r in self.model_runners()), default=Phase.CREATED)
+
+    def load_weights(self) -> None:
         if self.device.type == "cuda":
             from ..devices import nvml_memory
 
             seen = nvml_memory()
             self.free_before_weights = seen.free_bytes if seen else free_device_bytes(self.device)
-        kv = None if a.kv_cache_dtype == "auto" else a.kv_cache_dtype
-        self.target_worker = TargetWorker(a.target, a.device, a.dtype, kv)
-        if a.algorithm in EAGLE_ALGORITHMS:
-            self.draft_worker = EagleDraftWorker(a.draft, self.target_worker, a.algorithm)
-        elif a.draft:
-            self.draft_worker = DraftWorker(a.draft, a.device, a.dtype, a.draft_quantization, kv)
-            if vocabulary is not None and not DraftVocabulary(vocabulary).is_identity:
-                self.draft_worker.model_runner.vocabulary = DraftVocabulary(vocabulary)
-        self.phase = Phase.WEIGHTS_LOADED
-        self.stats.phase_seconds["load_weights"] = time.perf_counter() - start
-
-        start = time.perf_counter()
-        self.init_memory_pools()
-        self.stats.phase_seconds["alloc_memory_pool"] = time.perf_counter() - start
-
-        start = time.perf_counter()
-        self.init_backends()
-        self.stats.phase_seconds["init_backends"] = time.perf_counter() - start
-
-    def _runners(self):
-        runners = [self.target_worker.model_runner] if self.target_worker else []
-        if self.draft_worker:
-            runners.append(self.draft_worker.model_runner)
-        return runners
+        for runner in self.model_runners():
+            runner.load_weights()
 
     def init_memory_pools(self) -> None:
         a = self.args
-        expected = 2 if a.draft else 1
-        loaded = [r for r in self._runners() if r.phase >= Phase.WEIGHTS_LOADED]
-        if len(loaded) < expected:
+        missing = [r.name for r in self.model_runners() if r.phase < Phase.WEIGHTS_LOADED]
+        if self.target_runner is None or missing:
             raise PhaseError("phase 2 (allocate KV pools) needs every weight resident: "
-                             f"{expected - len(loaded)} model(s) have not finished phase 1 (load weights)")
-        target = self.target_worker.model_runner
-        draft = self.draft_worker.model_runner if self.draft_worker else None
+                             f"{', '.join(missing) or 'no model'} has not finished phase 1 (load weights)")
+        target, draft = self.target_runner, self.draft_runner
         if self.device.type == "cuda":
             budget = self.free_before_weights
             free_after = free_device_bytes(self.device)
@@ -193,39 +205,32 @@ class Scheduler:
             tokens = min(tokens, a.max_total_tokens)
         k = 0 if a.algorithm == "NONE" else a.num_draft_tokens
         self.memory_pool_config = MemoryPoolConfig(tokens, a.max_running_requests, a.context_len + k + 1)
-        self.target_worker.alloc_memory_pool(self.memory_pool_config)
-        if self.draft_worker:
-            req_pool, allocator = self.target_worker.get_memory_pool()
-            self.draft_worker.alloc_memory_pool(self.memory_pool_config, req_pool, allocator)
-        self.phase = Phase.POOLS_ALLOCATED
+        target.alloc_memory_pool(self.memory_pool_config)
+        if draft:
+            draft.alloc_memory_pool(self.memory_pool_config, *target.get_memory_pool())
 
     def init_backends(self) -> None:
         if self.phase < Phase.POOLS_ALLOCATED:
             raise PhaseError("phase 3 (init attention backends and CUDA graphs) needs phase 2 (allocate KV pools) first")
-        bs = self.args.cuda_graph_max_bs
-        self.target_worker.init_backends(bs)
-        if self.draft_worker:
-            self.draft_worker.init_backends(bs)
-        if self.args.algorithm in EAGLE_ALGORITHMS:
-            a = self.args
-            self.spec = EagleWorker(a.algorithm, self.target_worker.model_runner, self.draft_worker.model_runner,
-                                    a.speculative_num_steps or a.num_draft_tokens, a.speculative_eagle_topk,
-                                    a.num_draft_tokens)
-        else:
-            self.spec = SpeculativeWorker(
-                self.args.algorithm, self.target_worker.model_runner,
-                self.draft_worker.model_runner if self.draft_worker else None,
-                self.args.num_draft_tokens, self.args.ngram_max,
-            )
-        self.phase = Phase.BACKENDS_READY
+        for runner in self.model_runners():
+            runner.init_backends(self.args.cuda_graph_max_bs)
+
+    def _make_speculator(self) -> Speculator:
+        a = self.args
+        if a.algorithm in EAGLE_ALGORITHMS:
+            return EagleSpeculator(a.algorithm, self.target_runner, self.draft_runner,
+                                   a.speculative_num_steps or a.num_draft_tokens, a.speculative_eagle_topk,
+                                   a.num_draft_tokens)
+        return StandaloneSpeculator(a.algorithm, self.target_runner, self.draft_runner, a.num_draft_tokens,
+                                    a.ngram_max)
 
     @property
     def ready(self) -> bool:
-        return self.phase == Phase.BACKENDS_READY
+        return self.speculator is not None
 
     # ---- requests -------------------------------------------------------------------------
     def slots_needed(self, req: Request) -> int:
-        return len(req.prompt_ids) + req.params.max_tokens + self.spec.slots_per_round
+        return len(req.prompt_ids) + req.params.max_tokens + self.speculator.slots_per_round
 
     def check_fits(self, req: Request) -> None:
         """Refuse a request that could never run, whatever else is running."""
@@ -291,7 +296,7 @@ class Scheduler:
     def _admit(self) -> list[Request]:
         admitted = []
         cap = self.memory_pool_config.max_total_num_tokens
-        pool = self.target_worker.model_runner.req_to_token_pool
+        pool = self.target_runner.req_to_token_pool
         while not self._waiting.empty() and pool.available_size() > 0:
             req = self._waiting.queue[0]
             need = self.slots_needed(req)
@@ -317,22 +322,27 @@ class Scheduler:
             self._finish(r, reason="abort")
         new = self._admit()
         if new:
-            self.spec.prefill(new)
-            for r in new:
+            for r, token in zip(new, self.speculator.prefill(new)):
                 self.stats.prompt_tokens += len(r.prompt_ids)
                 self._running.append(r)
-                self._commit(r, r.output_ids[:])
+                self._commit(r, [token])
         if self._running:
             reqs = list(self._running)
-            for r, tokens in zip(reqs, self.spec.decode_round(reqs)):
-                self._commit(r, tokens)
-            self.stats.proposed_tokens = self.spec.proposed_tokens
-            self.stats.accepted_tokens = self.spec.accepted_tokens
-            self.stats.verify_rounds = self.spec.rounds
+            for r, result in zip(reqs, self.speculator.decode_round(reqs)):
+                self._count_round(r, result)
+                self._commit(r, result.tokens)
+
+    def _count_round(self, r: Request, result: RoundResult) -> None:
+        r.proposed_draft_tokens += result.proposed
+        r.accepted_draft_tokens += result.accepted
+        r.verify_rounds += 1
+        self.stats.proposed_tokens += result.proposed
+        self.stats.accepted_tokens += result.accepted
+        self.stats.verify_rounds += 1
+        self.stats.accept_lengths[result.accepted] += 1
 
     def _commit(self, r: Request, tokens: list[int]) -> None:
-        """Keep the round's new tokens (already appended) up to EOS or max_tokens; finish if done."""
-        del r.output_ids[len(r.output_ids) - len(tokens):]
+        """Append new tokens up to EOS or max_tokens, the one place output grows; finish if done."""
         kept, reason = [], None
         for t in tokens:
             kept.append(t)
@@ -350,7 +360,7 @@ class Scheduler:
             self._finish(r, reason=reason)
 
     def _finish(self, r: Request, reason: str | None = None, error: str | None = None) -> None:
-        runner = self.target_worker.model_runner
+        runner = self.target_runner
         if r in self._running:
             self._running.remove(r)
         if r.req_idx is not None:
@@ -365,6 +375,14 @@ class Scheduler:
         r.done.set()
 
     # ---- observability --------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._waiting.qsize()
+
     def kv_usage(self) -> tuple[int, int]:
-        alloc = self.target_worker.model_runner.token_to_kv_pool_allocator
+        alloc = self.target_runner.token_to_kv_pool_allocator
         return alloc.size - alloc.available_size(), alloc.size

@@ -1,4 +1,4 @@
-"""EAGLE / EAGLE3 speculative decoding: the draft head's runner and worker, chain and tree rounds.
+"""EAGLE / EAGLE3 speculative decoding: the draft head's runner and speculator, chain and tree rounds.
 
 The head keeps the engine's three-step split: its runner's ``load_weights`` reads the head only
 (the target's embedding and lm_head are borrowed, never copied); ``alloc_memory_pool`` adopts the
@@ -21,8 +21,6 @@ neither model has cached; D: the first position the draft has not cached with ta
 from __future__ import annotations
 
 import logging
-import time
-from collections import Counter
 
 import torch
 
@@ -36,9 +34,9 @@ from .eagle_loader import load_eagle_head
 from .loader import tensor_bytes
 from .model_runner import ModelRunner
 from .phases import Phase, PhaseError, require
-from .pools import MemoryPoolConfig, ReqToTokenPool, TokenToKVPoolAllocator
 from .request import Request
 from .sampling import choose, verify
+from .speculative import RoundResult, Speculator
 from .tree import DraftTree, accept_path, ancestor_mask, select_tree
 from .tree_attention import TreeForwardBatch, make_tree_attn_backend
 
@@ -74,34 +72,18 @@ class EagleRunner(ModelRunner):
             raise ValueError(f"unknown EAGLE algorithm {algorithm}")
         if target_runner.tp.size > 1:
             raise InputError("EAGLE heads are served with tensor parallelism 1; drop --tp for EAGLE/EAGLE3")
-        self.model_dir = str(model_dir)
-        self.name = "draft"
+        # config.json only (the layer count is known before any weight); dtypes are the target's.
+        self._init_state(model_dir, "draft", target_runner.device, load_shape(model_dir), target_runner.dtype,
+                         target_runner.kv_dtype, SINGLE)
         self.algorithm = algorithm
         self.target = target_runner
-        self.device = target_runner.device
-        self.shape = load_shape(model_dir)  # config.json only: layer count known before any weight
-        self.dtype = target_runner.dtype
-        self.kv_dtype = target_runner.kv_dtype
-        self.tp = SINGLE
-        self.quantization = None
-        self.phase = Phase.CREATED
-        self.durations: dict[str, float] = {}
-        self.model = None
         self.aux_layers: list[int] | None = None
-        self.weight_bytes = 0
-        self.memory_pool_config = None
-        self.req_to_token_pool = None
-        self.token_to_kv_pool_allocator = None
-        self.token_to_kv_pool = None
-        self.backend = None
-        self.tree_backend = None
-        self.cuda_graphs = None
+        self.tree_backend: TreeAttnBackend | None = None
 
     def load_weights(self) -> None:
         if self.phase >= Phase.WEIGHTS_LOADED:
             raise PhaseError(f"{self.name}: weights are already loaded")
         require(self.target.phase, Phase.WEIGHTS_LOADED, "load an EAGLE head that shares the target's embedding", self.name)
-        start = time.perf_counter()
         t = self.target.shape
         loaded = load_eagle_head(self.model_dir, self.algorithm, t.hidden_size, t.vocab_size, t.num_hidden_layers,
                                  self.device, self.dtype)
@@ -110,32 +92,14 @@ class EagleRunner(ModelRunner):
         if loaded.skipped_shared:
             log.info("%s: %s served by the target (checkpoint copy not loaded)", self.name, ", ".join(loaded.skipped_shared))
         self.phase = Phase.WEIGHTS_LOADED
-        self.durations["load_weights"] = time.perf_counter() - start
         log.info("%s: loaded %s head (%d weight bytes of its own)", self.name, self.algorithm, self.weight_bytes)
 
     def init_backends(self, cuda_graph_max_bs: int = 0) -> None:
         require(self.phase, Phase.POOLS_ALLOCATED, "initialise attention backends", self.name)
-        start = time.perf_counter()
         self.backend = make_attn_backend(self.req_to_token_pool, self.token_to_kv_pool, None)
         self.tree_backend = make_tree_attn_backend(self.req_to_token_pool, self.token_to_kv_pool, None)
         log.info("%s: EAGLE draft steps run eagerly (no CUDA graphs)", self.name)
         self.phase = Phase.BACKENDS_READY
-        self.durations["init_backends"] = time.perf_counter() - start
-
-
-class EagleDraftWorker:
-    """Constructing it loads the head's weights (phase 1) and nothing else."""
-
-    def __init__(self, model_dir: str, target_worker, algorithm: str):
-        self.model_runner = EagleRunner(model_dir, target_worker.model_runner, algorithm)
-        self.model_runner.load_weights()
-
-    def alloc_memory_pool(self, memory_pool_config: MemoryPoolConfig, req_to_token_pool: ReqToTokenPool,
-                          token_to_kv_pool_allocator: TokenToKVPoolAllocator) -> None:
-        self.model_runner.alloc_memory_pool(memory_pool_config, req_to_token_pool, token_to_kv_pool_allocator)
-
-    def init_backends(self, cuda_graph_max_bs: int) -> None:
-        self.model_runner.init_backends(cuda_graph_max_bs)
 
 
 def check_tree_args(topk: int, num_steps: int, num_draft_tokens: int) -> None:
@@ -151,8 +115,8 @@ def check_tree_args(topk: int, num_steps: int, num_draft_tokens: int) -> None:
                          f"--num-draft-tokens {num_draft_tokens} must not exceed that")
 
 
-class EagleWorker:
-    """Same interface as SpeculativeWorker: ``prefill``, ``decode_round``, counters."""
+class EagleSpeculator(Speculator):
+    """EAGLE and EAGLE3: the head drafts a chain or a tree from the target's features."""
 
     def __init__(self, algorithm: str, target_runner: ModelRunner, draft_runner: EagleRunner,
                  num_steps: int, topk: int = 1, num_draft_tokens: int | None = None):
@@ -171,10 +135,6 @@ class EagleWorker:
         d2t = getattr(self.head, "d2t", None)
         self._draft_ids = None if d2t is None else torch.arange(d2t.numel(), device=d2t.device) + d2t
         self._features: dict[int, torch.Tensor] = {}  # rid -> target features not yet in the draft cache
-        self.proposed_tokens = 0
-        self.accepted_tokens = 0
-        self.rounds = 0
-        self.accept_lengths: Counter[int] = Counter()  # accepted drafts per request-round -> count
 
     @property
     def slots_per_round(self) -> int:
@@ -210,22 +170,23 @@ class EagleWorker:
         return logits, feature[rows]
 
     # ---- prefill ----------------------------------------------------------------------------
-    def prefill(self, reqs: list[Request]) -> None:
+    def prefill(self, reqs: list[Request]) -> list[int]:
         segments = prompt_segments(self.target, reqs)
         fb = with_cache_locs(make_batch(segments, self.target.device), self.target.req_to_token_pool, segments)
         logits, features = self._target(fb, self.target.backend, last_only=True)
-        start = 0
+        first, start = [], 0
         for i, (r, s) in enumerate(zip(reqs, segments)):
             end = start + len(s.tokens)
             token, _ = choose(logits[i], r.params, r.generator)
             r.kv_len = len(r.prompt_ids)
             r.draft_kv_len = 0
-            r.output_ids.append(token)
+            first.append(token)
             self._features[r.rid] = features[start:end]
             start = end
+        return first
 
     # ---- one round ----------------------------------------------------------------------------
-    def decode_round(self, reqs: list[Request]) -> list[list[int]]:
+    def decode_round(self, reqs: list[Request]) -> list[RoundResult]:
         self._features = {r.rid: self._features[r.rid] for r in reqs}  # finished requests drop out
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
         for r in reqs:
@@ -244,7 +205,7 @@ class EagleWorker:
             r.draft_kv_len = r.kv_len
         return logits, feature
 
-    def _chain_round(self, reqs, logits, hidden) -> list[list[int]]:
+    def _chain_round(self, reqs, logits, hidden) -> list[RoundResult]:
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list] = [[] for _ in reqs]
         for step in range(self.k):
@@ -261,7 +222,7 @@ class EagleWorker:
         segments = [Segment(r.req_idx, [r.all_ids[-1]] + tokens[i], r.kv_len) for i, r in enumerate(reqs)]
         fb = with_cache_locs(make_batch(segments, self.target.device), pool, segments)
         target_logits, features = self._target(fb, self.target.backend)
-        committed, start = [], 0
+        results, start = [], 0
         for i, r in enumerate(reqs):
             rows = slice(start, start + self.k + 1)
             start += self.k + 1
@@ -270,10 +231,10 @@ class EagleWorker:
             r.kv_len = last + n + 1
             free_positions(pool, alloc, r.req_idx, r.kv_len, last + self.k + 1)
             self._features[r.rid] = features[rows][: n + 1]
-            committed.append(self._commit(r, tokens[i][:n] + [nxt], n))
-        return committed
+            results.append(RoundResult(tokens[i][:n] + [nxt], proposed=self.k, accepted=n))
+        return results
 
-    def _tree_round(self, reqs, logits, hidden) -> list[list[int]]:
+    def _tree_round(self, reqs, logits, hidden) -> list[RoundResult]:
         k, device = self.topk, self.target.device
         alloc = self.target.token_to_kv_pool_allocator
         B = len(reqs)
@@ -351,7 +312,7 @@ class EagleWorker:
             key_slots=key_slots, key_positions=key_pos, masks=masks,
         )
 
-    def _verify_trees(self, reqs, trees: list[DraftTree]) -> list[list[int]]:
+    def _verify_trees(self, reqs, trees: list[DraftTree]) -> list[RoundResult]:
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
         device = self.target.device
         rows_of = pool.req_to_token
@@ -370,7 +331,7 @@ class EagleWorker:
             masks=[t.mask(device) for t in trees],
         )
         logits, features = self._target(fb, self.target_tree_backend)
-        committed, start = [], 0
+        results, start = [], 0
         for r, t, s in zip(reqs, trees, slots):
             rows = slice(start, start + t.size)
             start += t.size
@@ -384,17 +345,5 @@ class EagleWorker:
             alloc.free(s[rejected.to(s.device)])
             r.kv_len = last + len(keep)
             self._features[r.rid] = features[rows][torch.tensor(keep, device=features.device)]
-            committed.append(self._commit(r, [t.tokens[x] for x in path] + [nxt], len(path), proposed=t.size - 1))
-        return committed
-
-    def _commit(self, r: Request, new: list[int], accepted: int, proposed: int | None = None) -> list[int]:
-        proposed = self.k if proposed is None else proposed
-        r.output_ids.extend(new)
-        r.proposed_draft_tokens += proposed
-        r.accepted_draft_tokens += accepted
-        r.verify_rounds += 1
-        self.proposed_tokens += proposed
-        self.accepted_tokens += accepted
-        self.rounds += 1
-        self.accept_lengths[accepted] += 1
-        return new
+            results.append(RoundResult([t.tokens[x] for x in path] + [nxt], proposed=t.size - 1, accepted=len(path)))
+        return results
