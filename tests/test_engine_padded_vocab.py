@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from specdecode_worker.engine import model_runner as runner_mod  # noqa: E402
 from specdecode_worker.engine import speculative  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.scheduler import EngineArgs, Scheduler  # noqa: E402
+from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 from specdecode_worker.plan import PlanArgs  # noqa: E402
 from specdecode_worker.plan_cli import make_plan  # noqa: E402
@@ -60,12 +60,12 @@ def _plan(target, draft):
 @pytest.mark.parametrize("draft", ["narrower", "wider"])
 def test_padded_pair_is_planned_and_served_with_the_target_greedy_output(models, reference, draft):
     assert _plan(models["target"], models[draft])["fits"]
-    sched = engine(models["target"], "STANDALONE", models[draft])
-    assert sched.draft_worker.model_runner.vocabulary.proposable_ids == min(192, NARROW if draft == "narrower" else 256)
-    outputs = [r.output_ids for r in run_all(sched, [Request(p, GREEDY) for p in PROMPTS])]
+    eng = engine(models["target"], "STANDALONE", models[draft])
+    assert eng.draft_runner.vocabulary.proposable_ids == min(192, NARROW if draft == "narrower" else 256)
+    outputs = [r.output_ids for r in run_all(eng, [Request(p, GREEDY) for p in PROMPTS])]
     assert outputs == reference
-    assert sched.stats.proposed_tokens > 0
-    assert sched.kv_usage()[0] == 0
+    assert eng.stats.proposed_tokens > 0
+    assert eng.kv_usage()[0] == 0
 
 
 @pytest.mark.parametrize("draft, shared", [("narrower", NARROW), ("wider", 192)])
@@ -79,9 +79,9 @@ def test_draft_proposes_only_rows_both_heads_have_and_verification_reads_the_who
 
     verify = speculative.verify
     monkeypatch.setattr(speculative, "verify", recording_verify)
-    sched = engine(models["target"], "STANDALONE", models[draft])
+    eng = engine(models["target"], "STANDALONE", models[draft])
     params = SamplingParams(max_tokens=30, temperature=1.0, seed=7, ignore_eos=True)
-    run_all(sched, [Request(p, params) for p in PROMPTS])
+    run_all(eng, [Request(p, params) for p in PROMPTS])
     proposals = [t for s in seen for t in s[0]]
     assert proposals and max(proposals) < shared
     for _, probs, width in seen:
@@ -92,10 +92,10 @@ def test_draft_proposes_only_rows_both_heads_have_and_verification_reads_the_who
 
 def test_target_padding_ids_reach_the_draft_as_ids_it_can_read(models):
     # A random target emits ids above the tokenizer's; the narrower draft embeds only 136 rows.
-    sched = engine(models["target"], "STANDALONE", models["narrower"])
+    eng = engine(models["target"], "STANDALONE", models["narrower"])
     prompt = [150, 170, 191, 5]
     ref = engine(models["target"]).generate(prompt, GREEDY).output_ids
-    assert sched.generate(prompt, GREEDY).output_ids == ref
+    assert eng.generate(prompt, GREEDY).output_ids == ref
 
 
 def test_other_tokenizer_is_refused_by_planner_and_worker_alike(models, tmp_path, monkeypatch):
@@ -107,9 +107,9 @@ def test_other_tokenizer_is_refused_by_planner_and_worker_alike(models, tmp_path
         _plan(models["target"], other)
     loads = []
     monkeypatch.setattr(runner_mod.ModelRunner, "load_weights", lambda self: loads.append(self.name))
-    sched = Scheduler(EngineArgs(str(models["target"]), str(other), "STANDALONE", device_memory_bytes=64 << 20))
+    eng = Engine(EngineArgs(str(models["target"]), str(other), "STANDALONE", device_memory_bytes=64 << 20))
     with pytest.raises(InputError) as served:
-        sched.init_model_worker()
+        eng.init_model_worker()
     message = str(served.value)
     assert str(planned.value) == message
     assert f"defines {TOKENS + 4} token ids" in message and "must use the target's tokenizer" in message

@@ -247,10 +247,10 @@ def test_engine_greedy_output_is_the_same_on_both_backends(case, tmp_path, monke
 
     def outputs(backend: str):
         monkeypatch.setenv(ATTENTION_BACKEND_ENV, backend)
-        sched = engine(target, algorithm, draft, **extra)
-        assert type(sched.target_worker.model_runner.backend).__name__ == (
+        eng = engine(target, algorithm, draft, **extra)
+        assert type(eng.target_runner.backend).__name__ == (
             "TritonAttnBackend" if backend == "triton" else "TorchNativeAttnBackend")
-        reqs = run_all(sched, [Request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts])
+        reqs = run_all(eng, [Request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts])
         return [r.output_ids for r in reqs]
 
     want = outputs("torch_native")

@@ -78,7 +78,7 @@ class EagleRunner(ModelRunner):
         self.algorithm = algorithm
         self.target = target_runner
         self.aux_layers: list[int] | None = None
-        self.tree_backend: TreeAttnBackend | None = None
+        self.tree_backend = None  # set in phase 3
 
     def load_weights(self) -> None:
         if self.phase >= Phase.WEIGHTS_LOADED:
@@ -235,7 +235,7 @@ class EagleSpeculator(Speculator):
         return results
 
     def _tree_round(self, reqs, logits, hidden) -> list[RoundResult]:
-        k, device = self.topk, self.target.device
+        k = self.topk
         alloc = self.target.token_to_kv_pool_allocator
         B = len(reqs)
         # Candidates per request: token, parent candidate (-1: root), score, depth.
