@@ -11,6 +11,7 @@ the test.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import uuid
@@ -19,6 +20,12 @@ import pytest
 
 from tests.cluster.controlplane import ControlPlane, build_binaries
 from tests.cluster.wait import wait_for
+
+# Without a GPU, Triton kernels can only run under its interpreter, and Triton reads the switch when
+# a function is decorated (its own library's too, at its first import, which transformers may do
+# while tests are collected): turn it on before anything imports triton.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _planes: list[ControlPlane] = []
 _build: dict[str, object] = {}

@@ -1,34 +1,40 @@
-"""The Triton paged-attention kernels against the torch-native backends, on CPU.
+"""The Triton paged-attention kernels against the torch-native backends.
 
-The kernels run under Triton's interpreter (``TRITON_INTERPRET=1``), which executes them with
-numpy: the same index arithmetic, masks and online softmax as on a GPU, exactly. The variable must
-be set before the kernels are decorated, so this module sets it and (re)imports the kernel module;
-``test_kernels_run_under_the_interpreter`` checks that it took effect.
+Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``), which executes
+them with numpy: the same index arithmetic, masks and online softmax as on a GPU, exactly. Triton
+reads the variable when a function is decorated, its own library's included, so it must be set
+before triton is first imported: tests/conftest.py sets it for the whole run on a machine without
+a GPU (transformers may import triton while tests are collected), and this module sets it when run
+alone, failing at once if triton came first. ``test_kernels_run_under_the_interpreter`` checks it
+took effect. With a GPU the same tests run the compiled kernels on it, and the variable is left
+alone, so the CUDA tests of the same process keep real kernels.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
 import pytest
 
-os.environ["TRITON_INTERPRET"] = "1"
 torch = pytest.importorskip("torch")
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    if "triton" in sys.modules:
+        raise RuntimeError("triton was imported before tests/test_triton_attention.py could turn on its "
+                           "interpreter; run this file in its own pytest process")
+    os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
+from specdecode_worker.engine import triton_attention as ta  # noqa: E402
 from specdecode_worker.engine.attention import TorchNativeAttnBackend  # noqa: E402
 from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
 from specdecode_worker.engine.pools import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 from specdecode_worker.engine.tree import ancestor_mask  # noqa: E402
 from specdecode_worker.engine.tree_attention import TreeAttnBackend, TreeForwardBatch  # noqa: E402
 
-_MODULE = "specdecode_worker.engine.triton_attention"
-if _MODULE in sys.modules:  # imported earlier in this process without the interpreter: decorate again
-    ta = importlib.reload(sys.modules[_MODULE])
-else:
-    ta = importlib.import_module(_MODULE)
+E4M3_ON_DEVICE = not CUDA or torch.cuda.get_device_capability() >= (8, 9)
 
 POOL = 720
 CTX = 96
@@ -39,10 +45,10 @@ SCALE = D ** -0.5
 def _pools(kv_heads: int, kv_dtype=torch.float32, seed: int = 0, num_reqs: int = 6):
     """Pools with random K/V in every slot and each request's positions on its own shuffled slots."""
     g = torch.Generator().manual_seed(seed)
-    req_pool = ReqToTokenPool(num_reqs + 1, CTX, "cpu")
-    kv = MHATokenToKVPool(POOL, 1, kv_heads, D, D, kv_dtype, "cpu")
-    kv.k_buffer[0].copy_(torch.randn(POOL + 1, kv_heads, D, generator=g).to(kv_dtype))
-    kv.v_buffer[0].copy_(torch.randn(POOL + 1, kv_heads, D, generator=g).to(kv_dtype))
+    req_pool = ReqToTokenPool(num_reqs + 1, CTX, DEVICE)
+    kv = MHATokenToKVPool(POOL, 1, kv_heads, D, D, kv_dtype, DEVICE)
+    kv.k_buffer[0].copy_(torch.randn(POOL + 1, kv_heads, D, generator=g).to(DEVICE, kv_dtype))
+    kv.v_buffer[0].copy_(torch.randn(POOL + 1, kv_heads, D, generator=g).to(DEVICE, kv_dtype))
     slots = torch.randperm(POOL, generator=g) + 1
     for r in range(num_reqs + 1):
         req_pool.req_to_token[r] = slots[r * CTX : (r + 1) * CTX]
@@ -55,10 +61,15 @@ def _batch(req_pool, seq_lens: list[int], extend_lens: list[int], reqs: list[int
         positions += list(range(s - n, s))
         locs.append(req_pool.req_to_token[r, s - n : s])
     return ForwardBatch(
-        input_ids=torch.zeros(sum(extend_lens), dtype=torch.int64), positions=torch.tensor(positions),
-        out_cache_loc=torch.cat(locs), req_pool_indices=torch.tensor(reqs), seq_lens=torch.tensor(seq_lens),
+        input_ids=torch.zeros(sum(extend_lens), dtype=torch.int64, device=DEVICE),
+        positions=torch.tensor(positions, device=DEVICE), out_cache_loc=torch.cat(locs),
+        req_pool_indices=torch.tensor(reqs, device=DEVICE), seq_lens=torch.tensor(seq_lens, device=DEVICE),
         extend_lens=extend_lens, seq_lens_cpu=seq_lens,
     )
+
+
+def _randn(*shape, g):
+    return torch.randn(*shape, generator=g).to(DEVICE)
 
 
 def _run(backend_cls, req_pool, kv, window, q, k, v, fb):
@@ -70,15 +81,16 @@ def _compare(kv_heads, group, seq_lens, extend_lens, window=None, kv_dtype=torch
     reqs = list(range(1, len(seq_lens) + 1))
     fb = _batch(req_pool, seq_lens, extend_lens, reqs)
     n = sum(extend_lens)
-    q = torch.randn(n, kv_heads * group, D, generator=g)
-    k = torch.randn(n, kv_heads, D, generator=g)
-    v = torch.randn(n, kv_heads, D, generator=g)
+    q = _randn(n, kv_heads * group, D, g=g)
+    k = _randn(n, kv_heads, D, g=g)
+    v = _randn(n, kv_heads, D, g=g)
     want = _run(TorchNativeAttnBackend, req_pool, kv, window, q, k, v, fb)
     got = _run(ta.TritonAttnBackend, req_pool, kv, window, q, k, v, fb)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     return got
 
 
+@pytest.mark.skipif(CUDA, reason="with a GPU the kernels are compiled for it")
 def test_kernels_run_under_the_interpreter():
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -95,7 +107,7 @@ def test_decode_mixed_lengths_and_gqa(group):
 def test_decode_splits_cover_every_key_whatever_their_number():
     req_pool, kv, g = _pools(kv_heads=2)
     fb = _batch(req_pool, [3, 90, 40], [1, 1, 1], [1, 2, 3])
-    q = torch.randn(3, 4, D, generator=g)
+    q = _randn(3, 4, D, g=g)
     k_buf, v_buf = kv.k_buffer[0], kv.v_buffer[0]
     want = TorchNativeAttnBackend(req_pool, kv, None)._decode(q, k_buf, v_buf, fb, SCALE)
     for splits in (1, 3, 16):
@@ -109,12 +121,12 @@ def test_decode_reads_only_live_slots():
     req_pool, kv, g = _pools(kv_heads=1)
     seq_lens, reqs = [7, 30], [1, 2]
     live = torch.cat([req_pool.req_to_token[r, :s] for r, s in zip(reqs, seq_lens)])
-    dead = torch.ones(POOL + 1, dtype=torch.bool)
+    dead = torch.ones(POOL + 1, dtype=torch.bool, device=DEVICE)
     dead[live] = False
     kv.k_buffer[0][dead] = float("nan")
     kv.v_buffer[0][dead] = float("nan")
     fb = _batch(req_pool, seq_lens, [1, 1], reqs)
-    q = torch.randn(2, 4, D, generator=g)
+    q = _randn(2, 4, D, g=g)
     out = ta.decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], req_pool.req_to_token, fb.req_pool_indices,
                               fb.seq_lens, SCALE, None, 4)
     assert torch.isfinite(out).all()
@@ -122,6 +134,8 @@ def test_decode_reads_only_live_slots():
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_pools_are_upcast_inside_the_kernels(kv_dtype):
+    if kv_dtype == torch.float8_e4m3fn and not E4M3_ON_DEVICE:
+        pytest.skip("Triton has no e4m3 before sm_89 (the engine keeps torch-native there)")
     _compare(kv_heads=2, group=4, seq_lens=[9, 70], extend_lens=[1, 1], kv_dtype=kv_dtype)
     _compare(kv_heads=2, group=4, seq_lens=[9, 70], extend_lens=[9, 4], kv_dtype=kv_dtype)
 
@@ -152,18 +166,19 @@ def _tree_batch(req_pool, prefix_lens, trees, g):
         depth = [0] * len(parents)
         for i, par in enumerate(parents):
             depth[i] = 0 if par < 0 else depth[par] + 1
-        s = torch.tensor(spare[:len(parents)])
+        s = torch.tensor(spare[:len(parents)], device=DEVICE)
         spare = spare[len(parents):]
         ids += [0] * len(parents)
         pos += [p + d for d in depth]
         locs.append(s)
         slots.append(s)
-        key_pos.append(torch.tensor([p + d for d in depth]))
-        masks.append(ancestor_mask(parents))
+        key_pos.append(torch.tensor([p + d for d in depth], device=DEVICE))
+        masks.append(ancestor_mask(parents, DEVICE))
     seq = [p + max(k.tolist()) - p + 1 for p, k in zip(prefix_lens, key_pos)]
     return TreeForwardBatch(
-        input_ids=torch.tensor(ids), positions=torch.tensor(pos), out_cache_loc=torch.cat(locs),
-        req_pool_indices=torch.arange(1, len(trees) + 1), seq_lens=torch.tensor(seq),
+        input_ids=torch.tensor(ids, device=DEVICE), positions=torch.tensor(pos, device=DEVICE),
+        out_cache_loc=torch.cat(locs), req_pool_indices=torch.arange(1, len(trees) + 1, device=DEVICE),
+        seq_lens=torch.tensor(seq, device=DEVICE),
         extend_lens=[len(t) for t in trees], seq_lens_cpu=seq, prefix_lens=prefix_lens,
         key_slots=slots, key_positions=key_pos, masks=masks,
     )
@@ -176,9 +191,9 @@ def test_tree_masked_verification(group, window):
     trees = [[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2], [-1, 0, 0, 0, 1, 2, 3, 4, 4]]
     fb = _tree_batch(req_pool, [5, 66, 1], trees, g)
     n = sum(fb.extend_lens)
-    q = torch.randn(n, 2 * group, D, generator=g)
-    k = torch.randn(n, 2, D, generator=g)
-    v = torch.randn(n, 2, D, generator=g)
+    q = _randn(n, 2 * group, D, g=g)
+    k = _randn(n, 2, D, g=g)
+    v = _randn(n, 2, D, g=g)
     want = _run(TreeAttnBackend, req_pool, kv, window, q, k, v, fb)
     got = _run(ta.TritonAttnBackend, req_pool, kv, window, q, k, v, fb)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
@@ -188,10 +203,10 @@ def test_tree_mask_changes_the_answer():
     # The same nodes under a chain mask instead of the tree's give other outputs: the mask is read.
     req_pool, kv, g = _pools(kv_heads=1, seed=4)
     fb = _tree_batch(req_pool, [10], [[-1, 0, 0, 0]], g)
-    q, k, v = (torch.randn(4, 1, D, generator=g) for _ in range(3))
+    q, k, v = (_randn(4, 1, D, g=g) for _ in range(3))
     backend = ta.TritonAttnBackend(req_pool, kv, None)
     tree_out = backend.forward(q, k, v, 0, fb, SCALE)
-    fb.masks = [ancestor_mask([-1, 0, 1, 2])]
+    fb.masks = [ancestor_mask([-1, 0, 1, 2], DEVICE)]
     chain_out = ta.TritonAttnBackend(req_pool, kv, None).forward(q, k, v, 0, fb, SCALE)
     torch.testing.assert_close(tree_out[:2], chain_out[:2])  # root and first child see the same keys
     assert not torch.allclose(tree_out[2:], chain_out[2:])
@@ -217,12 +232,13 @@ def test_backend_choice(monkeypatch):
     with pytest.raises(InputError, match="one of auto, triton, torch_native"):
         attention_backend_name("cpu")
     monkeypatch.setenv(ATTENTION_BACKEND_ENV, "triton")
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(InputError, match="TRITON_INTERPRET=1"):
         attention_backend_name("cpu")
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(CUDA, reason="tests/test_engine_cuda.py runs the engine on a GPU")
 @pytest.mark.parametrize("case", ["STANDALONE", "EAGLE3-tree"])
 def test_engine_greedy_output_is_the_same_on_both_backends(case, tmp_path, monkeypatch):
     """Whole engine runs: prefill, target and draft decode, chain and tree verification, EAGLE draft steps."""
@@ -269,19 +285,19 @@ def test_padded_graph_batch_gives_the_eager_rows(tokens_per_req):
     seq_lens = [9, 77, 33]
     fb = _batch(req_pool, seq_lens, [tokens_per_req] * 3, [2, 4, 6])
     n = sum(fb.extend_lens)
-    q, k, v = torch.randn(n, 8, D, generator=g), torch.randn(n, 2, D, generator=g), torch.randn(n, 2, D, generator=g)
+    q, k, v = _randn(n, 8, D, g=g), _randn(n, 2, D, g=g), _randn(n, 2, D, g=g)
     eager = ta.TritonAttnBackend(req_pool, kv, None).forward(q, k, v, 0, fb, SCALE)
 
     sizes = capture_sizes(8)
     bs = padded_size(sizes, fb.batch_size)
     assert bs == 4
-    inputs = GraphInputs(8, tokens_per_req, "cpu")
+    inputs = GraphInputs(8, tokens_per_req, DEVICE)
     inputs.stage(fb, bs)
     static = inputs.batch(bs)
     assert inputs.accepts(fb) and static.seq_lens.tolist() == seq_lens + [tokens_per_req]
     pad = slice(n, bs * tokens_per_req)
     assert static.out_cache_loc[pad].eq(0).all() and static.req_pool_indices[3] == 0
-    padded = lambda x: torch.cat([x, torch.zeros(bs * tokens_per_req - n, *x.shape[1:])])  # noqa: E731
+    padded = lambda x: torch.cat([x, torch.zeros(bs * tokens_per_req - n, *x.shape[1:], device=DEVICE)])  # noqa: E731
     before = kv.k_buffer[0].clone()
     replayed = ta.TritonAttnBackend(req_pool, kv, None).forward(padded(q), padded(k), padded(v), 0, static, SCALE)
     torch.testing.assert_close(replayed[:n], eager)
