@@ -10,13 +10,15 @@ from .forward_batch import ForwardBatch
 from .pools import ReqToTokenPool, TokenToKVPoolAllocator
 
 
-def alloc_positions(req_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, req_idx: int, start: int, end: int) -> None:
+def alloc_positions(req_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, req_idx: int, start: int,
+                    end: int) -> None:
     """Give positions ``start..end-1`` of request row ``req_idx`` fresh KV slots."""
     if end > start:
         req_pool.req_to_token[req_idx, start:end] = allocator.alloc(end - start)
 
 
-def free_positions(req_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, req_idx: int, start: int, end: int) -> None:
+def free_positions(req_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, req_idx: int, start: int,
+                   end: int) -> None:
     """Return the slots of positions ``start..end-1`` (rejected draft tokens, finished requests)."""
     if end > start:
         allocator.free(req_pool.req_to_token[req_idx, start:end].clone())

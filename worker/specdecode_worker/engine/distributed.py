@@ -118,7 +118,8 @@ def announce_forward(name: str, fb: ForwardBatch, req_to_token: torch.Tensor, la
     """Send the followers one forward pass: the batch plus the request rows it reads."""
     width = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else 0
     rows = req_to_token[fb.req_pool_indices, :width].cpu()
-    batch = {k: getattr(fb, k).cpu() for k in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")}
+    batch = {k: getattr(fb, k).cpu()
+             for k in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")}
     get_tp().broadcast(("forward", name, batch, list(fb.extend_lens), list(fb.seq_lens_cpu), rows, last_only))
 
 
@@ -151,7 +152,8 @@ def follow(runners: dict[str, Any]) -> int:
         _, name, batch, extend_lens, seq_lens_cpu, rows, last_only = msg
         runner = runners[name]
         dev = runner.device
-        fb = ForwardBatch(**{k: v.to(dev) for k, v in batch.items()}, extend_lens=extend_lens, seq_lens_cpu=seq_lens_cpu)
+        fb = ForwardBatch(**{k: v.to(dev) for k, v in batch.items()}, extend_lens=extend_lens,
+                          seq_lens_cpu=seq_lens_cpu)
         # The follower's req_to_token mirrors rank 0's rows for the requests in this batch.
         runner.req_to_token_pool.req_to_token[fb.req_pool_indices, : rows.shape[1]] = rows.to(dev)
         runner.forward(fb, last_only)
@@ -239,7 +241,7 @@ def launch(size: int, fn: Callable, args: tuple = (), device: str = "cpu", timeo
             multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.2)
         # Rank 0 is done: give followers a moment to finish on its stop message, then end them.
         end = time.monotonic() + 10
-        for r, p in enumerate(procs):
+        for p in procs:
             p.join(timeout=max(0.0, end - time.monotonic()))
         while not results.empty():
             rank, status, value = results.get()

@@ -93,7 +93,8 @@ def aux_layer_ids(raw: dict, target_layers: int, where: str) -> list[int]:
         field = f"the default layers [2, L//2, L-3] for the target's {target_layers} layers"
     else:
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise InputError(f"{where}: field 'eagle_config.eagle_aux_hidden_state_layer_ids' must be a list of integers")
+            raise InputError(f"{where}: field 'eagle_config.eagle_aux_hidden_state_layer_ids' must be a list of "
+                             "integers")
         layers = [i + 1 for i in ids]
         field = f"'eagle_config.eagle_aux_hidden_state_layer_ids' {ids}"
     if len(layers) != 3 or not all(0 <= i <= target_layers for i in layers):
@@ -132,10 +133,12 @@ def load_eagle_head(
                          "states through fc (is this an EAGLE head checkpoint?)")
     if algorithm == "EAGLE3":
         if config.num_hidden_layers != 1:
-            raise InputError(f"{where}: field 'num_hidden_layers' is {config.num_hidden_layers}; an EAGLE3 head has 1 layer")
+            raise InputError(f"{where}: field 'num_hidden_layers' is {config.num_hidden_layers}; "
+                             "an EAGLE3 head has 1 layer")
         th = raw.get("target_hidden_size") or target_hidden_size
         if th != target_hidden_size:
-            raise InputError(f"{where}: field 'target_hidden_size' is {th} but the target's hidden_size is {target_hidden_size}")
+            raise InputError(f"{where}: field 'target_hidden_size' is {th} but the target's hidden_size is "
+                             f"{target_hidden_size}")
         fc_in = 3 * target_hidden_size
         head_vocab = tuple(tensors["lm_head.weight"].shape)[0] if "lm_head.weight" in tensors else None
         _check_vocab_maps(tensors, raw, head_vocab, target_vocab_size, files, where)
@@ -169,7 +172,8 @@ def load_eagle_head(
     for name, ref in expected.items():
         t = tensors[name]
         if tuple(t.shape) != tuple(ref.shape):
-            raise InputError(f"{files}: tensor '{name}' has shape {tuple(t.shape)}, config.json implies {tuple(ref.shape)}")
+            raise InputError(f"{files}: tensor '{name}' has shape {tuple(t.shape)}, "
+                             f"config.json implies {tuple(ref.shape)}")
         keep = ref.dtype if not ref.dtype.is_floating_point else dtype
         state[name] = t.to(device=device, dtype=keep)
     head.load_state_dict(state, strict=True, assign=True)
@@ -185,7 +189,8 @@ def _check_vocab_maps(tensors, raw, head_vocab, target_vocab, files, where) -> N
                              "vocabulary needs the head's own lm_head")
         return
     if draft_vocab is not None and draft_vocab != head_vocab:
-        raise InputError(f"{files}: tensor 'lm_head.weight' has {head_vocab} rows but {where} says draft_vocab_size {draft_vocab}")
+        raise InputError(f"{files}: tensor 'lm_head.weight' has {head_vocab} rows but {where} says "
+                         f"draft_vocab_size {draft_vocab}")
     if head_vocab != target_vocab or "d2t" in tensors:
         d2t = tensors.get("d2t")
         if d2t is None:

@@ -24,7 +24,8 @@ from ..errors import InputError
 from .distributed import SINGLE, TPGroup, get_tp
 
 
-def _mark(param: nn.Parameter, tp: TPGroup, dim: int, start: int, length: int, full_shape: tuple[int, ...]) -> nn.Parameter:
+def _mark(param: nn.Parameter, tp: TPGroup, dim: int, start: int, length: int,
+          full_shape: tuple[int, ...]) -> nn.Parameter:
     if tp.size > 1:
         param.tp_shard = (dim, start, length, tuple(full_shape))
     return param
@@ -38,7 +39,8 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         length = out_features // tp.size if length is None else length
         start = tp.rank * length if start is None else start
-        self.weight = _mark(nn.Parameter(torch.empty(length, in_features)), tp, 0, start, length, (out_features, in_features))
+        self.weight = _mark(nn.Parameter(torch.empty(length, in_features)), tp, 0, start, length,
+                            (out_features, in_features))
         self.bias = _mark(nn.Parameter(torch.empty(length)), tp, 0, start, length, (out_features,)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,8 +177,12 @@ def row_linear(in_features: int, out_features: int, bias: bool, tp: TPGroup = SI
 
 
 def vocab_embedding(vocab_size: int, hidden_size: int, tp: TPGroup = SINGLE) -> nn.Module:
-    return nn.Embedding(vocab_size, hidden_size) if tp.size == 1 else VocabParallelEmbedding(vocab_size, hidden_size, tp)
+    if tp.size == 1:
+        return nn.Embedding(vocab_size, hidden_size)
+    return VocabParallelEmbedding(vocab_size, hidden_size, tp)
 
 
 def lm_head(vocab_size: int, hidden_size: int, tp: TPGroup = SINGLE) -> nn.Module:
-    return nn.Linear(hidden_size, vocab_size, bias=False) if tp.size == 1 else ParallelLMHead(vocab_size, hidden_size, tp)
+    if tp.size == 1:
+        return nn.Linear(hidden_size, vocab_size, bias=False)
+    return ParallelLMHead(vocab_size, hidden_size, tp)

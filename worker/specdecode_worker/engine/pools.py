@@ -108,8 +108,10 @@ class MHATokenToKVPool:
         self.size = size
         self.num_layers = num_layers
         self.dtype = dtype
-        self.k_buffer = [torch.zeros((size + 1, kv_heads, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros((size + 1, kv_heads, v_head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffer = [torch.zeros((size + 1, kv_heads, head_dim), dtype=dtype, device=device)
+                         for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros((size + 1, kv_heads, v_head_dim), dtype=dtype, device=device)
+                         for _ in range(num_layers)]
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffer[layer][loc] = k.to(self.dtype)

@@ -54,7 +54,8 @@ def ancestor_mask(parents: list[int], device=None) -> torch.Tensor:
     return mask.to(device) if device is not None else mask
 
 
-def select_tree(root: int, tokens: list[int], parents: list[int], scores: list[float], depths: list[int], n: int) -> DraftTree:
+def select_tree(root: int, tokens: list[int], parents: list[int], scores: list[float], depths: list[int],
+                n: int) -> DraftTree:
     """The ``n`` best candidates as a tree under ``root``.
 
     Candidate i has token ``tokens[i]``, parent candidate ``parents[i]`` (-1: the root), score and
