@@ -1,0 +1,114 @@
+"""The Triton backend on a real GPU: bf16 at real head sizes, CUDA-graph capture and replay at
+other context lengths, and start-up at contextLength 8192 with the planner's graph batch.
+
+Skipped where no CUDA device is visible (CI has none); run on a GPU machine with
+`python -m pytest tests/test_triton_cuda.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+from specdecode_worker.engine.attention import TorchNativeAttnBackend  # noqa: E402
+from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
+from specdecode_worker.engine.pools import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+
+CTX = 8192
+D = 128
+
+
+def _setup(batch: int, kv_heads: int, group: int, pool: int, dtype=torch.bfloat16, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    req_pool = ReqToTokenPool(batch + 1, CTX, "cuda")
+    kv = MHATokenToKVPool(pool, 1, kv_heads, D, D, dtype, "cuda")
+    kv.k_buffer[0].copy_(torch.randn(pool + 1, kv_heads, D, device="cuda", generator=g).to(dtype))
+    kv.v_buffer[0].copy_(torch.randn(pool + 1, kv_heads, D, device="cuda", generator=g).to(dtype))
+    slots = torch.randperm(pool, device="cuda", generator=g) + 1
+    for r in range(batch + 1):
+        req_pool.req_to_token[r] = slots[(r * CTX) % (pool - CTX) : (r * CTX) % (pool - CTX) + CTX]
+    q = torch.randn(batch, kv_heads * group, D, device="cuda", generator=g).to(dtype)
+    return req_pool, kv, q
+
+
+def _decode_batch(seq_lens: list[int]) -> ForwardBatch:
+    b = len(seq_lens)
+    reqs = torch.arange(1, b + 1, device="cuda")
+    return ForwardBatch(input_ids=torch.zeros(b, dtype=torch.int64, device="cuda"),
+                        positions=torch.tensor(seq_lens, device="cuda") - 1,
+                        out_cache_loc=torch.zeros(b, dtype=torch.int64, device="cuda"), req_pool_indices=reqs,
+                        seq_lens=torch.tensor(seq_lens, device="cuda"), extend_lens=[1] * b, seq_lens_cpu=seq_lens)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_bf16_decode_at_real_sizes_matches_torch_native(group):
+    from specdecode_worker.engine.triton_attention import decode_attention
+
+    req_pool, kv, q = _setup(6, 8 // group if group < 8 else 1, group, 3 * CTX)
+    fb = _decode_batch([1, 100, 1000, 4097, 7000, 8192])
+    want = TorchNativeAttnBackend(req_pool, kv, None)._decode(q, kv.k_buffer[0], kv.v_buffer[0], fb, D ** -0.5)
+    got = decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], req_pool.req_to_token, fb.req_pool_indices,
+                           fb.seq_lens, D ** -0.5, None, 16)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_one_captured_graph_serves_every_context_length():
+    """Captured at length 16, replayed at 8192: the kernels read seq_lens at replay."""
+    from specdecode_worker.engine.triton_attention import TritonAttnBackend
+
+    req_pool, kv, q = _setup(4, 2, 4, 3 * CTX)
+    backend = TritonAttnBackend(req_pool, kv, None)
+    fb = _decode_batch([16, 16, 16, 16])
+    k_new = torch.zeros(4, 2, D, device="cuda", dtype=torch.bfloat16)
+    static_q = q.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(static_q, k_new, k_new, 0, fb, D ** -0.5)  # compile before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(static_q, k_new, k_new, 0, fb, D ** -0.5)
+    reference = TorchNativeAttnBackend(req_pool, kv, None)
+    for lengths in ([16, 16, 16, 16], [1, 300, 5000, 8192], [8192] * 4):
+        fb.seq_lens.copy_(torch.tensor(lengths, device="cuda"))
+        fb.positions.copy_(fb.seq_lens - 1)
+        graph.replay()
+        fb.seq_lens_cpu = lengths
+        want = reference._decode(static_q, kv.k_buffer[0], kv.v_buffer[0], fb, D ** -0.5)
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_engine_starts_at_context_8192_with_the_planners_graph_batch(tmp_path):
+    """The plan's default cudaGraphMaxBs for this GPU is captured at contextLength 8192, and the
+    caching allocator's peak beyond weights and pools stays within the plan's reserves."""
+    from specdecode_worker import serve_cli
+    from specdecode_worker.engine.request import Request, SamplingParams
+    from specdecode_worker.engine.scheduler import Scheduler
+
+    from tests.tiny_models import write_tiny_model
+
+    target = write_tiny_model(tmp_path / "t", "llama", seed=0, hidden_size=512, intermediate_size=1024,
+                              num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
+                              max_position_embeddings=8192)
+    engine_args, plan = serve_cli.resolve(serve_cli.parser().parse_args(
+        ["--target", str(target), "--algorithm", "NONE", "--device", "cuda", "--context-length", "8192"]))
+    torch.cuda.reset_peak_memory_stats()
+    sched = Scheduler(engine_args)
+    sched.init_model_worker()
+    runner = sched.target_worker.model_runner
+    assert runner.cuda_graphs is not None and runner.cuda_graphs.max_bs == plan["reserve"]["cudaGraphMaxBs"]
+    reqs = [Request(list(range(5, 5 + n)), SamplingParams(max_tokens=8, ignore_eos=True)) for n in (3, 700, 4000)]
+    for r in reqs:
+        sched.submit(r)
+    while not all(r.done.is_set() for r in reqs):
+        sched.step()
+    static = runner.weight_bytes + runner.token_to_kv_pool.nbytes() + runner.req_to_token_pool.nbytes()
+    reserve = plan["reserve"]
+    measured = torch.cuda.max_memory_reserved() - static
+    print(f"dynamic bytes: planned {reserve['dynamicBytes']}, measured {measured} (cuBLAS workspaces included, "
+          f"which the runtime reserve of {reserve['runtimeBytes']} covers)")
+    # The allocator's peak stays inside what the plan leaves beyond weights and pools.
+    assert measured <= reserve["dynamicBytes"] + reserve["runtimeBytes"]
