@@ -6,6 +6,11 @@ whole and no rank is left waiting in a collective. Rank 0 schedules; the other r
 every forward pass rank 0 runs on a sharded model is announced to them (``announce_forward``)
 and ``follow`` replays it, so the collectives inside the model line up.
 
+A replica larger than one node runs the same group over several pods (``nnodes``): each pod's
+supervisor starts its local ranks (global ranks ``node_rank * local ... + local - 1``), the
+rendezvous is at the leader pod's ``master_addr:master_port``, and ``pod_link`` carries failures
+between the pods' supervisors, so a rank failing in any pod stops the whole group.
+
 Two groups: ``group`` carries the model's collectives (NCCL on CUDA, gloo on CPU); ``cpu_group``
 (gloo) carries the small control messages. The control group waits without a deadline (a
 follower may idle as long as the server does); supervision, not a timeout, ends a stuck rank.
@@ -93,12 +98,13 @@ def get_tp() -> TPGroup:
     return _current
 
 
-def init_tp(rank: int, size: int, port: int, device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
+def init_tp(rank: int, size: int, port: int, device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
+            master_addr: str = "127.0.0.1", local_rank: int | None = None) -> TPGroup:
     global _current
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+        torch.cuda.set_device(rank if local_rank is None else local_rank)
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{port}", rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
     cpu_group = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
     _current = TPGroup(rank, size, dist.group.WORLD, cpu_group)
@@ -176,10 +182,35 @@ def _die_with_parent() -> None:
         pass
 
 
-def _rank_main(fn, rank, size, port, device, timeout_s, args, results) -> None:
+@dataclass(frozen=True)
+class Nodes:
+    """Where this pod sits in a replica that spans pods (the default: one pod holds every rank)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None on one node: a free local port
+    pod: str = ""  # named in failure messages; default: this host's name
+
+    def pod_name(self) -> str:
+        return self.pod or os.environ.get("POD_NAME") or socket.gethostname()
+
+    def local_ranks(self, size: int) -> list[int]:
+        if self.nnodes < 1 or size % self.nnodes:
+            raise ValueError(f"{size} ranks do not split evenly over {self.nnodes} pods")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node rank {self.node_rank} is outside 0..{self.nnodes - 1}")
+        local = size // self.nnodes
+        return list(range(self.node_rank * local, (self.node_rank + 1) * local))
+
+
+ONE_NODE = Nodes()
+
+
+def _rank_main(fn, rank, size, port, device, timeout_s, args, results, master_addr="127.0.0.1", local_rank=None) -> None:
     _die_with_parent()
     try:
-        init_tp(rank, size, port, device, timeout_s)
+        init_tp(rank, size, port, device, timeout_s, master_addr, local_rank)
         out = fn(*args)
         results.put((rank, "ok", out))
     except BaseException as exc:  # noqa: BLE001 - report anything, then exit non-zero
@@ -197,19 +228,34 @@ def _rank_main(fn, rank, size, port, device, timeout_s, args, results) -> None:
 
 
 def launch(size: int, fn: Callable, args: tuple = (), device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
-           wall_timeout_s: float | None = None) -> list[Any]:
-    """Run ``fn(*args)`` in ``size`` rank processes, each inside its group; returns their results.
+           wall_timeout_s: float | None = None, nodes: Nodes = ONE_NODE) -> list[Any]:
+    """Run ``fn(*args)`` in this pod's rank processes, each inside the group; returns their results.
 
-    The first rank that fails (an exception, or an exit without a result) stops all others and
-    raises ``RankFailure`` with its message. When rank 0 returns, followers still running are
-    stopped. ``wall_timeout_s`` bounds the whole run.
+    ``size`` is the whole group; this pod runs ``size / nodes.nnodes`` of its ranks. The first
+    rank that fails (an exception, or an exit without a result), in this pod or another, stops
+    all ranks of every pod and raises ``RankFailure`` naming that pod and rank. When rank 0
+    returns, followers still running are stopped. ``wall_timeout_s`` bounds the whole run.
+    Results are this pod's, in rank order.
     """
+    ranks = nodes.local_ranks(size)
+    multi = nodes.nnodes > 1
+    if multi and nodes.master_port is None:
+        raise ValueError("a group over several pods needs the leader pod's master port")
+    pod = nodes.pod_name()
+    where = (lambda r: f"rank {r} of {size} (pod {pod}, node rank {nodes.node_rank})") if multi else \
+        (lambda r: f"rank {r} of {size}")
+    link = None
+    if multi:
+        from .pod_link import PodLink
+
+        link = PodLink(pod, nodes.node_rank, nodes.nnodes, nodes.master_addr, nodes.master_port)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, size, port, device, timeout_s, args, results),
-                         name=f"tp-rank-{r}", daemon=False) for r in range(size)]
-    for p in procs:
+    port = nodes.master_port if multi else free_port()
+    procs = {r: ctx.Process(target=_rank_main, args=(fn, r, size, port, device, timeout_s, args, results,
+                                                     nodes.master_addr, i),
+                            name=f"tp-rank-{r}", daemon=False) for i, r in enumerate(ranks)}
+    for p in procs.values():
         p.start()
     out: dict[int, Any] = {}
     deadline = None if wall_timeout_s is None else time.monotonic() + wall_timeout_s
@@ -217,41 +263,71 @@ def launch(size: int, fn: Callable, args: tuple = (), device: str = "cpu", timeo
     if threading.current_thread() is threading.main_thread():
         # A pod being stopped: unwind through the finally below, which stops every rank.
         previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+    def failed(message: str) -> RankFailure:
+        if link is not None:
+            link.fail(message)
+        others = f"every rank of the {nodes.nnodes} pods" if multi else f"the other {size - 1} rank(s)"
+        return RankFailure(f"tensor-parallel {message}; stopped {others}")
+
     try:
         while True:
             while not results.empty():
                 rank, status, value = results.get()
                 if status == "error":
-                    raise RankFailure(f"tensor-parallel rank {rank} of {size} failed: {value}; "
-                                      f"stopped the other {size - 1} rank(s)")
+                    # A rank whose peer in another pod died fails too; report the first cause.
+                    remote = _remote_failure(link, 2.0)
+                    if remote is not None:
+                        raise RankFailure(f"tensor-parallel {remote}; stopped this pod's {len(ranks)} rank(s)")
+                    raise failed(f"{where(rank)} failed: {value}")
                 out[rank] = value
-            if 0 in out or len(out) == size:
+            if 0 in out or len(out) == len(ranks):
                 break
-            exited = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
+            event = link.poll() if link is not None else None
+            if event is not None and event.kind == "failed":
+                raise RankFailure(f"tensor-parallel {event.message}; stopped this pod's {len(ranks)} rank(s)")
+            if event is not None and event.kind == "stop":
+                break  # the leader finished: this pod's followers end on its stop message
+            exited = [(r, p.exitcode) for r, p in procs.items() if p.exitcode is not None and r not in out]
             if exited:
                 time.sleep(0.5)  # its report may still be in flight
                 if not results.empty():
                     continue
                 rank, code = exited[0]
-                raise RankFailure(f"tensor-parallel rank {rank} of {size} exited with code {code} without a "
-                                  f"result; stopped the other {size - 1} rank(s)")
+                raise failed(f"{where(rank)} exited with code {code} without a result")
             if deadline is not None and time.monotonic() > deadline:
-                raise RankFailure(f"tensor-parallel worker did not finish within {wall_timeout_s:.0f} s; "
-                                  f"stopped all {size} rank(s)")
-            multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.2)
+                raise failed(f"worker did not finish within {wall_timeout_s:.0f} s ({where(ranks[0])})")
+            multiprocessing.connection.wait([p.sentinel for p in procs.values() if p.exitcode is None], timeout=0.2)
+        if link is not None:
+            link.finish()
         # Rank 0 is done: give followers a moment to finish on its stop message, then end them.
         end = time.monotonic() + 10
-        for p in procs:
+        for p in procs.values():
             p.join(timeout=max(0.0, end - time.monotonic()))
         while not results.empty():
             rank, status, value = results.get()
             if status == "ok":
                 out[rank] = value
-        return [out.get(r) for r in range(size)]
+        return [out.get(r) for r in ranks]
     finally:
-        _stop(procs)
+        _stop(list(procs.values()))
+        if link is not None:
+            link.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _remote_failure(link, wait_s: float) -> str | None:
+    """Another pod's failure report, if one arrives within ``wait_s``."""
+    if link is None:
+        return None
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        event = link.poll()
+        if event is not None and event.kind == "failed":
+            return event.message
+        time.sleep(0.05)
+    return None
 
 
 def _stop(procs) -> None:
