@@ -51,8 +51,8 @@ def _run_pods(size: int, rank_args: tuple, nnodes: int = 2) -> dict[int, tuple[s
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = _two_free_ports()
-    pods = [ctx.Process(target=_pod, args=(size, Nodes(nnodes, r, "127.0.0.1", port, pod=f"sdd-0-{r}" if r else "sdd-0"),
-                                           rank_args, results))
+    names = ["sdd-0"] + [f"sdd-0-{r}" for r in range(1, nnodes)]  # as LWS names a group's pods
+    pods = [ctx.Process(target=_pod, args=(size, Nodes(nnodes, r, "127.0.0.1", port, pod=names[r]), rank_args, results))
             for r in range(nnodes)]
     for p in pods:
         p.start()
@@ -101,3 +101,99 @@ def test_a_rank_failing_in_the_second_pod_stops_both(models, tmp_path):
         assert "rank 1 of 2 (pod sdd-0-1, node rank 1) failed" in message, message
         assert "deserializing header" in message, message
     assert multiprocessing.active_children() == []
+
+
+def test_serve_over_two_pods_from_the_leaderworkerset_environment(models, tmp_path):
+    """``serve --tp 2`` in two "pods" whose place comes from LWS_* variables: the leader answers
+    like transformers; killing the worker pod stops the leader with the pod named."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdecode_worker.engine.distributed import free_port
+    from tests.test_engine_tp import BUDGET_GIB, FRACTION
+
+    http, master = free_port(), _two_free_ports()
+    argv = [sys.executable, "-m", "specdecode_worker", "serve", "--tp", "2", "--target", str(models["target"]),
+            "--draft", str(models["draft"]), "--algorithm", "STANDALONE", "--device", "cpu",
+            "--device-memory-gib", str(BUDGET_GIB[2]), "--mem-fraction-static", str(FRACTION),
+            "--context-length", str(CONTEXT), "--host", "127.0.0.1", "--port", str(http), "--log-level", "warning",
+            "--served-model-name", "target", "--master-port", str(master)]
+    logs = [tmp_path / f"pod-{r}.log" for r in (0, 1)]
+    pods = []
+    for r in (0, 1):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": str(r),
+               "LWS_LEADER_ADDRESS": "127.0.0.1", "POD_NAME": f"sdd-0-{r}" if r else "sdd-0"}
+        pods.append(subprocess.Popen(argv, stdout=logs[r].open("w"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True))
+    leader, worker = pods
+    base = f"http://127.0.0.1:{http}"
+    try:
+        deadline = time.time() + WALL_S
+        while time.time() < deadline and leader.poll() is None:
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"leader never became healthy: {logs[0].read_text()[-2000:]}\n{logs[1].read_text()[-2000:]}")
+        tok = AutoTokenizer.from_pretrained(models["target"])
+        hf = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
+        prompt = "hello world what is the"
+        ids = tok(prompt, return_tensors="pt").input_ids
+        want = tok.decode(hf.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, ids.shape[1]:],
+                          skip_special_tokens=True)
+        body = {"model": "target", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+
+        os.killpg(worker.pid, signal.SIGKILL)  # the worker pod's node goes away
+        assert leader.wait(timeout=60) == 1
+        assert "pod sdd-0-1 (node rank 1) lost contact with sdd-0 (node rank 0)" in logs[0].read_text()
+    finally:
+        for p in pods:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+
+
+def test_pod_place_from_flags_or_the_leaderworkerset_environment(monkeypatch):
+    from specdecode_worker.errors import InputError
+    from specdecode_worker.serve_cli import nodes_of, parser
+
+    base = ["--target", "t"]
+    plan = {"tensorParallelSize": 16, "nodesPerReplica": 2}
+    monkeypatch.setenv("LWS_GROUP_SIZE", "2")
+    monkeypatch.setenv("LWS_WORKER_INDEX", "1")
+    monkeypatch.setenv("LWS_LEADER_ADDRESS", "sdd-0.sdd.ns")
+    nodes = nodes_of(parser().parse_args(base), plan)
+    assert (nodes.nnodes, nodes.node_rank, nodes.master_addr, nodes.master_port) == (2, 1, "sdd-0.sdd.ns", 29500)
+    assert nodes.local_ranks(16) == list(range(8, 16))
+    flags = nodes_of(parser().parse_args([*base, "--node-rank", "0", "--master-addr", "10.0.0.5"]), plan)
+    assert (flags.node_rank, flags.master_addr) == (0, "10.0.0.5")
+    with pytest.raises(InputError, match="plan spreads its 16 GPU.s. over 2 pod"):
+        nodes_of(parser().parse_args([*base, "--nnodes", "4"]), plan)
+    with pytest.raises(InputError, match="do not split evenly over 3 pods"):
+        nodes_of(parser().parse_args([*base, "--nnodes", "3"]), {"tensorParallelSize": 8})
+    with pytest.raises(InputError, match=r"--node-rank 2: must be in 0..1"):
+        nodes_of(parser().parse_args([*base, "--node-rank", "2"]), plan)
+    monkeypatch.setenv("LWS_WORKER_INDEX", "x")
+    with pytest.raises(InputError, match=r"\$LWS_WORKER_INDEX: expected a whole number"):
+        nodes_of(parser().parse_args(base), plan)
+    monkeypatch.delenv("LWS_GROUP_SIZE")
+    monkeypatch.delenv("LWS_WORKER_INDEX")
+    monkeypatch.delenv("LWS_LEADER_ADDRESS")
+    alone = nodes_of(parser().parse_args(base), {"tensorParallelSize": 4})
+    assert (alone.nnodes, alone.node_rank, alone.master_addr) == (1, 0, "127.0.0.1")

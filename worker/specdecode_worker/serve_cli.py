@@ -51,6 +51,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-quantization", choices=("none", "int8"), default="none",
                    help="int8: dynamically quantised draft linears (cpu only; a cheap draft of a copy of the target)")
     p.add_argument("--log-level", default="info")
+    nodes = p.add_argument_group(
+        "one replica over several pods (defaults from a LeaderWorkerSet group's environment)")
+    nodes.add_argument("--nnodes", help="pods in the replica; each runs tp / nnodes ranks (default: "
+                       "$LWS_GROUP_SIZE, else 1)")
+    nodes.add_argument("--node-rank", help="this pod's place in the replica, 0 = the leader that serves HTTP "
+                       "(default: $LWS_WORKER_INDEX, else 0)")
+    nodes.add_argument("--master-addr", help="the leader pod's address (default: $LWS_LEADER_ADDRESS, else 127.0.0.1)")
+    nodes.add_argument("--master-port", type=int, default=29500,
+                       help="rendezvous port on the leader pod; pod supervision uses the next port")
     sizing = p.add_argument_group("planner sizing flags (as in 'specdecode-worker plan')")
     sizing.add_argument("--tp", help="tensor-parallel size: one process per GPU, rank 0 serves HTTP; auto: the "
                         "smallest that fits (default: 1, or the --plan's)")
@@ -248,6 +257,40 @@ def serve(engine_args, plan: dict[str, Any], http: HttpOptions) -> int:
     return outcome["exit"]
 
 
+def nodes_of(args: argparse.Namespace, plan: dict[str, Any]):
+    """Where this pod sits in its replica, from the flags or the LeaderWorkerSet environment."""
+    import os
+
+    from .engine.distributed import Nodes
+
+    def number(flag: str, value: str | None, env: str, default: int) -> int:
+        raw = value if value is not None else os.environ.get(env)
+        if raw is None:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            source = flag if value is not None else f"${env}"
+            raise InputError(f"{source}: expected a whole number, got {raw!r}") from None
+
+    tp = plan["tensorParallelSize"]
+    nnodes = number("--nnodes", args.nnodes, "LWS_GROUP_SIZE", 1)
+    node_rank = number("--node-rank", args.node_rank, "LWS_WORKER_INDEX", 0)
+    addr = args.master_addr or os.environ.get("LWS_LEADER_ADDRESS") or "127.0.0.1"
+    if nnodes < 1:
+        raise InputError(f"--nnodes {nnodes}: must be at least 1")
+    if not 0 <= node_rank < nnodes:
+        raise InputError(f"--node-rank {node_rank}: must be in 0..{nnodes - 1} for --nnodes {nnodes}")
+    if tp % nnodes:
+        raise InputError(f"--nnodes {nnodes}: the plan's {tp} GPU(s) do not split evenly over {nnodes} pods")
+    planned = plan.get("nodesPerReplica")
+    if planned is not None and planned != nnodes:
+        raise InputError(f"--nnodes {nnodes}: the plan spreads its {tp} GPU(s) over {planned} pod(s)")
+    if not 0 < args.master_port < 65535:
+        raise InputError(f"--master-port {args.master_port}: must be in 1..65534 (the next port supervises)")
+    return Nodes(nnodes, node_rank, addr, args.master_port)
+
+
 def _serve_rank(engine_args, plan: dict[str, Any], http: HttpOptions) -> int:
     """One rank process of a tensor-parallel worker: rank 0 serves HTTP, the others follow it."""
     from .engine.distributed import get_tp
@@ -276,8 +319,13 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.BAD_INPUT
     http = http_options(args)
     tp = plan["tensorParallelSize"]
+    try:
+        nodes = nodes_of(args, plan)
+    except InputError as exc:
+        print(" ".join(str(exc).split()), file=sys.stderr)
+        return ExitCode.BAD_INPUT
     if tp > 1:  # one process per rank, started with the arguments and plan resolved here
         from .engine.tp_engine import run_tensor_parallel
 
-        return run_tensor_parallel(tp, _serve_rank, (engine_args, plan, http), engine_args.device)
+        return run_tensor_parallel(tp, _serve_rank, (engine_args, plan, http), engine_args.device, nodes)
     return serve(engine_args, plan, http)

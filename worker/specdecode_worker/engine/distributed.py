@@ -207,7 +207,8 @@ class Nodes:
 ONE_NODE = Nodes()
 
 
-def _rank_main(fn, rank, size, port, device, timeout_s, args, results, master_addr="127.0.0.1", local_rank=None) -> None:
+def _rank_main(fn, rank, size, port, device, timeout_s, args, results, master_addr="127.0.0.1",
+               local_rank=None) -> None:
     _die_with_parent()
     try:
         init_tp(rank, size, port, device, timeout_s, master_addr, local_rank)

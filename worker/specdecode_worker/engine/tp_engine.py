@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-from .distributed import RankFailure, expect_followers, follow, get_tp, launch
+from .distributed import ONE_NODE, Nodes, RankFailure, expect_followers, follow, get_tp, launch
 from .engine import Engine, EngineArgs
 from .model_runner import ModelRunner
 
@@ -44,14 +44,17 @@ def follow_rank(args: EngineArgs) -> None:
     follow(sharded_runners(engine))
 
 
-def run_tensor_parallel(tp: int, rank_main: Callable[..., int], args: tuple, device: str) -> int:
-    """Run ``rank_main(*args)`` in ``tp`` rank processes and supervise them.
+def run_tensor_parallel(tp: int, rank_main: Callable[..., int], args: tuple, device: str,
+                        nodes: Nodes = ONE_NODE) -> int:
+    """Run ``rank_main(*args)`` in this pod's rank processes (all ``tp``, or its share over
+    ``nodes``) and supervise them.
 
-    Returns rank 0's exit code, or 1 with the failing rank's message when any rank fails (the
-    others are stopped, so the pod restarts as a whole).
+    Returns the first local rank's exit code (rank 0's in the leader pod), or 1 with the failing
+    pod and rank when any rank of the group fails (every rank of every pod is stopped, so the pods
+    restart as a whole).
     """
     try:
-        codes = launch(tp, rank_main, args, device=device)
+        codes = launch(tp, rank_main, args, device=device, nodes=nodes)
     except RankFailure as exc:
         print(str(exc), file=sys.stderr)
         return 1
