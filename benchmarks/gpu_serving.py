@@ -48,7 +48,7 @@ for _p in (ROOT, ROOT / "worker", ROOT / "operator"):
 from specdecode_worker import serve_cli  # noqa: E402
 from specdecode_worker.engine import model_runner  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.scheduler import Scheduler  # noqa: E402
+from specdecode_worker.engine.engine import Engine  # noqa: E402
 from tests.checkpoints import CONFIGS, _decoder_tensors, model_tensors, write_checkpoint  # noqa: E402
 
 LLAMA_1B = {  # meta-llama/Llama-3.2-1B-Instruct
@@ -167,12 +167,12 @@ def engine(s: Settings, models, target: str, algorithm: str = "NONE", draft: str
     if s.cpu_budget_gib:
         argv += ["--device-memory-gib", str(s.cpu_budget_gib)]
     engine_args, plan = serve_cli.resolve(serve_cli.parser().parse_args(argv))
-    sched = Scheduler(engine_args)
+    eng = Engine(engine_args)
     try:
-        sched.init_model_worker()
-        yield sched, plan
+        eng.init_model_worker()
+        yield eng, plan
     finally:
-        del sched
+        del eng
         gc.collect()
         if s.device == "cuda":
             torch.cuda.empty_cache()
@@ -183,10 +183,10 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(10, vocab - 10, (n, length), generator=g).tolist()
 
 
-def generate(sched, s: Settings, batch: int, prompt_len: int, new_tokens: int, seed: int = 0) -> dict:
+def generate(eng, s: Settings, batch: int, prompt_len: int, new_tokens: int, seed: int = 0) -> dict:
     """Requests admitted in waves of at most one prefill chunk of prompt tokens per step (the engine
     prefills whatever it admits in one pass), then the decode steps timed on their own."""
-    vocab = sched.target_shape.vocab_size
+    vocab = eng.target_shape.vocab_size
     reqs = [Request(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
             for p in prompts(batch, prompt_len, vocab, seed)]
     wave = max(1, s.chunk // prompt_len)
@@ -194,14 +194,14 @@ def generate(sched, s: Settings, batch: int, prompt_len: int, new_tokens: int, s
     t0 = time.perf_counter()
     for start in range(0, batch, wave):
         for r in reqs[start : start + wave]:
-            sched.submit(r)
-        sched.step()
+            eng.submit(r)
+        eng.step()
     sync(s.device)
     t1 = time.perf_counter()
     after_admission = sum(len(r.output_ids) for r in reqs)
     steps = 0
     while not all(r.done.is_set() for r in reqs):
-        sched.step()
+        eng.step()
         steps += 1
     sync(s.device)
     t2 = time.perf_counter()
@@ -228,11 +228,11 @@ def copy_bandwidth(device: str) -> float:
     return 2 * n * reps / secs
 
 
-def static_bytes(sched) -> int:
+def static_bytes(eng) -> int:
     """Weights, KV pools and the req_to_token map the engine holds (what the plan calls static)."""
-    target = sched.target_worker.model_runner
+    target = eng.target_runner
     total = target.req_to_token_pool.nbytes()
-    for runner in (target, getattr(sched.draft_worker, "model_runner", None)):
+    for runner in (target, eng.draft_runner):
         if runner is not None:
             total += runner.weight_bytes + runner.token_to_kv_pool.nbytes()
     return total
@@ -253,21 +253,21 @@ def run(s: Settings, root: Path, log=print) -> dict:
     if s.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
-        with engine(s, models, "target", "EAGLE3", "eagle3") as (sched, plan):
-            randomise_head(sched.draft_worker.model_runner.model, 7)
+        with engine(s, models, "target", "EAGLE3", "eagle3") as (eng, plan):
+            randomise_head(eng.draft_runner.model, 7)
             r = plan["reserve"]
             s.chunk = r["chunkedPrefillSize"]
             res["startup"] = "ok"
             res["planned_kv_tokens"] = plan["kvCache"]["maxTotalNumTokens"]
-            res["allocated_kv_tokens"] = sched.target_worker.model_runner.token_to_kv_pool_allocator.size
+            res["allocated_kv_tokens"] = eng.target_runner.token_to_kv_pool_allocator.size
             res["planned_dynamic_bytes"] = r["dynamicBytes"]
             res["cuda_graph_max_bs"], res["chunked_prefill_size"] = r["cudaGraphMaxBs"], r["chunkedPrefillSize"]
-            generate(sched, s, min(r["cudaGraphMaxBs"], r["maxRunningRequests"]), 16, 4)  # largest graph batch
-            generate(sched, s, 1, min(s.chunk, s.context - 8), 2)  # largest prefill chunk
-            res["eagle3_b1"] = _strip(generate(sched, s, 1, s.prompt, s.new_tokens))
-            res["eagle3_b1"]["accept_len"] = sched.stats.accepted_tokens / max(sched.stats.verify_rounds, 1)
+            generate(eng, s, min(r["cudaGraphMaxBs"], r["maxRunningRequests"]), 16, 4)  # largest graph batch
+            generate(eng, s, 1, min(s.chunk, s.context - 8), 2)  # largest prefill chunk
+            res["eagle3_b1"] = _strip(generate(eng, s, 1, s.prompt, s.new_tokens))
+            res["eagle3_b1"]["accept_len"] = eng.stats.accepted_tokens / max(eng.stats.verify_rounds, 1)
             if s.device == "cuda":
-                res["measured_dynamic_bytes"] = torch.cuda.max_memory_reserved() - static_bytes(sched)
+                res["measured_dynamic_bytes"] = torch.cuda.max_memory_reserved() - static_bytes(eng)
     except torch.cuda.OutOfMemoryError as exc:
         res["startup"] = f"OOM: {exc}"
         log(res["startup"])
@@ -275,12 +275,12 @@ def run(s: Settings, root: Path, log=print) -> dict:
     log(f"start-up ok: planned {res['planned_kv_tokens']} KV tokens, allocated {res['allocated_kv_tokens']}")
 
     # 2. decode against the roofline, and step time against live length
-    with engine(s, models, "target") as (sched, plan):
-        runner = sched.target_worker.model_runner
+    with engine(s, models, "target") as (eng, plan):
+        runner = eng.target_runner
         cell = runner.token_to_kv_pool.bytes_per_token()
         res["decode"] = []
         for b in s.batches:
-            out = _strip(generate(sched, s, b, s.prompt, s.new_tokens))
+            out = _strip(generate(eng, s, b, s.prompt, s.new_tokens))
             live = s.prompt + s.new_tokens / 2
             out["roofline_tok_s"] = b * bw / (runner.weight_bytes + b * live * cell)
             out["of_roofline"] = out["tok_s"] / out["roofline_tok_s"]
@@ -288,19 +288,19 @@ def run(s: Settings, root: Path, log=print) -> dict:
             log(f"decode batch {b}: {out['tok_s']:.0f} tok/s, {100 * out['of_roofline']:.0f}% of roofline")
         res["step_ms"] = {}
         for length in (s.prompt, s.long_prompt):
-            res["step_ms"][length] = generate(sched, s, s.step_batch, length, s.step_tokens)["step_ms"]
+            res["step_ms"][length] = generate(eng, s, s.step_batch, length, s.step_tokens)["step_ms"]
         log(f"batch {s.step_batch} step: {res['step_ms']}")
-        base = {b: generate(sched, s, b, s.prompt, s.new_tokens, seed=5) for b in s.spec_batches}
+        base = {b: generate(eng, s, b, s.prompt, s.new_tokens, seed=5) for b in s.spec_batches}
 
     # 3. speculative speedup at controlled acceptance
     res["spec"] = []
     for name in ("copy", "perturbed", "draft1b"):
-        with engine(s, models, "target", "STANDALONE", name) as (sched, plan):
+        with engine(s, models, "target", "STANDALONE", name) as (eng, plan):
             for b in s.spec_batches:
-                before = (sched.stats.accepted_tokens, sched.stats.proposed_tokens)
-                out = generate(sched, s, b, s.prompt, s.new_tokens, seed=5)
-                acc = sched.stats.accepted_tokens - before[0]
-                prop = sched.stats.proposed_tokens - before[1]
+                before = (eng.stats.accepted_tokens, eng.stats.proposed_tokens)
+                out = generate(eng, s, b, s.prompt, s.new_tokens, seed=5)
+                acc = eng.stats.accepted_tokens - before[0]
+                prop = eng.stats.proposed_tokens - before[1]
                 row = {"draft": name, "batch": b, "acceptance": acc / max(prop, 1), "tok_s": out["tok_s"],
                        "baseline_tok_s": base[b]["tok_s"], "speedup": out["tok_s"] / base[b]["tok_s"],
                        "same_output": out["outputs"] == base[b]["outputs"]}

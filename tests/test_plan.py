@@ -133,15 +133,20 @@ def test_serving_tiers_and_reserves():
     assert runtime_reserve_bytes(1) == GIB and runtime_reserve_bytes(8) == 2 * GIB
     tiny = ForwardGeometry(64, 128, 4, 2, 16, 16, 1000, 4)
     token = 4 * (3 * 64 + 4 * 16 + 2 * 32 + 4 * 16 + 3 * 128)
-    graph = 8 * token + 8 * 1000 * 8 + 8 * 4 * 16 * 17 * 4
-    assert tiny.token_bytes(1) == token
+    decode_graph = 8 * token + 8 * 1000 * 8 + 8 * 4 * 16 * 17 * 4
+    verify_graph = 8 * 4 * token + 8 * 4 * 1000 * 8  # 8 requests x 4 rows, sharing the decode pool
+    assert tiny.token_bytes(1) == token and verify_graph > decode_graph
     # NGRAM: no draft; the verify batch (4 x 4 rows) is smaller than the chunk
     assert dynamic_reserve_bytes("NGRAM", tiny, None, 1, 512, 8, 4) == math.ceil(
-        1.25 * (512 * token + 16 * 1000 * 8 + graph))
+        1.25 * (512 * token + 16 * 1000 * 8 + verify_graph))
     # STANDALONE: a larger draft sets the chunk's activations and has its own graph pool
     big = ForwardGeometry(128, 512, 4, 4, 32, 32, 1000, 4)
     assert dynamic_reserve_bytes("STANDALONE", tiny, big, 1, 512, 8, 4, verify_tokens=5) == math.ceil(
-        1.25 * (512 * big.token_bytes(1) + 20 * 1000 * 8 + graph + big.graph_pool_bytes(8, 1)))
+        1.25 * (512 * big.token_bytes(1) + 20 * 1000 * 8 + tiny.verify_pool_bytes(8, 5, 1)
+                + big.graph_pool_bytes(8, 1)))
+    # EAGLE3 verifies eagerly: the target's pool holds decode graphs only
+    assert dynamic_reserve_bytes("EAGLE3", tiny, tiny, 1, 512, 8, 4) == math.ceil(
+        1.25 * (512 * token + 16 * 1000 * 8 + 512 * 3 * 64 * 4 + decode_graph))
     # tensor parallelism shards heads and the MLP, not the hidden stream
     assert LLAMA8B_GEOMETRY.token_bytes(8) == 2 * (3 * 4096 + 4 * 128 + 1 * 256 + 4 * 128 + 3 * 1792)
 

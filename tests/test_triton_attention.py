@@ -303,3 +303,39 @@ def test_padded_graph_batch_gives_the_eager_rows(tokens_per_req):
     torch.testing.assert_close(replayed[:n], eager)
     changed = (kv.k_buffer[0] != before).any(dim=(1, 2)).nonzero().flatten().tolist()
     assert changed == [0]  # the real rows rewrote the same values; padding went to slot 0
+
+
+def test_verify_batches_replay_verify_graphs_and_nothing_else(tmp_path):
+    """ModelRunner.forward hands uniform k + 1 verify batches (all rows wanted) to the verify
+    graphs; prefill and last-row-only batches run eagerly. A recorder stands in for the graphs."""
+    from specdecode_worker.engine.cuda_graph import GraphInputs
+    from specdecode_worker.engine.request import Request, SamplingParams
+
+    from tests.engine_helpers import engine, run_all
+    from tests.tiny_models import write_tiny_pair
+
+    target, draft = write_tiny_pair(tmp_path)
+    prompts = [[3, 4, 5, 6, 7, 8], [5, 6, 7, 8]]  # two 4-token prompts would also be uniform, as 3 + 1 is
+
+    def outputs(eng):
+        reqs = run_all(eng, [Request(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in prompts])
+        return [r.output_ids for r in reqs]
+
+    plain = outputs(engine(target, "STANDALONE", draft, num_draft_tokens=3))
+    eng = engine(target, "STANDALONE", draft, num_draft_tokens=3)
+    runner, seen = eng.target_runner, []
+
+    class Recorder:
+        inputs = GraphInputs(8, 4, "cpu")
+
+        def can_run(self, fb):
+            return self.inputs.accepts(fb)
+
+        def replay(self, fb):
+            seen.append(list(fb.extend_lens))
+            return runner.model(fb, runner.backend, fb.logit_rows(False))
+
+    runner.verify_graphs = Recorder()
+    assert outputs(eng) == plain
+    assert seen and all(lens == [4] * len(lens) for lens in seen)
+    assert eng.stats.verify_rounds >= len(seen)

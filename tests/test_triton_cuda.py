@@ -86,7 +86,7 @@ def test_engine_starts_at_context_8192_with_the_planners_graph_batch(tmp_path):
     caching allocator's peak beyond weights and pools stays within the plan's reserves."""
     from specdecode_worker import serve_cli
     from specdecode_worker.engine.request import Request, SamplingParams
-    from specdecode_worker.engine.scheduler import Scheduler
+    from specdecode_worker.engine.engine import Engine
 
     from tests.tiny_models import write_tiny_model
 
@@ -96,15 +96,15 @@ def test_engine_starts_at_context_8192_with_the_planners_graph_batch(tmp_path):
     engine_args, plan = serve_cli.resolve(serve_cli.parser().parse_args(
         ["--target", str(target), "--algorithm", "NONE", "--device", "cuda", "--context-length", "8192"]))
     torch.cuda.reset_peak_memory_stats()
-    sched = Scheduler(engine_args)
-    sched.init_model_worker()
-    runner = sched.target_worker.model_runner
+    eng = Engine(engine_args)
+    eng.init_model_worker()
+    runner = eng.target_runner
     assert runner.cuda_graphs is not None and runner.cuda_graphs.max_bs == plan["reserve"]["cudaGraphMaxBs"]
     reqs = [Request(list(range(5, 5 + n)), SamplingParams(max_tokens=8, ignore_eos=True)) for n in (3, 700, 4000)]
     for r in reqs:
-        sched.submit(r)
+        eng.submit(r)
     while not all(r.done.is_set() for r in reqs):
-        sched.step()
+        eng.step()
     static = runner.weight_bytes + runner.token_to_kv_pool.nbytes() + runner.req_to_token_pool.nbytes()
     reserve = plan["reserve"]
     measured = torch.cuda.max_memory_reserved() - static

@@ -110,6 +110,11 @@ class ForwardGeometry:
         logits and kernel workspace (smaller graphs reuse its memory). Independent of the context."""
         return batch * self.token_bytes(tp) + self.logit_bytes(batch) + self.decode_workspace_bytes(batch, tp)
 
+    def verify_pool_bytes(self, batch: int, verify_tokens: int, tp: int) -> int:
+        """Verify graphs up to ``batch`` requests of ``verify_tokens`` rows (no decode workspace)."""
+        rows = batch * verify_tokens
+        return rows * self.token_bytes(tp) + self.logit_bytes(rows)
+
 
 def runtime_reserve_bytes(tp: int) -> int:
     """CUDA context, workspaces and allocator slack, plus NCCL buffers when t > 1."""
@@ -140,8 +145,9 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
     eager pass: the larger of a prefill chunk and a verify batch (max_running x verify_tokens
     tokens) through the larger model's layers, the verify batch's logits, and the features an EAGLE
     head takes from the target for a chunk. Graph pools: decode graphs up to ``cuda_graph_max_bs``
-    for the target and for a STANDALONE draft (an EAGLE head runs eagerly). NGRAM has no draft:
-    its verify batches are priced like everyone's.
+    for the target and for a STANDALONE draft (an EAGLE head runs eagerly); for STANDALONE and
+    NGRAM the target's verify graphs (k + 1 rows per request) share its decode graphs' pool, which
+    is then the larger of the two.
     """
     verify_rows = max_running_requests * verify_tokens
     tokens = max(chunked_prefill_size, verify_rows)
@@ -151,6 +157,8 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
     features = tokens * FEATURE_HIDDENS.get(algorithm, 0) * target.hidden_size * target.dtype_bytes
     eager = tokens * per_token + target.logit_bytes(verify_rows) + features
     graphs = target.graph_pool_bytes(cuda_graph_max_bs, tp)
+    if algorithm in ("STANDALONE", "NGRAM"):
+        graphs = max(graphs, target.verify_pool_bytes(cuda_graph_max_bs, verify_tokens, tp))
     if algorithm == "STANDALONE" and draft is not None:
         graphs += draft.graph_pool_bytes(cuda_graph_max_bs, 1)
     return math.ceil(ALLOCATOR_SLACK * (eager + graphs))

@@ -80,7 +80,7 @@ class GraphInputs:
 
 
 class CudaGraphRunner:
-    def __init__(self, model, backend, max_bs: int, context_len: int, device, tokens_per_req: int = 1):
+    def __init__(self, model, backend, max_bs: int, context_len: int, device, tokens_per_req: int = 1, pool=None):
         self.model, self.backend = model, backend
         self.sizes = capture_sizes(max_bs)
         self.max_bs = max_bs
@@ -91,7 +91,9 @@ class CudaGraphRunner:
             backend.decode_ctx = context_len
             log.warning("CUDA graphs with the torch-native backend gather [batch, %d] K/V per layer; "
                         "their memory grows with the context length", context_len)
-        pool = torch.cuda.graph_pool_handle()
+        # Runners may share one memory pool (decode and verify graphs never run at once); each
+        # replay's output is consumed before the next replay.
+        self.pool = pool = torch.cuda.graph_pool_handle() if pool is None else pool
         for bs in reversed(self.sizes):  # largest first so smaller graphs reuse its memory
             fb = self.inputs.batch(bs)
             rows = self.inputs.rows[: bs * tokens_per_req]

@@ -212,8 +212,12 @@ class Engine:
     def init_backends(self) -> None:
         if self.phase < Phase.POOLS_ALLOCATED:
             raise PhaseError("phase 3 (init attention backends and CUDA graphs) needs phase 2 (allocate KV pools) first")
+        a = self.args
         for runner in self.model_runners():
-            runner.init_backends(self.args.cuda_graph_max_bs)
+            if runner is self.target_runner and a.algorithm in ("STANDALONE", "NGRAM"):
+                runner.init_backends(a.cuda_graph_max_bs, verify_tokens=a.num_draft_tokens + 1)
+            else:
+                runner.init_backends(a.cuda_graph_max_bs)
 
     def _make_speculator(self) -> Speculator:
         a = self.args

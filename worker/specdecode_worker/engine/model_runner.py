@@ -84,6 +84,7 @@ class ModelRunner:
         self.token_to_kv_pool: MHATokenToKVPool | None = None
         self.backend: TorchNativeAttnBackend | None = None
         self.cuda_graphs = None
+        self.verify_graphs = None
         self.vocabulary = None  # a DraftVocabulary when this draft pads its vocabulary unlike the target
 
     # phase 1
@@ -149,7 +150,9 @@ class ModelRunner:
         return self.req_to_token_pool, self.token_to_kv_pool_allocator
 
     # phase 3
-    def init_backends(self, cuda_graph_max_bs: int = 0) -> None:
+    def init_backends(self, cuda_graph_max_bs: int = 0, verify_tokens: int = 0) -> None:
+        """Attention backend, then CUDA graphs for decode batches and, with ``verify_tokens`` > 1
+        and a backend that reads lengths at replay (Triton), for verify batches of that width."""
         require(self.phase, Phase.POOLS_ALLOCATED, "initialise attention backends", self.name)
         torch_native = getattr(self.model, "torch_native_attention", False)  # MLA: reference backend, eager
         if torch_native:
@@ -161,6 +164,10 @@ class ModelRunner:
 
             self.cuda_graphs = CudaGraphRunner(self.model, self.backend, cuda_graph_max_bs,
                                                self.memory_pool_config.context_len, self.device)
+            if verify_tokens > 1 and not hasattr(self.backend, "decode_ctx"):  # torch-native fixes lengths
+                self.verify_graphs = CudaGraphRunner(self.model, self.backend, cuda_graph_max_bs,
+                                                     self.memory_pool_config.context_len, self.device,
+                                                     tokens_per_req=verify_tokens, pool=self.cuda_graphs.pool)
         else:
             log.info("%s: CUDA graphs skipped on %s", self.name, self.device.type if cuda_graph_max_bs else "request (max batch 0)")
         self.phase = Phase.BACKENDS_READY
@@ -175,6 +182,8 @@ class ModelRunner:
         # A decode batch has one row per request, so "last only" and "all rows" are the same.
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(fb):
             logits = self.cuda_graphs.replay(fb)
+        elif self.verify_graphs is not None and not last_only and self.verify_graphs.can_run(fb):
+            logits = self.verify_graphs.replay(fb)  # every row of k + 1 tokens per request
         else:
             logits = self.model(fb, self.backend, fb.logit_rows(last_only))
         return logits if self.vocabulary is None else self.vocabulary.logits(logits)
