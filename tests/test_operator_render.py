@@ -210,12 +210,14 @@ def test_hub_store_downloads_into_the_pod():
     "spec-deploy.yaml", "ngram.yaml", "standalone-draft.yaml",
 ])
 def test_worker_args_parse_with_the_serve_cli(name):
-    """Every flag the operator renders is one `specdecode-worker serve` accepts."""
-    from specdecode_worker.serve_cli import parser
+    """Every flag the operator renders is one `specdecode-worker serve` accepts, agreeing with the plan."""
+    from specdecode_worker.serve_cli import check_flags_against_plan, parser
 
     view = parse_spec(example(name))
-    ns = parser().parse_args(workload.worker_args(view, make_plan(tp=2))[1:])
+    plan = make_plan(tp=2)
+    ns = parser().parse_args(workload.worker_args(view, plan)[1:])
     assert ns.tp == "2" and ns.plan == "/etc/specdecode/plan.json" and ns.algorithm == view.algorithm
+    check_flags_against_plan(ns, plan, ns.plan)  # raises when a pinned number is not the plan's
 
 
 def test_ngram_worker_args():

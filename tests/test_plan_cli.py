@@ -283,11 +283,24 @@ def test_console_entry_point(models):
 def test_make_plan_takes_the_typed_request_the_flags_become(models, capsys):
     flags = ["--target", models["llama-3.1-8b-instruct"], "--algorithm", "NGRAM", "--gpu-memory-gib", "79",
              "--mem-fraction-static", "0.8", "--tp", "2"]
-    args = plan_cli.plan_args(plan_cli._parser().parse_args(flags))
+    args = plan_cli.plan_args(plan_cli.parser().parse_args(flags))
     assert args == PlanArgs(target=models["llama-3.1-8b-instruct"], algorithm="NGRAM", gpu_memory_gib=79.0,
                             mem_fraction_static=0.8, tp=2)
-    assert plan_cli.plan_args(plan_cli._parser().parse_args(flags[:6])).tp is None  # --tp auto
+    assert plan_cli.plan_args(plan_cli.parser().parse_args(flags[:6])).tp is None  # --tp auto
     code, out, err = run(capsys, *flags)
     assert code == 0 and json.loads(out) == plan_cli.make_plan(args)
     with pytest.raises(InputError, match=r"--tp: must be auto or a positive integer, got 'two'"):
-        plan_cli.plan_args(plan_cli._parser().parse_args(flags[:-1] + ["two"]))
+        plan_cli.plan_args(plan_cli.parser().parse_args(flags[:-1] + ["two"]))
+
+
+def test_the_entry_point_hands_the_rest_of_the_line_to_the_subcommand(models, capsys):
+    from specdecode_worker import cli
+
+    argv = ["--target", models["qwen2.5-0.5b-instruct"], "--algorithm", "NGRAM", "--gpu-memory-gib", "20", "--tp", "1"]
+    assert cli.main(["plan", *argv]) == 0
+    via_entry = json.loads(capsys.readouterr().out)
+    assert plan_cli.main(argv) == 0
+    assert via_entry == json.loads(capsys.readouterr().out)
+    assert cli.main(["plan", "--help"]) == 0 and "--termination-log" in capsys.readouterr().out
+    assert cli.main(["bogus"]) == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
+    assert cli.main([]) == 2

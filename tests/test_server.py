@@ -243,6 +243,33 @@ def test_serve_cli_refuses_bad_flags_with_exit_2(models, capsys):
     assert "--device-memory-gib" in capsys.readouterr().err
 
 
+def test_sizing_flags_next_to_a_plan_must_agree_with_it(models, tmp_path, capsys):
+    """The operator pins the plan's numbers next to --plan: a number the plan does not hold is refused."""
+    from specdecode_worker import plan_cli
+
+    assert plan_cli.main(["--target", str(models["target"]), "--algorithm", "NGRAM", "--gpu-memory-gib", "1.1",
+                          "--mem-fraction-static", "0.95", "--tp", "1", "--context-length", "64"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    base = ["--target", str(models["target"]), "--algorithm", "NGRAM", "--plan", str(path), "--device", "cpu"]
+    reserve = plan["reserve"]
+    agreeing = ["--mem-fraction-static", repr(plan["memFractionStatic"]), "--context-length", "64",
+                "--max-running-requests", str(reserve["maxRunningRequests"]),
+                "--cuda-graph-max-bs", str(reserve["cudaGraphMaxBs"]),
+                "--chunked-prefill-size", str(reserve["chunkedPrefillSize"])]
+    engine_args, _ = serve_cli.resolve(serve_cli.parser().parse_args(base + agreeing))
+    assert engine_args.context_len == 64 and engine_args.max_running_requests == reserve["maxRunningRequests"]
+    for flag, value, planned in [
+        ("--mem-fraction-static", "0.5", plan["memFractionStatic"]), ("--context-length", "128", 64),
+        ("--max-running-requests", "3", reserve["maxRunningRequests"]),
+        ("--cuda-graph-max-bs", "7", reserve["cudaGraphMaxBs"]),
+        ("--chunked-prefill-size", "99", reserve["chunkedPrefillSize"]),
+    ]:
+        assert serve_cli.main(base + [flag, value]) == 2
+        assert f"{flag} {value}: the plan {path} has {planned}" in capsys.readouterr().err
+
+
 def test_worker_below_the_plan_floor_exits_3(models, tmp_path, capsys):
     """A plan made for the small draft as target leaves no room once the real target is loaded."""
     from specdecode_worker import plan_cli

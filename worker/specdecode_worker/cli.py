@@ -1,35 +1,61 @@
-"""``specdecode-worker``: one entry point with two jobs, ``plan`` (the init pod) and ``serve``."""
+"""``specdecode-worker``: one entry point with two jobs, ``plan`` (the init pod) and ``serve``.
+
+The subcommand's own parser (``plan_cli.parser``, ``serve_cli.parser``) reads the rest of the
+command line, so each flag is defined in one place.
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-USAGE = """usage: specdecode-worker {plan,serve} [options]
+from .contract import ExitCode
 
-  plan    dry-run GPU memory plan for a target + draft model pair (reads configs and
-          checkpoint headers only; no torch, no weights)
-  serve   load the models in three phases and serve an OpenAI-compatible API
+COMMANDS = {
+    "plan": "dry-run GPU memory plan for a target + draft model pair (reads configs and checkpoint "
+            "headers only; no torch, no weights)",
+    "serve": "load the models in three phases and serve an OpenAI-compatible API",
+}
 
-Run 'specdecode-worker plan --help' or 'specdecode-worker serve --help' for options.
-"""
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise _UsageError(message)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="specdecode-worker", epilog="Run 'specdecode-worker plan --help' or "
+                "'specdecode-worker serve --help' for options.")
+    commands = p.add_subparsers(dest="command", metavar="{plan,serve}", required=True)
+    for name, text in COMMANDS.items():
+        # The subcommand's flags, -h included, go through to its own parser.
+        commands.add_parser(name, help=text, description=text, add_help=False)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] in {"-h", "--help"}:
-        print(USAGE, end="")
-        return 0 if args else 2
-    command, rest = args[0], args[1:]
-    if command == "plan":
+    argv = sys.argv[1:] if argv is None else argv
+    p = parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        p.print_help()
+        return ExitCode.OK if argv else ExitCode.BAD_INPUT
+    try:
+        args, rest = p.parse_known_args(argv)
+    except _UsageError as exc:
+        print(f"specdecode-worker: {exc}\n", file=sys.stderr)
+        p.print_usage(sys.stderr)
+        return ExitCode.BAD_INPUT
+    if args.command == "plan":
         from .plan_cli import main as plan_main
 
         return plan_main(rest)
-    if command == "serve":
-        from .serve_cli import main as serve_main
+    from .serve_cli import main as serve_main
 
-        return serve_main(rest)
-    print(f"specdecode-worker: unknown command '{command}'\n\n{USAGE}", end="", file=sys.stderr)
-    return 2
+    return serve_main(rest)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from .checkpoint import read_checkpoint, split_target_draft, total_bytes
 from .contract import FP8_KV_CACHE_DTYPES, GIB, KV_CACHE_DTYPES, PLANNED_ALGORITHMS, ExitCode, to_json
 from .devices import resolve_device_memory
 from .errors import InputError
+from .flags import CommandParser, add_sizing_flags, asks_for_help
 from .model_config import ModelShape, load_shape
 from .plan import TP_CANDIDATES, VERIFY_TOKENS, Candidate, ForwardGeometry, PlanArgs, PlanRequest, build_plan
 from .vocabulary import check_vocabulary
@@ -26,28 +27,12 @@ from .vocabulary import check_vocabulary
 DEFAULT_CONTEXT_LENGTH = 4096
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
-        raise InputError(f"specdecode-worker plan: {message}")
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="specdecode-worker plan", description="Dry-run GPU memory plan for a target + draft pair.")
+def parser() -> argparse.ArgumentParser:
+    p = CommandParser(prog="specdecode-worker plan", description="Dry-run GPU memory plan for a target + draft pair.")
     p.add_argument("--target", required=True, help="target model folder (config.json + *.safetensors)")
     p.add_argument("--draft", help="draft model folder (not for NGRAM; MTP defaults to the target folder)")
     p.add_argument("--algorithm", required=True, choices=PLANNED_ALGORITHMS)
-    p.add_argument("--tp", default="auto", help="tensor-parallel size, or auto: smallest of 1,2,4,8 that fits")
-    p.add_argument("--gpu-memory-gib", type=float, help="free GPU memory before weights, when no GPU is visible")
-    p.add_argument("--gpu-product", help="nvidia.com/gpu.product label, e.g. NVIDIA-H100-80GB-HBM3")
-    p.add_argument("--mem-fraction-static", default="auto", help="auto or a fraction in (0, 1)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-    p.add_argument("--context-length", type=int, help="tokens one request may hold (default: the target's)")
-    p.add_argument("--min-kv-tokens", type=int, default=0, help="KV token floor; the plan needs max(this, context length)")
-    p.add_argument("--max-running-requests", type=int)
-    p.add_argument("--cuda-graph-max-bs", type=int)
-    p.add_argument("--chunked-prefill-size", type=int)
-    p.add_argument("--max-total-tokens", type=int, help="cap the KV pools at N tokens")
-    p.add_argument("--kv-cache-memory-gib", type=float, help="KV budget per GPU (target + draft pools)")
+    add_sizing_flags(p, serving=False)
     p.add_argument("--output", default="json", choices=("json", "table"))
     p.add_argument("--termination-log", help="also write the compact plan JSON to this file")
     return p
@@ -280,13 +265,13 @@ def _write_log(path: str | None, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help") for a in argv):
-        _parser().print_help()
+    if asks_for_help(argv):
+        parser().print_help()
         return ExitCode.OK
     # Known before parsing, so that even a flag error reaches the termination log.
     log_path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--termination-log"), None)
     try:
-        args = _parser().parse_args(argv)
+        args = parser().parse_args(argv)
         log_path = args.termination_log
         plan = make_plan(plan_args(args))
     except InputError as exc:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,21 +22,19 @@ from typing import Any
 
 from .contract import GIB, KV_CACHE_DTYPES, SERVED_ALGORITHMS, ExitCode
 from .errors import InputError
+from .flags import CommandParser, add_sizing_flags, asks_for_help
 
 log = logging.getLogger("specdecode_worker.serve")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        raise InputError(f"specdecode-worker serve: {message}")
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="specdecode-worker serve", description="Serve an OpenAI-compatible API with speculative decoding.")
+    p = CommandParser(prog="specdecode-worker serve",
+                      description="Serve an OpenAI-compatible API with speculative decoding.")
     p.add_argument("--target", required=True, help="target model folder (config.json, *.safetensors, tokenizer)")
     p.add_argument("--draft", help="draft model folder (STANDALONE) or head checkpoint (EAGLE, EAGLE3)")
     p.add_argument("--algorithm", default="NONE", help=", ".join(SERVED_ALGORITHMS))
-    p.add_argument("--plan", help="MemoryPlan JSON to serve against (default: plan in-process from the flags below)")
+    p.add_argument("--plan", help="MemoryPlan JSON to serve against (default: plan in-process from the flags below); "
+                   "sizing flags given with it must agree with it")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
     p.add_argument("--device-memory-gib", type=float, help="memory budget standing in for the GPU on cpu")
     p.add_argument("--host", default="0.0.0.0")
@@ -60,22 +59,7 @@ def parser() -> argparse.ArgumentParser:
     nodes.add_argument("--master-addr", help="the leader pod's address (default: $LWS_LEADER_ADDRESS, else 127.0.0.1)")
     nodes.add_argument("--master-port", type=int, default=29500,
                        help="rendezvous port on the leader pod; pod supervision uses the next port")
-    sizing = p.add_argument_group("planner sizing flags (as in 'specdecode-worker plan')")
-    sizing.add_argument("--tp", help="tensor-parallel size: one process per GPU, rank 0 serves HTTP; auto: the "
-                        "smallest that fits (default: 1, or the --plan's)")
-    sizing.add_argument("--gpu-memory-gib", type=float, help="free GPU memory before weights, when no GPU is visible")
-    sizing.add_argument("--gpu-product", help="nvidia.com/gpu.product label")
-    sizing.add_argument("--mem-fraction-static", default="auto")
-    sizing.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
-                        help="K/V pool storage: auto (the compute dtype) or fp8, one byte per element "
-                        "(default: the --plan's, else auto)")
-    sizing.add_argument("--context-length", type=int)
-    sizing.add_argument("--min-kv-tokens", type=int, default=0)
-    sizing.add_argument("--max-running-requests", type=int)
-    sizing.add_argument("--cuda-graph-max-bs", type=int)
-    sizing.add_argument("--chunked-prefill-size", type=int)
-    sizing.add_argument("--max-total-tokens", type=int)
-    sizing.add_argument("--kv-cache-memory-gib", type=float)
+    add_sizing_flags(p.add_argument_group("planner sizing flags (as in 'specdecode-worker plan')"), serving=True)
     return p
 
 
@@ -115,6 +99,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         if plan["algorithm"] != ("NGRAM" if args.algorithm == "NONE" else args.algorithm):
             raise InputError(f"--plan {args.plan}: planned for {plan['algorithm']}, serving {args.algorithm}")
         kv_cache_dtype = plan_kv_cache_dtype(plan, args.kv_cache_dtype, args.plan)
+        check_flags_against_plan(args, plan, args.plan)
     else:
         from .plan_cli import make_plan, plan_args
 
@@ -149,6 +134,35 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         kv_cache_dtype=kv_cache_dtype,
     )
     return engine_args, plan
+
+
+# Sizing flags that may come next to --plan (the operator pins them): (flag's attribute, plan keys).
+PINNED_BY_PLAN = (
+    ("mem_fraction_static", ("memFractionStatic",)),
+    ("context_length", ("kvCache", "contextLength")),
+    ("max_running_requests", ("reserve", "maxRunningRequests")),
+    ("cuda_graph_max_bs", ("reserve", "cudaGraphMaxBs")),
+    ("chunked_prefill_size", ("reserve", "chunkedPrefillSize")),
+)
+
+
+def check_flags_against_plan(args: argparse.Namespace, plan: dict[str, Any], path: str) -> None:
+    """A sizing flag given with --plan must say what the plan says: the plan's numbers are served."""
+    for name, keys in PINNED_BY_PLAN:
+        given = getattr(args, name)
+        planned: Any = plan
+        for key in keys:
+            planned = planned.get(key) if isinstance(planned, dict) else None
+        if given in (None, "auto") or planned is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        try:
+            agrees = math.isclose(float(given), float(planned), rel_tol=1e-9)
+        except ValueError:
+            raise InputError(f"{flag}: must be a number, got {given!r}") from None
+        if not agrees:
+            raise InputError(f"{flag} {given}: the plan {path} has {planned}; give {flag} {planned}, drop the flag, "
+                             f"or re-plan with {flag} {given}")
 
 
 def plan_kv_cache_dtype(plan: dict[str, Any], flag: str | None, path: str) -> str:
@@ -307,7 +321,7 @@ def _serve_rank(engine_args, plan: dict[str, Any], http: HttpOptions) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help") for a in argv):
+    if asks_for_help(argv):
         parser().print_help()
         return ExitCode.OK
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
