@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import read_checkpoint, split_target_draft, total_bytes
-from .contract import FP8_KV_CACHE_DTYPES, GIB, KV_CACHE_DTYPES, PLANNED_ALGORITHMS, ExitCode, to_json
+from .contract import FP8_KV_CACHE_DTYPES, GIB, PLANNED_ALGORITHMS, ExitCode, to_json
 from .devices import resolve_device_memory
 from .errors import InputError
 from .flags import CommandParser, add_sizing_flags, asks_for_help
@@ -132,7 +132,8 @@ def _draft_shape(args: PlanArgs, target_dir: Path, target: ModelShape) -> tuple[
         if not draft.num_nextn_predict_layers:
             raise InputError(
                 f"{draft_dir / 'config.json'}: field 'num_nextn_predict_layers' must be a positive integer for MTP, "
-                f"got {draft.num_nextn_predict_layers!r}; the model has no MTP layers (use EAGLE/EAGLE3/STANDALONE/NGRAM)"
+                f"got {draft.num_nextn_predict_layers!r}; the model has no MTP layers "
+                "(use EAGLE/EAGLE3/STANDALONE/NGRAM)"
             )
         return draft_dir, draft, draft.num_nextn_predict_layers
     draft = load_shape(draft_dir)
@@ -248,7 +249,8 @@ def render_table(plan: dict[str, Any]) -> str:
         f"  layer ratio (scaled cell)     {plan['layerRatio']['maxTotalNumTokens']:>12}   "
         f"{plan['layerRatio']['bytesPerToken']} B/token",
         "",
-        f"shortfall: {plan['shortfallBytes'] / GIB:.2f} GiB   min mem_fraction_static: {plan['minMemFractionStatic']:.3f}   "
+        f"shortfall: {plan['shortfallBytes'] / GIB:.2f} GiB   "
+        f"min mem_fraction_static: {plan['minMemFractionStatic']:.3f}   "
         f"min tensor parallel: {plan['minTensorParallelSize'] or 'none'}",
         plan["message"],
     ]

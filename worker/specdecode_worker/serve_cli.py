@@ -129,7 +129,8 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         context_len=kv["contextLength"], min_kv_tokens=kv["minTokens"], max_total_tokens=args.max_total_tokens,
         max_running_requests=reserve["maxRunningRequests"], cuda_graph_max_bs=reserve["cudaGraphMaxBs"],
         num_draft_tokens=args.num_draft_tokens, ngram_max=args.ngram_max,
-        speculative_num_steps=args.speculative_num_steps, speculative_eagle_topk=args.speculative_eagle_topk, planned_tokens=kv["maxTotalNumTokens"],
+        speculative_num_steps=args.speculative_num_steps, speculative_eagle_topk=args.speculative_eagle_topk,
+        planned_tokens=kv["maxTotalNumTokens"],
         draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization,
         kv_cache_dtype=kv_cache_dtype,
     )
