@@ -164,9 +164,16 @@ def test_chat_completion_streamed_and_not(server):
 
 def test_sampling_with_a_seed_is_reproducible(server):
     base, _ = server
-    a = _complete(base, "the cat", temperature=0.8, seed=7).json()["choices"][0]["text"]
-    b = _complete(base, "the cat", temperature=0.8, seed=7).json()["choices"][0]["text"]
-    assert a == b
+
+    def text(**kw):
+        return _complete(base, "the cat", **kw).json()["choices"][0]["text"]
+
+    seeded = text(temperature=0.8, seed=7)
+    assert seeded == text(temperature=0.8, seed=7)
+    # The seed is used: other seeds draw other text, and none of them is the greedy text.
+    others = [text(temperature=0.8, seed=s) for s in (8, 9)]
+    assert all(o != seeded for o in others), others
+    assert text(temperature=0) not in [seeded, *others]
 
 
 @pytest.mark.parametrize(
@@ -213,6 +220,7 @@ def test_stop_string_ends_the_text(server, reference):
 
 def test_metrics_and_plan_report_planned_and_actual_tokens(server):
     base, state = server
+    assert _complete(base, "one two three four five").status_code == 200  # tokens to count, whatever ran before
     plan = httpx.get(f"{base}/plan").json()
     planned = plan["plan"]["kvCache"]["maxTotalNumTokens"]
     assert plan["plannedMaxTotalNumTokens"] == planned == plan["actualMaxTotalNumTokens"]

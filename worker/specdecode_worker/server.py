@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP API over the engine.
 
 The HTTP server starts before the engine: ``/health`` answers 503 while the three phases run
-and 200 only once phase 3 has finished, so a startup probe can wait on it.
+and 200 only once phase 3 has finished, so a startup probe can wait on it. Generation requests
+go through one dependency (ready, else 503; a JSON object naming the served model, else 400) and
+a pydantic model of their fields; every ``InputError`` becomes a 400 that says what is wrong.
 """
 
 from __future__ import annotations
@@ -12,18 +14,21 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Union
 
-from fastapi import FastAPI, Request as HttpRequest
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Depends, FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from .engine.request import Request, SamplingParams
 from .errors import InputError
 
 log = logging.getLogger(__name__)
+
+Number = Union[StrictInt, StrictFloat]
 
 
 @dataclass
@@ -36,47 +41,194 @@ class ServerState:
     started_at: float = field(default_factory=time.time)
 
 
+class NotReady(Exception):
+    """The engine cannot take requests yet (initialising) or ever (initialisation failed)."""
+
+
 def _error(status: int, message: str) -> JSONResponse:
     kind = "invalid_request_error" if status == 400 else "server_error"
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
-def _number(body: dict, key: str, default, kind=(int, float)):
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise InputError(f"'{key}' must be a {'integer' if kind is int else 'number'}, got {value!r}")
-    return value
+# ---- request bodies ----------------------------------------------------------------------------
+# What a field must be, for the 400 message when it is not.
+EXPECTED = {
+    "max_tokens": "an integer", "max_completion_tokens": "an integer", "temperature": "a number",
+    "top_p": "a number", "top_k": "an integer", "seed": "an integer", "stream": "true or false",
+    "stop": "a non-empty string or a list of up to 4 of them",
+    "prompt": "a non-empty string or a list of token ids",
+    "messages": "a non-empty list of {role, content} objects with string values",
+}
 
 
-def sampling_params(body: dict) -> SamplingParams:
-    n = body.get("n", 1)
-    if n != 1:
-        raise InputError(f"'n' must be 1 (one choice per request), got {n!r}")
-    params = SamplingParams(
-        max_tokens=_number(body, "max_tokens", _number(body, "max_completion_tokens", 16, int), int),
-        temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 1.0),
-        top_k=_number(body, "top_k", 0, int),
-        seed=_number(body, "seed", None, int),
-        ignore_eos=bool(body.get("ignore_eos", False)),
-    )
-    params.validate()
-    return params
+class GenerationBody(BaseModel):
+    """Fields both endpoints read; other OpenAI fields are accepted and ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Any = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
+    n: Any = 1
+    ignore_eos: Any = False
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+
+    def sampling_params(self) -> SamplingParams:
+        if self.n != 1:
+            raise InputError(f"'n' must be 1 (one choice per request), got {self.n!r}")
+        max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        params = SamplingParams(
+            max_tokens=16 if max_tokens is None else max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            seed=self.seed,
+            ignore_eos=bool(self.ignore_eos),
+        )
+        params.validate()
+        return params
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if not all(stops) or len(stops) > 4:
+            raise InputError(f"'stop' must be {EXPECTED['stop']}")
+        return stops
 
 
-def _stop_strings(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-        raise InputError("'stop' must be a non-empty string or a list of up to 4 of them")
-    return stop
+class CompletionBody(GenerationBody):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | None = None
 
 
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: StrictStr
+    content: StrictStr
+
+
+class ChatBody(GenerationBody):
+    messages: list[Message]
+
+
+def parse_body(model: type[BaseModel], body: dict) -> Any:
+    """``body`` as ``model``, or an InputError naming the first field that is wrong."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        name = str(error["loc"][0]) if error["loc"] else "body"
+        value = body.get(name)
+        if name in EXPECTED:
+            raise InputError(f"'{name}' must be {EXPECTED[name]}, got {value!r}") from None
+        raise InputError(f"'{name}': {error['msg']}") from None
+
+
+async def generation_request(http: HttpRequest) -> dict:
+    """The shared dependency of the generation endpoints: ready, a JSON object, the served model."""
+    state: ServerState = http.app.state.server
+    if state.init_error:
+        raise NotReady(f"initialisation failed: {state.init_error}")
+    if not state.engine.ready:
+        raise NotReady("the worker is still initialising")
+    raw = await http.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"the request body is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise InputError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != state.model_name:
+        raise InputError(f"model '{model}' is not served here; this worker serves '{state.model_name}'")
+    return body
+
+
+GenerationRequest = Annotated[dict, Depends(generation_request)]
+
+# ---- endpoints -----------------------------------------------------------------------------------
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(http: HttpRequest):
+    state: ServerState = http.app.state.server
+    if state.init_error:
+        return JSONResponse({"status": "failed", "error": state.init_error}, status_code=503)
+    if not state.engine.ready:
+        return JSONResponse({"status": "initialising", "phase": state.engine.phase.name}, status_code=503)
+    return {"status": "ok"}
+
+
+@router.get("/v1/models")
+async def models(http: HttpRequest):
+    state: ServerState = http.app.state.server
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(state.started_at),
+                                         "owned_by": "specdecode"}]}
+
+
+@router.get("/plan")
+async def plan(http: HttpRequest):
+    state: ServerState = http.app.state.server
+    engine = state.engine
+    actual = None
+    if engine.memory_profile is not None:
+        pool = engine.memory_pool_config
+        actual = {**engine.memory_profile.as_dict(), "phaseSeconds": engine.stats.phase_seconds,
+                  "poolTokens": pool.max_total_num_tokens if pool else None}
+    planned = (state.plan or {}).get("kvCache", {}).get("maxTotalNumTokens")
+    return {"plan": state.plan, "actual": actual, "plannedMaxTotalNumTokens": planned,
+            "actualMaxTotalNumTokens": actual and actual["max_total_num_tokens"]}
+
+
+@router.get("/metrics")
+async def metrics(http: HttpRequest):
+    from .metrics import render
+
+    return PlainTextResponse(render(http.app.state.server), media_type="text/plain; version=0.0.4")
+
+
+@router.post("/v1/completions")
+async def completions(http: HttpRequest, body: GenerationRequest):
+    state: ServerState = http.app.state.server
+    request = parse_body(CompletionBody, body)
+    prompt = request.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = _encode(state, prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise InputError(f"'prompt' must be {EXPECTED['prompt']}")
+    return await _generate(state, request, ids, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(http: HttpRequest, body: GenerationRequest):
+    state: ServerState = http.app.state.server
+    request = parse_body(ChatBody, body)
+    if not request.messages:
+        raise InputError(f"'messages' must be {EXPECTED['messages']}")
+    tokenizer = state.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise InputError("this model has no chat template; use /v1/completions")
+    messages = [m.model_dump() for m in request.messages]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return await _generate(state, request, _encode(state, text, special=False), chat=True)
+
+
+def _encode(state: ServerState, text: str, special: bool = True) -> list[int]:
+    if state.tokenizer is None:
+        raise InputError("this model has no tokenizer; send 'prompt' as a list of token ids")
+    if not text:
+        raise InputError("the prompt is empty")
+    return state.tokenizer.encode(text, add_special_tokens=special)
+
+
+# ---- generation ----------------------------------------------------------------------------------
 class _Stream:
     """Collects a request's tokens from the engine thread into the event loop."""
 
@@ -88,6 +240,93 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, tokens)
 
 
+async def _text_pieces(state: ServerState, req: Request, sink: _Stream, stops: list[str]) -> AsyncIterator:
+    """Yields (text delta, finish_reason) as tokens arrive; applies stop strings."""
+    out: list[int] = []
+    sent = ""
+    while True:
+        tokens = await sink.queue.get()
+        if tokens is None:
+            if req.error:
+                raise RuntimeError(req.error)
+            yield "", req.finish_reason
+            return
+        out.extend(tokens)
+        text = state.tokenizer.decode(out, skip_special_tokens=True) if state.tokenizer is not None else ""
+        for stop in stops:
+            cut = text.find(stop)
+            if cut >= 0:
+                state.engine.abort(req)
+                if cut > len(sent):
+                    yield text[len(sent):cut], None
+                yield "", "stop"
+                return
+        if text.endswith("\ufffd"):
+            continue  # an incomplete multi-byte character: wait for the rest
+        if len(text) > len(sent) and text.startswith(sent):
+            yield text[len(sent):], None
+            sent = text
+
+
+async def _generate(state: ServerState, body: GenerationBody, ids: list[int], chat: bool):
+    params = body.sampling_params()
+    stops = body.stop_strings()
+    sink = _Stream(asyncio.get_running_loop())
+    req = Request(ids, params, on_update=sink)
+    state.engine.submit(req)  # raises InputError for a request that can never fit
+    head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
+            "model": state.model_name}
+    pieces = _text_pieces(state, req, sink, stops)
+    if body.stream:
+        return StreamingResponse(_events(state, req, pieces, head, chat), media_type="text/event-stream")
+    text, finish = "", None
+    try:
+        async for piece, fin in pieces:
+            text += piece
+            finish = fin or finish
+    except RuntimeError as exc:
+        return _error(500, str(exc))
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+            "usage": _usage(req)}
+
+
+async def _events(state: ServerState, req: Request, pieces: AsyncIterator, head: dict, chat: bool):
+    """Server-sent events: one chunk per text delta, the last with the finish reason and usage."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    first = True
+    try:
+        async for piece, fin in pieces:
+            if not (piece or fin):
+                continue
+            if not chat:
+                choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": fin}
+            else:
+                delta = {"content": piece} if piece else {}
+                if first:  # the role goes in the first chunk only
+                    delta, first = {"role": "assistant", **delta}, False
+                choice = {"index": 0, "delta": delta, "finish_reason": fin}
+            data = {**head, "object": obj, "choices": [choice]}
+            if fin:
+                data["usage"] = _usage(req)
+            yield f"data: {json.dumps(data)}\n\n"
+    except RuntimeError as exc:
+        yield f"data: {json.dumps({'error': {'message': str(exc), 'code': 500}})}\n\n"
+    finally:
+        if not req.done.is_set():
+            state.engine.abort(req)  # the client went away
+    yield "data: [DONE]\n\n"
+
+
+def _usage(req: Request) -> dict:
+    prompt, completion = len(req.prompt_ids), len(req.output_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# ---- the app -------------------------------------------------------------------------------------
 def build_app(state: ServerState, on_startup=None, on_shutdown=None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app):
@@ -98,198 +337,19 @@ def build_app(state: ServerState, on_startup=None, on_shutdown=None) -> FastAPI:
             on_shutdown()
 
     app = FastAPI(title="specdecode worker", lifespan=lifespan)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_req, exc):  # noqa: ANN001
-        return _error(400, str(exc))
-
-    async def _body(http: HttpRequest) -> dict:
-        raw = await http.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InputError(f"the request body is not valid JSON ({exc})") from None
-        if not isinstance(body, dict):
-            raise InputError("the request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != state.model_name:
-            raise InputError(f"model '{model}' is not served here; this worker serves '{state.model_name}'")
-        return body
-
-    def _ready() -> JSONResponse | None:
-        if state.init_error:
-            return _error(503, f"initialisation failed: {state.init_error}")
-        if not state.engine.ready:
-            return _error(503, "the worker is still initialising")
-        return None
-
-    @app.get("/health")
-    async def health():
-        if state.init_error:
-            return JSONResponse({"status": "failed", "error": state.init_error}, status_code=503)
-        if not state.engine.ready:
-            return JSONResponse({"status": "initialising", "phase": state.engine.phase.name}, status_code=503)
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(state.started_at),
-                                             "owned_by": "specdecode"}]}
-
-    @app.get("/plan")
-    async def plan():
-        s = state.engine
-        actual = None
-        if s.memory_profile is not None:
-            actual = {**s.memory_profile.as_dict(), "phaseSeconds": s.stats.phase_seconds,
-                      "poolTokens": s.memory_pool_config.max_total_num_tokens if s.memory_pool_config else None}
-        planned = (state.plan or {}).get("kvCache", {}).get("maxTotalNumTokens")
-        return {"plan": state.plan, "actual": actual, "plannedMaxTotalNumTokens": planned,
-                "actualMaxTotalNumTokens": actual and actual["max_total_num_tokens"]}
-
-    @app.get("/metrics")
-    async def metrics():
-        from .metrics import render
-
-        return PlainTextResponse(render(state), media_type="text/plain; version=0.0.4")
-
-    @app.post("/v1/completions")
-    async def completions(http: HttpRequest):
-        if (busy := _ready()) is not None:
-            return busy
-        try:
-            body = await _body(http)
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if isinstance(prompt, str):
-                ids = _encode(prompt)
-            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                ids = list(prompt)
-            else:
-                raise InputError("'prompt' must be a non-empty string or a list of token ids")
-            return await _generate(body, ids, chat=False)
-        except InputError as exc:
-            return _error(400, str(exc))
-
-    @app.post("/v1/chat/completions")
-    async def chat(http: HttpRequest):
-        if (busy := _ready()) is not None:
-            return busy
-        try:
-            body = await _body(http)
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
-            ):
-                raise InputError("'messages' must be a non-empty list of {role, content} objects with string values")
-            tok = state.tokenizer
-            if tok is None or not getattr(tok, "chat_template", None):
-                raise InputError("this model has no chat template; use /v1/completions")
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return await _generate(body, _encode(text, special=False), chat=True)
-        except InputError as exc:
-            return _error(400, str(exc))
-
-    def _encode(text: str, special: bool = True) -> list[int]:
-        if state.tokenizer is None:
-            raise InputError("this model has no tokenizer; send 'prompt' as a list of token ids")
-        if not text:
-            raise InputError("the prompt is empty")
-        return state.tokenizer.encode(text, add_special_tokens=special)
-
-    def _decode(ids: list[int]) -> str:
-        if state.tokenizer is None:
-            return ""
-        return state.tokenizer.decode(ids, skip_special_tokens=True)
-
-    async def _generate(body: dict, ids: list[int], chat: bool):
-        params = sampling_params(body)
-        stops = _stop_strings(body)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise InputError(f"'stream' must be true or false, got {stream!r}")
-        sink = _Stream(asyncio.get_running_loop())
-        req = Request(ids, params, on_update=sink)
-        state.engine.submit(req)  # raises InputError for a request that can never fit
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-
-        async def pieces():
-            """Yields (text delta, finish_reason) as tokens arrive; applies stop strings."""
-            out: list[int] = []
-            sent = ""
-            while True:
-                tokens = await sink.queue.get()
-                if tokens is None:
-                    if req.error:
-                        raise RuntimeError(req.error)
-                    yield "", req.finish_reason
-                    return
-                out.extend(tokens)
-                text = _decode(out)
-                for s in stops:
-                    cut = text.find(s)
-                    if cut >= 0:
-                        state.engine.abort(req)
-                        if cut > len(sent):
-                            yield text[len(sent):cut], None
-                        yield "", "stop"
-                        return
-                if text.endswith("\ufffd"):
-                    continue  # an incomplete multi-byte character: wait for the rest
-                if len(text) > len(sent) and text.startswith(sent):
-                    yield text[len(sent):], None
-                    sent = text
-
-        def usage():
-            return {"prompt_tokens": len(ids), "completion_tokens": len(req.output_ids),
-                    "total_tokens": len(ids) + len(req.output_ids)}
-
-        first = [True]
-
-        def choice(text: str, finish, delta: bool):
-            if not chat:
-                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            if not delta:
-                return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-            content = {"content": text} if text else {}
-            if first[0]:  # the role goes in the first chunk only
-                content, first[0] = {"role": "assistant", **content}, False
-            return {"index": 0, "delta": content, "finish_reason": finish}
-
-        if not stream:
-            text, finish = "", None
-            try:
-                async for piece, fin in pieces():
-                    text += piece
-                    finish = fin or finish
-            except RuntimeError as exc:
-                return _error(500, str(exc))
-            return {"id": rid, "object": obj, "created": created, "model": state.model_name,
-                    "choices": [choice(text, finish, delta=False)], "usage": usage()}
-
-        async def events():
-            chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-            try:
-                async for piece, fin in pieces():
-                    if piece or fin:
-                        data = {"id": rid, "object": chunk_obj, "created": created, "model": state.model_name,
-                                "choices": [choice(piece, fin, delta=True)]}
-                        if fin:
-                            data["usage"] = usage()
-                        yield f"data: {json.dumps(data)}\n\n"
-            except RuntimeError as exc:
-                yield f"data: {json.dumps({'error': {'message': str(exc), 'code': 500}})}\n\n"
-            finally:
-                if not req.done.is_set():
-                    state.engine.abort(req)  # the client went away
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
+    app.state.server = state
+    app.include_router(router)
+    app.add_exception_handler(InputError, _bad_request)
+    app.add_exception_handler(NotReady, _unavailable)
     return app
+
+
+async def _bad_request(_http: HttpRequest, exc: Exception) -> JSONResponse:
+    return _error(400, str(exc))
+
+
+async def _unavailable(_http: HttpRequest, exc: Exception) -> JSONResponse:
+    return _error(503, str(exc))
 
 
 def start_engine_in_background(state: ServerState, on_failure) -> threading.Thread:
