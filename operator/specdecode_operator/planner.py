@@ -14,7 +14,7 @@ from specdecode_worker.contract import ExitCode
 
 from . import labels, models
 from .plan_result import explains_misfit, read_plan
-from .spec import SpecView, planner_pod_name
+from .spec import DEFAULT_MAX_TP, SpecView, planner_pod_name
 
 TERMINATION_LOG = "/dev/termination-log"
 # A planner that reads a few headers finishes in seconds; a hung one must not block forever.
@@ -28,6 +28,10 @@ def planner_args(view: SpecView) -> list[str]:
     if view.draft_dir:
         args += ["--draft", view.draft_dir]
     args += ["--algorithm", view.algorithm, "--tp", "auto"]
+    if view.planner_max_tp > DEFAULT_MAX_TP:
+        args += ["--max-tp", str(view.planner_max_tp)]
+    if view.gpu_per_node is not None:
+        args += ["--gpus-per-node", str(view.gpu_per_node)]
     if view.gpu_memory_gib is not None:
         args += ["--gpu-memory-gib", _num(view.gpu_memory_gib)]
     elif view.gpu_product and not view.planner_request_gpu:

@@ -20,6 +20,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 MODELS_MOUNT = "/models"
 DEFAULT_WORKER_IMAGE = "ghcr.io/specdecode/worker:0.1.0"
 NGRAM_DEFAULT_DRAFT_TOKENS = 8
+DEFAULT_MAX_TP = 8  # the planner's own limit for auto t: one 8-GPU node
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class SpecView:
     gpu_product: str | None
     gpu_memory_gib: float | None
     gpu_max_per_replica: int | None
+    gpu_per_node: int | None
     pvc_claim: str | None
     hub: dict[str, Any] | None
     image: str
@@ -71,6 +73,15 @@ class SpecView:
     def model_path(self, ref: ModelRef) -> str:
         """Where a model's files are inside a pod (the store is mounted at /models)."""
         return f"{MODELS_MOUNT}/{ref.model.strip('/')}"
+
+    @property
+    def planner_max_tp(self) -> int:
+        """The largest t the planner may choose: 8, or more where gpu.maxPerReplica allows it.
+
+        A smaller maxPerReplica does not shrink the plan: a plan above it is reported as
+        PlanExceedsNodeGPUs, which says what to change.
+        """
+        return max(DEFAULT_MAX_TP, self.gpu_max_per_replica or 0)
 
     @property
     def draft_dir(self) -> str | None:
@@ -131,6 +142,7 @@ def parse_spec(body: dict[str, Any], default_image: str = DEFAULT_WORKER_IMAGE) 
         gpu_product=gpu.get("product"),
         gpu_memory_gib=gpu.get("memoryGiB"),
         gpu_max_per_replica=gpu.get("maxPerReplica"),
+        gpu_per_node=gpu.get("perNode"),
         pvc_claim=(store.get("pvc") or {}).get("claimName"),
         hub=store.get("hub"),
         image=image,
@@ -158,6 +170,9 @@ def planner_inputs(view: SpecView) -> dict[str, Any]:
             "product": view.gpu_product,
             "memoryGiB": view.gpu_memory_gib,
             "measured": view.planner_request_gpu,
+            # Only what moves the plan beyond one 8-GPU node, so existing plans keep their keys.
+            **({"maxTp": view.planner_max_tp} if view.planner_max_tp > DEFAULT_MAX_TP else {}),
+            **({"perNode": view.gpu_per_node} if view.gpu_per_node is not None else {}),
         },
         "store": {"pvc": view.pvc_claim, "hub": (view.hub or {}).get("endpoint") if view.hub else None},
         "plannerImage": view.planner_image,

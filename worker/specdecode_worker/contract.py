@@ -149,6 +149,7 @@ class MemoryPlan:
     draft: str | None = None
     gpu: PlanGpu | None = None
     min_tensor_parallel_size: int | None = None
+    nodes_per_replica: int | None = None  # pods (one per node) one replica spans; missing: 1
     # The JSON object as given, passed on unchanged (to the SDD status and the worker's --plan).
     document: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -171,6 +172,10 @@ class MemoryPlan:
                              f"got {self.algorithm!r}")
         if self.tensor_parallel_size < 1 or self.gpu_memory_bytes < 1:
             raise ValueError("MemoryPlan: tensorParallelSize and gpuMemoryBytes must be positive")
+        nodes = self.nodes_per_replica or 1
+        if self.tensor_parallel_size % nodes:
+            raise ValueError(f"MemoryPlan: nodesPerReplica {nodes} must divide tensorParallelSize "
+                             f"{self.tensor_parallel_size}")
         if not self.mem_fraction_static > 0:
             raise ValueError(f"MemoryPlan: memFractionStatic must be positive, got {self.mem_fraction_static}")
         kv = self.kv_cache

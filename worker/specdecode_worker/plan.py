@@ -13,7 +13,10 @@ All terms are bytes per GPU under tensor-parallel size t:
 - ``R_runtime`` (``reserve.runtimeBytes``), taken out of the static share:
   1 GiB for the CUDA context, cuBLAS workspaces and allocator fragmentation (on an H200 the
   context took 621 MiB and a first bf16 matmul 719 MiB in all), plus, when t > 1, t x 128 MiB of
-  NCCL communicator buffers (SGLang's ``tp/8 GiB`` rule).
+  NCCL communicator buffers (SGLang's ``tp/8 GiB`` rule), plus, when the t GPUs span several nodes
+  (``nodesPerReplica`` > 1), 512 MiB for NCCL's network transport: per channel a send and a
+  receive buffer (NCCL_BUFFSIZE, 4 MiB) towards each network peer of ring and tree, up to 32
+  channels. An estimate from NCCL's defaults; no multi-node GPU run has measured it yet.
 - ``R_dynamic`` (``reserve.dynamicBytes``), what the static share must leave free: this engine's
   activations, derived from the models' tensor shapes (``dynamic_reserve_bytes`` says how). Unset
   sizes follow SGLang's GPU tiers (``default_serving_limits``).
@@ -39,10 +42,14 @@ from .contract import (
     to_json,
 )
 
-TP_CANDIDATES = (1, 2, 4, 8)
+TP_CANDIDATES = (1, 2, 4, 8, 16, 32)
+# Auto t stops at one 8-GPU node unless gpu.maxPerReplica (--max-tp) allows more.
+DEFAULT_MAX_TP = 8
+DEFAULT_GPUS_PER_NODE = 8
 
 RUNTIME_BASE_BYTES = GIB
 NCCL_BYTES_PER_RANK = 128 * MIB
+NCCL_INTER_NODE_BYTES = 512 * MIB
 # --- the dynamic reserve ------------------------------------------------------------------------
 # Every constant below is read off the tensors this engine allocates (models/llama.py, sampling,
 # triton_attention.py), not measured: no GPU measurement backs them yet. Phase 3's warm-up on a GPU
@@ -116,9 +123,15 @@ class ForwardGeometry:
         return rows * self.token_bytes(tp) + self.logit_bytes(rows)
 
 
-def runtime_reserve_bytes(tp: int) -> int:
-    """CUDA context, workspaces and allocator slack, plus NCCL buffers when t > 1."""
-    return RUNTIME_BASE_BYTES + (tp * NCCL_BYTES_PER_RANK if tp > 1 else 0)
+def runtime_reserve_bytes(tp: int, nodes: int = 1) -> int:
+    """CUDA context, workspaces and allocator slack, plus NCCL buffers when t > 1 (more across nodes)."""
+    return (RUNTIME_BASE_BYTES + (tp * NCCL_BYTES_PER_RANK if tp > 1 else 0)
+            + (NCCL_INTER_NODE_BYTES if nodes > 1 else 0))
+
+
+def nodes_per_replica(tp: int, gpus_per_node: int) -> int:
+    """The fewest pods (one per node) that hold t GPUs in equal shares of at most ``gpus_per_node``."""
+    return next(n for n in range(1, tp + 1) if tp % n == 0 and tp // n <= gpus_per_node)
 
 
 def default_serving_limits(total_bytes: int, tp: int) -> tuple[int, int]:
@@ -207,6 +220,8 @@ class PlanArgs:
     verify_tokens: int = VERIFY_TOKENS  # tokens verified per request per step (proposals + 1)
     max_total_tokens: int | None = None
     kv_cache_memory_gib: float | None = None
+    max_tp: int = DEFAULT_MAX_TP  # the largest t auto may choose (gpu.maxPerReplica)
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE  # beyond it a replica spans nodes (gpu.perNode)
 
 
 @dataclass(frozen=True)
@@ -236,6 +251,7 @@ class PlanRequest:
     target_geometry: ForwardGeometry | None = None  # required to size the dynamic reserve
     draft_geometry: ForwardGeometry | None = None
     verify_tokens: int = VERIFY_TOKENS
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
 
 
 @dataclass(frozen=True)
@@ -259,7 +275,7 @@ def _size(req: PlanRequest, c: Candidate) -> _Sizing:
     chunk = req.chunked_prefill_size or chunk_default
     graph_bs = req.cuda_graph_max_bs or bs_default
     max_running = req.max_running_requests or graph_bs
-    runtime = runtime_reserve_bytes(c.tp)
+    runtime = runtime_reserve_bytes(c.tp, nodes_per_replica(c.tp, req.gpus_per_node))
     if req.target_geometry is None:
         raise ValueError("PlanRequest.target_geometry is needed to size the dynamic reserve")
     dynamic = dynamic_reserve_bytes(req.algorithm, req.target_geometry, req.draft_geometry, c.tp, chunk, graph_bs,
@@ -328,6 +344,7 @@ def build_plan(req: PlanRequest, candidates: dict[int, Candidate] | Callable[[in
         "target": _short(req.target_name),
         "draft": None if req.draft_name is None else _short(req.draft_name),
         "tensorParallelSize": tp,
+        "nodesPerReplica": nodes_per_replica(tp, req.gpus_per_node),
         "gpu": {"name": _short(req.gpu_name, 64), "source": req.gpu_source, "totalBytes": req.gpu_total_bytes},
         "gpuMemoryBytes": g,
         "memFractionStatic": s.f,
@@ -355,7 +372,7 @@ def build_plan(req: PlanRequest, candidates: dict[int, Candidate] | Callable[[in
         "legacy": {"maxTotalNumTokens": legacy_tokens, "peakBytes": legacy_peak, "fits": legacy_peak <= g},
         "layerRatio": {"maxTotalNumTokens": ratio_tokens, "bytesPerToken": ratio_cell},
     }
-    plan["message"] = _message(req, plan, s)
+    plan["message"] = _message(req, plan, s, max(valid_tps))
     excess = len(to_json(plan).encode()) - (TERMINATION_LOG_LIMIT - 1)
     if excess > 0:  # very long folder names: keep the numbers, shorten the prose
         plan["message"] = plan["message"][: max(0, len(plan["message"]) - excess - 3)] + "..."
@@ -371,23 +388,27 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def _message(req: PlanRequest, plan: dict[str, Any], s: _Sizing) -> str:
+def _message(req: PlanRequest, plan: dict[str, Any], s: _Sizing, largest_tp: int) -> str:
     tp = plan["tensorParallelSize"]
     kv = plan["kvCache"]
+    nodes = plan["nodesPerReplica"]
+    where = f"{tp} GPU(s)" if nodes == 1 else f"{tp} GPUs ({nodes} nodes of {tp // nodes})"
     if s.fits:
-        text = (f"fits on {tp} GPU(s): {kv['maxTotalNumTokens']} KV tokens (need {req.min_tokens}) at "
+        text = (f"fits on {where}: {kv['maxTotalNumTokens']} KV tokens (need {req.min_tokens}) at "
                 f"mem_fraction_static {plan['memFractionStatic']:.3f}")
         legacy = plan["legacy"]
         if not legacy["fits"]:
             text += (f"; target-only accounting would have sized {legacy['maxTotalNumTokens']} tokens and "
                      f"overrun the GPU by {_gib(legacy['peakBytes'] - req.gpu_memory_bytes)}")
         return text
-    parts = [f"does not fit on {tp} GPU(s) of {_gib(req.gpu_memory_bytes)}: {kv['maxTotalNumTokens']} KV tokens "
+    parts = [f"does not fit on {where} of {_gib(req.gpu_memory_bytes)}: {kv['maxTotalNumTokens']} KV tokens "
              f"for a floor of {req.min_tokens}, short by {_gib(plan['shortfallBytes'])} per GPU"]
     if plan["minTensorParallelSize"] is not None and plan["minTensorParallelSize"] != tp:
         parts.append(f"fits with --tp {plan['minTensorParallelSize']}")
     elif plan["minTensorParallelSize"] is None:
-        parts.append("no tensor-parallel size up to 8 fits")
+        parts.append(f"no tensor-parallel size up to {largest_tp} fits")
+        if largest_tp < max(TP_CANDIDATES):
+            parts.append("or allow more GPUs per replica (--max-tp, gpu.maxPerReplica)")
     if plan["minMemFractionStatic"] < 1:
         parts.append(f"or with --mem-fraction-static {plan['minMemFractionStatic']:.3f} on {tp} GPU(s)")
     parts.append("or lower --context-length/--min-kv-tokens, use --kv-cache-dtype fp8_e4m3, or a larger GPU")

@@ -21,7 +21,17 @@ from .devices import resolve_device_memory
 from .errors import InputError
 from .flags import CommandParser, add_sizing_flags, asks_for_help
 from .model_config import ModelShape, load_shape
-from .plan import TP_CANDIDATES, VERIFY_TOKENS, Candidate, ForwardGeometry, PlanArgs, PlanRequest, build_plan
+from .plan import (
+    DEFAULT_GPUS_PER_NODE,
+    DEFAULT_MAX_TP,
+    TP_CANDIDATES,
+    VERIFY_TOKENS,
+    Candidate,
+    ForwardGeometry,
+    PlanArgs,
+    PlanRequest,
+    build_plan,
+)
 from .vocabulary import check_vocabulary
 
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -33,6 +43,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="draft model folder (not for NGRAM; MTP defaults to the target folder)")
     p.add_argument("--algorithm", required=True, choices=PLANNED_ALGORITHMS)
     add_sizing_flags(p, serving=False)
+    p.add_argument("--max-tp", type=int, default=DEFAULT_MAX_TP,
+                   help="largest tensor-parallel size auto may choose: 1, 2, 4, 8, 16 or 32 (default 8)")
+    p.add_argument("--gpus-per-node", type=int, default=DEFAULT_GPUS_PER_NODE,
+                   help="GPUs one node offers a replica; a larger t spans nodes (default 8)")
     p.add_argument("--output", default="json", choices=("json", "table"))
     p.add_argument("--termination-log", help="also write the compact plan JSON to this file")
     return p
@@ -69,9 +83,16 @@ def plan_args(flags: argparse.Namespace) -> PlanArgs:
         max_running_requests=flags.max_running_requests, cuda_graph_max_bs=flags.cuda_graph_max_bs,
         chunked_prefill_size=flags.chunked_prefill_size, max_total_tokens=flags.max_total_tokens,
         kv_cache_memory_gib=flags.kv_cache_memory_gib,
+        max_tp=_given(flags, "max_tp", DEFAULT_MAX_TP),
+        gpus_per_node=_given(flags, "gpus_per_node", DEFAULT_GPUS_PER_NODE),
         # serve knows its proposals per round; the planner alone assumes the default width
         verify_tokens=flags.num_draft_tokens + 1 if getattr(flags, "num_draft_tokens", None) else VERIFY_TOKENS,
     )
+
+
+def _given(flags: argparse.Namespace, name: str, default: int) -> int:
+    value = getattr(flags, name, None)  # serve's flags lack the multi-node sizing ones
+    return default if value is None else value
 
 
 def _auto_or(value: str | None, kind: type, problem: str):
@@ -90,6 +111,9 @@ def _checked_numbers(args: PlanArgs) -> None:
     for name in ("context_length", "max_running_requests", "cuda_graph_max_bs", "chunked_prefill_size",
                  "max_total_tokens", "kv_cache_memory_gib"):
         _positive(name.replace("_", "-"), getattr(args, name))
+    if args.max_tp not in TP_CANDIDATES:
+        raise InputError(f"--max-tp: must be one of {', '.join(map(str, TP_CANDIDATES))}, got {args.max_tp}")
+    _positive("gpus-per-node", args.gpus_per_node)
     if args.mem_fraction_static is None:
         return
     if args.kv_cache_memory_gib is not None:
@@ -102,8 +126,9 @@ def _requested_tp(args: PlanArgs, shapes: list[ModelShape], valid: list[int]) ->
     """--tp (None for auto), refused when the models' heads cannot be split that way."""
     if args.tp is None:
         if not valid:
-            raise InputError(f"{shapes[0].path}: no tensor-parallel size in 1, 2, 4, 8 splits the attention heads "
-                             "of target and draft; give --tp")
+            raise InputError(f"{shapes[0].path}: no tensor-parallel size in "
+                             f"{', '.join(str(t) for t in TP_CANDIDATES if t <= args.max_tp)} splits the attention "
+                             "heads of target and draft; give --tp")
         return None
     tp = args.tp
     if tp < 1:
@@ -154,7 +179,7 @@ def make_plan(args: PlanArgs) -> dict[str, Any]:
     # worker does; any other draft shares the target's layout and must split the same way.
     replicable = algorithm == "STANDALONE"
     shapes = [target] + ([draft] if draft is not None and draft is not target and not replicable else [])
-    valid = [tp for tp in TP_CANDIDATES if all(_splits(tp, s) for s in shapes)]
+    valid = [tp for tp in TP_CANDIDATES if tp <= args.max_tp and all(_splits(tp, s) for s in shapes)]
     tp_req = _requested_tp(args, shapes, valid)
 
     device = resolve_device_memory(args.gpu_memory_gib, args.gpu_product)
@@ -211,6 +236,7 @@ def make_plan(args: PlanArgs) -> dict[str, Any]:
         target_geometry=ForwardGeometry.of(target),
         draft_geometry=None if draft is None else ForwardGeometry.of(draft),
         verify_tokens=args.verify_tokens,
+        gpus_per_node=args.gpus_per_node,
     )
     return build_plan(req, candidate, valid or [tp_req])
 
@@ -227,6 +253,7 @@ def render_table(plan: dict[str, Any]) -> str:
     rows = [
         f"MemoryPlan  {plan['algorithm']}  target={plan['target']}  draft={plan['draft'] or '-'}",
         f"fits: {'yes' if plan['fits'] else 'NO'}   tensor parallel: {plan['tensorParallelSize']}   "
+        f"nodes: {plan.get('nodesPerReplica', 1)}   "
         f"GPU: {plan['gpu']['name']} ({plan['gpu']['source']})",
         "",
         "per GPU                          bytes",

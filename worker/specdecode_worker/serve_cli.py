@@ -108,6 +108,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         ns.kv_cache_dtype = kv_cache_dtype
         ns.algorithm = "NGRAM" if args.algorithm == "NONE" else args.algorithm
         ns.tp = args.tp or "1"
+        ns.gpus_per_node = _gpus_per_pod(args, ns.tp)
         if device == "cpu":
             ns.gpu_memory_gib = args.device_memory_gib
         plan = make_plan(plan_args(ns))
@@ -164,6 +165,18 @@ def check_flags_against_plan(args: argparse.Namespace, plan: dict[str, Any], pat
         if not agrees:
             raise InputError(f"{flag} {given}: the plan {path} has {planned}; give {flag} {planned}, drop the flag, "
                              f"or re-plan with {flag} {given}")
+
+
+def _gpus_per_pod(args: argparse.Namespace, tp: str) -> int | None:
+    """In-process plans over --nnodes pods hold tp / nnodes GPUs per pod (None: the planner's default)."""
+    import os
+
+    raw = args.nnodes if args.nnodes is not None else os.environ.get("LWS_GROUP_SIZE")
+    try:
+        nnodes, t = int(raw or 1), int(tp)
+    except ValueError:
+        return None  # auto t, or a bad --nnodes that nodes_of reports
+    return t // nnodes if nnodes > 1 and t % nnodes == 0 else None
 
 
 def plan_kv_cache_dtype(plan: dict[str, Any], flag: str | None, path: str) -> str:
