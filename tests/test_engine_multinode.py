@@ -121,7 +121,8 @@ def test_serve_over_two_pods_from_the_leaderworkerset_environment(models, tmp_pa
     http, master = free_port(), _two_free_ports()
     argv = [sys.executable, "-m", "specdecode_worker", "serve", "--tp", "2", "--target", str(models["target"]),
             "--draft", str(models["draft"]), "--algorithm", "STANDALONE", "--device", "cpu",
-            "--device-memory-gib", str(BUDGET_GIB[2]), "--mem-fraction-static", str(FRACTION),
+            # The plan over two pods prices NCCL's network buffers (512 MiB) on top of one pod's budget.
+            "--device-memory-gib", str(BUDGET_GIB[2] + 0.5), "--mem-fraction-static", str(FRACTION),
             "--context-length", str(CONTEXT), "--host", "127.0.0.1", "--port", str(http), "--log-level", "warning",
             "--served-model-name", "target", "--master-port", str(master)]
     logs = [tmp_path / f"pod-{r}.log" for r in (0, 1)]
