@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from specdecode_operator import handlers, main
 from specdecode_operator.reconcile import Result
 
@@ -21,23 +19,56 @@ class StubReconciler:
         return r
 
 
+class Clock:
+    def __init__(self, t=1000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
 def test_requeue_times_follow_the_reconcile_result():
-    ctl = handlers.Controller(StubReconciler([Result(requeue_after=7), Result(), Result(gone=True),
-                                              RuntimeError("api down")]))
-    t0 = time.time()
+    clock = Clock()
+    ctl = handlers.Controller(StubReconciler([Result(requeue_after=7), Result(), Result(gone=True)]), clock=clock)
     ctl.reconcile("ns", "a")
-    assert 6 <= ctl.due[("ns", "a")] - t0 <= 8
+    assert ctl.due[("ns", "a")] == clock.t + 7
     ctl.reconcile("ns", "a")
-    assert ctl.due[("ns", "a")] - t0 >= handlers.RESYNC_SECONDS - 1  # periodic resync even when idle
+    assert ctl.due[("ns", "a")] == clock.t + handlers.RESYNC_SECONDS  # periodic resync even when idle
     ctl.reconcile("ns", "a")
     assert ("ns", "a") not in ctl.due  # deleted: forgotten
+
+
+def test_errors_are_retried_with_a_backoff_that_resets_on_success():
+    clock = Clock()
+    stub = StubReconciler([RuntimeError("api down")] * 10 + [Result(requeue_after=7), RuntimeError("again")])
+    ctl = handlers.Controller(stub, clock=clock)
+    delays = []
+    for _ in range(10):
+        ctl.reconcile("ns", "a")  # never dropped: always due again
+        delays.append(ctl.due[("ns", "a")] - clock.t)
+    assert delays == [2, 4, 8, 16, 32, 64, 128, 256, 300, 300]
     ctl.reconcile("ns", "a")
-    assert ctl.due[("ns", "a")] - time.time() <= 10  # an error is retried soon, not dropped
+    ctl.reconcile("ns", "a")
+    assert ctl.due[("ns", "a")] - clock.t == 2
+
+
+def test_due_follows_the_clock():
+    clock = Clock()
+    ctl = handlers.Controller(StubReconciler([Result(requeue_after=7)]), clock=clock)
+    ctl.reconcile("ns", "a")
+    ctl.poke("ns", "b", delay=3)
+    assert ctl.due_now() == []
+    clock.t += 3
+    assert ctl.due_now() == [("ns", "b")]
+    clock.t += 4
+    ctl.running.add(("ns", "b"))  # already being reconciled: not started twice
+    assert ctl.due_now() == [("ns", "a")]
 
 
 def test_child_events_coalesce_and_are_not_lost_during_a_reconcile():
+    clock = Clock()
     stub = StubReconciler([Result()])
-    ctl = handlers.Controller(stub)
+    ctl = handlers.Controller(stub, clock=clock)
     ctl.poke("ns", "a")
     first = ctl.due[("ns", "a")]
     ctl.poke("ns", "a", delay=5)
@@ -50,7 +81,18 @@ def test_child_events_coalesce_and_are_not_lost_during_a_reconcile():
 
     stub.reconcile = reconcile_with_event
     ctl.reconcile("ns", "a")
-    assert ctl.due[("ns", "a")] - time.time() < 1
+    assert ctl.due[("ns", "a")] == clock.t + 0.5
+
+
+def test_child_events_reach_the_owner_by_label():
+    clock = Clock()
+    handlers.CONTROLLER = handlers.Controller(StubReconciler([]), clock=clock)
+    try:
+        handlers.pod_event(namespace="ns", meta={"labels": {"specdecode.io/name": "sdd-1"}})
+        handlers.deployment_event(namespace="ns", meta={"labels": {}})
+        assert list(handlers.CONTROLLER.due) == [("ns", "sdd-1")]
+    finally:
+        handlers.CONTROLLER = None
 
 
 def test_command_line():

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import copy
 import json
-from urllib.parse import unquote
-
 import pytest
 
 from specdecode_operator import conditions as c
 from specdecode_operator import labels
-from specdecode_operator.kube import ApiError, sdd_path
+from specdecode_operator import kube as k8s
+from specdecode_operator.kube import ApiError
 from specdecode_operator.reconcile import Options, Reconciler
 from specdecode_operator.spec import parse_spec, plan_key, planner_pod_name
 from tests.operator_helpers import example, make_plan
@@ -20,10 +19,14 @@ NS = "ns"
 
 
 class FakeKube:
-    """Objects by path; resourceVersion checks on status writes; counts what is created."""
+    """Objects by Ref; resourceVersion checks on status writes; counts what is created.
+
+    ``refuse[(verb, kind)]`` is an ApiError raised on every create/apply of that kind, as the API
+    server does while an admission plugin or a quota refuses it.
+    """
 
     def __init__(self):
-        self.objects: dict[str, dict] = {}
+        self.objects: dict[k8s.Ref, dict] = {}
         self.rv = 0
         self.events: list[tuple[str, str, bool]] = []
         self.created: list[str] = []
@@ -31,48 +34,51 @@ class FakeKube:
         self.applied: list[dict] = []
         self.nodes: list[dict] | None = []
         self.conflict_next_status_write = False
+        self.refuse: dict[tuple[str, str], ApiError] = {}
 
     def _bump(self, obj):
         self.rv += 1
         obj.setdefault("metadata", {})["resourceVersion"] = str(self.rv)
 
-    def get(self, p):
-        obj = self.objects.get(unquote(p))
+    def _check(self, verb, obj):
+        if (verb, obj["kind"]) in self.refuse:
+            raise self.refuse[(verb, obj["kind"])]
+
+    def get(self, ref):
+        obj = self.objects.get(ref)
         return copy.deepcopy(obj) if obj else None
 
-    def list(self, p, label_selector=None):
-        if p == "/api/v1/nodes":
+    def list(self, ref, label_selector=None):
+        if ref == k8s.NODES:
             if self.nodes is None:
                 raise ApiError(403, "nodes is forbidden")
             return self.nodes
         want = dict(kv.split("=") for kv in label_selector.split(",")) if label_selector else {}
-        return [copy.deepcopy(o) for k, o in self.objects.items() if k.startswith(p + "/")
+        return [copy.deepcopy(o) for r, o in self.objects.items() if r.collection() == ref.collection()
                 and all(o["metadata"].get("labels", {}).get(a) == b for a, b in want.items())]
 
-    def create(self, p, body):
-        name = body["metadata"]["name"]
-        key = f"{p}/{name}"
-        if key in self.objects:
-            raise ApiError(409, f"{name} already exists")
+    def create(self, body):
+        self._check("create", body)
+        ref = k8s.Ref.of(body)
+        if ref in self.objects:
+            raise ApiError(409, f"{ref.name} already exists")
         obj = copy.deepcopy(body)
         obj["metadata"]["uid"] = f"uid-{len(self.created)}"
         obj["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
         obj["status"] = {"phase": "Pending"}
         self._bump(obj)
-        self.objects[key] = obj
-        self.created.append(name)
+        self.objects[ref] = obj
+        self.created.append(ref.name)
         return obj
 
-    def delete(self, p):
-        if self.objects.pop(unquote(p), None) is not None:
-            self.deleted.append(p.rsplit("/", 1)[1])
+    def delete(self, ref):
+        if self.objects.pop(ref, None) is not None:
+            self.deleted.append(ref.name)
 
     def apply(self, obj):
-        m = obj["metadata"]
-        plural = {"ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments"}[obj["kind"]]
-        base = "/api/v1" if obj["apiVersion"] == "v1" else f"/apis/{obj['apiVersion']}"
-        key = f"{base}/namespaces/{m['namespace']}/{plural}/{m['name']}"
-        old = self.objects.get(key)
+        self._check("apply", obj)
+        ref = k8s.Ref.of(obj)
+        old = self.objects.get(ref)
         new = copy.deepcopy(obj)
         new["status"] = (old or {}).get("status", {})
         gen = (old or {}).get("metadata", {}).get("generation", 0)
@@ -80,13 +86,12 @@ class FakeKube:
             {k: v for k, v in new.items() if k != "status" and k != "metadata"}
         new["metadata"]["generation"] = gen + 1 if changed else gen
         self._bump(new)
-        self.objects[key] = new
+        self.objects[ref] = new
         self.applied.append(obj)
         return new
 
     def write_status(self, sdd, status):
-        key = sdd_path(sdd["metadata"]["namespace"], sdd["metadata"]["name"])
-        cur = self.objects[key]
+        cur = self.objects[k8s.Ref.of(sdd)]
         if self.conflict_next_status_write or cur["metadata"]["resourceVersion"] != sdd["metadata"]["resourceVersion"]:
             self.conflict_next_status_write = False
             raise ApiError(409, "the object has been modified")
@@ -100,10 +105,11 @@ class FakeKube:
     # --- helpers for tests --------------------------------------------------------------------
 
     def put_sdd(self, body):
-        key = sdd_path(body["metadata"]["namespace"], body["metadata"]["name"])
-        old = self.objects.get(key)
         body = copy.deepcopy(body)
         body.setdefault("apiVersion", "specdecode.io/v1alpha1")
+        body.setdefault("kind", "SpecDecodeDeployment")
+        key = k8s.Ref.of(body)
+        old = self.objects.get(key)
         body["metadata"]["generation"] = (old["metadata"]["generation"] + 1) if old else 1
         if old:
             body["status"] = old.get("status", {})
@@ -111,10 +117,10 @@ class FakeKube:
         self.objects[key] = body
 
     def sdd(self, name="llama-8b-eagle3"):
-        return self.get(sdd_path(NS, name))
+        return self.get(k8s.sdd(NS, name))
 
     def pods(self, role):
-        return [o for k, o in self.objects.items() if "/pods/" in k and o["metadata"]["labels"][labels.ROLE] == role]
+        return [o for r, o in self.objects.items() if r.kind == "Pod" and o["metadata"]["labels"][labels.ROLE] == role]
 
     def finish_planner(self, code, message):
         (pod,) = [p for p in self.pods("planner") if p["status"].get("phase") in ("Pending", "Running")]
@@ -124,11 +130,11 @@ class FakeKube:
         return pod
 
     def deployment(self, name="llama-8b-eagle3"):
-        return self.get(f"/apis/apps/v1/namespaces/{NS}/deployments/{name}")
+        return self.get(k8s.deployment(NS, name))
 
     def roll_out(self, ready=None):
         """What the Deployment controller and kubelets would report once the pods are up."""
-        dep = self.objects[f"/apis/apps/v1/namespaces/{NS}/deployments/llama-8b-eagle3"]
+        dep = self.objects[k8s.deployment(NS, "llama-8b-eagle3")]
         n = dep["spec"]["replicas"] if ready is None else ready
         dep["status"] = {"observedGeneration": dep["metadata"]["generation"], "replicas": dep["spec"]["replicas"],
                          "readyReplicas": n, "updatedReplicas": dep["spec"]["replicas"],
@@ -184,8 +190,8 @@ def test_full_lifecycle_plan_then_children_then_ready(kube):
     assert dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert dep["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     assert sdd["status"]["phase"] == "Deploying" and sdd["status"]["gpusPerReplica"] == 2
-    assert json.loads(kube.get(f"/api/v1/namespaces/{NS}/configmaps/llama-8b-eagle3-plan")["data"]["plan.json"]) == plan
-    assert kube.get(f"/api/v1/namespaces/{NS}/services/llama-8b-eagle3") is not None
+    assert json.loads(kube.get(k8s.Ref("v1", "ConfigMap", NS, "llama-8b-eagle3-plan"))["data"]["plan.json"]) == plan
+    assert kube.get(k8s.Ref("v1", "Service", NS, "llama-8b-eagle3")) is not None
 
     kube.roll_out()
     r.reconcile(NS, "llama-8b-eagle3")
@@ -314,7 +320,7 @@ def test_restart_mid_plan_finds_the_existing_pod(kube):
     fresh.reconcile(NS, "llama-8b-eagle3")
     assert len(kube.created) == 1
     # even if the status write of the first run was lost, the deterministic name finds the pod
-    kube.objects[sdd_path(NS, "llama-8b-eagle3")]["status"] = {}
+    kube.objects[k8s.sdd(NS, "llama-8b-eagle3")]["status"] = {}
     fresh.reconcile(NS, "llama-8b-eagle3")
     assert len(kube.created) == 1 and kube.sdd()["status"]["phase"] == "Planning"
 
@@ -353,7 +359,7 @@ def test_forbidden_nodes_are_skipped(kube):
 
 def test_deleted_sdd_is_gone(kube):
     r = reconciler(kube)
-    del kube.objects[sdd_path(NS, "llama-8b-eagle3")]
+    del kube.objects[k8s.sdd(NS, "llama-8b-eagle3")]
     assert r.reconcile(NS, "llama-8b-eagle3").gone
 
 
@@ -383,3 +389,80 @@ def test_misfit_message_names_spec_fields():
     assert "--" not in out
     assert "spec.serving.memFractionStatic: 0.636" in out and "spec.serving.kvCacheDtype: fp8_e4m3" in out
     assert "spec.serving.contextLength/spec.serving.minKVTokens" in out
+
+
+# --- children the API server refuses ----------------------------------------------------------------
+
+PSA_MESSAGE = ('pods "llama-8b-eagle3-plan-1" is forbidden: violates PodSecurity "restricted:latest": '
+               'runAsNonRoot != true (pod or container "planner" must set securityContext.runAsNonRoot=true)')
+QUOTA_MESSAGE = ('deployments.apps "llama-8b-eagle3" is forbidden: exceeded quota: gpus, requested: count/deployments.apps=1, '
+                 'used: count/deployments.apps=1, limited: count/deployments.apps=1')
+
+
+def test_refused_planner_pod_is_a_condition_with_the_api_message_and_backs_off(kube):
+    kube.refuse[("create", "Pod")] = ApiError(403, PSA_MESSAGE, "Forbidden")
+    r = reconciler(kube)
+    delays = [r.reconcile(NS, "llama-8b-eagle3").requeue_after for _ in range(4)]
+    sdd = kube.sdd()
+    planned = cond(sdd, c.PLANNED)
+    assert (planned["status"], planned["reason"]) == ("False", c.POD_SECURITY_REJECTED)
+    assert PSA_MESSAGE in planned["message"] and "planner pod" in planned["message"]
+    assert (cond(sdd, c.READY)["status"], cond(sdd, c.READY)["reason"]) == ("False", c.POD_SECURITY_REJECTED)
+    assert sdd["status"]["phase"] == "Failed"
+    assert delays == [5, 10, 20, 40]  # backoff, not a spin
+    warnings = [e for e in kube.events if e[2]]
+    assert [e[0] for e in warnings] == [c.POD_SECURITY_REJECTED]  # one Event for the change, not one per retry
+    assert kube.created == []
+
+    del kube.refuse[("create", "Pod")]  # the namespace relabelled: the next retry goes through
+    res = r.reconcile(NS, "llama-8b-eagle3")
+    sdd = kube.sdd()
+    assert cond(sdd, c.PLANNED)["reason"] == c.PLANNING and len(kube.created) == 1
+    assert res.requeue_after == pytest.approx(30.0)  # the backoff is forgotten once accepted
+
+
+def test_refused_deployment_is_degraded_with_the_quota_message_then_converges(kube):
+    r = reconciler(kube)
+    r.reconcile(NS, "llama-8b-eagle3")
+    kube.finish_planner(0, json.dumps(make_plan()))
+    kube.refuse[("apply", "Deployment")] = ApiError(403, QUOTA_MESSAGE, "Forbidden")
+    res = r.reconcile(NS, "llama-8b-eagle3")
+    sdd = kube.sdd()
+    degraded = cond(sdd, c.DEGRADED)
+    assert (degraded["status"], degraded["reason"]) == ("True", c.QUOTA_EXCEEDED)
+    assert QUOTA_MESSAGE in degraded["message"] and "Deployment llama-8b-eagle3" in degraded["message"]
+    assert (cond(sdd, c.PROGRESSING)["status"], cond(sdd, c.READY)["reason"]) == ("False", c.QUOTA_EXCEEDED)
+    assert cond(sdd, c.PLANNED)["reason"] == c.PLAN_READY and sdd["status"]["phase"] == "Degraded"
+    assert res.requeue_after == 5 and kube.deployment() is None
+    # a child event or a requeue tries again (the Deployment is not there yet), with a longer wait
+    assert r.reconcile(NS, "llama-8b-eagle3", force_apply=False).requeue_after == 10
+    assert [e[0] for e in kube.events if e[2]] == [c.QUOTA_EXCEEDED]  # one Warning for the change
+
+    del kube.refuse[("apply", "Deployment")]
+    r.reconcile(NS, "llama-8b-eagle3", force_apply=False)
+    kube.roll_out()
+    r.reconcile(NS, "llama-8b-eagle3")
+    assert kube.sdd()["status"]["phase"] == "Ready"
+
+
+def test_worker_pods_refused_to_the_replicaset_are_reported_from_the_deployment(kube):
+    r = reconciler(kube)
+    _ready(kube, r)
+    message = ('pods "llama-8b-eagle3-5d8f-x" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1, '
+               'used: requests.nvidia.com/gpu=1, limited: requests.nvidia.com/gpu=1')
+    dep = kube.objects[k8s.deployment(NS, "llama-8b-eagle3")]
+    dep["status"]["readyReplicas"] = 0
+    dep["status"]["conditions"].append({"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+                                        "message": message})
+    r.reconcile(NS, "llama-8b-eagle3", force_apply=False)
+    degraded = cond(kube.sdd(), c.DEGRADED)
+    assert (degraded["status"], degraded["reason"]) == ("True", c.QUOTA_EXCEEDED) and message in degraded["message"]
+    assert kube.events[-1][2]  # a Warning
+
+
+@pytest.mark.parametrize("status", [500, 503, 429, 408])
+def test_transient_errors_are_not_refusals_and_propagate(kube, status):
+    kube.refuse[("create", "Pod")] = ApiError(status, "etcdserver: request timed out")
+    with pytest.raises(ApiError):
+        reconciler(kube).reconcile(NS, "llama-8b-eagle3")
+    assert "conditions" not in kube.sdd().get("status", {})

@@ -55,8 +55,10 @@ def test_planner_pod_shape():
     assert spec["restartPolicy"] == "Never"
     c = spec["containers"][0]
     assert c["command"] == ["specdecode-worker"] and c["args"][0] == "plan"
-    assert c["volumeMounts"] == [{"name": "models", "mountPath": "/models", "readOnly": True}]
-    assert spec["volumes"] == [{"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}]
+    assert c["volumeMounts"][0] == {"name": "models", "mountPath": "/models", "readOnly": True}
+    assert spec["volumes"][0] == {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    # everything else it may write is scratch space (the root filesystem is read-only)
+    assert all("emptyDir" in v for v in spec["volumes"][1:])
     assert "nvidia.com/gpu" not in c["resources"]["limits"]  # catalogue memory: no GPU spent on planning
     assert "nodeSelector" not in spec
 

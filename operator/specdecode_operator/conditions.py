@@ -26,6 +26,12 @@ UNSCHEDULABLE = "Unschedulable"
 WORKER_STARTUP_FAILED = "WorkerStartupFailed"
 WORKER_OOM_KILLED = "WorkerOOMKilled"
 PODS_NOT_READY = "PodsNotReady"
+# The API server refused a child (the planner pod, the plan ConfigMap, the Deployment, the Service,
+# or the worker pods the ReplicaSet creates): by Pod Security admission, by a ResourceQuota, or
+# for any other reason (a webhook, a LimitRange, validation).
+POD_SECURITY_REJECTED = "PodSecurityRejected"
+QUOTA_EXCEEDED = "QuotaExceeded"
+CHILD_REJECTED = "ChildRejected"
 
 MAX_MESSAGE = 32768
 
@@ -73,7 +79,8 @@ def get(conditions: Iterable[dict[str, Any]], ctype: str) -> dict[str, Any] | No
 
 
 FAILURE_REASONS = frozenset({INSUFFICIENT_GPU_MEMORY, PLANNER_FAILED, PLAN_EXCEEDS_NODE_GPUS, UNSCHEDULABLE,
-                             WORKER_STARTUP_FAILED, WORKER_OOM_KILLED, PODS_NOT_READY})
+                             WORKER_STARTUP_FAILED, WORKER_OOM_KILLED, PODS_NOT_READY,
+                             POD_SECURITY_REJECTED, QUOTA_EXCEEDED, CHILD_REJECTED})
 
 
 def is_bad(ctype: str, status: str, reason: str = "") -> bool:

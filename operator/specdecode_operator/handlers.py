@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import kopf
 
@@ -27,22 +27,26 @@ from .spec import GROUP, PLURAL, VERSION
 log = logging.getLogger("specdecode_operator")
 RESYNC_SECONDS = 300.0
 TICK_SECONDS = 1.0
+# A reconcile that raised (the API server down, a 5xx) is retried after 2 s doubling to 5 min.
+ERROR_RETRY_SECONDS = 2.0
 
 
 class Controller:
-    """The reconciler plus when each SDD is due again."""
+    """The reconciler plus when each SDD is due again. ``clock`` gives seconds (tests pass a fake)."""
 
-    def __init__(self, reconciler: Reconciler, workers: int = 4):
+    def __init__(self, reconciler: Reconciler, workers: int = 4, clock: Callable[[], float] = time.time):
         self.reconciler = reconciler
+        self.clock = clock
         self.due: dict[tuple[str, str], float] = {}
         self.running: set[tuple[str, str]] = set()
         self.poked: set[tuple[str, str]] = set()
+        self.errors: dict[tuple[str, str], int] = {}  # failed reconciles in a row
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reconcile")
 
     def poke(self, namespace: str, name: str, delay: float = 0.5) -> None:
         """Reconcile soon; a burst of child events becomes one reconcile."""
         key = (namespace, name)
-        self.due[key] = min(self.due.get(key, float("inf")), time.time() + delay)
+        self.due[key] = min(self.due.get(key, float("inf")), self.clock() + delay)
         self.poked.add(key)
 
     def reconcile(self, namespace: str, name: str, force_apply: bool = True) -> None:
@@ -51,28 +55,34 @@ class Controller:
         try:
             result = self.reconciler.reconcile(namespace, name, force_apply)
         except Exception:
-            log.exception("reconcile of %s/%s failed; retrying in 10s", namespace, name)
-            self.due[key] = time.time() + 10
+            errors = self.errors[key] = self.errors.get(key, 0) + 1
+            delay = min(ERROR_RETRY_SECONDS * 2 ** (errors - 1), RESYNC_SECONDS)
+            log.exception("reconcile of %s/%s failed; retrying in %.0fs", namespace, name, delay)
+            self.due[key] = self.clock() + delay
             return
+        self.errors.pop(key, None)
         if result.gone:
             self.due.pop(key, None)
             return
         delay = RESYNC_SECONDS if result.requeue_after is None else min(result.requeue_after, RESYNC_SECONDS)
         if key in self.poked:  # a child changed while we were reconciling: look again
             delay = 0.5
-        self.due[key] = time.time() + delay
+        self.due[key] = self.clock() + delay
+
+    def due_now(self) -> list[tuple[str, str]]:
+        """SDDs whose time has come and that are not being reconciled already."""
+        now = self.clock()
+        return [key for key, when in list(self.due.items()) if when <= now and key not in self.running]
 
     async def requeue_loop(self, stopped: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         while not stopped.is_set():
-            now = time.time()
-            for key, when in list(self.due.items()):
-                if when <= now and key not in self.running:
-                    self.running.add(key)
-                    # child events and requeues only refresh status; the periodic resync re-applies
-                    force = key not in self.poked
-                    fut = loop.run_in_executor(self.pool, self.reconcile, *key, force)
-                    fut.add_done_callback(lambda _f, k=key: self.running.discard(k))
+            for key in self.due_now():
+                self.running.add(key)
+                # child events and requeues only refresh status; the periodic resync re-applies
+                force = key not in self.poked
+                fut = loop.run_in_executor(self.pool, self.reconcile, *key, force)
+                fut.add_done_callback(lambda _f, k=key: self.running.discard(k))
             try:
                 await asyncio.wait_for(stopped.wait(), TICK_SECONDS)
             except asyncio.TimeoutError:
@@ -133,17 +143,18 @@ def sdd_changed(name: str, namespace: str, **_: Any) -> None:
     CONTROLLER.reconcile(namespace, name)
 
 
-def _owner_changed(event: dict[str, Any], namespace: str, labels_: dict[str, str]) -> None:
-    owner = labels_.get(labels.NAME)
+def _owner_changed(namespace: str, meta: dict[str, Any]) -> None:
+    owner = (meta.get("labels") or {}).get(labels.NAME)
     if owner and CONTROLLER is not None:
         CONTROLLER.poke(namespace, owner)
 
 
+# The child's labels are read from `meta`: kopf's `labels` argument would hide the labels module.
 @kopf.on.event("v1", "pods", labels={labels.NAME: kopf.PRESENT})
-def pod_event(event: dict[str, Any], namespace: str, labels: dict[str, str], **_: Any) -> None:
-    _owner_changed(event, namespace, labels)
+def pod_event(namespace: str, meta: dict[str, Any], **_: Any) -> None:
+    _owner_changed(namespace, meta)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={labels.NAME: kopf.PRESENT})
-def deployment_event(event: dict[str, Any], namespace: str, labels: dict[str, str], **_: Any) -> None:
-    _owner_changed(event, namespace, labels)
+def deployment_event(namespace: str, meta: dict[str, Any], **_: Any) -> None:
+    _owner_changed(namespace, meta)

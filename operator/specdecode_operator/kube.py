@@ -1,48 +1,88 @@
 """A small synchronous Kubernetes client over ``kubernetes.client.ApiClient``: plain dicts in and
-out, server-side apply, and status writes guarded by resourceVersion."""
+out, server-side apply, and status writes guarded by resourceVersion.
+
+Objects are named by a typed ``Ref`` (apiVersion, kind, namespace, name); ``rest_path`` turns one
+into the REST path in one place. It is a table, not the official client's typed APIs or its
+DynamicClient: those would add a discovery request per kind (DynamicClient) or one model
+(de)serialisation per call, while every call here is exactly one HTTP request.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote
 
 from .labels import FIELD_MANAGER
-from .spec import GROUP, PLURAL, VERSION
+from .spec import API_VERSION, KIND, PLURAL
 
 log = logging.getLogger(__name__)
 
-_PLURALS = {"Pod": "pods", "ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments",
-            "Event": "events", "SpecDecodeDeployment": PLURAL}
+# Every kind the operator touches, with its plural (the resource name in REST paths).
+PLURALS = {"Pod": "pods", "ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments",
+           "Event": "events", "Node": "nodes", KIND: PLURAL}
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(f"{status}: {message}")
-        self.status = status
-        self.message = message
+@dataclass(frozen=True)
+class Ref:
+    """Which object (or, with ``name`` None, which collection) a call is about."""
+
+    api_version: str
+    kind: str
+    namespace: str | None = None
+    name: str | None = None
+
+    @classmethod
+    def of(cls, obj: dict[str, Any]) -> "Ref":
+        meta = obj.get("metadata") or {}
+        return cls(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta.get("name"))
+
+    def collection(self) -> "Ref":
+        return Ref(self.api_version, self.kind, self.namespace)
+
+    def named(self, name: str) -> "Ref":
+        return Ref(self.api_version, self.kind, self.namespace, name)
 
 
-def now_iso() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+def pods(namespace: str, name: str | None = None) -> Ref:
+    return Ref("v1", "Pod", namespace, name)
 
 
-def path(api_version: str, kind_or_plural: str, namespace: str | None, name: str | None = None,
-         sub: str | None = None) -> str:
-    plural = _PLURALS.get(kind_or_plural, kind_or_plural)
-    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
-    p = base + (f"/namespaces/{namespace}" if namespace else "") + f"/{plural}"
-    if name:
-        p += f"/{quote(name)}"
+def deployment(namespace: str, name: str) -> Ref:
+    return Ref("apps/v1", "Deployment", namespace, name)
+
+
+def sdd(namespace: str, name: str) -> Ref:
+    return Ref(API_VERSION, KIND, namespace, name)
+
+
+NODES = Ref("v1", "Node")
+
+
+def rest_path(ref: Ref, sub: str | None = None) -> str:
+    """``/api/v1/namespaces/ns/pods/name`` and the like; ``sub`` is a subresource (``status``)."""
+    base = f"/apis/{ref.api_version}" if "/" in ref.api_version else f"/api/{ref.api_version}"
+    p = base + (f"/namespaces/{quote(ref.namespace)}" if ref.namespace else "") + f"/{PLURALS[ref.kind]}"
+    if ref.name:
+        p += f"/{quote(ref.name)}"
     if sub:
         p += f"/{sub}"
     return p
 
 
-def sdd_path(namespace: str, name: str, sub: str | None = None) -> str:
-    return path(f"{GROUP}/{VERSION}", PLURAL, namespace, name, sub)
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, reason: str = ""):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+        self.reason = reason  # the Status object's reason: Forbidden, Invalid, Conflict, ...
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class Kube:
@@ -78,60 +118,54 @@ class Kube:
         status = int(resp.status)
         data = resp.data if getattr(resp, "data", None) is not None else getattr(resp, "body", b"")
         if status >= 400:
-            try:
-                message = json.loads(data).get("message", data)
-            except Exception:
-                message = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
-            raise ApiError(status, message)
+            raise _api_error(status, data)
         return json.loads(data) if data else None
 
-    def get(self, p: str) -> dict[str, Any] | None:
+    def get(self, ref: Ref) -> dict[str, Any] | None:
         try:
-            return self._call("GET", p)
+            return self._call("GET", rest_path(ref))
         except ApiError as exc:
             if exc.status == 404:
                 return None
             raise
 
-    def list(self, p: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+    def list(self, ref: Ref, label_selector: str | None = None) -> list[dict[str, Any]]:
         query = {"labelSelector": label_selector} if label_selector else None
-        return (self._call("GET", p, query=query) or {}).get("items", [])
+        return (self._call("GET", rest_path(ref.collection()), query=query) or {}).get("items", [])
 
-    def create(self, p: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", p, body)
+    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", rest_path(Ref.of(obj).collection()), obj)
 
-    def delete(self, p: str) -> None:
+    def delete(self, ref: Ref) -> None:
         try:
-            self._call("DELETE", p, {"propagationPolicy": "Background"})
+            self._call("DELETE", rest_path(ref), {"propagationPolicy": "Background"})
         except ApiError as exc:
             if exc.status != 404:
                 raise
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply, owning every field we send (force: the operator is the authority)."""
-        meta = obj["metadata"]
-        p = path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
-        return self._call("PATCH", p, obj, {"fieldManager": FIELD_MANAGER, "force": "true"},
+        return self._call("PATCH", rest_path(Ref.of(obj)), obj, {"fieldManager": FIELD_MANAGER, "force": "true"},
                           "application/apply-patch+yaml")
 
-    def write_status(self, sdd: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    def write_status(self, obj: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
         """Replace the status subresource, read-modify-write: a 409 if the object changed since
-        ``sdd`` was read (nothing written by others is clobbered; the caller reconciles again)."""
-        meta = sdd["metadata"]
-        body = {"apiVersion": sdd["apiVersion"], "kind": sdd["kind"], "metadata": {
+        ``obj`` was read (nothing written by others is clobbered; the caller reconciles again)."""
+        meta = obj["metadata"]
+        body = {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "metadata": {
             "name": meta["name"], "namespace": meta["namespace"], "resourceVersion": meta["resourceVersion"]},
-            "spec": sdd.get("spec"), "status": status}
-        return self._call("PUT", sdd_path(meta["namespace"], meta["name"], "status"), body)
+            "spec": obj.get("spec"), "status": status}
+        return self._call("PUT", rest_path(Ref.of(obj), "status"), body)
 
-    def event(self, sdd: dict[str, Any], reason: str, message: str, warning: bool) -> None:
-        meta = sdd["metadata"]
+    def event(self, obj: dict[str, Any], reason: str, message: str, warning: bool) -> None:
+        meta = obj["metadata"]
         ts = now_iso()
         body = {
             "apiVersion": "v1",
             "kind": "Event",
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-            "involvedObject": {"apiVersion": sdd.get("apiVersion", f"{GROUP}/{VERSION}"),
-                               "kind": sdd.get("kind", "SpecDecodeDeployment"), "name": meta["name"],
+            "involvedObject": {"apiVersion": obj.get("apiVersion", API_VERSION),
+                               "kind": obj.get("kind", KIND), "name": meta["name"],
                                "namespace": meta["namespace"], "uid": meta.get("uid"),
                                "resourceVersion": meta.get("resourceVersion")},
             "reason": reason,
@@ -144,6 +178,16 @@ class Kube:
             "count": 1,
         }
         try:
-            self.create(path("v1", "Event", meta["namespace"]), body)
+            self.create(body)
         except ApiError as exc:  # an Event is best effort: never fail a reconcile over it
             log.warning("could not post event %s: %s", reason, exc)
+
+
+def _api_error(status: int, data: Any) -> ApiError:
+    """The API server's Status object (message and reason) as an ApiError."""
+    try:
+        body = json.loads(data)
+        return ApiError(status, str(body.get("message", data)), str(body.get("reason", "")))
+    except Exception:
+        text = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
+        return ApiError(status, text)

@@ -12,6 +12,7 @@ from typing import Any
 from specdecode_worker.contract import ExitCode
 
 from . import conditions as c
+from . import refusals
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,23 @@ def pod_problem(pod: dict[str, Any]) -> c.Verdict | None:
     return None
 
 
-_PRIORITY = {c.PLAN_EXCEEDS_NODE_GPUS: 0, c.WORKER_OOM_KILLED: 1, c.WORKER_STARTUP_FAILED: 2, c.UNSCHEDULABLE: 3}
+_PRIORITY = {c.PLAN_EXCEEDS_NODE_GPUS: 0, c.POD_SECURITY_REJECTED: 1, c.QUOTA_EXCEEDED: 1, c.CHILD_REJECTED: 1,
+             c.WORKER_OOM_KILLED: 2, c.WORKER_STARTUP_FAILED: 3, c.UNSCHEDULABLE: 4}
 
 
 def _dep_condition(dep: dict[str, Any], ctype: str) -> dict[str, Any]:
     return c.get((dep.get("status") or {}).get("conditions") or [], ctype) or {}
+
+
+def replica_failure(deployment: dict[str, Any] | None) -> c.Verdict | None:
+    """Worker pods the API server refused to the ReplicaSet controller (admission, quota, a
+    webhook): the Deployment's ReplicaFailure condition carries the API server's message."""
+    failure = _dep_condition(deployment or {}, "ReplicaFailure")
+    if failure.get("status") != "True":
+        return None
+    message = failure.get("message", "")
+    return c.Verdict("True", refusals.reason_for_replica_failure(message),
+                     f"the worker pods cannot be created: {message}")
 
 
 def observe(desired: int, generation_ok: bool, deployment: dict[str, Any] | None, pods: list[dict[str, Any]],
@@ -120,7 +133,7 @@ def observe(desired: int, generation_ok: bool, deployment: dict[str, Any] | None
     observed = deployment is not None and \
         dstat.get("observedGeneration", 0) >= (deployment.get("metadata") or {}).get("generation", 0)
 
-    problems = [v for v in (capacity, *(pod_problem(p) for p in live)) if v is not None]
+    problems = [v for v in (capacity, replica_failure(deployment), *(pod_problem(p) for p in live)) if v is not None]
     problems.sort(key=lambda v: _PRIORITY.get(v.reason, 9))
     if problems:
         degraded = problems[0]

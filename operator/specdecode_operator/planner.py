@@ -12,7 +12,7 @@ from typing import Any
 
 from specdecode_worker.contract import ExitCode
 
-from . import labels, models
+from . import labels, models, podsecurity
 from .plan_result import explains_misfit, read_plan
 from .spec import DEFAULT_MAX_TP, SpecView, planner_pod_name
 
@@ -69,7 +69,6 @@ def render_planner_pod(view: SpecView, key: str, owner: dict[str, Any]) -> dict[
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "activeDeadlineSeconds": ACTIVE_DEADLINE_SECONDS,
-        "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "initContainers": models.fetch_init_containers(view, view.planner_image, "*.json,*.safetensors"),
         "containers": [{
@@ -83,7 +82,6 @@ def render_planner_pod(view: SpecView, key: str, owner: dict[str, Any]) -> dict[
             # The plan goes to the termination log; on a crash the log tail explains it instead.
             "terminationMessagePath": TERMINATION_LOG,
             "terminationMessagePolicy": "FallbackToLogsOnError",
-            "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
         }],
         "volumes": models.volumes(view),
     }
@@ -105,7 +103,7 @@ def render_planner_pod(view: SpecView, key: str, owner: dict[str, Any]) -> dict[
             "labels": meta_labels,
             "ownerReferences": [owner],
         },
-        "spec": spec,
+        "spec": podsecurity.restrict(spec, view.pod.get("securityContext")),
     }
 
 

@@ -18,8 +18,9 @@ from typing import Any, Callable
 from specdecode_worker.contract import GIB, PLAN_API_VERSION, PLAN_KIND
 
 from . import conditions as c
-from . import labels, observe, planner, workload
-from .kube import ApiError, Kube, now_iso, path, sdd_path
+from . import kube as k8s
+from . import labels, observe, planner, refusals, workload
+from .kube import ApiError, Kube, now_iso
 from .spec import DEFAULT_WORKER_IMAGE, SpecView, parse_spec, plan_key, planner_pod_name
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class Reconciler:
         self.clock = clock
         self._nodes_forbidden = False
         self._nodes: tuple[float, list[dict[str, Any]]] | None = None
+        # Refusals in a row per SDD, for the retry backoff (a restart starts it afresh).
+        self._refusals: dict[tuple[str, str], int] = {}
 
     # --- entry point ----------------------------------------------------------------------------
 
@@ -77,7 +80,7 @@ class Reconciler:
         """
         with _lock(namespace, name):
             for _ in range(5):
-                sdd = self.kube.get(sdd_path(namespace, name))
+                sdd = self.kube.get(k8s.sdd(namespace, name))
                 if sdd is None or (sdd.get("metadata") or {}).get("deletionTimestamp"):
                     return Result(gone=True)  # deleted: garbage collection removes the children
                 try:
@@ -98,11 +101,14 @@ class Reconciler:
         verdicts: dict[str, c.Verdict] = {}
         owner = labels.owner_reference(sdd)
         requeue: float | None = None
+        refused: c.Verdict | None = None
 
         current = status.get("plan") or {}
         plan = current if current.get("key") == key else None
         if plan is None:
             plan, requeue = self._plan(view, key, owner, status, verdicts)
+            if verdicts[c.PLANNED].reason in REFUSAL_REASONS:
+                refused = verdicts[c.PLANNED]
         else:
             verdicts[c.PLANNED] = _planned_verdict(plan)
 
@@ -110,14 +116,22 @@ class Reconciler:
             self._cleanup_planners(view, key)
             tp = int(plan["tensorParallelSize"])
             status["gpusPerReplica"] = tp
-            dep = self.kube.get(path("apps/v1", "Deployment", view.namespace, view.name))
+            dep = self.kube.get(k8s.deployment(view.namespace, view.name))
             if force_apply or not _applied(dep, key, generation):
                 for child in workload.render_children(view, _plan_body(plan), key, owner, generation):
-                    applied = self.kube.apply(child)
+                    try:
+                        applied = self.kube.apply(child)
+                    except ApiError as exc:
+                        refused = self._refusal(view, f"{child['kind']} {child['metadata']['name']}", exc)
+                        break
                     if child["kind"] == "Deployment":
                         dep = applied
             obs = self._observe(view, key, tp, dep)
             verdicts.update(obs.verdicts)
+            if refused is not None:  # what exists still reports Available; the rest waits on the refusal
+                verdicts[c.DEGRADED] = c.Verdict("True", refused.reason, refused.message)
+                verdicts[c.READY] = refused
+                verdicts[c.PROGRESSING] = c.Verdict("False", refused.reason, "the rollout is blocked: see Degraded")
             status.update(replicas=obs.replicas, readyReplicas=obs.ready_replicas,
                           updatedReplicas=obs.updated_replicas)
         else:  # planning, or the plan does not fit: nothing new is applied
@@ -135,10 +149,17 @@ class Reconciler:
         status["phase"] = c.phase(conds, status.get("readyReplicas", 0), view.replicas)
         if status != old_status:
             self.kube.write_status(sdd, status)
+            posted: set[str] = set()
             for t in c.transitions(list(old_status.get("conditions") or []), conds):
                 log.log(logging.WARNING if t.warning else logging.INFO, "%s/%s %s=%s reason=%s: %s",
                         meta["namespace"], meta["name"], t.ctype, t.status, t.reason, t.message)
-                self.kube.event(sdd, t.reason, f"{t.ctype}={t.status}: {t.message}", t.warning)
+                if t.reason not in posted:  # one cause moving several conditions is one Event
+                    posted.add(t.reason)
+                    self.kube.event(sdd, t.reason, f"{t.ctype}={t.status}: {t.message}", t.warning)
+        if refused is None:
+            self._refusals.pop((view.namespace, view.name), None)
+        else:
+            requeue = refusals.retry_delay(self._refusals[(view.namespace, view.name)])
         if requeue is None and status["phase"] in ("Planning", "Deploying"):
             requeue = POLL_SECONDS
         return Result(requeue_after=requeue, status=status)
@@ -149,15 +170,19 @@ class Reconciler:
               verdicts: dict[str, c.Verdict]) -> tuple[dict[str, Any] | None, float | None]:
         """Drive the planner pod one step. Returns (plan or None, requeue delay)."""
         name = planner_pod_name(view, key)
-        pod_path = path("v1", "Pod", view.namespace, name)
+        pod_ref = k8s.pods(view.namespace, name)
         tracker = status.get("planner") or {}
         if tracker.get("key") != key:
             tracker = {"key": key, "attempts": 0}
         tracker["pod"] = name
         status["planner"] = tracker
-        pod = self.kube.get(pod_path)
+        pod = self.kube.get(pod_ref)
         if pod is None:
-            pod = self._create_planner(view, key, owner, pod_path)
+            try:
+                self._create_planner(view, key, owner, pod_ref)
+            except ApiError as exc:
+                verdicts[c.PLANNED] = self._refusal(view, f"planner pod {name}", exc)
+                return None, None
             verdicts[c.PLANNED] = c.Verdict("Unknown", c.PLANNING, f"planner pod {name} started")
             return None, POLL_SECONDS
         outcome = planner.read_outcome(pod)
@@ -185,12 +210,13 @@ class Reconciler:
         finished = _epoch(outcome.finished_at) or _epoch((pod.get("metadata") or {}).get("creationTimestamp"))
         wait = (finished or self.clock()) + delay - self.clock()
         if wait <= 0:
-            self.kube.delete(pod_path)
+            self.kube.delete(pod_ref)
             try:
-                self._create_planner(view, key, owner, pod_path)
+                self._create_planner(view, key, owner, pod_ref)
             except ApiError as exc:
-                if exc.status != 409:  # the old pod is still terminating: next time
-                    raise
+                if exc.status != 409:  # 409: the old pod is still terminating, next time
+                    verdicts[c.PLANNED] = self._refusal(view, f"planner pod {name}", exc)
+                    return None, None
             wait = POLL_SECONDS
             message = f"{outcome.message} (attempt {attempts} failed; planner pod restarted)"
         else:
@@ -198,37 +224,47 @@ class Reconciler:
         verdicts[c.PLANNED] = c.Verdict("False", c.PLANNER_FAILED, message)
         return None, max(wait, 1.0)
 
-    def _create_planner(self, view: SpecView, key: str, owner: dict[str, Any], pod_path: str) -> dict[str, Any]:
+    def _create_planner(self, view: SpecView, key: str, owner: dict[str, Any], pod_ref: k8s.Ref) -> dict[str, Any]:
         body = planner.render_planner_pod(view, key, owner)
         try:
-            created = self.kube.create(path("v1", "Pod", view.namespace), body)
+            created = self.kube.create(body)
             log.info("%s/%s planner pod %s created for plan key %s", view.namespace, view.name,
                      body["metadata"]["name"], key)
             return created
         except ApiError as exc:
             if exc.status == 409:  # created by an earlier run of this reconcile
-                return self.kube.get(pod_path) or body
+                return self.kube.get(pod_ref) or body
             raise
+
+    def _refusal(self, view: SpecView, what: str, exc: ApiError) -> c.Verdict:
+        """The verdict for a child the API server refused; re-raises what is not a refusal."""
+        reason = refusals.reason_for(exc.status, exc.message)
+        if reason is None:
+            raise exc
+        key = (view.namespace, view.name)
+        self._refusals[key] = self._refusals.get(key, 0) + 1
+        log.warning("%s/%s: %s refused (%s): %s", view.namespace, view.name, what, exc.status, exc.message)
+        return c.Verdict("False", reason, f"{what} was refused by the API server: {exc.message}")
 
     def _cleanup_planners(self, view: SpecView, key: str) -> None:
         """Planner pods of earlier plan keys; the current one stays for `kubectl logs`."""
-        pods = self.kube.list(path("v1", "Pod", view.namespace),
+        pods = self.kube.list(k8s.pods(view.namespace),
                               f"{labels.NAME}={view.name},{labels.ROLE}={labels.ROLE_PLANNER}")
         for pod in pods:
             meta = pod.get("metadata") or {}
             if (meta.get("labels") or {}).get(labels.PLAN_KEY) != key:
-                self.kube.delete(path("v1", "Pod", view.namespace, meta["name"]))
+                self.kube.delete(k8s.pods(view.namespace, meta["name"]))
 
     # --- workers --------------------------------------------------------------------------------
 
     def _worker_pods(self, view: SpecView) -> list[dict[str, Any]]:
-        return self.kube.list(path("v1", "Pod", view.namespace), labels.selector_string(view.name))
+        return self.kube.list(k8s.pods(view.namespace), labels.selector_string(view.name))
 
     def _previous_workers(self, view: SpecView, status: dict[str, Any],
                           planned: c.Verdict) -> dict[str, c.Verdict]:
         """Without a plan for the current spec, workers of an earlier plan may still serve: report
         them (Available, Degraded) while Ready and Progressing say why the spec is not rolled out."""
-        dep = self.kube.get(path("apps/v1", "Deployment", view.namespace, view.name))
+        dep = self.kube.get(k8s.deployment(view.namespace, view.name))
         verdicts: dict[str, c.Verdict] = {}
         if dep is not None:
             obs = observe.observe(view.replicas, False, dep, self._worker_pods(view), None)
@@ -267,8 +303,11 @@ class Reconciler:
         """Nodes change rarely; one list serves every SDD for a while."""
         now = self.clock()
         if self._nodes is None or now - self._nodes[0] > NODE_CACHE_SECONDS:
-            self._nodes = (now, self.kube.list("/api/v1/nodes"))
+            self._nodes = (now, self.kube.list(k8s.NODES))
         return self._nodes[1]
+
+
+REFUSAL_REASONS = frozenset({c.POD_SECURITY_REJECTED, c.QUOTA_EXCEEDED, c.CHILD_REJECTED})
 
 
 def _applied(dep: dict[str, Any] | None, key: str, generation: int) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 
 from specdecode_worker.contract import EAGLE_ALGORITHMS, GIB, MIB
 
-from . import labels, models
+from . import labels, models, podsecurity
 from .spec import SpecView
 
 HTTP_PORT = 8000
@@ -136,7 +136,6 @@ def render_deployment(view: SpecView, plan: dict[str, Any], key: str, owner: dic
         "readinessProbe": probe | {"periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 5},
         "livenessProbe": probe | {"periodSeconds": 20, "failureThreshold": 3, "timeoutSeconds": 10},
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {"allowPrivilegeEscalation": False},
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],
@@ -174,7 +173,8 @@ def render_deployment(view: SpecView, plan: dict[str, Any], key: str, owner: dic
             "revisionHistoryLimit": 3,
             # Progress is judged only after the slowest weight load had its chance.
             "progressDeadlineSeconds": startup_budget + 300,
-            "template": {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": pod_spec},
+            "template": {"metadata": {"labels": pod_labels, "annotations": annotations},
+                         "spec": podsecurity.restrict(pod_spec, view.pod.get("securityContext"))},
         },
     }
 

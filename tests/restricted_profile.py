@@ -1,0 +1,76 @@
+"""The Pod Security Standard "restricted" (baseline included) as a checker for pod specs.
+
+Written from the published standard (kubernetes.io/docs/concepts/security/pod-security-standards)
+so rendered pods can be checked without a cluster; the e2e tests hold the same pods to the API
+server's own PodSecurity admission in a namespace labelled enforce=restricted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ALLOWED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                        "projected", "secret"}
+ALLOWED_ADD_CAPABILITIES = {"NET_BIND_SERVICE"}
+ALLOWED_SECCOMP = {"RuntimeDefault", "Localhost"}
+SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+                "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+                "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+                "net.ipv4.tcp_keepalive_probes"}
+
+
+def violations(pod_spec: dict[str, Any]) -> list[str]:
+    """Every way ``pod_spec`` breaks the restricted profile (empty when it passes)."""
+    out: list[str] = []
+    psc = pod_spec.get("securityContext") or {}
+    containers = [c for key in ("initContainers", "containers", "ephemeralContainers")
+                  for c in pod_spec.get(key) or []]
+    for flag in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod_spec.get(flag):
+            out.append(f"{flag} is true")
+    for volume in pod_spec.get("volumes") or []:
+        kinds = set(volume) - {"name"}
+        if not kinds <= ALLOWED_VOLUME_TYPES:
+            out.append(f"volume {volume['name']} has type {sorted(kinds - ALLOWED_VOLUME_TYPES)}")
+    for sysctl in psc.get("sysctls") or []:
+        if sysctl.get("name") not in SAFE_SYSCTLS:
+            out.append(f"sysctl {sysctl.get('name')} is not safe")
+    if psc.get("runAsUser") == 0:
+        out.append("pod runAsUser is 0")
+    pod_seccomp = (psc.get("seccompProfile") or {}).get("type")
+    if pod_seccomp is not None and pod_seccomp not in ALLOWED_SECCOMP:
+        out.append(f"pod seccompProfile is {pod_seccomp}")
+    for c in containers:
+        name = c.get("name", "?")
+        sc = c.get("securityContext") or {}
+        caps = sc.get("capabilities") or {}
+        if sc.get("privileged"):
+            out.append(f"container {name} is privileged")
+        if sc.get("procMount") not in (None, "Default"):
+            out.append(f"container {name} procMount is {sc['procMount']}")
+        for port in c.get("ports") or []:
+            if port.get("hostPort"):
+                out.append(f"container {name} uses hostPort {port['hostPort']}")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"container {name} must set allowPrivilegeEscalation=false")
+        if "ALL" not in (caps.get("drop") or []):
+            out.append(f"container {name} must drop ALL capabilities")
+        extra = set(caps.get("add") or []) - ALLOWED_ADD_CAPABILITIES
+        if extra:
+            out.append(f"container {name} adds capabilities {sorted(extra)}")
+        non_root = sc.get("runAsNonRoot", psc.get("runAsNonRoot"))
+        if non_root is not True:
+            out.append(f"container {name} must run with runAsNonRoot=true")
+        if sc.get("runAsUser") == 0:
+            out.append(f"container {name} runAsUser is 0")
+        seccomp = (sc.get("seccompProfile") or {}).get("type", pod_seccomp)
+        if seccomp not in ALLOWED_SECCOMP:
+            out.append(f"container {name} seccompProfile is {seccomp} (RuntimeDefault or Localhost required)")
+    return out
+
+
+def pod_spec_of(obj: dict[str, Any]) -> dict[str, Any]:
+    """The pod spec of a Pod, or of a workload's pod template."""
+    if obj["kind"] == "Pod":
+        return obj["spec"]
+    return obj["spec"]["template"]["spec"]
