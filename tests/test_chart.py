@@ -60,6 +60,8 @@ def test_shipped_values_satisfy_the_schema():
         (("operator", "logFormat"), "xml"),
         (("watch", "namespaces"), ["Not_A_Namespace"]),
         (("rbac", "readNode"), True),  # typo of readNodes: unknown keys are refused
+        (("workerNetworkPolicy", "namespaces"), ["Not_A_Namespace"]),
+        (("workerNetworkPolicy", "enable"), True),
     ],
 )
 def test_schema_refuses_wrong_values(path, bad):
@@ -167,6 +169,43 @@ def test_operator_pod_is_hardened(cluster, namespace):
     assert "--liveness=http://0.0.0.0:8080/healthz" in container["args"]
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_operator_pod_is_restricted_clean(cluster, namespace):
+    """By the restricted profile's rules, and by the API server's PodSecurity admission itself."""
+    from tests.restricted_profile import violations
+
+    [dep] = by_kind(render(cluster, namespace), "Deployment")
+    spec = dep["spec"]["template"]["spec"]
+    assert violations(spec) == []
+    cluster.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "operator", "namespace": namespace}, "spec": spec}
+    result = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(pod), check=False)
+    assert result.returncode == 0 and "PodSecurity" not in result.stderr, result.stderr
+
+
+def test_worker_network_policy_selects_the_operators_workers(cluster, namespace):
+    from specdecode_operator import labels, workload
+
+    assert not by_kind(render(cluster, namespace), "NetworkPolicy")  # off by default
+    peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}
+    docs = render(cluster, namespace, "--set", "workerNetworkPolicy.enabled=true", "--set", "watch.scope=namespace",
+                  "--set", f"watch.namespaces={{{namespace},b}}", "--set-json",
+                  f"workerNetworkPolicy.from=[{json.dumps(peer)}]")
+    policies = by_kind(docs, "NetworkPolicy")
+    assert sorted(p["metadata"]["namespace"] for p in policies) == sorted([namespace, "b"])
+    worker_labels = labels.common("any-sdd", labels.ROLE_WORKER)
+    for policy in policies:
+        spec = policy["spec"]
+        selector = spec["podSelector"]["matchLabels"]
+        assert selector.items() <= worker_labels.items()  # it selects the pods the operator renders
+        serving, ranks = spec["ingress"]
+        assert serving["ports"] == [{"port": workload.HTTP_PORT, "protocol": "TCP"}] and serving["from"] == [peer]
+        assert ranks == {"from": [{"podSelector": {"matchLabels": selector}}]}
+        assert spec["policyTypes"] == ["Ingress"]
+    mine = next(p for p in policies if p["metadata"]["namespace"] == namespace)
+    result = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(mine))
+    assert "(server dry run)" in result.stdout
 
 
 # ---- the chart's life: install, the operator with the chart's credentials, upgrade, uninstall --

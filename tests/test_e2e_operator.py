@@ -416,3 +416,84 @@ def test_operator_runs_with_least_privilege(cluster, crd, namespace, store, tmp_
         op.stop()
         print(f"--- operator log (tail) ---\n{op.tail(80)}")
         cluster.kubectl("delete", "clusterrole,clusterrolebinding", cluster_role, check=False)
+
+
+# --- Pod Security "restricted" and refused children ------------------------------------------------
+
+def _enforce(cluster, namespace, level):
+    cluster.kubectl("label", "namespace", namespace, "--overwrite", f"pod-security.kubernetes.io/enforce={level}",
+                    "pod-security.kubernetes.io/enforce-version=latest")
+
+
+def test_every_rendered_pod_is_admitted_in_a_restricted_namespace(cluster, namespace):
+    """The API server's own PodSecurity admission, as a second judge of what the unit tests check."""
+    from tests.test_operator_podsecurity import rendered_pods
+
+    _enforce(cluster, namespace, "restricted")
+    for i, (what, spec) in enumerate(rendered_pods()):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"dry-{i}", "namespace": namespace},
+               "spec": spec}
+        r = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(pod), check=False)
+        assert r.returncode == 0 and "PodSecurity" not in r.stderr, (what, r.stderr)
+    # and the admission is on: a pod the operator would never render is refused
+    spec["securityContext"]["runAsUser"] = 0
+    r = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "root", "namespace": namespace}, "spec": spec}),
+        check=False)
+    assert r.returncode != 0 and 'violates PodSecurity "restricted:latest"' in r.stderr, r.stderr
+
+
+def test_restricted_namespace_plans_and_reaches_ready(cluster, namespace, store, operator):
+    _enforce(cluster, namespace, "restricted")
+    apply(cluster, namespace, example())
+    sdd = wait_sdd(cluster, namespace, NAME, phase_is("Ready"), "Ready in a restricted namespace")
+    assert condition(sdd, "Planned")["reason"] == "PlanReady"
+    (worker,) = _list(cluster, namespace, "pods", f"specdecode.io/name={NAME},specdecode.io/role=worker")
+    assert worker["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert worker["spec"]["automountServiceAccountToken"] is False
+    assert not [v for v in worker["spec"]["volumes"] if "projected" in v]  # no token volume was injected
+
+
+def test_planner_pod_refused_by_admission_shows_in_status_and_recovers(cluster, namespace, store, operator):
+    _enforce(cluster, namespace, "restricted")
+    # an image that runs as root is what a restricted namespace refuses
+    apply(cluster, namespace, example(pod={"securityContext": {"runAsUser": 0}}))
+    sdd = wait_sdd(cluster, namespace, NAME, lambda s: (condition(s, "Planned") or {}).get("reason")
+                   == "PodSecurityRejected", "Planned=False PodSecurityRejected", timeout=15)
+    planned = condition(sdd, "Planned")
+    assert planned["status"] == "False" and 'violates PodSecurity "restricted:latest"' in planned["message"]
+    assert "runAsUser=0" in planned["message"], planned["message"]
+    assert sdd["status"]["phase"] == "Failed" and not planner_pods(cluster, namespace, NAME)
+
+    def warnings():
+        events = json.loads(cluster.kubectl("get", "events", "-n", namespace, "--field-selector",
+                                            f"involvedObject.name={NAME},type=Warning", "-o", "json").stdout)
+        return [e for e in events["items"] if e["reason"] == "PodSecurityRejected"]
+
+    (event,) = warnings()
+    assert "violates PodSecurity" in event["message"]
+    # the platform team relaxes the namespace: the operator's retry goes through, no edit, no restart
+    _enforce(cluster, namespace, "baseline")
+    wait_sdd(cluster, namespace, NAME, phase_is("Ready"), "Ready after the namespace was relaxed", timeout=120)
+    assert len(warnings()) == 1 and operator.starts == 1
+
+
+def _quota(cluster, namespace, gpus):
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "gpus"},
+        "spec": {"hard": {"requests.nvidia.com/gpu": str(gpus)}}}))
+
+
+def test_gpu_quota_below_the_plan_is_quota_exceeded_then_ready_once_raised(cluster, namespace, store, operator):
+    _quota(cluster, namespace, 0)
+    wait_for(lambda: _get(cluster, namespace, "resourcequota", "gpus").get("status", {}).get("hard"),
+             timeout=30, what="quota status computed")
+    apply(cluster, namespace, example())
+    sdd = wait_sdd(cluster, namespace, NAME, lambda s: (condition(s, "Degraded") or {}).get("reason")
+                   == "QuotaExceeded", "Degraded=True QuotaExceeded")
+    degraded = condition(sdd, "Degraded")
+    assert degraded["status"] == "True" and "exceeded quota: gpus" in degraded["message"], degraded
+    assert "requests.nvidia.com/gpu" in degraded["message"]
+    assert condition(sdd, "Ready")["reason"] == "QuotaExceeded" and sdd["status"]["phase"] == "Degraded"
+    _quota(cluster, namespace, 1)
+    wait_sdd(cluster, namespace, NAME, phase_is("Ready"), "Ready after the quota was raised", timeout=180)

@@ -91,8 +91,8 @@ def _worker(spec):
 
 
 @pytest.mark.parametrize("breaks,expected", [
-    (lambda s: (s["securityContext"].pop("runAsNonRoot"), _worker(s)["securityContext"].pop("runAsNonRoot")),
-     "worker must run with runAsNonRoot=true"),
+    (lambda s: s["securityContext"].pop("runAsNonRoot"), "worker must run with runAsNonRoot=true"),
+    (lambda s: _worker(s)["securityContext"].update(runAsNonRoot=False), "worker must run with runAsNonRoot=true"),
     (lambda s: s["securityContext"].update(runAsUser=0), "runAsUser is 0"),
     (lambda s: s["securityContext"].pop("seccompProfile"), "seccompProfile is None"),
     (lambda s: s["securityContext"].update(seccompProfile={"type": "Unconfined"}), "seccompProfile is Unconfined"),

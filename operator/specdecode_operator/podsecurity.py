@@ -42,10 +42,10 @@ def pod_security_context(overrides: dict[str, Any] | None = None) -> dict[str, A
 
 
 def container_security_context() -> dict[str, Any]:
+    # runAsNonRoot and seccomp are the pod's: one place for spec.pod.securityContext to change them.
     return {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
-        "runAsNonRoot": True,
         "capabilities": {"drop": ["ALL"]},
     }
 

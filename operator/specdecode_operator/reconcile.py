@@ -82,6 +82,7 @@ class Reconciler:
             for _ in range(5):
                 sdd = self.kube.get(k8s.sdd(namespace, name))
                 if sdd is None or (sdd.get("metadata") or {}).get("deletionTimestamp"):
+                    self._refusals.pop((namespace, name), None)
                     return Result(gone=True)  # deleted: garbage collection removes the children
                 try:
                     return self._reconcile(sdd, force_apply)
