@@ -395,8 +395,9 @@ def test_misfit_message_names_spec_fields():
 
 PSA_MESSAGE = ('pods "llama-8b-eagle3-plan-1" is forbidden: violates PodSecurity "restricted:latest": '
                'runAsNonRoot != true (pod or container "planner" must set securityContext.runAsNonRoot=true)')
-QUOTA_MESSAGE = ('deployments.apps "llama-8b-eagle3" is forbidden: exceeded quota: gpus, requested: count/deployments.apps=1, '
-                 'used: count/deployments.apps=1, limited: count/deployments.apps=1')
+QUOTA_MESSAGE = ('deployments.apps "llama-8b-eagle3" is forbidden: exceeded quota: gpus, '
+                 'requested: count/deployments.apps=1, used: count/deployments.apps=1, '
+                 'limited: count/deployments.apps=1')
 
 
 def test_refused_planner_pod_is_a_condition_with_the_api_message_and_backs_off(kube):
@@ -448,8 +449,9 @@ def test_refused_deployment_is_degraded_with_the_quota_message_then_converges(ku
 def test_worker_pods_refused_to_the_replicaset_are_reported_from_the_deployment(kube):
     r = reconciler(kube)
     _ready(kube, r)
-    message = ('pods "llama-8b-eagle3-5d8f-x" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1, '
-               'used: requests.nvidia.com/gpu=1, limited: requests.nvidia.com/gpu=1')
+    message = ('pods "llama-8b-eagle3-5d8f-x" is forbidden: exceeded quota: gpus, '
+               'requested: requests.nvidia.com/gpu=1, used: requests.nvidia.com/gpu=1, '
+               'limited: requests.nvidia.com/gpu=1')
     dep = kube.objects[k8s.deployment(NS, "llama-8b-eagle3")]
     dep["status"]["readyReplicas"] = 0
     dep["status"]["conditions"].append({"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
