@@ -93,7 +93,8 @@ def render_planner_pod(view: SpecView, key: str, owner: dict[str, Any]) -> dict[
         if view.pod.get(k):
             spec[k] = view.pod[k]
     if view.planner_request_gpu:
-        spec.setdefault("tolerations", []).append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
+        gpu_toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+        spec.setdefault("tolerations", []).append(gpu_toleration)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
