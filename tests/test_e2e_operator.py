@@ -430,6 +430,7 @@ def test_every_rendered_pod_is_admitted_in_a_restricted_namespace(cluster, names
     from tests.test_operator_podsecurity import rendered_pods
 
     _enforce(cluster, namespace, "restricted")
+    cluster.kubectl("create", "serviceaccount", "puller", "-n", namespace)  # the variant with spec.pod's account
     for i, (what, spec) in enumerate(rendered_pods()):
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"dry-{i}", "namespace": namespace},
                "spec": spec}
