@@ -179,6 +179,7 @@ def test_operator_pod_is_restricted_clean(cluster, namespace):
     spec = dep["spec"]["template"]["spec"]
     assert violations(spec) == []
     cluster.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+    cluster.kubectl("create", "serviceaccount", spec["serviceAccountName"], "-n", namespace)
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "operator", "namespace": namespace}, "spec": spec}
     result = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(pod), check=False)
     assert result.returncode == 0 and "PodSecurity" not in result.stderr, result.stderr
