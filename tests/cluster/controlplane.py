@@ -40,10 +40,11 @@ SERVICE_CIDR = "10.96.0.0/16"
 POD_CIDR = "10.244.0.0/16"
 # Stopped in this order: clients of the API server first, etcd last.
 STOP_ORDER = [
-    ["planner-runtime", "kwok", "kube-scheduler", "kube-controller-manager"],
+    ["lws-controller", "planner-runtime", "kwok", "kube-scheduler", "kube-controller-manager"],
     ["kube-apiserver"],
     ["etcd"],
 ]
+OPTIONAL = {"lws-controller"}  # started per test module (tests/cluster/lws.py)
 
 
 class CommandError(subprocess.CalledProcessError):
@@ -385,7 +386,7 @@ class ControlPlane:
         return plane
 
     def running(self) -> bool:
-        names = {n for group in STOP_ORDER for n in group}
+        names = {n for group in STOP_ORDER for n in group} - OPTIONAL
         return names <= self.components.keys() and all(c.alive() for c in self.components.values())
 
     def remove_data(self) -> None:

@@ -88,3 +88,12 @@ def _run(*args: object) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()}")
+
+
+def make_serving_cert(ca_crt: Path, ca_key: Path, d: Path, name: str, san: str) -> tuple[Path, Path]:
+    """A serving certificate signed by the plane's CA (which the API server trusts for webhooks),
+    written as ``d/tls.crt`` and ``d/tls.key`` as controller-runtime's webhook server reads them."""
+    d.mkdir(parents=True, exist_ok=True)
+    crt, key = d / "tls.crt", d / "tls.key"
+    _sign(ca_crt, ca_key, crt, key, f"/CN={name}", "serverAuth", san)
+    return crt, key
