@@ -24,6 +24,19 @@ def tiny_models(root: Path) -> dict[str, Path]:
     return {"target": target, "draft": draft, "copy": copy}
 
 
+def noisy_copy(target: Path, dest: Path, scale: float, seed: int = 0) -> Path:
+    """The target with Gaussian noise of ``scale`` x each tensor's spread: a draft that is partly right."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(target, dest)
+    weights = load_file(dest / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    noisy = {name: (w.float() + scale * w.float().std() * torch.randn(w.shape, generator=gen)).to(w.dtype)
+             for name, w in weights.items()}
+    save_file(noisy, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
 def engine(target, algorithm="NONE", draft=None, **kw) -> Engine:
     args = dict(device_memory_bytes=64 << 20, mem_fraction_static=0.9, runtime_bytes=0, context_len=256,
                 max_running_requests=8, num_draft_tokens=4)

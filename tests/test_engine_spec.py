@@ -11,7 +11,7 @@ from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E4
 from specdecode_worker.engine.speculative import ngram_propose  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 
-from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
+from tests.engine_helpers import engine, noisy_copy, run_all, tiny_models  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [20, 21, 22], list(range(30, 60))]
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -61,6 +61,25 @@ def test_ngram_is_exact_and_accepts_on_repetition(models, reference):
     eng = engine(models["target"], "NGRAM")
     assert _greedy(eng) == reference
     assert eng.stats.accepted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def partly_right(models, tmp_path_factory):
+    """The target with a little noise in every weight: it agrees with the target often, not always."""
+    return noisy_copy(models["target"], tmp_path_factory.mktemp("noisy") / "draft", scale=0.1)
+
+
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_standalone_partly_right_draft_is_exact(models, reference, partly_right, k):
+    """Partial accepts over many rounds, with the draft's cache catching up after each, for three
+    requests decoded together: the output is still transformers' greedy output."""
+    eng = engine(models["target"], "STANDALONE", partly_right, num_draft_tokens=k)
+    assert _greedy(eng) == reference
+    stats = eng.stats
+    assert 0 < stats.accepted_tokens < stats.proposed_tokens
+    if k > 1:  # some rounds accepted part of the proposals: neither none nor all
+        assert any(0 < n < k for n in stats.accept_lengths), stats.accept_lengths
+    assert eng.kv_usage()[0] == 0
 
 
 @pytest.mark.parametrize("k", [1, 7])
