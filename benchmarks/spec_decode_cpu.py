@@ -7,7 +7,7 @@ Same prompts, greedy, one process, methods interleaved per method (each engine b
   available offline), and a batch of 8 concurrent requests (transformers' assisted generation
   refuses batches: "assisted generate is only supported for batch_size = 1").
 Every output, transformers generate's included, is checked token for token against an independent
-greedy reference: an argmax loop over the transformers model's forward passes, without generate.
+greedy reference: an argmax loop over the model's full forward passes, without generate or a cache.
 The "one request after another" row of assisted generation is the sum of its single runs above
 (it takes one request at a time), not a separate measurement.
 
@@ -58,15 +58,14 @@ def hf_run(model, ids, max_new, **kw):
 
 @torch.no_grad()
 def greedy_reference(model, ids: list[int], max_new: int, eos: set[int]) -> list[int]:
-    """Argmax over forward passes with the model's KV cache, stopping at EOS as generate does."""
-    out: list[int] = []
-    step = model(torch.tensor([ids]), use_cache=True)
-    while True:
-        token = int(step.logits[0, -1].argmax())
-        out.append(token)
-        if token in eos or len(out) == max_new:
-            return out
-        step = model(torch.tensor([[token]]), past_key_values=step.past_key_values, use_cache=True)
+    """Argmax over full forward passes (no cache, no generate), stopping at EOS as generate does."""
+    seq = list(ids)
+    while len(seq) - len(ids) < max_new:
+        token = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+        seq.append(token)
+        if token in eos:
+            break
+    return seq[len(ids):]
 
 
 def engine(model_dir, algorithm, draft=None, quant=None, k=4):

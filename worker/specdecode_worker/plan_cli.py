@@ -247,9 +247,9 @@ def _gib(n: int) -> str:
 
 def render_table(plan: dict[str, Any]) -> str:
     """The plan for a person: per-GPU terms in GiB, then the older accountings next to it."""
-    kv, w, r = plan["kvCache"], plan["weights"], plan["reserve"]
-    g = plan["gpuMemoryBytes"]
-    f = plan["memFractionStatic"]
+    kv, weights, reserve = plan["kvCache"], plan["weights"], plan["reserve"]
+    gpu = plan["gpuMemoryBytes"]
+    fraction = plan["memFractionStatic"]
     rows = [
         f"MemoryPlan  {plan['algorithm']}  target={plan['target']}  draft={plan['draft'] or '-'}",
         f"fits: {'yes' if plan['fits'] else 'NO'}   tensor parallel: {plan['tensorParallelSize']}   "
@@ -257,13 +257,13 @@ def render_table(plan: dict[str, Any]) -> str:
         f"GPU: {plan['gpu']['name']} ({plan['gpu']['source']})",
         "",
         "per GPU                          bytes",
-        f"  free before weights (G)    {_gib(g)}",
-        f"  static share f = {f:.3f}     {_gib(int(g * f))}",
-        f"  target weights             {_gib(w['targetBytes'])}",
-        f"  draft weights              {_gib(w['draftBytes'])}",
-        f"  runtime reserve            {_gib(r['runtimeBytes'])}",
+        f"  free before weights (G)    {_gib(gpu)}",
+        f"  static share f = {fraction:.3f}     {_gib(int(gpu * fraction))}",
+        f"  target weights             {_gib(weights['targetBytes'])}",
+        f"  draft weights              {_gib(weights['draftBytes'])}",
+        f"  runtime reserve            {_gib(reserve['runtimeBytes'])}",
         f"  KV pools (target + draft)  {_gib(kv['poolBytes'])}",
-        f"  dynamic reserve            {_gib(r['dynamicBytes'])}",
+        f"  dynamic reserve            {_gib(reserve['dynamicBytes'])}",
         "",
         f"KV bytes/token: target {kv['targetBytesPerToken']}, draft {kv['draftBytesPerToken']} "
         f"({kv['draftNumLayers']} draft layers, {kv['dtype']})",
@@ -272,7 +272,7 @@ def render_table(plan: dict[str, Any]) -> str:
         "accounting                         KV tokens   peak / fits",
         f"  this plan (draft priced)      {kv['maxTotalNumTokens']:>12}   fits={plan['fits']}",
         f"  legacy (target-only profile)  {plan['legacy']['maxTotalNumTokens']:>12}   "
-        f"peak {plan['legacy']['peakBytes'] / GIB:.2f} GiB of {g / GIB:.2f} GiB, fits={plan['legacy']['fits']}",
+        f"peak {plan['legacy']['peakBytes'] / GIB:.2f} GiB of {gpu / GIB:.2f} GiB, fits={plan['legacy']['fits']}",
         f"  layer ratio (scaled cell)     {plan['layerRatio']['maxTotalNumTokens']:>12}   "
         f"{plan['layerRatio']['bytesPerToken']} B/token",
         "",

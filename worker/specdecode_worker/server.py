@@ -236,7 +236,7 @@ class _Stream:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    def __call__(self, req: Request, tokens: list[int] | None) -> None:
+    def __call__(self, _req: Request, tokens: list[int] | None) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, tokens)
 
 

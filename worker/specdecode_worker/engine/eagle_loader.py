@@ -73,7 +73,7 @@ def read_head_tensors(model_dir: str | Path) -> tuple[dict[str, torch.Tensor], s
     return tensors, ", ".join(str(b) for b in bins)
 
 
-def _head_config(model_dir: Path, raw: dict):
+def _head_config(raw: dict):
     from transformers import LlamaConfig
 
     cfg = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "auto_map")}
@@ -115,7 +115,7 @@ def load_eagle_head(
     model_dir = Path(model_dir)
     where = str(model_dir / "config.json")
     raw = read_config(model_dir)
-    config = _head_config(model_dir, raw)
+    config = _head_config(raw)
     tensors, files = read_head_tensors(model_dir)
     tensors = {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIXES)}
 

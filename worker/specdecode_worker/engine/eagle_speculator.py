@@ -83,14 +83,16 @@ class EagleRunner(ModelRunner):
     def load_weights(self) -> None:
         if self.phase >= Phase.WEIGHTS_LOADED:
             raise PhaseError(f"{self.name}: weights are already loaded")
-        require(self.target.phase, Phase.WEIGHTS_LOADED, "load an EAGLE head that shares the target's embedding", self.name)
+        require(self.target.phase, Phase.WEIGHTS_LOADED, "load an EAGLE head that shares the target's embedding",
+                self.name)
         t = self.target.shape
         loaded = load_eagle_head(self.model_dir, self.algorithm, t.hidden_size, t.vocab_size, t.num_hidden_layers,
                                  self.device, self.dtype)
         self.model, self.aux_layers = loaded.head, loaded.aux_layers
         self.weight_bytes = tensor_bytes(self.model)  # shared tensors stay in the target's module
         if loaded.skipped_shared:
-            log.info("%s: %s served by the target (checkpoint copy not loaded)", self.name, ", ".join(loaded.skipped_shared))
+            log.info("%s: %s served by the target (checkpoint copy not loaded)", self.name,
+                     ", ".join(loaded.skipped_shared))
         self.phase = Phase.WEIGHTS_LOADED
         log.info("%s: loaded %s head (%d weight bytes of its own)", self.name, self.algorithm, self.weight_bytes)
 
@@ -226,7 +228,8 @@ class EagleSpeculator(Speculator):
         for i, r in enumerate(reqs):
             rows = slice(start, start + self.k + 1)
             start += self.k + 1
-            n, nxt = verify(tokens[i], None if r.params.greedy else probs[i], target_logits[rows], r.params, r.generator)
+            draft_probs = None if r.params.greedy else probs[i]
+            n, nxt = verify(tokens[i], draft_probs, target_logits[rows], r.params, r.generator)
             last = r.kv_len
             r.kv_len = last + n + 1
             free_positions(pool, alloc, r.req_idx, r.kv_len, last + self.k + 1)
@@ -237,20 +240,19 @@ class EagleSpeculator(Speculator):
     def _tree_round(self, reqs, logits, hidden) -> list[RoundResult]:
         k = self.topk
         alloc = self.target.token_to_kv_pool_allocator
-        B = len(reqs)
         # Candidates per request: token, parent candidate (-1: root), score, depth.
         cands = [dict(tok=[], par=[], score=[], depth=[]) for _ in reqs]
         logp = torch.log_softmax(logits, dim=-1)
         top = torch.topk(logp, k, dim=-1)
         frontier = []  # per request: candidate ids being expanded this step
-        for i in range(B):
-            c = cands[i]
-            c["tok"] += top.indices[i].tolist()
-            c["score"] += top.values[i].tolist()
-            c["par"] += [-1] * k
-            c["depth"] += [1] * k
+        for i in range(len(reqs)):
+            cand = cands[i]
+            cand["tok"] += top.indices[i].tolist()
+            cand["score"] += top.values[i].tolist()
+            cand["par"] += [-1] * k
+            cand["depth"] += [1] * k
             frontier.append(list(range(k)))
-        front_hidden = hidden.repeat_interleave(k, dim=0)  # [B*k, H]: every root child's parent feature
+        front_hidden = hidden.repeat_interleave(k, dim=0)  # [requests x k, H]: every root child's parent feature
         scratch = [alloc.alloc(k * (self.num_steps - 1)) for _ in reqs]
         expanded = [[] for _ in reqs]  # candidate ids whose draft K/V sit in scratch, in slot order
         try:
@@ -260,23 +262,23 @@ class EagleSpeculator(Speculator):
                                                        fb.logit_rows(False))
                 top = torch.topk(torch.log_softmax(step_logits, dim=-1), k, dim=-1)
                 new_frontier, rows = [], []
-                for i in range(B):
-                    c = cands[i]
-                    base = len(c["tok"])
+                for i in range(len(reqs)):
+                    cand = cands[i]
+                    base = len(cand["tok"])
                     for j, parent in enumerate(frontier[i]):
                         row = i * k + j
-                        c["tok"] += top.indices[row].tolist()
-                        c["score"] += [c["score"][parent] + v for v in top.values[row].tolist()]
-                        c["par"] += [parent] * k
-                        c["depth"] += [step + 1] * k
-                    new = list(range(base, len(c["tok"])))
-                    best = sorted(new, key=lambda x: (-c["score"][x], x))[:k]
+                        cand["tok"] += top.indices[row].tolist()
+                        cand["score"] += [cand["score"][parent] + v for v in top.values[row].tolist()]
+                        cand["par"] += [parent] * k
+                        cand["depth"] += [step + 1] * k
+                    new = list(range(base, len(cand["tok"])))
+                    best = sorted(new, key=lambda x: (-cand["score"][x], x))[:k]
                     new_frontier.append(best)
                     rows += [i * k + (x - base) // k for x in best]
                 frontier = new_frontier
                 front_hidden = step_hidden[torch.tensor(rows, device=step_hidden.device)]
-            trees = [select_tree(r.all_ids[-1], c["tok"], c["par"], c["score"], c["depth"], self.k)
-                     for r, c in zip(reqs, cands)]
+            trees = [select_tree(r.all_ids[-1], cand["tok"], cand["par"], cand["score"], cand["depth"], self.k)
+                     for r, cand in zip(reqs, cands)]
         finally:
             for s in scratch:
                 alloc.free(s)
@@ -287,18 +289,18 @@ class EagleSpeculator(Speculator):
         k, device = self.topk, self.draft.device
         ids, pos, locs, key_slots, key_pos, masks = [], [], [], [], [], []
         for i, r in enumerate(reqs):
-            c = cands[i]
+            cand = cands[i]
             new_slots = scratch[i][(step - 1) * k : step * k]
             expanded[i] += frontier[i]
-            parents = [c["par"][x] for x in expanded[i]]
+            parents = [cand["par"][x] for x in expanded[i]]
             index = {x: j for j, x in enumerate(expanded[i])}
             mask = ancestor_mask([index[p] if p >= 0 else -1 for p in parents])[-k:]
-            ids += [c["tok"][x] for x in frontier[i]]
+            ids += [cand["tok"][x] for x in frontier[i]]
             # A node at depth d is the draft's input at position L + d - 1 (it predicts depth d + 1).
-            pos += [r.kv_len + c["depth"][x] - 1 for x in frontier[i]]
+            pos += [r.kv_len + cand["depth"][x] - 1 for x in frontier[i]]
             locs.append(new_slots)
             key_slots.append(scratch[i][: step * k].to(device))
-            key_pos.append(torch.tensor([r.kv_len + c["depth"][x] - 1 for x in expanded[i]], device=device))
+            key_pos.append(torch.tensor([r.kv_len + cand["depth"][x] - 1 for x in expanded[i]], device=device))
             masks.append(mask.to(device))
         return TreeForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
@@ -319,10 +321,12 @@ class EagleSpeculator(Speculator):
         slots = [rows_of[r.req_idx, r.kv_len : r.kv_len + t.size].clone() for r, t in zip(reqs, trees)]
         fb = TreeForwardBatch(
             input_ids=torch.tensor([x for t in trees for x in t.tokens], dtype=torch.int64, device=device),
-            positions=torch.tensor([r.kv_len + d for r, t in zip(reqs, trees) for d in t.depths], dtype=torch.int64, device=device),
+            positions=torch.tensor([r.kv_len + d for r, t in zip(reqs, trees) for d in t.depths], dtype=torch.int64,
+                                   device=device),
             out_cache_loc=torch.cat(slots),
             req_pool_indices=torch.tensor([r.req_idx for r in reqs], dtype=torch.int64, device=device),
-            seq_lens=torch.tensor([r.kv_len + max(t.depths) + 1 for r, t in zip(reqs, trees)], dtype=torch.int64, device=device),
+            seq_lens=torch.tensor([r.kv_len + max(t.depths) + 1 for r, t in zip(reqs, trees)], dtype=torch.int64,
+                                  device=device),
             extend_lens=[t.size for t in trees],
             seq_lens_cpu=[r.kv_len + max(t.depths) + 1 for r, t in zip(reqs, trees)],
             prefix_lens=[r.kv_len for r in reqs],

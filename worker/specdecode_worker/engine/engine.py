@@ -131,23 +131,24 @@ class Engine:
 
     def create_runners(self) -> None:
         """Read every config and create the runners; refuse a draft this engine cannot serve."""
-        a = self.args
-        self.target_shape = load_shape(a.target)
-        draft_shape = load_shape(a.draft) if a.draft else None
+        args = self.args
+        self.target_shape = load_shape(args.target)
+        draft_shape = load_shape(args.draft) if args.draft else None
         if draft_shape is not None and draft_shape.num_nextn_predict_layers:
             # A frozen-KV MTP draft reads the target's pool, so it would have to be built after
             # phase 2 of the target; this engine serves Llama-family standalone drafts only.
-            raise InputError(f"{a.draft}: an MTP draft (num_nextn_predict_layers) is not served by this engine; "
+            raise InputError(f"{args.draft}: an MTP draft (num_nextn_predict_layers) is not served by this engine; "
                              "use STANDALONE with a separate small model or NGRAM")
         # The planner's rule: the tokenizers agree; padded vocab sizes may differ.
-        vocabulary = check_vocabulary(a.target, a.draft, self.target_shape, draft_shape) \
-            if a.algorithm == "STANDALONE" else None
-        kv = None if a.kv_cache_dtype == "auto" else a.kv_cache_dtype
-        self.target_runner = ModelRunner(a.target, a.device, a.dtype, name="target", kv_cache_dtype=kv)
-        if a.algorithm in EAGLE_ALGORITHMS:
-            self.draft_runner = EagleRunner(a.draft, self.target_runner, a.algorithm)
-        elif a.draft:
-            self.draft_runner = ModelRunner(a.draft, a.device, a.dtype, name="draft", quantization=a.draft_quantization,
+        vocabulary = check_vocabulary(args.target, args.draft, self.target_shape, draft_shape) \
+            if args.algorithm == "STANDALONE" else None
+        kv = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+        self.target_runner = ModelRunner(args.target, args.device, args.dtype, name="target", kv_cache_dtype=kv)
+        if args.algorithm in EAGLE_ALGORITHMS:
+            self.draft_runner = EagleRunner(args.draft, self.target_runner, args.algorithm)
+        elif args.draft:
+            self.draft_runner = ModelRunner(args.draft, args.device, args.dtype, name="draft",
+                                            quantization=args.draft_quantization,
                                             kv_cache_dtype=kv)
             if vocabulary is not None and not DraftVocabulary(vocabulary).is_identity:
                 self.draft_runner.vocabulary = DraftVocabulary(vocabulary)
@@ -171,7 +172,7 @@ class Engine:
             runner.load_weights()
 
     def init_memory_pools(self) -> None:
-        a = self.args
+        args = self.args
         missing = [r.name for r in self.model_runners() if r.phase < Phase.WEIGHTS_LOADED]
         if self.target_runner is None or missing:
             raise PhaseError("phase 2 (allocate KV pools) needs every weight resident: "
@@ -181,52 +182,54 @@ class Engine:
             budget = self.free_before_weights
             free_after = free_device_bytes(self.device)
         else:
-            if a.device_memory_bytes is None:
+            if args.device_memory_bytes is None:
                 raise InputError("--device-memory-gib: on cpu the KV pools are sized from this budget; give it")
-            budget, free_after = a.device_memory_bytes, None
+            budget, free_after = args.device_memory_bytes, None
         self.memory_profile = profile_memory(
-            self.device, budget, a.mem_fraction_static, target.weight_bytes, draft.weight_bytes if draft else 0,
-            a.runtime_bytes, target.kv_cell_bytes, draft.kv_cell_bytes if draft else 0, free_after,
+            self.device, budget, args.mem_fraction_static, target.weight_bytes, draft.weight_bytes if draft else 0,
+            args.runtime_bytes, target.kv_cell_bytes, draft.kv_cell_bytes if draft else 0, free_after,
             kv_dtype=str(target.kv_dtype).replace("torch.", ""),
         )
         # Every tensor-parallel rank allocates the same slots: the fewest any rank can hold.
         tokens = get_tp().min_int(self.memory_profile.max_total_num_tokens)
-        planned = a.planned_tokens
-        log.info("KV tokens: planned %s, actual %d (floor %d), KV cache dtype %s", planned, tokens, a.min_kv_tokens,
+        planned = args.planned_tokens
+        log.info("KV tokens: planned %s, actual %d (floor %d), KV cache dtype %s", planned, tokens, args.min_kv_tokens,
                  str(target.kv_dtype).replace("torch.", ""))
-        if tokens < max(a.min_kv_tokens, 1):
+        if tokens < max(args.min_kv_tokens, 1):
             raise StartupError(
-                f"only {tokens} KV token slots fit (planned {planned}, floor {a.min_kv_tokens}): weights "
+                f"only {tokens} KV token slots fit (planned {planned}, floor {args.min_kv_tokens}): weights "
                 f"{target.weight_bytes + (draft.weight_bytes if draft else 0)} bytes and runtime "
-                f"{self.memory_profile.runtime_bytes} bytes leave too little of {budget} bytes x {a.mem_fraction_static}; "
+                f"{self.memory_profile.runtime_bytes} bytes leave too little of {budget} bytes x "
+                f"{args.mem_fraction_static}; "
                 "give more device memory, a larger --mem-fraction-static, or a lower --context-length/--min-kv-tokens"
             )
-        if a.max_total_tokens is not None:
-            tokens = min(tokens, a.max_total_tokens)
-        k = 0 if a.algorithm == "NONE" else a.num_draft_tokens
-        self.memory_pool_config = MemoryPoolConfig(tokens, a.max_running_requests, a.context_len + k + 1)
+        if args.max_total_tokens is not None:
+            tokens = min(tokens, args.max_total_tokens)
+        k = 0 if args.algorithm == "NONE" else args.num_draft_tokens
+        self.memory_pool_config = MemoryPoolConfig(tokens, args.max_running_requests, args.context_len + k + 1)
         target.alloc_memory_pool(self.memory_pool_config)
         if draft:
             draft.alloc_memory_pool(self.memory_pool_config, *target.get_memory_pool())
 
     def init_backends(self) -> None:
         if self.phase < Phase.POOLS_ALLOCATED:
-            raise PhaseError("phase 3 (init attention backends and CUDA graphs) needs phase 2 (allocate KV pools) first")
-        a = self.args
+            raise PhaseError("phase 3 (init attention backends and CUDA graphs) needs phase 2 "
+                             "(allocate KV pools) first")
+        args = self.args
         for runner in self.model_runners():
-            if runner is self.target_runner and a.algorithm in ("STANDALONE", "NGRAM"):
-                runner.init_backends(a.cuda_graph_max_bs, verify_tokens=a.num_draft_tokens + 1)
+            if runner is self.target_runner and args.algorithm in ("STANDALONE", "NGRAM"):
+                runner.init_backends(args.cuda_graph_max_bs, verify_tokens=args.num_draft_tokens + 1)
             else:
-                runner.init_backends(a.cuda_graph_max_bs)
+                runner.init_backends(args.cuda_graph_max_bs)
 
     def _make_speculator(self) -> Speculator:
-        a = self.args
-        if a.algorithm in EAGLE_ALGORITHMS:
-            return EagleSpeculator(a.algorithm, self.target_runner, self.draft_runner,
-                                   a.speculative_num_steps or a.num_draft_tokens, a.speculative_eagle_topk,
-                                   a.num_draft_tokens)
-        return StandaloneSpeculator(a.algorithm, self.target_runner, self.draft_runner, a.num_draft_tokens,
-                                    a.ngram_max)
+        args = self.args
+        if args.algorithm in EAGLE_ALGORITHMS:
+            return EagleSpeculator(args.algorithm, self.target_runner, self.draft_runner,
+                                   args.speculative_num_steps or args.num_draft_tokens, args.speculative_eagle_topk,
+                                   args.num_draft_tokens)
+        return StandaloneSpeculator(args.algorithm, self.target_runner, self.draft_runner, args.num_draft_tokens,
+                                    args.ngram_max)
 
     @property
     def ready(self) -> bool:

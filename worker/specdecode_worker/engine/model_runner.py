@@ -97,11 +97,13 @@ class ModelRunner:
         model.rotary.reset(self.device)
         if self.quantization == "int8":
             # Dynamic int8 linear layers in the decoder (a cheap CPU draft); the tied head stays.
-            model.model.layers = torch.ao.quantization.quantize_dynamic(model.model.layers, {torch.nn.Linear}, torch.qint8)
+            model.model.layers = torch.ao.quantization.quantize_dynamic(model.model.layers, {torch.nn.Linear},
+                                                                        torch.qint8)
         self.model = model.eval().requires_grad_(False)  # no autograd state, also in CUDA graphs
         self.weight_bytes = tensor_bytes(model)
         self.phase = Phase.WEIGHTS_LOADED
-        log.info("%s: loaded %s (%d weight bytes, %s)", self.name, self.shape.architecture, self.weight_bytes, self.dtype)
+        log.info("%s: loaded %s (%d weight bytes, %s)", self.name, self.shape.architecture, self.weight_bytes,
+                 self.dtype)
 
     @property
     def kv_cell_bytes(self) -> int:
@@ -129,10 +131,13 @@ class ModelRunner:
             raise ValueError("adopt the req_to_token pool and the token allocator together, or neither")
         cfg = memory_pool_config
         self.memory_pool_config = cfg
-        self.req_to_token_pool = req_to_token_pool or ReqToTokenPool(cfg.max_running_requests, cfg.context_len, self.device)
-        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator or TokenToKVPoolAllocator(cfg.max_total_num_tokens, self.device)
+        self.req_to_token_pool = req_to_token_pool or ReqToTokenPool(cfg.max_running_requests, cfg.context_len,
+                                                                     self.device)
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator or TokenToKVPoolAllocator(
+            cfg.max_total_num_tokens, self.device)
         if self.token_to_kv_pool_allocator.size != cfg.max_total_num_tokens:
-            raise ValueError(f"{self.name}: adopted allocator holds {self.token_to_kv_pool_allocator.size} slots, config says {cfg.max_total_num_tokens}")
+            raise ValueError(f"{self.name}: adopted allocator holds {self.token_to_kv_pool_allocator.size} slots, "
+                             f"config says {cfg.max_total_num_tokens}")
         if hasattr(self.model, "make_kv_pool"):  # a model with its own cell layout (MLA's latent)
             self.token_to_kv_pool = self.model.make_kv_pool(cfg.max_total_num_tokens, self.kv_dtype, self.device)
         else:
@@ -169,7 +174,8 @@ class ModelRunner:
                                                      self.memory_pool_config.context_len, self.device,
                                                      tokens_per_req=verify_tokens, pool=self.cuda_graphs.pool)
         else:
-            log.info("%s: CUDA graphs skipped on %s", self.name, self.device.type if cuda_graph_max_bs else "request (max batch 0)")
+            log.info("%s: CUDA graphs skipped on %s", self.name,
+                     self.device.type if cuda_graph_max_bs else "request (max batch 0)")
         self.phase = Phase.BACKENDS_READY
 
     @torch.inference_mode()
