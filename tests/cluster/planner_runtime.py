@@ -20,6 +20,11 @@ planner``) must run the real planner, so this runner plays the container runtime
   path, ``emptyDir`` volumes to a fresh folder per pod. Other volume kinds are not mapped.
 * ``terminationMessagePath`` (default ``/dev/termination-log``) in args and env values is
   replaced by a temporary file.
+* ``securityContext.readOnlyRootFilesystem: true``: the process gets no writable place but its
+  mounts. ``HOME`` (unless the container sets it) and the working folder become a path under
+  ``/proc``, where no one, not even root, can create files; ``TMPDIR`` is the mapped ``/tmp``
+  mount when the pod has one. A planner that writes outside its volumes fails here as it would
+  in a real read-only container.
 * When the process exits the runner annotates the pod with ``specdecode.test/exit-code``,
   ``specdecode.test/reason`` and ``specdecode.test/termination-message``, read like kubelet does:
   the last 4096 bytes of the termination file; if that is empty, the container exited non-zero
@@ -60,6 +65,10 @@ ANN_REASON = "specdecode.test/reason"
 ANN_MESSAGE = "specdecode.test/termination-message"
 DEFAULT_ENTRYPOINT = ["specdecode-worker"]
 DEFAULT_TERMINATION_PATH = "/dev/termination-log"
+# No one, root included, can create files in /proc: it stands in for a read-only root filesystem
+# (HOME points to a folder there that cannot be made, the working folder is /proc itself).
+READ_ONLY_ROOT = "/proc"
+READ_ONLY_HOME = "/proc/specdecode-read-only-home"
 # kubelet's limits (pkg/kubelet/container/runtime.go).
 MAX_MESSAGE_BYTES = 4096
 MAX_LOG_MESSAGE_BYTES = 2048
@@ -223,11 +232,18 @@ def plan_launch(pod: dict, pvc_root: Path, scratch: Path, base_env: dict[str, st
         env[name] = map_paths(value, mapping)
     path_dirs = venv_path_dirs()
     env["PATH"] = os.pathsep.join([*path_dirs, env.get("PATH", os.defpath)])
+    read_only_root = bool((container.get("securityContext") or {}).get("readOnlyRootFilesystem"))
+    if read_only_root:
+        env.pop("TMPDIR", None)
+        if "/tmp" in mapping:
+            env["TMPDIR"] = mapping["/tmp"]
+        if "HOME" not in own_env:
+            env["HOME"] = READ_ONLY_HOME
 
     command = container.get("command") or DEFAULT_ENTRYPOINT
     argv = [map_paths(expand_vars(a, own_env), mapping) for a in [*command, *container.get("args", [])]]
     workdir = container.get("workingDir")
-    cwd = map_paths(workdir, mapping) if workdir else str(scratch)
+    cwd = map_paths(workdir, mapping) if workdir else (READ_ONLY_ROOT if read_only_root else str(scratch))
     policy = container.get("terminationMessagePolicy", "File")
     return Launch(argv, env, cwd, termination_file, policy == "FallbackToLogsOnError")
 

@@ -146,3 +146,29 @@ def test_runner_never_reruns_a_pod_an_earlier_runner_started(tmp_path):
     assert path == "/api/v1/namespaces/ns/pods/p-started-before"
     assert patch["metadata"]["uid"] == "started-before"
     assert patch["metadata"]["annotations"][ANN_EXIT_CODE] == "137"
+
+
+def test_read_only_root_leaves_only_the_mounts_writable(tmp_path):
+    import copy
+    import subprocess
+
+    pod = copy.deepcopy(POD)
+    pod["spec"]["volumes"].append({"name": "tmp", "emptyDir": {}})
+    container = pod["spec"]["containers"][0]
+    container["volumeMounts"].append({"name": "tmp", "mountPath": "/tmp"})
+    container["securityContext"] = {"readOnlyRootFilesystem": True}
+    launch = plan_launch(pod, Path("/pvc"), tmp_path / "scratch", {"PATH": "/usr/bin", "HOME": "/root",
+                                                                  "TMPDIR": "/var/tmp"})
+    assert launch.env["TMPDIR"] == str(tmp_path / "scratch" / "volumes" / "tmp")
+    assert launch.env["HOME"] != "/root" and launch.cwd != str(tmp_path / "scratch")
+    # what stands in for the read-only root refuses writes even to root
+    for target in (f"{launch.env['HOME']}/.cache/x", f"{launch.cwd}/x"):
+        r = subprocess.run(["sh", "-c", f"mkdir -p {target}"], cwd=launch.cwd,
+                           capture_output=True)
+        assert r.returncode != 0, target
+    writable = subprocess.run(["sh", "-c", 'touch "$TMPDIR/x"'], cwd=launch.cwd, env=launch.env)
+    assert writable.returncode == 0
+
+    container["securityContext"] = {}  # a writable root: the runtime's own defaults
+    launch = plan_launch(pod, Path("/pvc"), tmp_path / "scratch2", {"PATH": "/usr/bin", "HOME": "/root"})
+    assert launch.env["HOME"] == "/root" and launch.cwd == str(tmp_path / "scratch2")
