@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= operator,worker,dev,models
 
-.PHONY: setup lint test test-unit demo demo-down cluster-build cluster-up cluster-down
+.PHONY: setup lint test test-unit demo demo-down cluster-build cluster-up cluster-down images
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ test-unit: setup
 
 cluster-build:
 	bash tests/cluster/build.sh
+
+# Both container images with podman (installed from Debian when missing), on a Debian base made
+# without a registry; a rerun with unchanged inputs builds nothing. See README "Images".
+images:
+	bash images/build.sh
 
 cluster-up: setup cluster-build
 	$(PY) -m tests.cluster up

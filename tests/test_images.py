@@ -1,25 +1,42 @@
-"""Static checks of the two images (no container engine here, so they cannot be built in tests).
+"""The two images: static checks of the Dockerfiles, then the built images run with podman.
 
-Each Dockerfile must be multi-stage, on pinned bases, run as a non-root user, copy only paths that
-exist, and start an entry point that the distribution really declares. The operator image must
-not need torch: neither its declared dependency closure nor its code may pull it in.
+Static: each Dockerfile must be multi-stage, on pinned bases, run as a non-root user, copy only
+paths that exist, and start an entry point that the distribution really declares. The operator
+image must not need torch: neither its declared dependency closure nor its code may pull it in.
+
+Built (marked `images` and `e2e`, so `make test-unit` skips them; images/build.sh builds the
+images once, keyed by their inputs): each entry point's --help is the local CLI's; both images run
+as the chart's UID under its read-only root filesystem; the operator image has no torch; the
+worker image imports the engine and plans a checkpoint mounted read-only exactly as the local CLI
+does; and the operator image, run with the chart Deployment's arguments and nothing but the chart
+ServiceAccount's token, reconciles an example to Ready on the local control plane.
 """
 
 from __future__ import annotations
 
 import ast
+import base64
+import json
+import os
 import re
 import subprocess
 import sys
 import tomllib
+import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+import yaml
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+from tests import podman
+from tests.cluster.controlplane import free_ports
+from tests.cluster.wait import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -235,3 +252,226 @@ def test_operator_code_imports_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, f"an operator module needs torch or fails to import:\n{out.stderr}"
     assert int(out.stdout.strip()) >= 1, "no operator modules found"
+
+
+
+# ---- the built images, run with podman ------------------------------------------------------------
+
+BIN = Path(sys.executable).parent  # the local CLIs: the reference for what the images print
+CHART_VALUES = yaml.safe_load((ROOT / "charts" / "specdecode-operator" / "values.yaml").read_text())
+CHART_UID = CHART_VALUES["podSecurityContext"]["runAsUser"]
+CHART_GID = CHART_VALUES["podSecurityContext"]["runAsGroup"]
+H100 = "NVIDIA-H100-80GB-HBM3"
+
+
+def built(test):
+    """A test of the built images: skipped by `make test-unit`; the first build takes minutes."""
+    for mark in (pytest.mark.images, pytest.mark.e2e, pytest.mark.timeout(3600)):
+        test = mark(test)
+    return test
+
+
+@pytest.fixture(scope="session")
+def images() -> dict[str, str]:
+    try:
+        return podman.build_images()
+    except podman.ImageBuildError as exc:
+        pytest.fail(str(exc))
+
+
+def python_in(image: str, code: str, options: list[str]) -> dict:
+    """Run `code` with the image's Python; it prints one JSON object."""
+    ran = podman.run(image, "-c", code, entrypoint="python", options=options)
+    assert ran.returncode == 0, f"python in {image} exited {ran.returncode}:\n{ran.stderr}"
+    return json.loads(ran.stdout.splitlines()[-1])
+
+
+@built
+@pytest.mark.parametrize("image,args", [
+    ("operator", ["--help"]),
+    ("worker", ["--help"]),
+    ("worker", ["plan", "--help"]),
+    ("worker", ["serve", "--help"]),
+], ids=["operator", "worker", "worker-plan", "worker-serve"])
+def test_entry_point_help_is_the_local_clis(images, image, args):
+    ran = podman.run(images[image], *args, options=["--env", "COLUMNS=100", *podman.chart_options()])
+    assert ran.returncode == 0, f"{image} {' '.join(args)} exited {ran.returncode}:\n{ran.stderr}"
+    local = subprocess.run([str(BIN / f"specdecode-{image}"), *args], capture_output=True, text=True,
+                           timeout=120, env=dict(os.environ, COLUMNS="100"))
+    assert local.returncode == 0, local.stderr
+    assert "usage: specdecode-" in ran.stdout
+    assert ran.stdout == local.stdout
+
+
+WRITE_PROBE = """
+import errno, json, os
+def writable(d):
+    try:
+        with open(os.path.join(d, '.probe'), 'w'):
+            return 'yes'
+    except OSError as e:
+        return errno.errorcode[e.errno]
+print(json.dumps({'uid': os.getuid(), 'gid': os.getgid(), 'code': writable('/opt/specdecode'),
+                  'tmp': writable('/tmp'), 'home': os.path.expanduser('~')}))
+"""
+
+
+@built
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_image_runs_as_the_chart_user_and_under_a_read_only_root(images, image):
+    # The image's own user (no --user) is the one the chart's securityContext names.
+    own = python_in(images[image], WRITE_PROBE, options=[])
+    assert (own["uid"], own["gid"]) == (CHART_UID, CHART_GID) == (10001, 10001)
+    assert own["code"] == "EACCES", "the image's user may change its own code"
+    # Under the chart's pod settings: read-only root, only the /tmp emptyDir writable.
+    chart = python_in(images[image], WRITE_PROBE, options=podman.chart_options())
+    assert (chart["uid"], chart["gid"]) == (CHART_UID, CHART_GID)
+    assert chart["code"] == "EROFS" and chart["tmp"] == "yes"
+
+
+PACKAGES_PROBE = """
+import importlib.metadata as m, importlib.util, json
+print(json.dumps({'torch': importlib.util.find_spec('torch') is not None,
+                  'dists': sorted({d.metadata['Name'].lower() for d in m.distributions()})}))
+"""
+
+
+@built
+def test_operator_image_has_no_torch(images):
+    operator = python_in(images["operator"], PACKAGES_PROBE, options=podman.chart_options())
+    assert {"kopf", "kubernetes", "specdecode"} <= set(operator["dists"])
+    leaked = [d for d in operator["dists"] if d in TORCH_STACK or d.startswith("nvidia-")]
+    assert not operator["torch"] and not leaked, f"the operator image has the torch stack: {leaked}"
+    # The reference: the same probe sees torch where it is installed.
+    worker = python_in(images["worker"], PACKAGES_PROBE, options=podman.chart_options())
+    assert worker["torch"] and "torch" in worker["dists"]
+
+
+def apply_fs_group(root: Path, gid: int) -> None:
+    """What kubelet does to a volume for a pod's fsGroup: group-owned, group-readable."""
+    for path in [root, *root.rglob("*")]:
+        os.chown(path, -1, gid)
+        path.chmod(path.stat().st_mode | (0o050 if path.is_dir() else 0o040))
+
+
+@built
+def test_worker_image_imports_the_engine_and_plans_a_read_only_checkpoint_like_the_local_cli(images, tmp_path):
+    from tests.tiny_models import write_tiny_pair
+
+    options = [*podman.chart_options(), "--env", "CUDA_VISIBLE_DEVICES="]
+    engine = python_in(images["worker"], "import json, specdecode_worker.engine as e; "
+                       "print(json.dumps({'file': e.__file__}))", options=options)
+    assert engine["file"].startswith("/opt/specdecode/")
+
+    store = tmp_path / "models"
+    target, draft = write_tiny_pair(store, "llama")
+    apply_fs_group(store, CHART_VALUES["podSecurityContext"]["fsGroup"])
+    args = ["--algorithm", "STANDALONE", "--gpu-product", H100, "--context-length", "256", "--output", "json"]
+    ran = podman.run(images["worker"], "plan", "--target", f"/models/{target.name}", "--draft",
+                     f"/models/{draft.name}", *args, options=[*options, "--volume", f"{store}:/models:ro"])
+    assert ran.returncode == 0, f"plan in the worker image exited {ran.returncode}:\n{ran.stderr}"
+    local = subprocess.run([str(BIN / "specdecode-worker"), "plan", "--target", str(target), "--draft", str(draft),
+                            *args], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert local.returncode == 0, local.stderr
+    plan = json.loads(ran.stdout)
+    assert plan == json.loads(local.stdout)
+    assert plan["fits"] and plan["target"] == target.name and plan["draft"] == draft.name
+
+
+# ---- the operator image on the local control plane ------------------------------------------------
+
+RELEASE = "sdo-image"
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # where kubelet mounts the token
+
+
+class OperatorContainer:
+    """The operator image run as the chart's Deployment would run it: its image, arguments, env
+    and security settings, with only a token of the chart's ServiceAccount mounted where kubelet
+    mounts it. Host network, to reach the API server on loopback; the liveness endpoint moves to
+    a free loopback port (the chart's 8080 on 0.0.0.0 could be taken on a shared host)."""
+
+    def __init__(self, cluster, namespace: str, deployment: dict, token_dir: Path, log: Path):
+        pod = deployment["spec"]["template"]["spec"]
+        [container] = pod["containers"]
+        self.name = f"specdecode-operator-test-{uuid.uuid4().hex[:8]}"
+        port = free_ports(1)[0]
+        self.health = f"http://127.0.0.1:{port}/healthz"
+        args = [a for a in container["args"] if not a.startswith("--liveness=")] + [f"--liveness={self.health}"]
+        server = yaml.safe_load(Path(cluster.kubeconfig).read_text())["clusters"][0]["cluster"]["server"]
+        host, _, api_port = server.removeprefix("https://").rpartition(":")
+        env = {"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": api_port}
+        fields = {"metadata.namespace": namespace, "metadata.name": self.name}
+        for item in container.get("env", []):
+            env[item["name"]] = item["value"] if "value" in item else fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        empty_dirs = {v["name"]: v["emptyDir"].get("sizeLimit") for v in pod.get("volumes", []) if "emptyDir" in v}
+        mounts = {m["mountPath"]: empty_dirs[m["name"]] for m in container.get("volumeMounts", [])
+                  if m["name"] in empty_dirs}
+        options = podman.pod_options(pod.get("securityContext", {}), container.get("securityContext", {}), mounts)
+        cmd = ["podman", "run", "--rm", "--name", self.name, "--network", "host", *options,
+               "--volume", f"{token_dir}:{SA_DIR}:ro", *(f"--env={k}={v}" for k, v in env.items()),
+               container["image"], *args]
+        self.log = log
+        self._out = open(log, "wb")
+        self.proc = subprocess.Popen(cmd, env=podman.env(), stdout=self._out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        wait_for(self._healthy, timeout=120, what=f"operator container liveness {self.health}")
+
+    def _healthy(self) -> bool:
+        assert self.proc.poll() is None, f"operator container exited {self.proc.returncode}:\n{self.tail()}"
+        try:
+            with urllib.request.urlopen(self.health, timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        subprocess.run(["podman", "stop", "--time", "20", self.name], env=podman.env(), capture_output=True)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            subprocess.run(["podman", "rm", "--force", self.name], env=podman.env(), capture_output=True)
+            self.proc.wait()
+        self._out.close()
+
+
+def service_account_volume(cluster, namespace: str, sa: str, path: Path) -> Path:
+    """What kubelet projects into a pod for its ServiceAccount: token, ca.crt, namespace."""
+    path.mkdir(mode=0o755)
+    token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=2h").stdout.strip()
+    ca = yaml.safe_load(Path(cluster.kubeconfig).read_text())["clusters"][0]["cluster"]["certificate-authority-data"]
+    for name, content in {"token": token, "ca.crt": base64.b64decode(ca).decode(), "namespace": namespace}.items():
+        (path / name).write_text(content)
+        (path / name).chmod(0o644)
+    return path
+
+
+@built
+def test_operator_image_reconciles_an_example_with_the_chart_deployment_and_token(images, cluster, namespace,
+                                                                                  tmp_path):
+    from tests.test_chart import CHART, forbidden_lines, local_example, wait_ready
+
+    ns = namespace
+    repository, _, tag = images["operator"].rpartition(":")
+    cluster.helm("install", RELEASE, str(CHART), "-n", ns, "--wait", "--timeout", "120s",
+                 "--set", f"image.repository={repository}", "--set", f"image.tag={tag}")
+    sa = f"{RELEASE}-specdecode-operator"
+    deployment = json.loads(cluster.kubectl("get", "deployment", sa, "-n", ns, "-o", "json").stdout)
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == images["operator"]
+    token_dir = service_account_volume(cluster, ns, sa, tmp_path / "serviceaccount")
+    op = OperatorContainer(cluster, ns, deployment, token_dir, tmp_path / "operator-container.log")
+    try:
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(local_example(cluster, ns, "tiny-image")))
+        status = wait_ready(cluster, op, ns, "tiny-image")
+        assert status["readyReplicas"] == 1
+        conditions = {c["type"]: c["status"] for c in status["conditions"]}
+        assert conditions.get("Planned") == "True" and conditions.get("Available") == "True", conditions
+        assert not forbidden_lines(op), "\n".join(forbidden_lines(op))
+        cluster.kubectl("delete", "sdd", "tiny-image", "-n", ns, "--wait=true", timeout=120)
+    finally:
+        op.stop()
+        print(f"--- operator container log (tail) ---\n{op.tail(80)}")
+    cluster.helm("uninstall", RELEASE, "-n", ns, "--wait", "--timeout", "120s")
