@@ -457,7 +457,8 @@ def test_operator_image_reconciles_an_example_with_the_chart_deployment_and_toke
     ns = namespace
     repository, _, tag = images["operator"].rpartition(":")
     cluster.helm("install", RELEASE, str(CHART), "-n", ns, "--wait", "--timeout", "120s",
-                 "--set", f"image.repository={repository}", "--set", f"image.tag={tag}")
+                 "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+                 "--set", "image.pullPolicy=Never")  # built here, in no registry
     sa = f"{RELEASE}-specdecode-operator"
     deployment = json.loads(cluster.kubectl("get", "deployment", sa, "-n", ns, "-o", "json").stdout)
     assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == images["operator"]
