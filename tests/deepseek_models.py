@@ -125,3 +125,15 @@ def quantize_fp8(src: Path, fp8_dir: Path, dense_dir: Path, block: tuple[int, in
                                           "weight_block_size": list(block)}
             (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return Path(fp8_dir), Path(dense_dir)
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    """The target's own greedy continuation with transformers: argmax of its logits, EOS included
+    (``generate(min_new_tokens=...)`` would suppress EOS and pick another token)."""
+    import torch
+
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(hf(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids):]

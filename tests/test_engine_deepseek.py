@@ -18,7 +18,7 @@ from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E4
 from specdecode_worker.errors import InputError  # noqa: E402
 from specdecode_worker.model_config import load_shape  # noqa: E402
 
-from tests.deepseek_models import config_of, quantize_fp8, write_tiny_deepseek  # noqa: E402
+from tests.deepseek_models import config_of, hf_greedy, quantize_fp8, write_tiny_deepseek  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
 
 PROMPT = [5, 17, 42, 8, 99, 23, 4, 61, 7, 130, 12, 88, 31, 2, 77, 50, 9, 140, 3, 66]
@@ -70,8 +70,7 @@ def test_greedy_generation_equals_transformers_for_a_batch(model_dir, hf):
     prompts = [PROMPT, PROMPT[:7], list(range(30, 45))]
     expected = []
     for p in prompts:
-        out = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-        expected.append(out[0, len(p):].tolist())
+        expected.append(hf_greedy(hf, p, 12))
     eng = engine(model_dir)
     reqs = run_all(eng, [Request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts])
     assert [r.output_ids for r in reqs] == expected
@@ -102,7 +101,7 @@ def test_fp8_block_quantized_weights_are_served_as_stored(model_dir, tmp_path):
     fp8, dense = quantize_fp8(model_dir, tmp_path / "fp8", tmp_path / "dense")
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
     sched = engine(fp8, device_memory_bytes=1 << 30, context_len=64)
-    runner = sched.target_worker.model_runner
+    runner = sched.target_runner
     attn = runner.model.model.layers[1].self_attn
     assert attn.q_b_proj.weight.dtype == FP8_DTYPE and attn.q_b_proj.weight_scale_inv.dtype == torch.float32
     pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
@@ -115,7 +114,7 @@ def test_fp8_block_quantized_weights_are_served_as_stored(model_dir, tmp_path):
     plan = make_plan(PlanArgs(target=str(fp8), algorithm="NGRAM", tp=1, gpu_memory_gib=1.0,
                               mem_fraction_static=0.9, context_length=64))
     assert plan["weights"]["targetBytes"] == runner.weight_bytes
-    dense_runner = engine(dense, device_memory_bytes=1 << 30, context_len=64).target_worker.model_runner
+    dense_runner = engine(dense, device_memory_bytes=1 << 30, context_len=64).target_runner
     assert runner.weight_bytes < dense_runner.weight_bytes
 
 

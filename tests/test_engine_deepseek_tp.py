@@ -31,8 +31,8 @@ def _lead(sched) -> dict:
 
 
 def _describe(sched) -> dict:
-    t = sched.target_worker.model_runner
-    d = sched.draft_worker.model_runner if sched.draft_worker else None
+    t = sched.target_runner
+    d = sched.draft_runner
     return {"target_weight_bytes": t.weight_bytes, "target_kv_cell": t.token_to_kv_pool.bytes_per_token(),
             "allocated_tokens": t.token_to_kv_pool_allocator.size,
             "draft_weight_bytes": d.weight_bytes if d else 0,
@@ -79,4 +79,4 @@ def test_tp2_equals_single_rank_and_the_plan(models, ranks, name):
         assert info["target_weight_bytes"] == plan["weights"]["targetBytes"]
         assert info["target_kv_cell"] == plan["kvCache"]["targetBytesPerToken"]  # the whole latent per rank
         assert info["allocated_tokens"] == plan["kvCache"]["maxTotalNumTokens"]
-    assert ranks[0][name]["target_weight_bytes"] < single.target_worker.model_runner.weight_bytes
+    assert ranks[0][name]["target_weight_bytes"] < single.target_runner.weight_bytes

@@ -112,13 +112,13 @@ def test_below_the_floor_the_worker_stops_before_serving(models):
         engine(models["target"], "STANDALONE", models["draft"], device_memory_bytes=1 << 20, min_kv_tokens=4096)
 
 
-def test_frozen_kv_mtp_draft_is_refused_before_any_weight_loads(models, tmp_path, monkeypatch):
+def test_a_standalone_draft_with_mtp_layers_is_refused_before_any_weight_loads(models, tmp_path, monkeypatch):
     from tests.tiny_models import write_tiny_model
 
     mtp = write_tiny_model(tmp_path / "mtp", num_nextn_predict_layers=1)
     loads = []
     monkeypatch.setattr(ModelRunner, "load_weights", lambda self: loads.append(self.name))
     eng = Engine(EngineArgs(str(models["target"]), str(mtp), "STANDALONE", device_memory_bytes=64 << 20))
-    with pytest.raises(InputError, match="MTP draft"):
+    with pytest.raises(InputError, match="has MTP layers.*--algorithm MTP"):
         eng.init_model_worker()
     assert loads == []

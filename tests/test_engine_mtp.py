@@ -16,7 +16,7 @@ from specdecode_worker.errors import InputError  # noqa: E402
 from specdecode_worker.plan import PlanArgs  # noqa: E402
 from specdecode_worker.plan_cli import make_plan  # noqa: E402
 
-from tests.deepseek_models import write_tiny_deepseek  # noqa: E402
+from tests.deepseek_models import hf_greedy, write_tiny_deepseek  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 8, 99, 23, 4, 61, 7], [20, 21, 22], list(range(30, 50))]
@@ -35,8 +35,7 @@ def reference(model_dir):
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     for p in PROMPTS:
-        ids = hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-        out.append(ids[0, len(p):].tolist())
+        out.append(hf_greedy(hf, p, NEW))
     return out
 
 
@@ -62,8 +61,9 @@ def _reference_nextn_logits(model_dir, ids: list[int], hidden: torch.Tensor) -> 
     block = ds.DeepseekV3DecoderLayer(config, L).float().eval()
     state = {k[len(p):]: v for k, v in w.items() if k.startswith(p) and ".experts." not in k}
     experts = range(config.n_routed_experts)
-    state["mlp.experts.gate_up_proj"] = torch.stack(
-        [torch.cat([w[f"{p}mlp.experts.{j}.gate_proj.weight"], w[f"{p}mlp.experts.{j}.up_proj.weight"]]) for j in experts])
+    gate_up = [torch.cat([w[f"{p}mlp.experts.{j}.gate_proj.weight"], w[f"{p}mlp.experts.{j}.up_proj.weight"]])
+               for j in experts]
+    state["mlp.experts.gate_up_proj"] = torch.stack(gate_up)
     state["mlp.experts.down_proj"] = torch.stack([w[f"{p}mlp.experts.{j}.down_proj.weight"] for j in experts])
     missing, _ = block.load_state_dict(state, strict=False)
     assert not missing
@@ -72,7 +72,8 @@ def _reference_nextn_logits(model_dir, ids: list[int], hidden: torch.Tensor) -> 
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps))
 
     n = len(ids)
-    x = torch.cat([rms(w["model.embed_tokens.weight"][ids], w[p + "enorm.weight"]), rms(hidden, w[p + "hnorm.weight"])], -1)
+    embedded = w["model.embed_tokens.weight"][ids]
+    x = torch.cat([rms(embedded, w[p + "enorm.weight"]), rms(hidden, w[p + "hnorm.weight"])], -1)
     x = (x @ w[p + "eh_proj.weight"].T)[None]
     rotary = ds.DeepseekV3RotaryEmbedding(config)
     positions = torch.arange(n)[None]
@@ -118,7 +119,8 @@ def test_mtp_sampling_keeps_the_target_distribution(tmp_path):
         q2 = torch.softmax(hf(torch.tensor([prompt + [t] for t in range(8)])).logits[:, -1], -1)
     exact = (q1[:, None] * q2).sum(0).double()
     eng = engine(folder, "MTP", num_draft_tokens=2, max_running_requests=64, context_len=32)
-    reqs = [Request(prompt, SamplingParams(max_tokens=2, temperature=1.0, seed=i, ignore_eos=True)) for i in range(1500)]
+    params = [SamplingParams(max_tokens=2, temperature=1.0, seed=i, ignore_eos=True) for i in range(1500)]
+    reqs = [Request(prompt, p) for p in params]
     run_all(eng, reqs)
     counts = torch.zeros(8, dtype=torch.float64)
     for r in reqs:
@@ -131,9 +133,10 @@ def test_mtp_sampling_keeps_the_target_distribution(tmp_path):
 
 
 def test_planner_prices_what_the_mtp_worker_holds(model_dir):
-    plan = make_plan(PlanArgs(target=str(model_dir), algorithm="MTP", tp=1, gpu_memory_gib=1.0,
-                              mem_fraction_static=0.9, context_length=64))
-    eng = engine(model_dir, "MTP", device_memory_bytes=1 << 30, context_len=64)
+    plan = make_plan(PlanArgs(target=str(model_dir), algorithm="MTP", tp=1, gpu_memory_gib=1.5,
+                              mem_fraction_static=0.95, context_length=64))
+    eng = engine(model_dir, "MTP", device_memory_bytes=int(1.5 * (1 << 30)), mem_fraction_static=0.95,
+                 runtime_bytes=plan["reserve"]["runtimeBytes"], context_len=64)
     target, draft = eng.target_runner, eng.draft_runner
     assert plan["weights"]["targetBytes"] == target.weight_bytes
     assert plan["weights"]["draftBytes"] == draft.weight_bytes
@@ -153,3 +156,27 @@ def test_a_model_without_a_nextn_layer_is_refused_before_weights_load(tmp_path):
     folder = write_tiny_deepseek(tmp_path / "no-mtp", num_nextn_predict_layers=0)
     with pytest.raises(InputError, match="num_nextn_predict_layers"):
         engine(folder, "MTP")
+
+
+def test_served_with_algorithm_mtp_completions_return_the_target_greedy_text(model_dir):
+    import httpx
+
+    from tests.test_server import _free_port, serving
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = ["hello world what is the", "one two three four five"]
+    expected = {}
+    for p in prompts:
+        expected[p] = tok.decode(hf_greedy(hf, tok(p).input_ids, 10), skip_special_tokens=True)
+    port = str(_free_port())
+    argv = ["--target", str(model_dir), "--algorithm", "MTP", "--num-draft-tokens", "2", "--device", "cpu",
+            "--device-memory-gib", "1.5", "--mem-fraction-static", "0.95", "--context-length", "64",
+            "--host", "127.0.0.1", "--port", port, "--log-level", "warning", "--served-model-name", "ds"]
+    with serving(argv) as (base, state):
+        for p, text in expected.items():
+            body = {"model": "ds", "prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == text
+        assert state.engine.stats.proposed_tokens > 0

@@ -238,7 +238,7 @@ def test_metrics_and_plan_report_planned_and_actual_tokens(server):
 def test_serve_cli_refuses_bad_flags_with_exit_2(models, capsys):
     port = str(_free_port())
     cases = [
-        (["--algorithm", "MTP"], "MTP is planned but not served yet"),
+        (["--algorithm", "MTP"], "'num_nextn_predict_layers' must be a positive integer for MTP"),  # a Llama draft
         (["--algorithm", "EAGLE3", "--speculative-eagle-topk", "0"], "--speculative-eagle-topk: must be positive"),
         (["--tp", "3"], "--tp 3"),  # 4 attention heads do not split over 3 GPUs
         (["--plan", "/nonexistent/plan.json"], "cannot read"),

@@ -21,8 +21,8 @@ GIB = 1 << 30
 PLANNED_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "MTP", "NGRAM")
 # A draft head that reads the target's hidden states (its own worker in the engine).
 EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
-# What ``specdecode-worker serve`` runs: NONE is the target alone; MTP is planned but not served yet.
-SERVED_ALGORITHMS = ("NONE", "STANDALONE", "NGRAM", *EAGLE_ALGORITHMS)
+# What ``specdecode-worker serve`` runs: NONE is the target alone; MTP drafts with the target's NextN layer.
+SERVED_ALGORITHMS = ("NONE", "STANDALONE", "NGRAM", *EAGLE_ALGORITHMS, "MTP")
 
 # --kv-cache-dtype: auto keeps K/V in the compute dtype; fp8 stores one byte per element, as the
 # torch dtype named here.

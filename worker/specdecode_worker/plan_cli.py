@@ -21,6 +21,7 @@ from .devices import resolve_device_memory
 from .errors import InputError
 from .flags import CommandParser, add_sizing_flags, asks_for_help
 from .model_config import ModelShape, load_shape
+from .mtp_rule import MTP_TENSOR_PARALLEL_SIZES, check_mtp_draft, check_mtp_tp
 from .plan import (
     DEFAULT_GPUS_PER_NODE,
     DEFAULT_MAX_TP,
@@ -154,12 +155,7 @@ def _draft_shape(args: PlanArgs, target_dir: Path, target: ModelShape) -> tuple[
     draft_dir = Path(args.draft) if args.draft else target_dir
     if algorithm == "MTP":
         draft = target if draft_dir.resolve() == target_dir.resolve() else load_shape(draft_dir)
-        if not draft.num_nextn_predict_layers:
-            raise InputError(
-                f"{draft_dir / 'config.json'}: field 'num_nextn_predict_layers' must be a positive integer for MTP, "
-                f"got {draft.num_nextn_predict_layers!r}; the model has no MTP layers "
-                "(use EAGLE/EAGLE3/STANDALONE/NGRAM)"
-            )
+        check_mtp_draft(draft, str(draft_dir / "config.json"))  # the worker's rule
         return draft_dir, draft, draft.num_nextn_predict_layers
     draft = load_shape(draft_dir)
     if algorithm == "STANDALONE":
@@ -180,6 +176,10 @@ def make_plan(args: PlanArgs) -> dict[str, Any]:
     replicable = algorithm == "STANDALONE"
     shapes = [target] + ([draft] if draft is not None and draft is not target and not replicable else [])
     valid = [tp for tp in TP_CANDIDATES if tp <= args.max_tp and all(_splits(tp, s) for s in shapes)]
+    if algorithm == "MTP":  # served at the sizes the worker drafts with (mtp_rule)
+        if args.tp is not None:
+            check_mtp_tp(args.tp)
+        valid = [tp for tp in valid if tp in MTP_TENSOR_PARALLEL_SIZES]
     tp_req = _requested_tp(args, shapes, valid)
 
     device = resolve_device_memory(args.gpu_memory_gib, args.gpu_product)

@@ -83,8 +83,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     from .engine.engine import EngineArgs
 
     if args.algorithm not in SERVED_ALGORITHMS:
-        raise InputError(f"--algorithm {args.algorithm}: this worker serves {', '.join(SERVED_ALGORITHMS)} "
-                         "(MTP is planned but not served yet)")
+        raise InputError(f"--algorithm {args.algorithm}: this worker serves {', '.join(SERVED_ALGORITHMS)}")
     for name in ("num_draft_tokens", "ngram_max", "port", "speculative_eagle_topk"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')}: must be positive, got {getattr(args, name)}")

@@ -31,6 +31,7 @@ from .batch import free_positions
 from .distributed import get_tp, stop_followers
 from .eagle_speculator import EagleRunner, EagleSpeculator, check_tree_args
 from .memory import MemoryProfile, free_device_bytes, profile_memory
+from .mtp_runner import MTPRunner, check_mtp_args
 from .model_runner import ModelRunner
 from .phases import Phase, PhaseError
 from .pools import KV_CACHE_DTYPES, MemoryPoolConfig
@@ -83,7 +84,7 @@ class Stats:
 
 class Engine:
     def __init__(self, args: EngineArgs):
-        served = ALGORITHMS + EAGLE_ALGORITHMS
+        served = ALGORITHMS + EAGLE_ALGORITHMS + ("MTP",)
         if args.algorithm not in served:
             raise InputError(f"--algorithm {args.algorithm}: this engine serves {', '.join(served)}")
         needs_draft = args.algorithm == "STANDALONE" or args.algorithm in EAGLE_ALGORITHMS
@@ -92,9 +93,12 @@ class Engine:
         if args.algorithm in EAGLE_ALGORITHMS:
             check_tree_args(args.speculative_eagle_topk, args.speculative_num_steps or args.num_draft_tokens,
                             args.num_draft_tokens)
+        if args.algorithm == "MTP":
+            check_mtp_args(args.speculative_eagle_topk, args.speculative_num_steps, args.num_draft_tokens)
         if args.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InputError(f"--kv-cache-dtype {args.kv_cache_dtype}: use one of {', '.join(KV_CACHE_DTYPES)}")
-        if not needs_draft and args.draft:
+        # MTP's draft is the target's own NextN layer; --draft may name another folder holding it.
+        if not needs_draft and args.draft and args.algorithm != "MTP":
             raise InputError(f"--draft: {args.algorithm} takes no draft model; drop --draft")
         self.args = args
         self.device = torch.device(args.device)
@@ -118,8 +122,10 @@ class Engine:
         """The three phases, each one call, then the speculator over the finished runners."""
         self.create_runners()  # config.json only: shapes, dtypes, sharding; no weight yet
         self._timed("load_weights", self.load_weights)  # phase 1
-        # A frozen-KV MTP draft reads the target's pool: it would be created here, after the
-        # target's phase 2 and before the draft's (see create_runners, which refuses it today).
+        # The MTP draft is the NextN layer with its own one-layer latent pool, not a frozen-KV
+        # draft reading the target's cache: its phase 2 follows the target's like any draft's,
+        # adopting the target's req_to_token pool and allocator (init_memory_pools), and it reads
+        # the target's hidden states per round, so nothing of the target's pool is needed earlier.
         self._timed("alloc_memory_pool", self.init_memory_pools)  # phase 2
         self._timed("init_backends", self.init_backends)  # phase 3
         self.speculator = self._make_speculator()
@@ -134,11 +140,10 @@ class Engine:
         args = self.args
         self.target_shape = load_shape(args.target)
         draft_shape = load_shape(args.draft) if args.draft else None
-        if draft_shape is not None and draft_shape.num_nextn_predict_layers:
-            # A frozen-KV MTP draft reads the target's pool, so it would have to be built after
-            # phase 2 of the target; this engine serves Llama-family standalone drafts only.
-            raise InputError(f"{args.draft}: an MTP draft (num_nextn_predict_layers) is not served by this engine; "
-                             "use STANDALONE with a separate small model or NGRAM")
+        if args.algorithm == "STANDALONE" and draft_shape.num_nextn_predict_layers:
+            # A model that carries NextN layers drafts for itself with --algorithm MTP.
+            raise InputError(f"{args.draft}: has MTP layers (num_nextn_predict_layers); serve its own target with "
+                             "--algorithm MTP, or use STANDALONE with a separate small model")
         # The planner's rule: the tokenizers agree; padded vocab sizes may differ.
         vocabulary = check_vocabulary(args.target, args.draft, self.target_shape, draft_shape) \
             if args.algorithm == "STANDALONE" else None
@@ -146,6 +151,8 @@ class Engine:
         self.target_runner = ModelRunner(args.target, args.device, args.dtype, name="target", kv_cache_dtype=kv)
         if args.algorithm in EAGLE_ALGORITHMS:
             self.draft_runner = EagleRunner(args.draft, self.target_runner, args.algorithm)
+        elif args.algorithm == "MTP":
+            self.draft_runner = MTPRunner(args.draft or args.target, self.target_runner)
         elif args.draft:
             self.draft_runner = ModelRunner(args.draft, args.device, args.dtype, name="draft",
                                             quantization=args.draft_quantization,
@@ -228,6 +235,8 @@ class Engine:
             return EagleSpeculator(args.algorithm, self.target_runner, self.draft_runner,
                                    args.speculative_num_steps or args.num_draft_tokens, args.speculative_eagle_topk,
                                    args.num_draft_tokens)
+        if args.algorithm == "MTP":  # the NextN layer drafts chains from the target's hidden states, as EAGLE does
+            return EagleSpeculator(args.algorithm, self.target_runner, self.draft_runner, args.num_draft_tokens)
         return StandaloneSpeculator(args.algorithm, self.target_runner, self.draft_runner, args.num_draft_tokens,
                                     args.ngram_max)
 

@@ -16,12 +16,12 @@ the target's hidden states the way an EAGLE head reads its features.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from ..errors import InputError
 from ..model_config import load_shape
+from ..mtp_rule import check_mtp_draft, check_mtp_tp
 from .attention import TorchNativeAttnBackend
 from .distributed import SINGLE
 from .loader import load_safetensors, tensor_bytes
@@ -31,24 +31,13 @@ from .phases import Phase, PhaseError, require
 
 log = logging.getLogger(__name__)
 
-MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
-
-
 class MTPRunner(ModelRunner):
     def __init__(self, model_dir: str, target_runner: ModelRunner):
         from transformers import AutoConfig
 
         shape = load_shape(model_dir)
-        where = f"{model_dir}/config.json"
-        if shape.architecture not in MTP_ARCHITECTURES:
-            raise InputError(f"{where}: MTP drafting is served for {', '.join(MTP_ARCHITECTURES)}, "
-                             f"not '{shape.architecture}'")
-        if not shape.num_nextn_predict_layers:
-            raise InputError(f"{where}: field 'num_nextn_predict_layers' must be a positive integer for MTP, got "
-                             f"{shape.num_nextn_predict_layers!r}; the model has no MTP layer")
-        if target_runner.tp.size > 1:
-            raise InputError("MTP drafting is served with tensor parallelism 1; drop --tp for MTP "
-                             "(or serve the target with NGRAM under tensor parallelism)")
+        check_mtp_draft(shape, f"{model_dir}/config.json")  # the planner's rule
+        check_mtp_tp(target_runner.tp.size)
         self._init_state(model_dir, "draft", target_runner.device, shape, target_runner.dtype,
                          target_runner.kv_dtype, SINGLE)
         self.config = AutoConfig.from_pretrained(self.model_dir)
@@ -59,7 +48,6 @@ class MTPRunner(ModelRunner):
     def load_weights(self) -> None:
         if self.phase >= Phase.WEIGHTS_LOADED:
             raise PhaseError(f"{self.name}: weights are already loaded")
-        start = time.perf_counter()
         with torch.device("meta"):
             model = DeepseekMTP(self.config)
         load_safetensors(model, self.model_dir, self.device, self.dtype)
@@ -67,7 +55,6 @@ class MTPRunner(ModelRunner):
         self.model = model.eval().requires_grad_(False)
         self.weight_bytes = tensor_bytes(model)  # the embedding and lm_head stay the target's
         self.phase = Phase.WEIGHTS_LOADED
-        self.durations["load_weights"] = time.perf_counter() - start
         log.info("%s: loaded the NextN layer %d (%d weight bytes of its own)", self.name, model.index,
                  self.weight_bytes)
 
@@ -77,8 +64,19 @@ class MTPRunner(ModelRunner):
         itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
         return self.shape.kv_bytes_per_token(1, itemsize, self.shape.num_nextn_predict_layers)
 
-    def init_backends(self, cuda_graph_max_bs: int = 0) -> None:
+    def init_backends(self, cuda_graph_max_bs: int = 0, verify_tokens: int = 0) -> None:
         require(self.phase, Phase.POOLS_ALLOCATED, "initialise attention backends", self.name)
         self.backend = TorchNativeAttnBackend(self.req_to_token_pool, self.token_to_kv_pool, None)
         log.info("%s: MTP draft steps run eagerly on the torch-native backend", self.name)
         self.phase = Phase.BACKENDS_READY
+
+
+def check_mtp_args(topk: int, num_steps: int | None, num_draft_tokens: int) -> None:
+    """MTP drafts one chain: one proposal per step, the NextN layer reused for each."""
+    if num_draft_tokens < 1:
+        raise InputError("MTP needs --num-draft-tokens of at least 1")
+    if topk != 1:
+        raise InputError(f"--speculative-eagle-topk {topk}: MTP drafts a chain; use top-k 1")
+    if num_steps is not None and num_steps != num_draft_tokens:
+        raise InputError(f"MTP proposes one token per step: --num-draft-tokens ({num_draft_tokens}) must equal "
+                         f"--speculative-num-steps ({num_steps})")

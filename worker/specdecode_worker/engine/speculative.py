@@ -25,7 +25,8 @@ from .model_runner import ModelRunner
 from .request import Request
 from .sampling import choose, verify
 
-ALGORITHMS = tuple(a for a in SERVED_ALGORITHMS if a not in EAGLE_ALGORITHMS)  # EAGLE has its own worker
+# EAGLE (and MTP, whose NextN layer drafts like an EAGLE head) have their own speculator.
+ALGORITHMS = tuple(a for a in SERVED_ALGORITHMS if a not in EAGLE_ALGORITHMS and a != "MTP")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,36 @@
+"""Which MTP drafts are served: one rule for the planner and the worker (no torch import).
+
+The worker drafts with DeepSeek-V3's NextN layer: exactly one layer (``num_nextn_predict_layers``
+1, as DeepSeek-V3/R1/V3.1 publish), at tensor parallelism 1 (the layer reads the target's hidden
+states on the rank that schedules; sharing them across ranks is not built). The planner refuses
+anything else first, so a planned MTP deployment is one the worker starts.
+"""
+
+from __future__ import annotations
+
+from .errors import InputError
+from .model_config import ModelShape
+
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+MTP_TENSOR_PARALLEL_SIZES = (1,)
+
+
+def check_mtp_draft(shape: ModelShape, where: str) -> None:
+    """Refuse a model whose NextN layers this worker cannot draft with; ``where`` names its config.json."""
+    nextn = shape.num_nextn_predict_layers
+    if not nextn:
+        raise InputError(f"{where}: field 'num_nextn_predict_layers' must be a positive integer for MTP, got "
+                         f"{nextn!r}; the model has no MTP layers (use EAGLE/EAGLE3/STANDALONE/NGRAM)")
+    if shape.architecture not in MTP_ARCHITECTURES:
+        raise InputError(f"{where}: MTP drafting is served for {', '.join(MTP_ARCHITECTURES)}, not "
+                         f"'{shape.architecture}'; use NGRAM or a STANDALONE draft")
+    if nextn != 1:
+        raise InputError(f"{where}: field 'num_nextn_predict_layers' is {nextn}; MTP drafting serves exactly one "
+                         "NextN layer (as DeepSeek-V3/R1 publish)")
+
+
+def check_mtp_tp(tp: int) -> None:
+    if tp not in MTP_TENSOR_PARALLEL_SIZES:
+        raise InputError(f"--tp {tp}: MTP drafting is served with tensor parallelism 1 (the NextN layer reads the "
+                         "target's hidden states on one rank); use --tp 1, or NGRAM/STANDALONE under tensor "
+                         "parallelism")
