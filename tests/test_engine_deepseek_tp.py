@@ -12,7 +12,7 @@ if not hasattr(transformers, "DeepseekV3ForCausalLM"):
 
 from specdecode_worker.engine.distributed import launch  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.scheduler import EngineArgs  # noqa: E402
+from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
 from specdecode_worker.plan import PlanArgs, runtime_reserve_bytes  # noqa: E402
 from specdecode_worker.plan_cli import make_plan  # noqa: E402
 
