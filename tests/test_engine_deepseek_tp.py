@@ -19,7 +19,7 @@ from specdecode_worker.plan_cli import make_plan  # noqa: E402
 from tests.deepseek_models import quantize_fp8, write_tiny_deepseek  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
 
-GIB = 1 << 30
+from specdecode_worker.contract import GIB  # noqa: E402
 PROMPTS = [[5, 17, 42, 8, 99, 23, 4], list(range(30, 45))]
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 BUDGET_GIB, FRACTION, CONTEXT = 1.45, 0.95, 64

@@ -22,7 +22,7 @@ from tests.eagle_heads import make_repeating, write_copying_eagle_head, write_ea
 from tests.engine_helpers import engine, run_all  # noqa: E402
 from tests.tiny_models import write_tiny_model  # noqa: E402
 
-GIB = 1 << 30
+from specdecode_worker.contract import GIB  # noqa: E402
 # A small vocabulary makes random heads agree with the target often enough that accepted chains
 # and accepted tree paths (slot remapping, feature hand-over) are exercised, not only rejections.
 VOCAB = 8

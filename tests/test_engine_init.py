@@ -19,7 +19,7 @@ from specdecode_worker.errors import InputError  # noqa: E402
 
 from tests.engine_helpers import engine, tiny_models  # noqa: E402
 
-GIB = 1 << 30
+from specdecode_worker.contract import GIB  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from specdecode_worker.plan import runtime_reserve_bytes  # noqa: E402
 from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
 from tests.tiny_models import write_tiny_model  # noqa: E402
 
-GIB = 1 << 30
+from specdecode_worker.contract import GIB  # noqa: E402
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [20, 21, 22], list(range(30, 50))]
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
+from ..contract import ExitCode
 from .distributed import ONE_NODE, Nodes, RankFailure, expect_followers, follow, get_tp, launch
 from .engine import Engine, EngineArgs
 from .model_runner import ModelRunner
@@ -57,5 +58,5 @@ def run_tensor_parallel(tp: int, rank_main: Callable[..., int], args: tuple, dev
         codes = launch(tp, rank_main, args, device=device, nodes=nodes)
     except RankFailure as exc:
         print(str(exc), file=sys.stderr)
-        return 1
-    return codes[0] if codes[0] is not None else 1
+        return ExitCode.INTERNAL_ERROR
+    return codes[0] if codes[0] is not None else ExitCode.INTERNAL_ERROR
