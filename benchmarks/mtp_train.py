@@ -56,7 +56,8 @@ class Trainable(torch.nn.Module):
         super().__init__()
         L, h = config.num_hidden_layers, config.hidden_size
         p = f"model.layers.{L}."
-        self.enorm, self.hnorm = ds.DeepseekV3RMSNorm(h, config.rms_norm_eps), ds.DeepseekV3RMSNorm(h, config.rms_norm_eps)
+        self.enorm = ds.DeepseekV3RMSNorm(h, config.rms_norm_eps)
+        self.hnorm = ds.DeepseekV3RMSNorm(h, config.rms_norm_eps)
         self.head_norm = ds.DeepseekV3RMSNorm(h, config.rms_norm_eps)
         self.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
         self.block = ds.DeepseekV3DecoderLayer(config, L)
