@@ -34,7 +34,6 @@ import json
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,24 +157,25 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-@contextmanager
-def engine(s: Settings, models, target: str, algorithm: str = "NONE", draft: str | None = None, extra=()):
+def engine(s: Settings, models, target: str, algorithm: str = "NONE", draft: str | None = None):
+    """An engine planned in-process with the planner's defaults, as `serve` would be."""
     argv = ["--target", str(models[target]), "--algorithm", algorithm, "--device", s.device,
-            "--context-length", str(s.context), "--num-draft-tokens", str(s.k), *extra]
+            "--context-length", str(s.context), "--num-draft-tokens", str(s.k)]
     if draft:
         argv += ["--draft", str(models[draft])]
     if s.cpu_budget_gib:
         argv += ["--device-memory-gib", str(s.cpu_budget_gib)]
     engine_args, plan = serve_cli.resolve(serve_cli.parser().parse_args(argv))
     eng = Engine(engine_args)
-    try:
-        eng.init_model_worker()
-        yield eng, plan
-    finally:
-        del eng
-        gc.collect()
-        if s.device == "cuda":
-            torch.cuda.empty_cache()
+    eng.init_model_worker()
+    return eng, plan
+
+
+def release(device: str) -> None:
+    """After a phase function returned (its engine unreferenced): give the memory back."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -239,6 +239,64 @@ def static_bytes(eng) -> int:
 
 
 # ---- the report ---------------------------------------------------------------------------------
+# One function per engine: its locals (engine, runners) die when it returns, so the next engine is
+# planned against a GPU the last one has left.
+def startup_phase(s: Settings, models, res: dict) -> None:
+    """The example's settings (8B + EAGLE3, planner defaults), warmed up at the largest graph batch
+    and the largest prefill chunk; the allocator's peak beyond weights and pools is the dynamic peak."""
+    if s.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    eng, plan = engine(s, models, "target", "EAGLE3", "eagle3")
+    randomise_head(eng.draft_runner.model, 7)
+    r = plan["reserve"]
+    s.chunk = r["chunkedPrefillSize"]
+    res["startup"] = "ok"
+    res["planned_kv_tokens"] = plan["kvCache"]["maxTotalNumTokens"]
+    res["allocated_kv_tokens"] = eng.target_runner.token_to_kv_pool_allocator.size
+    res["planned_dynamic_bytes"] = r["dynamicBytes"]
+    res["cuda_graph_max_bs"], res["chunked_prefill_size"] = r["cudaGraphMaxBs"], r["chunkedPrefillSize"]
+    generate(eng, s, min(r["cudaGraphMaxBs"], r["maxRunningRequests"]), 16, 4)  # largest graph batch
+    generate(eng, s, 1, min(s.chunk, s.context - 8), 2)  # largest prefill chunk
+    before = (eng.stats.accepted_tokens, eng.stats.verify_rounds)
+    res["eagle3_b1"] = _strip(generate(eng, s, 1, s.prompt, s.new_tokens))
+    rounds = eng.stats.verify_rounds - before[1]
+    res["eagle3_b1"]["accept_len"] = (eng.stats.accepted_tokens - before[0]) / max(rounds, 1)
+    if s.device == "cuda":
+        res["measured_dynamic_bytes"] = torch.cuda.max_memory_reserved() - static_bytes(eng)
+
+
+def decode_phase(s: Settings, models, res: dict, bw: float) -> dict:
+    """Decode speed against the roofline, step time against live length; returns the plain
+    engine's runs that the speculative phase compares with."""
+    eng, _ = engine(s, models, "target")
+    runner = eng.target_runner
+    cell = runner.token_to_kv_pool.bytes_per_token()
+    res["decode"] = []
+    for b in s.batches:
+        out = _strip(generate(eng, s, b, s.prompt, s.new_tokens))
+        live = s.prompt + s.new_tokens / 2
+        out["roofline_tok_s"] = b * bw / (runner.weight_bytes + b * live * cell)
+        out["of_roofline"] = out["tok_s"] / out["roofline_tok_s"]
+        res["decode"].append(out)
+    res["step_ms"] = {}
+    for length in (s.prompt, s.long_prompt):
+        res["step_ms"][length] = generate(eng, s, s.step_batch, length, s.step_tokens)["step_ms"]
+    return {b: generate(eng, s, b, s.prompt, s.new_tokens, seed=5) for b in s.spec_batches}
+
+
+def spec_phase(s: Settings, models, res: dict, name: str, base: dict) -> None:
+    """STANDALONE with draft ``name`` against the plain engine, on the same prompts."""
+    eng, _ = engine(s, models, "target", "STANDALONE", name)
+    for b in s.spec_batches:
+        before = (eng.stats.accepted_tokens, eng.stats.proposed_tokens)
+        out = generate(eng, s, b, s.prompt, s.new_tokens, seed=5)
+        acc = eng.stats.accepted_tokens - before[0]
+        prop = eng.stats.proposed_tokens - before[1]
+        res["spec"].append({"draft": name, "batch": b, "acceptance": acc / max(prop, 1), "tok_s": out["tok_s"],
+                            "baseline_tok_s": base[b]["tok_s"], "speedup": out["tok_s"] / base[b]["tok_s"],
+                            "same_output": out["outputs"] == base[b]["outputs"]})
+
+
 def run(s: Settings, root: Path, log=print) -> dict:
     models = write_models(root, s)
     seeds = {str(models["target"].resolve()): (0, 0.0), str(models["copy"].resolve()): (0, 0.0),
@@ -246,66 +304,28 @@ def run(s: Settings, root: Path, log=print) -> dict:
     model_runner.load_safetensors = random_loader(seeds)
     res: dict = {"device": torch.cuda.get_device_name() if s.device == "cuda" else "cpu"}
     bw = copy_bandwidth(s.device)
+    release(s.device)
     res["bandwidth_GBps"] = bw / 1e9
     log(f"device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s")
-
-    # 1. the example's settings: 8B + EAGLE3, planner defaults; warm-up at the largest chunk and batch
-    if s.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     try:
-        with engine(s, models, "target", "EAGLE3", "eagle3") as (eng, plan):
-            randomise_head(eng.draft_runner.model, 7)
-            r = plan["reserve"]
-            s.chunk = r["chunkedPrefillSize"]
-            res["startup"] = "ok"
-            res["planned_kv_tokens"] = plan["kvCache"]["maxTotalNumTokens"]
-            res["allocated_kv_tokens"] = eng.target_runner.token_to_kv_pool_allocator.size
-            res["planned_dynamic_bytes"] = r["dynamicBytes"]
-            res["cuda_graph_max_bs"], res["chunked_prefill_size"] = r["cudaGraphMaxBs"], r["chunkedPrefillSize"]
-            generate(eng, s, min(r["cudaGraphMaxBs"], r["maxRunningRequests"]), 16, 4)  # largest graph batch
-            generate(eng, s, 1, min(s.chunk, s.context - 8), 2)  # largest prefill chunk
-            res["eagle3_b1"] = _strip(generate(eng, s, 1, s.prompt, s.new_tokens))
-            res["eagle3_b1"]["accept_len"] = eng.stats.accepted_tokens / max(eng.stats.verify_rounds, 1)
-            if s.device == "cuda":
-                res["measured_dynamic_bytes"] = torch.cuda.max_memory_reserved() - static_bytes(eng)
+        startup_phase(s, models, res)
     except torch.cuda.OutOfMemoryError as exc:
         res["startup"] = f"OOM: {exc}"
         log(res["startup"])
         return res
+    release(s.device)
     log(f"start-up ok: planned {res['planned_kv_tokens']} KV tokens, allocated {res['allocated_kv_tokens']}")
-
-    # 2. decode against the roofline, and step time against live length
-    with engine(s, models, "target") as (eng, plan):
-        runner = eng.target_runner
-        cell = runner.token_to_kv_pool.bytes_per_token()
-        res["decode"] = []
-        for b in s.batches:
-            out = _strip(generate(eng, s, b, s.prompt, s.new_tokens))
-            live = s.prompt + s.new_tokens / 2
-            out["roofline_tok_s"] = b * bw / (runner.weight_bytes + b * live * cell)
-            out["of_roofline"] = out["tok_s"] / out["roofline_tok_s"]
-            res["decode"].append(out)
-            log(f"decode batch {b}: {out['tok_s']:.0f} tok/s, {100 * out['of_roofline']:.0f}% of roofline")
-        res["step_ms"] = {}
-        for length in (s.prompt, s.long_prompt):
-            res["step_ms"][length] = generate(eng, s, s.step_batch, length, s.step_tokens)["step_ms"]
-        log(f"batch {s.step_batch} step: {res['step_ms']}")
-        base = {b: generate(eng, s, b, s.prompt, s.new_tokens, seed=5) for b in s.spec_batches}
-
-    # 3. speculative speedup at controlled acceptance
+    base = decode_phase(s, models, res, bw)
+    release(s.device)
+    for d in res["decode"]:
+        log(f"decode batch {d['batch']}: {d['tok_s']:.0f} tok/s, {100 * d['of_roofline']:.0f}% of roofline")
+    log(f"batch {s.step_batch} step ms by live length: {res['step_ms']}")
     res["spec"] = []
     for name in ("copy", "perturbed", "draft1b"):
-        with engine(s, models, "target", "STANDALONE", name) as (eng, plan):
-            for b in s.spec_batches:
-                before = (eng.stats.accepted_tokens, eng.stats.proposed_tokens)
-                out = generate(eng, s, b, s.prompt, s.new_tokens, seed=5)
-                acc = eng.stats.accepted_tokens - before[0]
-                prop = eng.stats.proposed_tokens - before[1]
-                row = {"draft": name, "batch": b, "acceptance": acc / max(prop, 1), "tok_s": out["tok_s"],
-                       "baseline_tok_s": base[b]["tok_s"], "speedup": out["tok_s"] / base[b]["tok_s"],
-                       "same_output": out["outputs"] == base[b]["outputs"]}
-                res["spec"].append(row)
-                log(f"STANDALONE {name} batch {b}: acceptance {row['acceptance']:.2f}, speedup {row['speedup']:.2f}x")
+        spec_phase(s, models, res, name, base)
+        release(s.device)
+        for r in res["spec"][-len(s.spec_batches):]:
+            log(f"STANDALONE {name} batch {r['batch']}: acceptance {r['acceptance']:.2f}, speedup {r['speedup']:.2f}x")
     return res
 
 
