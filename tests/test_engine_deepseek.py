@@ -100,8 +100,8 @@ def test_fp8_block_quantized_weights_are_served_as_stored(model_dir, tmp_path):
 
     fp8, dense = quantize_fp8(model_dir, tmp_path / "fp8", tmp_path / "dense")
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
-    sched = engine(fp8, device_memory_bytes=1 << 30, context_len=64)
-    runner = sched.target_runner
+    eng = engine(fp8, device_memory_bytes=1 << 30, context_len=64)
+    runner = eng.target_runner
     attn = runner.model.model.layers[1].self_attn
     assert attn.q_b_proj.weight.dtype == FP8_DTYPE and attn.q_b_proj.weight_scale_inv.dtype == torch.float32
     pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator

@@ -25,14 +25,14 @@ GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 BUDGET_GIB, FRACTION, CONTEXT = 1.45, 0.95, 64
 
 
-def _lead(sched) -> dict:
-    reqs = run_all(sched, [Request(list(p), GREEDY) for p in PROMPTS])
-    return {**_describe(sched), "outputs": [r.output_ids for r in reqs], "proposed": sched.stats.proposed_tokens}
+def _lead(eng) -> dict:
+    reqs = run_all(eng, [Request(list(p), GREEDY) for p in PROMPTS])
+    return {**_describe(eng), "outputs": [r.output_ids for r in reqs], "proposed": eng.stats.proposed_tokens}
 
 
-def _describe(sched) -> dict:
-    t = sched.target_runner
-    d = sched.draft_runner
+def _describe(eng) -> dict:
+    t = eng.target_runner
+    d = eng.draft_runner
     return {"target_weight_bytes": t.weight_bytes, "target_kv_cell": t.token_to_kv_pool.bytes_per_token(),
             "allocated_tokens": t.token_to_kv_pool_allocator.size,
             "draft_weight_bytes": d.weight_bytes if d else 0,
