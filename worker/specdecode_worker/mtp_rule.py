@@ -34,3 +34,12 @@ def check_mtp_tp(tp: int) -> None:
         raise InputError(f"--tp {tp}: MTP drafting is served with tensor parallelism 1 (the NextN layer reads the "
                          "target's hidden states on one rank); use --tp 1, or NGRAM/STANDALONE under tensor "
                          "parallelism")
+
+
+def check_standalone_draft(shape: ModelShape, where: str) -> None:
+    """A model that carries NextN layers drafts for itself (MTP), not as a STANDALONE draft: its KV
+    layer count and weights would be priced as a NextN draft's, not as the whole model's."""
+    if shape.num_nextn_predict_layers:
+        raise InputError(f"{where}: has MTP layers (num_nextn_predict_layers {shape.num_nextn_predict_layers}); "
+                         "serve that model as the target with --algorithm MTP, or use a STANDALONE draft without "
+                         "NextN layers")

@@ -21,7 +21,7 @@ from .devices import resolve_device_memory
 from .errors import InputError
 from .flags import CommandParser, add_sizing_flags, asks_for_help
 from .model_config import ModelShape, load_shape
-from .mtp_rule import MTP_TENSOR_PARALLEL_SIZES, check_mtp_draft, check_mtp_tp
+from .mtp_rule import MTP_TENSOR_PARALLEL_SIZES, check_mtp_draft, check_mtp_tp, check_standalone_draft
 from .plan import (
     DEFAULT_GPUS_PER_NODE,
     DEFAULT_MAX_TP,
@@ -159,6 +159,7 @@ def _draft_shape(args: PlanArgs, target_dir: Path, target: ModelShape) -> tuple[
         return draft_dir, draft, draft.num_nextn_predict_layers
     draft = load_shape(draft_dir)
     if algorithm == "STANDALONE":
+        check_standalone_draft(draft, str(draft_dir / "config.json"))
         check_vocabulary(target_dir, draft_dir, target, draft)
     return draft_dir, draft, draft.draft_num_layers
 

@@ -26,6 +26,7 @@ import torch
 from ..contract import EAGLE_ALGORITHMS
 from ..errors import InputError
 from ..model_config import ModelShape, load_shape
+from ..mtp_rule import check_standalone_draft
 from ..vocabulary import check_vocabulary
 from .batch import free_positions
 from .distributed import get_tp, stop_followers
@@ -140,10 +141,8 @@ class Engine:
         args = self.args
         self.target_shape = load_shape(args.target)
         draft_shape = load_shape(args.draft) if args.draft else None
-        if args.algorithm == "STANDALONE" and draft_shape.num_nextn_predict_layers:
-            # A model that carries NextN layers drafts for itself with --algorithm MTP.
-            raise InputError(f"{args.draft}: has MTP layers (num_nextn_predict_layers); serve its own target with "
-                             "--algorithm MTP, or use STANDALONE with a separate small model")
+        if args.algorithm == "STANDALONE":  # the planner's rule: NextN models draft for themselves (MTP)
+            check_standalone_draft(draft_shape, f"{args.draft}/config.json")
         # The planner's rule: the tokenizers agree; padded vocab sizes may differ.
         vocabulary = check_vocabulary(args.target, args.draft, self.target_shape, draft_shape) \
             if args.algorithm == "STANDALONE" else None
