@@ -19,8 +19,9 @@ from typing import Any, Callable
 
 import kopf
 
-from . import labels
+from . import health, labels
 from .kube import Kube
+from .metrics import StatusBook
 from .reconcile import Options, Reconciler
 from .spec import GROUP, PLURAL, VERSION
 
@@ -42,6 +43,7 @@ class Controller:
         self.poked: set[tuple[str, str]] = set()
         self.errors: dict[tuple[str, str], int] = {}  # failed reconciles in a row
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reconcile")
+        self.statuses = StatusBook()  # what /metrics reports
 
     def poke(self, namespace: str, name: str, delay: float = 0.5) -> None:
         """Reconcile soon; a burst of child events becomes one reconcile."""
@@ -63,7 +65,10 @@ class Controller:
         self.errors.pop(key, None)
         if result.gone:
             self.due.pop(key, None)
+            self.statuses.forget(*key)
             return
+        if result.status is not None:
+            self.statuses.record(namespace, name, result.status)
         delay = RESYNC_SECONDS if result.requeue_after is None else min(result.requeue_after, RESYNC_SECONDS)
         if key in self.poked:  # a child changed while we were reconciling: look again
             delay = 0.5
@@ -93,13 +98,18 @@ CONTROLLER: Controller | None = None
 _STOP: asyncio.Event | None = None
 # With exact namespaces there is nothing to discover: no need to list namespaces or watch CRDs.
 _SCANNING = True
+# Liveness and /metrics on one port (kopf's own liveness server serves one path only).
+_HEALTH_URL: str | None = None
+_HEALTH: Any = None
 
 
-def configure(options: Options, kube: Kube | None = None, scanning: bool = True) -> None:
+def configure(options: Options, kube: Kube | None = None, scanning: bool = True,
+              health_url: str | None = None) -> None:
     """Called by main() before kopf starts (tests may pass a fake client)."""
-    global CONTROLLER, _SCANNING
+    global CONTROLLER, _SCANNING, _HEALTH_URL
     CONTROLLER = Controller(Reconciler(kube or Kube(), options))
     _SCANNING = scanning
+    _HEALTH_URL = health_url
 
 
 @kopf.on.startup()
@@ -120,12 +130,17 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     global _STOP
     _STOP = asyncio.Event()
     asyncio.get_running_loop().create_task(CONTROLLER.requeue_loop(_STOP))
+    if _HEALTH_URL:
+        global _HEALTH
+        _HEALTH = await health.serve(_HEALTH_URL, probe, CONTROLLER.statuses)
 
 
 @kopf.on.cleanup()
 async def cleanup(**_: Any) -> None:
     if _STOP is not None:
         _STOP.set()
+    if _HEALTH is not None:
+        await _HEALTH.cleanup()
 
 
 @kopf.on.probe(id="reconciler")

@@ -22,7 +22,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worker-image", default=os.environ.get("SPECDECODE_WORKER_IMAGE", DEFAULT_WORKER_IMAGE),
                    help="worker image for SDDs that do not set spec.image (env SPECDECODE_WORKER_IMAGE)")
     p.add_argument("--liveness", default=os.environ.get("SPECDECODE_LIVENESS", "http://0.0.0.0:8080/healthz"),
-                   help="kopf liveness endpoint URL; 'off' disables it")
+                   help="liveness endpoint URL; /metrics on the same port serves the SDDs' conditions; "
+                        "'off' disables both")
     p.add_argument("--no-node-check", action="store_true",
                    help="do not read nodes (namespaced RBAC); PlanExceedsNodeGPUs is then not reported")
     p.add_argument("--log-format", choices=["json", "plain"], default=os.environ.get("SPECDECODE_LOG_FORMAT", "json"))
@@ -34,16 +35,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import kopf
 
-    from . import handlers
+    from . import handlers, health
     from .reconcile import Options
 
     kopf.configure(verbose=args.verbose,
                    log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL)
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    if args.liveness != "off":
+        try:
+            health.endpoint(args.liveness)
+        except ValueError as exc:
+            print(f"specdecode-operator: {exc}", file=sys.stderr)
+            return 2
     handlers.configure(Options(default_image=args.worker_image, check_nodes=not args.no_node_check),
-                       scanning=not args.namespace)
+                       scanning=not args.namespace, health_url=None if args.liveness == "off" else args.liveness)
     kwargs = {"namespaces": args.namespace} if args.namespace else {"clusterwide": True}
-    kopf.run(standalone=True, liveness_endpoint=None if args.liveness == "off" else args.liveness, **kwargs)
+    kopf.run(standalone=True, **kwargs)
     return 0
 
 

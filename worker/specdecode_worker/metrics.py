@@ -1,9 +1,64 @@
-"""Prometheus exposition of the engine's counters, read at scrape time."""
+"""Prometheus exposition of the engine's counters, read at scrape time, and request latency
+histograms recorded as tokens reach the HTTP layer."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
+import time
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class RequestLatency:
+    """Time to first token, inter-token latency and end-to-end latency of the requests served.
+
+    Measured where the tokens reach the HTTP layer (the engine's ``on_update`` callback), from the
+    moment the request was submitted. A verify round commits several tokens at once; each of them
+    counts the round's gap divided by how many it committed, so the histogram's mean is the mean
+    time per generated token the client sees.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.ttft = Histogram("specdecode_time_to_first_token_seconds", "seconds from submission to the first token",
+                              buckets=TTFT_BUCKETS, registry=None)
+        self.inter_token = Histogram("specdecode_inter_token_latency_seconds",
+                                     "seconds between generated tokens after the first", buckets=INTER_TOKEN_BUCKETS,
+                                     registry=None)
+        self.e2e = Histogram("specdecode_e2e_request_latency_seconds",
+                             "seconds from submission to the end of a request that finished without error",
+                             buckets=E2E_BUCKETS, registry=None)
+
+    def timed(self, on_update: Callable) -> Callable:
+        """``on_update`` wrapped to observe one request's latencies; wrap at submission."""
+        start = self.clock()
+        last: list[float] = []
+
+        def update(req, tokens):
+            now = self.clock()
+            if tokens is None:
+                if req.error is None and last:
+                    self.e2e.observe(now - start)
+            elif tokens:
+                if not last:
+                    self.ttft.observe(now - start)
+                    last.append(now)
+                else:
+                    gap = (now - last[0]) / len(tokens)
+                    for _ in tokens:
+                        self.inter_token.observe(gap)
+                    last[0] = now
+            on_update(req, tokens)
+
+        return update
+
+    def collectors(self):
+        return self.ttft, self.inter_token, self.e2e
 
 
 class _EngineCollector:
@@ -47,6 +102,14 @@ class _EngineCollector:
         if engine.memory_profile is not None:
             yield gauge("kv_tokens_actual", "max_total_num_tokens measured in phase 2",
                         engine.memory_profile.max_total_num_tokens)
+        dynamic = plan.get("reserve", {}).get("dynamicBytes")
+        if dynamic is not None:
+            yield gauge("dynamic_bytes_planned", "R_dynamic in the memory plan: bytes left free for activations, "
+                        "logits and CUDA graphs", dynamic)
+        peak = dynamic_peak_bytes(engine)
+        if peak is not None:
+            yield gauge("dynamic_bytes_peak", "peak bytes the torch allocator held beyond weights and KV pools "
+                        "since start (CUDA only)", peak)
         if engine.ready:
             used, total = engine.kv_usage()
             yield gauge("kv_pool_used_tokens", "KV token slots in use", used)
@@ -59,4 +122,21 @@ class _EngineCollector:
 def render(state) -> bytes:
     registry = CollectorRegistry()
     registry.register(_EngineCollector(state))
+    latency = getattr(state, "latency", None)
+    for histogram in latency.collectors() if latency else ():
+        registry.register(histogram)
     return generate_latest(registry)
+
+
+def dynamic_peak_bytes(engine) -> int | None:
+    """Peak device bytes beyond the static part (weights and KV pools): the measured counterpart
+    of R_dynamic. Only CUDA keeps an allocator peak; elsewhere there is nothing to report."""
+    profile, pools = engine.memory_profile, getattr(engine, "memory_pool_config", None)
+    device = getattr(engine, "device", None)
+    if profile is None or pools is None or device is None or device.type != "cuda":
+        return None
+    import torch
+
+    cell = profile.target_bytes_per_token + profile.draft_bytes_per_token
+    static = profile.target_weight_bytes + profile.draft_weight_bytes + pools.max_total_num_tokens * cell
+    return max(0, torch.cuda.max_memory_allocated(device) - static)

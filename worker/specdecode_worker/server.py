@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, 
 
 from .engine.request import Request, SamplingParams
 from .errors import InputError
+from .metrics import RequestLatency
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class ServerState:
     tokenizer: Any = None
     init_error: str | None = None
     started_at: float = field(default_factory=time.time)
+    latency: RequestLatency = field(default_factory=RequestLatency)
 
 
 class NotReady(Exception):
@@ -272,7 +274,7 @@ async def _generate(state: ServerState, body: GenerationBody, ids: list[int], ch
     params = body.sampling_params()
     stops = body.stop_strings()
     sink = _Stream(asyncio.get_running_loop())
-    req = Request(ids, params, on_update=sink)
+    req = Request(ids, params, on_update=state.latency.timed(sink))
     state.engine.submit(req)  # raises InputError for a request that can never fit
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
             "model": state.model_name}
