@@ -132,7 +132,10 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     asyncio.get_running_loop().create_task(CONTROLLER.requeue_loop(_STOP))
     if _HEALTH_URL:
         global _HEALTH
-        _HEALTH = await health.serve(_HEALTH_URL, probe, CONTROLLER.statuses)
+        try:
+            _HEALTH = await health.serve(_HEALTH_URL, probe, CONTROLLER.statuses)
+        except OSError as exc:
+            raise kopf.PermanentError(f"cannot serve --liveness {_HEALTH_URL}: {exc}") from exc
 
 
 @kopf.on.cleanup()
