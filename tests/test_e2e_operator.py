@@ -66,7 +66,7 @@ class Operator:
             [str(BIN / "specdecode-operator"), "--namespace", self.namespace, "--log-format", "plain",
              "--worker-image", "specdecode/worker:test", "--liveness", f"http://127.0.0.1:{port}/healthz",
              *self.extra], env=self.env, stdout=out, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}/healthz"
+        url = self.health = f"http://127.0.0.1:{port}/healthz"
 
         def healthy():
             assert self.proc.poll() is None, f"operator exited {self.proc.returncode}: {self.tail()}"

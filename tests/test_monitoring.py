@@ -227,6 +227,36 @@ def test_a_liveness_url_that_cannot_serve_both_is_refused(url):
     assert main(["--liveness", url]) == 2
 
 
+def test_running_operator_serves_its_sdds_conditions_next_to_liveness(cluster, namespace):
+    from tests.test_e2e_operator import Operator
+
+    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/specdecodedeployments.specdecode.io", "--timeout=60s")
+    sdd = yaml.safe_load(SPEC_DEPLOY.read_text())
+    name = sdd["metadata"]["name"]
+    cluster.kubectl("apply", "-n", namespace, "-f", str(SPEC_DEPLOY))
+    op = Operator(cluster, namespace).start()
+    try:
+        metrics_url = op.health.rsplit("/", 1)[0] + health.METRICS_PATH
+
+        def planned() -> dict | None:
+            text = httpx.get(metrics_url, timeout=5).text
+            found = [dict(k) for (metric, k), _v in samples(text).items()
+                     if metric == "specdecode_sdd_condition" and dict(k).get("type") == "Planned"]
+            return found[0] if found else None
+
+        def agrees_with_status() -> bool:
+            status = json.loads(cluster.kubectl("get", "sdd", name, "-n", namespace, "-o", "json").stdout).get("status")
+            cond = c.get((status or {}).get("conditions") or [], c.PLANNED)
+            return cond is not None and planned() == {"namespace": namespace, "sdd": name, "type": "Planned",
+                                                      "status": cond["status"], "reason": cond["reason"]}
+
+        wait_for(agrees_with_status, timeout=60, what="the SDD's Planned condition on the operator's /metrics")
+        assert httpx.get(op.health, timeout=5).status_code == 200
+    finally:
+        op.stop()
+
+
 # ---- the dashboard ---------------------------------------------------------------------------
 
 
