@@ -443,7 +443,8 @@ def chat(url: str, model: str) -> None:
     seconds = time.monotonic() - start
     after = draft_counters(url)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    proposed, accepted = delta["specdecode_draft_proposed_tokens_total"], delta["specdecode_draft_accepted_tokens_total"]
+    proposed = delta["specdecode_draft_proposed_tokens_total"]
+    accepted = delta["specdecode_draft_accepted_tokens_total"]
     rounds = delta["specdecode_verify_rounds_total"]
     say("  user:      " + QUESTION.replace("\n", "\n             "))
     say(f"  assistant: {answer['choices'][0]['message']['content']}")
@@ -506,7 +507,8 @@ def finish(plane: ControlPlane, worker_url: str) -> None:
     operator = STATE / "operator.json"
     if operator.exists():
         health = json.loads(operator.read_text())["health"]
-        say(f"  curl {health.rsplit('/', 1)[0]}/metrics   # the SDD's conditions, phase and Ready pods, from the operator")
+        metrics = health.rsplit("/", 1)[0] + "/metrics"
+        say(f"  curl {metrics}   # the SDD's conditions, phase and Ready pods, from the operator")
     say("Stop everything (operator, worker, control plane):")
     say("  .venv/bin/python demo/run.py down")
 

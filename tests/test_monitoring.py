@@ -405,8 +405,8 @@ def test_hpa_example_scales_the_sdd_through_its_scale_subresource(cluster, names
     status = {"status": {"replicas": sdd["spec"]["replicas"], "selector": labels.selector_string(name)}}
     cluster.kubectl("patch", "sdd", name, "-n", namespace, "--subresource=status", "--type=merge",
                     "-p", json.dumps(status))
-    scale = json.loads(cluster.kubectl(
-        "get", "--raw", f"/apis/specdecode.io/v1alpha1/namespaces/{namespace}/specdecodedeployments/{name}/scale").stdout)
+    scale_path = f"/apis/specdecode.io/v1alpha1/namespaces/{namespace}/specdecodedeployments/{name}/scale"
+    scale = json.loads(cluster.kubectl("get", "--raw", scale_path).stdout)
     assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == sdd["spec"]["replicas"]
     assert scale["status"]["selector"] == labels.selector_string(name)
 

@@ -45,8 +45,10 @@ def _sample(name: str, labels: dict[str, str], value: float) -> str:
 
 def render(book: StatusBook) -> str:
     """The text exposition format (version 0.0.4)."""
+    entries = book.items()
     conditions, phases, replicas, ready = [], [], [], []
-    for (namespace, name), status in book.items():
+    tracked = [f"specdecode_sdd_tracked {len(entries)}"]
+    for (namespace, name), status in entries:
         sdd = {"namespace": namespace, "sdd": name}
         for cond in status.get("conditions") or []:
             labels = sdd | {"type": cond.get("type", ""), "status": cond.get("status", ""),
@@ -62,7 +64,7 @@ def render(book: StatusBook) -> str:
         ("specdecode_sdd_phase", "gauge", "1 for the SDD's current phase", phases),
         ("specdecode_sdd_replicas", "gauge", "worker pods of the SDD's current rollout", replicas),
         ("specdecode_sdd_ready_replicas", "gauge", "worker pods that are Ready", ready),
-        ("specdecode_sdd_tracked", "gauge", "SDDs the operator tracks", [f"specdecode_sdd_tracked {len(book.items())}"]),
+        ("specdecode_sdd_tracked", "gauge", "SDDs the operator tracks", tracked),
     ]
     lines = []
     for name, kind, doc, samples in families:
