@@ -143,7 +143,9 @@ def test_cuda_worker_exports_the_dynamic_peak(tmp_path):
     from tests.test_server import _argv, _free_port, serving
 
     models = tiny_models(tmp_path)
-    argv = [a if a != "cpu" else "cuda" for a in _argv(models, _free_port())]
+    argv = _argv(models, _free_port())
+    argv[argv.index("--device") + 1] = "cuda"
+    del argv[argv.index("--device-memory-gib"):argv.index("--device-memory-gib") + 2]  # the GPU's own memory
     with serving(argv) as (base, _state):
         httpx.post(f"{base}/v1/completions", json={"prompt": "one two", "max_tokens": 8}, timeout=120)
         values = samples(httpx.get(f"{base}/metrics").text)
