@@ -40,7 +40,8 @@ def app(path: str, probe: Callable[[], dict[str, Any]], book: StatusBook) -> aio
 
 async def serve(url: str, probe: Callable[[], dict[str, Any]], book: StatusBook) -> aiohttp.web.AppRunner:
     host, port, path = endpoint(url)
-    runner = aiohttp.web.AppRunner(app(path, probe, book), handle_signals=False, shutdown_timeout=1.0)
+    runner = aiohttp.web.AppRunner(app(path, probe, book), handle_signals=False, shutdown_timeout=1.0,
+                                   access_log=None)  # probes and scrapes every few seconds: no log line each
     await runner.setup()
     await aiohttp.web.TCPSite(runner, host, port).start()
     return runner
