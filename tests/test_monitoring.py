@@ -378,7 +378,8 @@ def test_with_the_monitoring_api_monitors_select_workers_and_operator(cluster):
 
 
 def test_alerts_cover_the_failures_and_query_served_metrics(cluster, worker, operator_metrics):
-    kinds = _kinds(_render(cluster, *MONITORING, *ALL_ON, "--set-json", "metrics.prometheusRule.acceptanceRateBelow=0.35"))
+    threshold = ["--set-json", "metrics.prometheusRule.acceptanceRateBelow=0.35"]  # --set would make it a string
+    kinds = _kinds(_render(cluster, *MONITORING, *ALL_ON, *threshold))
     [rule] = kinds["PrometheusRule"]
     alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
     assert {"SpecDecodeKVTokensBelowPlan", "SpecDecodeDynamicPeakAbovePlan", "SpecDecodeAcceptanceCollapsed",
