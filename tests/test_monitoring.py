@@ -343,6 +343,14 @@ def test_without_the_monitoring_api_no_monitor_or_rule_renders(cluster):
     assert json.loads(dashboard["data"]["specdecode.json"]) == json.loads(DASHBOARD.read_text())
 
 
+def test_install_without_the_monitoring_api_says_what_was_left_out(cluster, namespace):
+    out = cluster.helm("install", "sdo", str(CHART), "-n", namespace, "--dry-run=client", *ALL_ON).stdout
+    assert "metrics.serviceMonitor.enabled is true, but this cluster serves no monitoring.coreos.com/v1" in out
+    assert "metrics.prometheusRule.enabled is true, but this cluster serves no monitoring.coreos.com/v1" in out
+    quiet = cluster.helm("install", "sdo", str(CHART), "-n", namespace, "--dry-run=client").stdout
+    assert "monitoring.coreos.com" not in quiet.split("NOTES:")[1]
+
+
 def test_with_the_monitoring_api_monitors_select_workers_and_operator(cluster):
     assert not {"PodMonitor", "ServiceMonitor", "PrometheusRule"} & set(_kinds(_render(cluster, *MONITORING)))
     kinds = _kinds(_render(cluster, *MONITORING, *ALL_ON, "--set", "metrics.serviceMonitor.labels.release=kps"))
