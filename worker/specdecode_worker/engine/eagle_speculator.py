@@ -21,6 +21,7 @@ neither model has cached; D: the first position the draft has not cached with ta
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -188,15 +189,42 @@ class EagleSpeculator(Speculator):
         return first
 
     # ---- one round ----------------------------------------------------------------------------
-    def decode_round(self, reqs: list[Request]) -> list[RoundResult]:
+    def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None) -> list[RoundResult]:
+        """Request i verifies at most ``draft_lengths[i]`` tokens: the first ones of its chain, or
+        the best-scored nodes of its tree (any prefix of that order is a tree). The head drafts
+        for the whole batch; a round where no request drafts is a plain target step."""
         self._features = {r.rid: self._features[r.rid] for r in reqs}  # finished requests drop out
+        ks = [self.k] * len(reqs) if draft_lengths is None else [min(k, self.k) for k in draft_lengths]
+        if not any(ks):
+            self.last_draft_seconds = 0.0
+            return self._plain_round(reqs)
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
         for r in reqs:
             alloc_positions(pool, alloc, r.req_idx, r.kv_len, r.kv_len + self.k + 1)
+        start = time.perf_counter()
         logits, hidden = self._draft_extend(reqs)
         if self.tree:
-            return self._tree_round(reqs, logits, hidden)
-        return self._chain_round(reqs, logits, hidden)
+            trees = self._draft_trees(reqs, logits, hidden, ks)
+            self.last_draft_seconds = time.perf_counter() - start
+            return self._verify_trees(reqs, trees)
+        return self._chain_round(reqs, logits, hidden, ks, start)
+
+    def _plain_round(self, reqs) -> list[RoundResult]:
+        """One target step per request; its features join those the head has not read yet, so
+        the next drafting round's extend catches the head's cache up over every skipped token."""
+        pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
+        for r in reqs:
+            alloc_positions(pool, alloc, r.req_idx, r.kv_len, r.kv_len + 1)
+        segments = [Segment(r.req_idx, [r.all_ids[-1]], r.kv_len) for r in reqs]
+        fb = with_cache_locs(make_batch(segments, self.target.device), pool, segments)
+        logits, features = self._target(fb, self.target.backend)
+        results = []
+        for i, r in enumerate(reqs):
+            token, _ = choose(logits[i], r.params, r.generator)
+            r.kv_len += 1
+            self._features[r.rid] = torch.cat([self._features[r.rid], features[i : i + 1]])
+            results.append(RoundResult([token], proposed=0, accepted=0))
+        return results
 
     def _draft_extend(self, reqs):
         segments = [Segment(r.req_idx, r.all_ids[r.draft_kv_len + 1 : r.kv_len + 1], r.draft_kv_len) for r in reqs]
@@ -207,7 +235,7 @@ class EagleSpeculator(Speculator):
             r.draft_kv_len = r.kv_len
         return logits, feature
 
-    def _chain_round(self, reqs, logits, hidden) -> list[RoundResult]:
+    def _chain_round(self, reqs, logits, hidden, ks, start_time) -> list[RoundResult]:
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list] = [[] for _ in reqs]
         for step in range(self.k):
@@ -220,24 +248,26 @@ class EagleSpeculator(Speculator):
                 fb = with_cache_locs(make_batch(segments, self.draft.device), self.draft.req_to_token_pool, segments)
                 logits, hidden = self._draft(fb, self.draft.backend, hidden, False, fb.logit_rows(False))
 
+        self.last_draft_seconds = time.perf_counter() - start_time
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
+        tokens = [t[:k] for t, k in zip(tokens, ks)]
         segments = [Segment(r.req_idx, [r.all_ids[-1]] + tokens[i], r.kv_len) for i, r in enumerate(reqs)]
         fb = with_cache_locs(make_batch(segments, self.target.device), pool, segments)
         target_logits, features = self._target(fb, self.target.backend)
         results, start = [], 0
         for i, r in enumerate(reqs):
-            rows = slice(start, start + self.k + 1)
-            start += self.k + 1
-            draft_probs = None if r.params.greedy else probs[i]
+            rows = slice(start, start + ks[i] + 1)
+            start += ks[i] + 1
+            draft_probs = None if r.params.greedy else probs[i][: ks[i]]
             n, nxt = verify(tokens[i], draft_probs, target_logits[rows], r.params, r.generator)
             last = r.kv_len
             r.kv_len = last + n + 1
             free_positions(pool, alloc, r.req_idx, r.kv_len, last + self.k + 1)
             self._features[r.rid] = features[rows][: n + 1]
-            results.append(RoundResult(tokens[i][:n] + [nxt], proposed=self.k, accepted=n))
+            results.append(RoundResult(tokens[i][:n] + [nxt], proposed=ks[i], accepted=n))
         return results
 
-    def _tree_round(self, reqs, logits, hidden) -> list[RoundResult]:
+    def _draft_trees(self, reqs, logits, hidden, ks) -> list[DraftTree]:
         k = self.topk
         alloc = self.target.token_to_kv_pool_allocator
         # Candidates per request: token, parent candidate (-1: root), score, depth.
@@ -277,12 +307,11 @@ class EagleSpeculator(Speculator):
                     rows += [i * k + (x - base) // k for x in best]
                 frontier = new_frontier
                 front_hidden = step_hidden[torch.tensor(rows, device=step_hidden.device)]
-            trees = [select_tree(r.all_ids[-1], cand["tok"], cand["par"], cand["score"], cand["depth"], self.k)
-                     for r, cand in zip(reqs, cands)]
+            return [select_tree(r.all_ids[-1], cand["tok"], cand["par"], cand["score"], cand["depth"], k)
+                    for r, cand, k in zip(reqs, cands, ks)]
         finally:
             for s in scratch:
                 alloc.free(s)
-        return self._verify_trees(reqs, trees)
 
     def _tree_step_batch(self, reqs, cands, frontier, expanded, scratch, step) -> TreeForwardBatch:
         """Draft inputs for expanding ``frontier``: each node reads the prefix and its ancestors."""
@@ -342,6 +371,7 @@ class EagleSpeculator(Speculator):
             path, nxt = accept_path(t, logits[rows], r.params, r.generator)
             keep = [0] + path
             last = r.kv_len
+            free_positions(pool, alloc, r.req_idx, last + t.size, last + self.k + 1)  # a tree cut short
             # The accepted nodes' K/V become positions last..last+len(path); the rest are freed.
             rows_of[r.req_idx, last : last + len(keep)] = s[keep]
             rejected = torch.ones(t.size, dtype=torch.bool)

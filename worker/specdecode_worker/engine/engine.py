@@ -37,7 +37,9 @@ from .model_runner import ModelRunner
 from .phases import Phase, PhaseError
 from .pools import KV_CACHE_DTYPES, MemoryPoolConfig
 from .request import Request, make_generator
+from .spec_policy import FIXED, MODES, CostCurve, SpecPolicy, StepCost
 from .speculative import ALGORITHMS, RoundResult, Speculator, StandaloneSpeculator
+from .step_timing import measure_curve
 from .vocab_map import DraftVocabulary
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class EngineArgs:
     planned_tokens: int | None = None
     draft_quantization: str | None = None  # "int8": dynamic int8 draft linears (cpu)
     kv_cache_dtype: str = "auto"  # auto (the compute dtype), fp8_e4m3 or fp8_e5m2: every model's K/V pool
+    spec_policy: str = FIXED  # fixed: K drafts every round; adaptive: the draft length that maximises goodput
 
 
 @dataclass
@@ -80,6 +83,13 @@ class Stats:
     verify_rounds: int = 0
     finished_requests: int = 0
     accept_lengths: Counter[int] = field(default_factory=Counter)  # accepted drafts per request-round -> count
+    draft_lengths: Counter[int] = field(default_factory=Counter)  # draft length chosen per request-round -> count
+    decode_steps: int = 0
+    steps_without_speculation: int = 0  # decode steps where no request drafted
+    proposed_by_position: Counter[int] = field(default_factory=Counter)  # draft position (1-based) -> verified
+    accepted_by_position: Counter[int] = field(default_factory=Counter)  # draft position (1-based) -> accepted
+    decode_tokens: int = 0  # tokens the decode rounds produced (goodput's numerator)
+    decode_seconds: float = 0.0
     phase_seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -96,6 +106,8 @@ class Engine:
                             args.num_draft_tokens)
         if args.algorithm == "MTP":
             check_mtp_args(args.speculative_eagle_topk, args.speculative_num_steps, args.num_draft_tokens)
+        if args.spec_policy not in MODES:
+            raise InputError(f"--spec-policy {args.spec_policy}: use one of {', '.join(MODES)}")
         if args.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InputError(f"--kv-cache-dtype {args.kv_cache_dtype}: use one of {', '.join(KV_CACHE_DTYPES)}")
         # MTP's draft is the target's own NextN layer; --draft may name another folder holding it.
@@ -110,6 +122,7 @@ class Engine:
         self.memory_profile: MemoryProfile | None = None
         self.memory_pool_config: MemoryPoolConfig | None = None
         self.speculator: Speculator | None = None
+        self.policy: SpecPolicy | None = None
         self.stats = Stats()
         self._waiting: queue.Queue[Request] = queue.Queue()
         self._running: list[Request] = []
@@ -130,6 +143,7 @@ class Engine:
         self._timed("alloc_memory_pool", self.init_memory_pools)  # phase 2
         self._timed("init_backends", self.init_backends)  # phase 3
         self.speculator = self._make_speculator()
+        self._timed("measure_step_cost", self._make_policy)  # the warm-up that seeds the policy's cost model
 
     def _timed(self, name: str, phase: Callable[[], None]) -> None:
         start = time.perf_counter()
@@ -239,6 +253,32 @@ class Engine:
         return StandaloneSpeculator(args.algorithm, self.target_runner, self.draft_runner, args.num_draft_tokens,
                                     args.ngram_max)
 
+    def _make_policy(self) -> None:
+        args, spec = self.args, self.speculator
+        k = 0 if args.algorithm == "NONE" else args.num_draft_tokens
+        self.policy = SpecPolicy(args.spec_policy, args.algorithm, k, self._step_cost(k),
+                                 per_request=spec.per_request_draft_lengths, choices=spec.draft_length_choices)
+
+    def _step_cost(self, k: int) -> StepCost:
+        """Measured on one device (a few passes at batch 1 and full, width 1 and k + 1); with
+        tensor parallelism the ranks cannot time passes alone, so a guess refined online seeds it."""
+        args = self.args
+        if args.spec_policy == FIXED or k == 0:
+            return StepCost(CostCurve({1: 1.0}))
+        batches, widths = [1, args.max_running_requests], [1, k + 1]
+        if self.target_runner.tp.size > 1:
+            target = CostCurve({1: 0.01, max(batches) * (k + 1): 0.02})
+        else:
+            target = measure_curve(self.target_runner, batches, widths)
+        if args.algorithm == "STANDALONE":
+            draft = measure_curve(self.draft_runner, batches, [1])
+        elif args.algorithm == "NGRAM":
+            draft = None
+        else:  # an EAGLE head or NextN layer: one layer against the target's many
+            layers = max(self.target_shape.num_hidden_layers, 1)
+            draft = CostCurve({x: y / layers for x, y in zip(target.xs, target.ys)})
+        return StepCost(target, draft)
+
     @property
     def ready(self) -> bool:
         return self.speculator is not None
@@ -252,6 +292,9 @@ class Engine:
         req.params.validate()
         if not req.prompt_ids:
             raise InputError("the prompt is empty")
+        cap = req.max_draft_tokens
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise InputError(f"max_draft_tokens must be a non-negative integer (0 turns drafting off), got {cap!r}")
         ctx = self.args.context_len
         if len(req.prompt_ids) + req.params.max_tokens > ctx:
             raise InputError(f"prompt ({len(req.prompt_ids)} tokens) plus max_tokens ({req.params.max_tokens}) "
@@ -343,9 +386,34 @@ class Engine:
                 self._commit(r, [token])
         if self._running:
             reqs = list(self._running)
-            for r, result in zip(reqs, self.speculator.decode_round(reqs)):
+            rids = [r.rid for r in reqs]
+            ks = self.policy.draft_lengths(rids, [self._draft_cap(r) for r in reqs])
+            start = time.perf_counter()
+            results = self.speculator.decode_round(reqs, ks)
+            seconds = time.perf_counter() - start
+            self.policy.record(rids, ks, [x.proposed for x in results], [x.accepted for x in results], seconds,
+                               self.speculator.last_draft_seconds)
+            self._count_step(ks, results, seconds)
+            for r, result in zip(reqs, results):
                 self._count_round(r, result)
                 self._commit(r, result.tokens)
+
+    def _draft_cap(self, r: Request) -> int:
+        if not r.speculative:
+            return 0
+        k = self.policy.max_draft
+        return k if r.max_draft_tokens is None else min(k, r.max_draft_tokens)
+
+    def _count_step(self, ks: list[int], results: list[RoundResult], seconds: float) -> None:
+        stats = self.stats
+        stats.decode_steps += 1
+        stats.steps_without_speculation += not any(x.proposed for x in results)
+        stats.draft_lengths.update(ks)
+        stats.decode_tokens += sum(len(x.tokens) for x in results)
+        stats.decode_seconds += seconds
+        for x in results:
+            stats.proposed_by_position.update(range(1, x.proposed + 1))
+            stats.accepted_by_position.update(range(1, x.accepted + 1))
 
     def _count_round(self, r: Request, result: RoundResult) -> None:
         r.proposed_draft_tokens += result.proposed
@@ -378,6 +446,8 @@ class Engine:
         runner = self.target_runner
         if r in self._running:
             self._running.remove(r)
+        if self.policy is not None:
+            self.policy.forget(r.rid)
         if r.req_idx is not None:
             free_positions(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, r.req_idx, 0, r.kv_len)
             runner.req_to_token_pool.free(r.req_idx)

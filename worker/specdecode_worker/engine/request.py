@@ -60,6 +60,8 @@ class Request:
     # ``None`` when the request ends (finish_reason or error set).
     on_update: Callable[["Request", list[int] | None], None] | None = None
     rid: int = field(default_factory=lambda: next(_ids))
+    speculative: bool = True  # False: this request never drafts (plain decoding)
+    max_draft_tokens: int | None = None  # a cap on its draft length per round (None: the engine's)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None

@@ -15,6 +15,7 @@ back to the allocator at the end of the round and serve the next one.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import time
 from dataclasses import dataclass
 
 import torch
@@ -58,9 +59,16 @@ class Speculator(ABC):
     def prefill(self, reqs: list[Request]) -> list[int]:
         """Run the prompts through the target; returns each request's first token."""
 
+    # Whether requests of one round may draft different lengths (else the policy picks one k).
+    per_request_draft_lengths: bool = True
+    # The draft lengths a round may take when one k serves the whole batch (None: 0..K).
+    draft_length_choices: tuple[int, ...] | None = None
+    last_draft_seconds: float = 0.0  # time the last round spent drafting (the cost model's input)
+
     @abstractmethod
-    def decode_round(self, reqs: list[Request]) -> list[RoundResult]:
-        """Advance every request by one verified round."""
+    def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None) -> list[RoundResult]:
+        """Advance every request by one verified round; request i drafts at most ``draft_lengths[i]``
+        tokens (default: the speculator's K). A length of 0 is a plain decode step for it."""
 
 
 @dataclass
@@ -107,46 +115,53 @@ class StandaloneSpeculator(Speculator):
             first.append(token)
         return first
 
-    def decode_round(self, reqs: list[Request]) -> list[RoundResult]:
+    def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None) -> list[RoundResult]:
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
-        for r in reqs:
-            alloc_positions(pool, alloc, r.req_idx, r.kv_len, r.kv_len + self.k + 1)
-        proposals = self._propose(reqs)
+        ks = [self.k] * len(reqs) if draft_lengths is None else [min(k, self.k) for k in draft_lengths]
+        for r, k in zip(reqs, ks):
+            alloc_positions(pool, alloc, r.req_idx, r.kv_len, r.kv_len + k + 1)
+        start_time = time.perf_counter()
+        proposals = self._propose(reqs, ks)
+        self.last_draft_seconds = time.perf_counter() - start_time
         segments = [Segment(r.req_idx, [r.all_ids[-1]] + p.tokens, r.kv_len) for r, p in zip(reqs, proposals)]
         logits = forward_segments(self.target, segments, last_only=False)
         results, start = [], 0
-        for r, p in zip(reqs, proposals):
+        for r, p, k in zip(reqs, proposals, ks):
             rows = logits[start : start + len(p.tokens) + 1]
             start += len(p.tokens) + 1
             n, nxt = verify(p.tokens, p.probs, rows, r.params, r.generator)
             last = r.kv_len
             r.kv_len = last + n + 1  # the last token and the n accepted proposals are now cached
             r.draft_kv_len = min(r.draft_kv_len, r.kv_len)
-            free_positions(pool, alloc, r.req_idx, r.kv_len, last + self.k + 1)
+            free_positions(pool, alloc, r.req_idx, r.kv_len, last + k + 1)
             results.append(RoundResult(p.tokens[:n] + [nxt], proposed=len(p.tokens), accepted=n))
         return results
 
-    def _propose(self, reqs: list[Request]) -> list[Proposal]:
+    def _propose(self, reqs: list[Request], ks: list[int]) -> list[Proposal]:
         if self.algorithm == "NONE":
             return [Proposal([], None) for _ in reqs]
         if self.algorithm == "NGRAM":
-            return [Proposal(ngram_propose(r.all_ids, self.k, self.ngram_max), None) for r in reqs]
-        return self._draft_propose(reqs)
+            return [Proposal(ngram_propose(r.all_ids, k, self.ngram_max) if k else [], None) for r, k in zip(reqs, ks)]
+        return self._draft_propose(reqs, ks)
 
-    def _draft_propose(self, reqs: list[Request]) -> list[Proposal]:
-        # Step 1 catches the draft's cache up to the last committed token (prompt, or the
-        # previous round's accepted tail); steps 2..k feed back one proposal each.
-        segments = [Segment(r.req_idx, r.all_ids[r.draft_kv_len :], r.draft_kv_len) for r in reqs]
+    def _draft_propose(self, reqs: list[Request], ks: list[int]) -> list[Proposal]:
+        # Step 1 catches the draft's cache up to the last committed token (prompt, or every token
+        # committed since this request last drafted); steps 2..k feed back one proposal each.
+        # A request drafting 0 tokens is left out: its draft cache catches up when it next drafts.
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list] = [[] for _ in reqs]
-        for step in range(self.k):
-            logits = forward_segments(self.draft, segments, last_only=True)
-            for i, (r, row) in enumerate(zip(reqs, logits)):
-                token, p = choose(row, r.params, r.generator)
+        segments = {i: Segment(r.req_idx, r.all_ids[r.draft_kv_len :], r.draft_kv_len)
+                    for i, r in enumerate(reqs) if ks[i]}
+        for step in range(max(ks, default=0)):
+            drafting = list(segments)
+            logits = forward_segments(self.draft, list(segments.values()), last_only=True)
+            for i, row in zip(drafting, logits):
+                token, p = choose(row, reqs[i].params, reqs[i].generator)
                 tokens[i].append(token)
                 probs[i].append(p)
-            if step + 1 < self.k:
-                segments = [Segment(r.req_idx, [tokens[i][-1]], r.kv_len + step + 1) for i, r in enumerate(reqs)]
-        for r in reqs:
-            r.draft_kv_len = r.kv_len + self.k  # positions up to L+k-1 now hold draft K/V
+            segments = {i: Segment(reqs[i].req_idx, [tokens[i][-1]], reqs[i].kv_len + step + 1)
+                        for i in drafting if ks[i] > step + 1}
+        for r, k in zip(reqs, ks):
+            if k:
+                r.draft_kv_len = r.kv_len + k  # positions up to L+k-1 now hold draft K/V
         return [Proposal(t, None if r.params.greedy else p) for r, t, p in zip(reqs, tokens, probs)]
