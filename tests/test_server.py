@@ -122,6 +122,19 @@ def test_completion_equals_the_target_greedy_text(server, reference):
         assert r.json()["usage"]["completion_tokens"] == 12
 
 
+def test_draft_control_fields_keep_the_greedy_text(server, reference):
+    """Drafting off, or capped, for one request: the same text, and no proposals for the first."""
+    base, state = server
+    prompt, text = next(iter(reference.items()))
+    before = state.engine.stats.proposed_tokens
+    r = _complete(base, prompt, speculative=False)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == text
+    assert state.engine.stats.proposed_tokens == before
+    r = _complete(base, prompt, max_draft_tokens=1)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
+
+
 def test_streaming_deltas_join_to_the_same_text(server, reference):
     base, _ = server
     prompt, text = next(iter(reference.items()))
@@ -195,6 +208,9 @@ def test_sampling_with_a_seed_is_reproducible(server):
         ("/v1/completions", {"prompt": ""}, "prompt"),
         ("/v1/completions", {"prompt": [1, 100000]}, "token ids"),
         ("/v1/completions", {}, "prompt"),
+        ("/v1/completions", {"prompt": "the", "max_draft_tokens": -1}, "max_draft_tokens"),
+        ("/v1/completions", {"prompt": "the", "max_draft_tokens": 1.5}, "max_draft_tokens"),
+        ("/v1/completions", {"prompt": "the", "speculative": "no"}, "speculative"),
         ("/v1/chat/completions", {"messages": "hi"}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
     ],

@@ -46,6 +46,9 @@ def parser() -> argparse.ArgumentParser:
                    help="EAGLE draft steps per round (default: --num-draft-tokens, a chain)")
     p.add_argument("--speculative-eagle-topk", type=int, default=1,
                    help="EAGLE branches per draft step: 1 drafts a chain, more a tree of --num-draft-tokens nodes")
+    p.add_argument("--spec-policy", choices=("adaptive", "fixed"), default="adaptive",
+                   help="adaptive: each round drafts the length (down to none) that maximises expected tokens/s "
+                        "from load and acceptance; fixed: always --num-draft-tokens")
     p.add_argument("--ngram-max", type=int, default=4, help="longest suffix NGRAM matches")
     p.add_argument("--draft-quantization", choices=("none", "int8"), default="none",
                    help="int8: dynamically quantised draft linears (cpu only; a cheap draft of a copy of the target)")
@@ -132,7 +135,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         speculative_num_steps=args.speculative_num_steps, speculative_eagle_topk=args.speculative_eagle_topk,
         planned_tokens=kv["maxTotalNumTokens"],
         draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, spec_policy=args.spec_policy,
     )
     return engine_args, plan
 

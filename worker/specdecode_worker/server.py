@@ -60,6 +60,7 @@ EXPECTED = {
     "stop": "a non-empty string or a list of up to 4 of them",
     "prompt": "a non-empty string or a list of token ids",
     "messages": "a non-empty list of {role, content} objects with string values",
+    "speculative": "true or false", "max_draft_tokens": "a non-negative integer (0 turns drafting off)",
 }
 
 
@@ -78,6 +79,13 @@ class GenerationBody(BaseModel):
     ignore_eos: Any = False
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
+    speculative: StrictBool = True  # false: this request is decoded without drafting
+    max_draft_tokens: StrictInt | None = None  # a cap on its draft length per round
+
+    def draft_control(self) -> dict:
+        if self.max_draft_tokens is not None and self.max_draft_tokens < 0:
+            raise InputError(f"'max_draft_tokens' must be {EXPECTED['max_draft_tokens']}, got {self.max_draft_tokens}")
+        return {"speculative": self.speculative, "max_draft_tokens": self.max_draft_tokens}
 
     def sampling_params(self) -> SamplingParams:
         if self.n != 1:
@@ -274,7 +282,7 @@ async def _generate(state: ServerState, body: GenerationBody, ids: list[int], ch
     params = body.sampling_params()
     stops = body.stop_strings()
     sink = _Stream(asyncio.get_running_loop())
-    req = Request(ids, params, on_update=state.latency.timed(sink))
+    req = Request(ids, params, on_update=state.latency.timed(sink), **body.draft_control())
     state.engine.submit(req)  # raises InputError for a request that can never fit
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
             "model": state.model_name}
