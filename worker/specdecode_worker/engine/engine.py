@@ -7,8 +7,10 @@
    cell, allocate the target pools, then the draft pool adopting the target's req_to_token pool
    and allocator;
 3. backends: attention backends and CUDA graphs, target then draft.
-The speculator is built last, over the finished runners. ``step`` is admit -> prefill / decode
-round -> commit, and ``_commit`` is the one place a request's output grows.
+The speculator is built last, over the finished runners, then the speculation policy, whose cost
+model a few timed passes seed (adaptive only). ``step`` is admit -> prefill / policy picks each
+request's draft length -> decode round -> commit, and ``_commit`` is the one place a request's
+output grows.
 """
 
 from __future__ import annotations

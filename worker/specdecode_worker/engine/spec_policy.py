@@ -3,8 +3,9 @@
 The adaptive policy picks each request's draft length k in 0..K that maximises the batch's
 expected goodput, sum_r E[accepted_r + 1 | k_r] / step_time(verify tokens, draft steps):
 - acceptance is estimated by draft position, as the conditional rate P(accept i | accepted
-  i - 1), per request and per algorithm: a Beta estimate with forgetting whose prior is the
-  algorithm's own estimate (itself starting from a fixed per-algorithm prior);
+  i - 1), per request and per algorithm: a Beta estimate with forgetting; a request's first
+  position leans on the algorithm's estimate (itself starting from a fixed per-algorithm prior),
+  every later position on the one before it;
 - E[accepted | k] = sum_{i<=k} prod_{j<=i} a_j, so the gain of the i-th draft token of a request
   is prod_{j<=i} a_j and never grows with i: for a given verify width the best choice takes the
   largest gains, and the policy tries every width (and every draft depth) and keeps the best ratio;
@@ -32,15 +33,28 @@ ALGORITHM_PRIORS = {"NGRAM": 0.5, "STANDALONE": 0.7, "EAGLE": 0.7, "EAGLE3": 0.7
 class Acceptance:
     """Conditional acceptance by draft position, a forgetting Beta estimate over a prior."""
 
-    def __init__(self, positions: int, prior: "Acceptance | float", prior_weight: float = 2.0, decay: float = 0.8):
+    def __init__(self, positions: int, prior: "Acceptance | float", prior_weight: float = 1.0, decay: float = 0.8):
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         self.hits = [0.0] * positions
         self.seen = [0.0] * positions
 
+    def rates(self) -> list[float]:
+        """P(the draft token at position i (0-based) is accepted | all before it were), by position.
+
+        Position 0 leans on the prior; each later position leans on the position before it, so a
+        position never drafted yet is expected to do as its predecessor does (the draft length
+        can then grow one position at a time as acceptance shows)."""
+        out = []
+        for i in range(len(self.hits)):
+            if i:
+                prior = out[-1]
+            else:
+                prior = self.prior.rates()[0] if isinstance(self.prior, Acceptance) else self.prior
+            out.append((self.prior_weight * prior + self.hits[i]) / (self.prior_weight + self.seen[i]))
+        return out
+
     def rate(self, i: int) -> float:
-        """P(the draft token at position i (0-based) is accepted | all before it were)."""
-        prior = self.prior.rate(i) if isinstance(self.prior, Acceptance) else self.prior
-        return (self.prior_weight * prior + self.hits[i]) / (self.prior_weight + self.seen[i])
+        return self.rates()[i]
 
     def observe(self, proposed: int, accepted: int) -> None:
         """One verified round: positions before ``accepted`` were kept, the next one was rejected."""
@@ -51,8 +65,8 @@ class Acceptance:
     def gains(self, k: int) -> list[float]:
         """Expected extra tokens from the 1st..k-th draft token: prod_{j<=i} a_j."""
         out, p = [], 1.0
-        for i in range(k):
-            p *= self.rate(i)
+        for a in self.rates()[:k]:
+            p *= a
             out.append(p)
         return out
 
@@ -83,8 +97,9 @@ class CostCurve:
             return
         j = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
         w1 = min(max((x - xs[j - 1]) / (xs[j] - xs[j - 1]), 0.0), 1.0)
-        self.ys[j - 1] = max(self.ys[j - 1] + self.rate * (1 - w1) * err, 1e-9)
-        self.ys[j] = max(self.ys[j] + self.rate * w1 * err, 1e-9)
+        step = self.rate * err / ((1 - w1) ** 2 + w1**2)  # moves the prediction at x by rate x err
+        self.ys[j - 1] = max(self.ys[j - 1] + (1 - w1) * step, 1e-9)
+        self.ys[j] = max(self.ys[j] + w1 * step, 1e-9)
 
 
 @dataclass
@@ -119,7 +134,7 @@ class SpecPolicy:
         if self.mode not in MODES:
             raise ValueError(f"unknown speculation policy {self.mode!r}; use one of {', '.join(MODES)}")
         prior = ALGORITHM_PRIORS.get(self.algorithm, 0.5)
-        self.algorithm_acceptance = Acceptance(self.max_draft, prior, prior_weight=4.0, decay=0.98)
+        self.algorithm_acceptance = Acceptance(self.max_draft, prior, prior_weight=2.0, decay=0.95)
 
     def acceptance(self, rid: int) -> Acceptance:
         if rid not in self._requests:

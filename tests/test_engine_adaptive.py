@@ -1,0 +1,155 @@
+"""The adaptive speculation policy inside the engine: greedy output never changes, whatever draft
+lengths it picks; sampling stays exact when the draft length changes from round to round; a
+request can turn drafting off or cap it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
+from specdecode_worker.engine.spec_policy import CostCurve, StepCost  # noqa: E402
+from specdecode_worker.errors import InputError  # noqa: E402
+
+from tests.eagle_heads import write_copying_eagle_head  # noqa: E402
+from tests.engine_helpers import engine, noisy_copy, run_all, tiny_models  # noqa: E402
+from tests.test_engine_sampling import CHI2_CRIT, chi_square  # noqa: E402
+from tests.tiny_models import write_tiny_model  # noqa: E402
+
+# Repetitive prompts (NGRAM finds matches) next to ones without any repetition.
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [20, 21, 22], list(range(30, 60)), [3, 9, 3, 9, 3, 9, 3]]
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adaptive")
+    found = tiny_models(root)
+    found["noisy"] = noisy_copy(found["target"], root / "noisy", scale=0.3)
+    return found
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """The target's own greedy continuation, from transformers' generate."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
+    out = []
+    for p in PROMPTS:
+        ids = hf.generate(torch.tensor([p]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def acceptance_driven(eng, probe_every: int = 4):
+    """Pin the cost model to 'each verify token costs half a step' so the lengths follow acceptance
+    (measured timings would make the test depend on the machine)."""
+    eng.policy.cost = StepCost(CostCurve({1: 1.0, 101: 51.0}, rate=0.0), CostCurve({1: 0.1}, rate=0.0))
+    eng.policy.probe_every = probe_every
+    return eng
+
+
+def greedy(eng, prompts=PROMPTS, **fields):
+    return [r.output_ids for r in run_all(eng, [Request(p, GREEDY, **fields) for p in prompts])]
+
+
+@pytest.mark.parametrize("algorithm, draft", [("NGRAM", None), ("STANDALONE", "noisy")])
+def test_adaptive_fixed_and_none_give_the_same_greedy_output(models, reference, algorithm, draft):
+    draft_dir = models[draft] if draft else None
+    plain = engine(models["target"])
+    fixed = engine(models["target"], algorithm, draft_dir, spec_policy="fixed")
+    adaptive = acceptance_driven(engine(models["target"], algorithm, draft_dir, spec_policy="adaptive"))
+    assert greedy(plain) == reference
+    assert greedy(fixed) == reference
+    assert greedy(adaptive) == reference
+    # The fixed policy drafts K every round; the adaptive one really varied the length, down to 0.
+    assert set(fixed.stats.draft_lengths) == {4}
+    lengths = adaptive.stats.draft_lengths
+    assert lengths[0] > 0 and len(lengths) >= 2, lengths
+    assert 0 < adaptive.stats.steps_without_speculation < adaptive.stats.decode_steps
+    assert adaptive.kv_usage()[0] == 0  # every slot, drafted or not, went back
+
+
+@pytest.fixture(scope="module")
+def eagle_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adaptive-eagle")
+    target = write_tiny_model(root / "target", "llama", seed=0, weight_scale=3.0, vocab_size=64, num_hidden_layers=6)
+    return {"target": target, "head": write_copying_eagle_head(root / "head", target, seed=1)}
+
+
+@pytest.mark.parametrize("tree", [dict(), dict(num_draft_tokens=6, speculative_num_steps=3, speculative_eagle_topk=3)])
+def test_eagle_skips_rounds_and_catches_up_exactly(eagle_models, tree):
+    """Rounds without drafting are plain target steps whose features wait for the head: the
+    next drafting round's extend covers every skipped token, and greedy output is the target's."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(64) for _ in range(rng.randrange(2, 14))] for _ in range(4)]
+    plain = greedy(engine(eagle_models["target"], max_running_requests=4), prompts)
+    kw = {"num_draft_tokens": 4, "max_running_requests": 4, **tree}
+    eng = engine(eagle_models["target"], "EAGLE", eagle_models["head"], spec_policy="adaptive", **kw)
+    skips = iter(rng.random() < 0.4 for _ in range(10_000))
+    # Lengths drawn at random per round and request, with whole rounds of none.
+    eng.policy.draft_lengths = lambda rids, caps: [0] * len(caps) if next(skips) else \
+        [rng.randrange(0, c + 1) for c in caps]
+    assert greedy(eng, prompts) == plain
+    assert eng.stats.steps_without_speculation > 0 and eng.stats.accepted_tokens > 0
+    assert eng.kv_usage()[0] == 0
+
+
+def test_a_request_can_turn_drafting_off_or_cap_it(models, reference):
+    eng = engine(models["target"], "NGRAM", spec_policy="fixed")
+    reqs = [Request(PROMPTS[0], GREEDY, speculative=False), Request(PROMPTS[3], GREEDY, max_draft_tokens=1),
+            Request(PROMPTS[3], GREEDY)]
+    run_all(eng, reqs)
+    assert [r.output_ids for r in reqs] == [reference[0], reference[3], reference[3]]
+    assert reqs[0].proposed_draft_tokens == 0
+    assert 0 < reqs[1].proposed_draft_tokens <= reqs[1].verify_rounds
+    assert reqs[2].proposed_draft_tokens > reqs[2].verify_rounds
+    with pytest.raises(InputError, match="max_draft_tokens"):
+        eng.submit(Request(PROMPTS[1], GREEDY, max_draft_tokens=-1))
+
+
+def test_unknown_policy_is_refused(models):
+    with pytest.raises(InputError, match="--spec-policy"):
+        engine(models["target"], "NGRAM", spec_policy="sometimes")
+
+
+@pytest.mark.slow
+def test_sampling_stays_exact_when_the_draft_length_changes(tmp_path):
+    """Second sampled token of a STANDALONE engine whose draft length is drawn at random for every
+    request and round (0 included) vs the exact marginal from transformers."""
+    from transformers import AutoModelForCausalLM
+
+    shape = dict(vocab_size=8, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    target = write_tiny_model(tmp_path / "t", seed=0, weight_scale=4.0, num_hidden_layers=2, **shape)
+    draft = write_tiny_model(tmp_path / "d", seed=5, weight_scale=4.0, num_hidden_layers=1, **shape)
+    prompt = [1, 2, 3]
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    hf_d = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+
+    def marginal(model):
+        with torch.no_grad():
+            q1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
+            seqs = torch.tensor([prompt + [t] for t in range(8)])
+            q2 = torch.softmax(model(seqs).logits[:, -1], -1)  # [t1, t2]
+        return (q1[:, None] * q2).sum(0).double()
+
+    exact, draft_marginal = marginal(hf), marginal(hf_d)
+    eng = engine(target, "STANDALONE", draft, num_draft_tokens=3, max_running_requests=64, spec_policy="adaptive")
+    rng = random.Random(1)
+    eng.policy.draft_lengths = lambda rids, caps: [rng.randrange(0, c + 1) for c in caps]
+    reqs = [Request(prompt, SamplingParams(max_tokens=2, temperature=1.0, seed=i, ignore_eos=True))
+            for i in range(3000)]
+    run_all(eng, reqs)
+    assert [r.error for r in reqs if r.error] == [] and {len(r.output_ids) for r in reqs} == {2}
+    counts = torch.zeros(8, dtype=torch.float64)
+    for r in reqs:
+        counts[r.output_ids[1]] += 1
+    assert set(eng.stats.draft_lengths) == {0, 1, 2, 3}
+    assert 0 < eng.stats.accepted_tokens < eng.stats.proposed_tokens
+    assert chi_square(counts, exact) < CHI2_CRIT[7]
+    assert chi_square(counts, draft_marginal) > CHI2_CRIT[7]
