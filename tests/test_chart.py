@@ -360,7 +360,7 @@ def test_install_reconcile_with_chart_credentials_upgrade_uninstall(cluster, nam
     # ... and it could not have done more than the operator needs
     assert can_i(cluster, sa_user, "create", "pods", "-n", ns)
     assert can_i(cluster, sa_user, "update", "specdecodedeployments", "--subresource=status", "-n", ns)
-    for denied in (["get", "secrets", "-n", ns], ["delete", "deployments", "-n", ns],
+    for denied in (["get", "secrets", "-n", ns], ["delete", "services", "-n", ns],
                    ["create", "pods", "--subresource=exec", "-n", ns], ["delete", "specdecodedeployments", "-n", ns],
                    ["update", "specdecodedeployments", "-n", ns], ["create", "clusterroles"],
                    ["patch", "nodes"], ["delete", "configmaps", "-n", ns]):

@@ -26,6 +26,7 @@ UNSCHEDULABLE = "Unschedulable"
 WORKER_STARTUP_FAILED = "WorkerStartupFailed"
 WORKER_OOM_KILLED = "WorkerOOMKilled"
 PODS_NOT_READY = "PodsNotReady"
+MULTI_NODE_UNAVAILABLE = "MultiNodeUnavailable"  # the plan spans nodes and LeaderWorkerSet is not installed
 # The API server refused a child (the planner pod, the plan ConfigMap, the Deployment, the Service,
 # or the worker pods the ReplicaSet creates): by Pod Security admission, by a ResourceQuota, or
 # for any other reason (a webhook, a LimitRange, validation).
@@ -80,7 +81,7 @@ def get(conditions: Iterable[dict[str, Any]], ctype: str) -> dict[str, Any] | No
 
 FAILURE_REASONS = frozenset({INSUFFICIENT_GPU_MEMORY, PLANNER_FAILED, PLAN_EXCEEDS_NODE_GPUS, UNSCHEDULABLE,
                              WORKER_STARTUP_FAILED, WORKER_OOM_KILLED, PODS_NOT_READY,
-                             POD_SECURITY_REJECTED, QUOTA_EXCEEDED, CHILD_REJECTED})
+                             POD_SECURITY_REJECTED, QUOTA_EXCEEDED, CHILD_REJECTED, MULTI_NODE_UNAVAILABLE})
 
 
 def is_bad(ctype: str, status: str, reason: str = "") -> bool:

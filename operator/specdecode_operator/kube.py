@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 # Every kind the operator touches, with its plural (the resource name in REST paths).
 PLURALS = {"Pod": "pods", "ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments",
-           "Event": "events", "Node": "nodes", KIND: PLURAL}
+           "Event": "events", "Node": "nodes", KIND: PLURAL, "LeaderWorkerSet": "leaderworkersets"}
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,16 @@ class Kube:
     def list(self, ref: Ref, label_selector: str | None = None) -> list[dict[str, Any]]:
         query = {"labelSelector": label_selector} if label_selector else None
         return (self._call("GET", rest_path(ref.collection()), query=query) or {}).get("items", [])
+
+    def serves(self, api_version: str, kind: str) -> bool:
+        """Whether the API server serves ``kind`` (discovery: a CRD that is not installed is absent)."""
+        try:
+            found = self._call("GET", f"/apis/{api_version}") or {}
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return any(r.get("kind") == kind for r in found.get("resources") or [])
 
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         return self._call("POST", rest_path(Ref.of(obj).collection()), obj)

@@ -41,19 +41,23 @@ def max_node_gpus(nodes: list[dict[str, Any]], product: str | None) -> int | Non
 
 
 def capacity_verdict(tp: int, max_per_replica: int | None, node_gpus: int | None,
-                     product: str | None) -> c.Verdict | None:
-    """PlanExceedsNodeGPUs when the plan needs more GPUs per replica than allowed or offered."""
+                     product: str | None, nodes: int = 1) -> c.Verdict | None:
+    """PlanExceedsNodeGPUs when the plan needs more GPUs per replica than allowed, or more GPUs per
+    pod (a replica spans ``nodes`` pods) than any node offers."""
     if max_per_replica is not None and tp > max_per_replica:
         return c.Verdict("True", c.PLAN_EXCEEDS_NODE_GPUS,
                          f"the plan needs {tp} GPUs per replica but gpu.maxPerReplica is {max_per_replica}: raise it, "
                          "use a GPU with more memory, lower serving.contextLength/minKVTokens "
                          "or use kvCacheDtype fp8_e4m3")
-    if node_gpus is not None and tp > node_gpus:
+    per_pod = tp // nodes
+    if node_gpus is not None and per_pod > node_gpus:
         where = f"nodes labelled nvidia.com/gpu.product={product}" if product else "any node"
+        need = f"{tp} GPUs per replica" if nodes == 1 else \
+            f"{per_pod} GPUs in each of a replica's {nodes} pods"
         return c.Verdict("True", c.PLAN_EXCEEDS_NODE_GPUS,
-                         f"the plan needs {tp} GPUs per replica but the most {where} offers is {node_gpus}: "
-                         "add larger nodes, choose a gpu.product with more memory per GPU, or lower "
-                         "serving.contextLength/minKVTokens")
+                         f"the plan needs {need} but the most {where} offers is {node_gpus}: set gpu.perNode "
+                         f"to {node_gpus} (a replica then spans nodes), add larger nodes, choose a gpu.product with "
+                         "more memory per GPU, or lower serving.contextLength/minKVTokens")
     return None
 
 

@@ -19,7 +19,7 @@ from specdecode_worker.contract import GIB, PLAN_API_VERSION, PLAN_KIND
 
 from . import conditions as c
 from . import kube as k8s
-from . import labels, observe, planner, refusals, workload
+from . import group, labels, observe, planner, refusals, workload
 from .kube import ApiError, Kube, now_iso
 from .spec import DEFAULT_WORKER_IMAGE, SpecView, parse_spec, plan_key, planner_pod_name
 
@@ -116,10 +116,17 @@ class Reconciler:
         if plan is not None and plan.get("fits"):
             self._cleanup_planners(view, key)
             tp = int(plan["tensorParallelSize"])
+            nodes = group.nodes_per_replica(plan)
             status["gpusPerReplica"] = tp
-            dep = self.kube.get(k8s.deployment(view.namespace, view.name))
+            status["nodesPerReplica"] = nodes
+            if nodes > 1 and not self.kube.serves(group.LWS_API_VERSION, group.LWS_KIND):
+                # Nothing is applied: a ConfigMap and Service without their workload help no one.
+                return self._finish(sdd, view, status, old_status, self._multi_node_unavailable(
+                    view, status, tp, nodes), generation, None, requeue=POLL_SECONDS)
+            dep = self._workload(view, nodes)
             if force_apply or not _applied(dep, key, generation):
-                for child in workload.render_children(view, _plan_body(plan), key, owner, generation):
+                render = group.render_children if nodes > 1 else workload.render_children
+                for child in render(view, _plan_body(plan), key, owner, generation):
                     try:
                         applied = self.kube.apply(child)
                     except ApiError as exc:
@@ -127,7 +134,12 @@ class Reconciler:
                         break
                     if child["kind"] == "Deployment":
                         dep = applied
-            obs = self._observe(view, key, tp, dep)
+                    elif child["kind"] == group.LWS_KIND:
+                        dep = group.as_deployment_status(applied)
+                else:  # a plan that changed between one node and several: the other workload goes
+                    self.kube.delete(k8s.deployment(view.namespace, view.name) if nodes > 1
+                                     else group.leaderworkerset_ref(view.namespace, view.name))
+            obs = self._observe(view, key, tp, dep, nodes)
             verdicts.update(obs.verdicts)
             if refused is not None:  # what exists still reports Available; the rest waits on the refusal
                 verdicts[c.DEGRADED] = c.Verdict("True", refused.reason, refused.message)
@@ -140,6 +152,13 @@ class Reconciler:
                 self._cleanup_planners(view, key)
             verdicts.update(self._previous_workers(view, status, verdicts[c.PLANNED]))
 
+        return self._finish(sdd, view, status, old_status, verdicts, generation, refused, requeue)
+
+    def _finish(self, sdd: dict[str, Any], view: SpecView, status: dict[str, Any], old_status: dict[str, Any],
+                verdicts: dict[str, c.Verdict], generation: int, refused: c.Verdict | None,
+                requeue: float | None) -> Result:
+        """Conditions, phase and Events from the verdicts; the status written when it changed."""
+        meta = sdd["metadata"]
         now = now_iso()
         conds = c.apply_verdicts(list(old_status.get("conditions") or []), verdicts, generation, now)
         status["conditions"] = conds
@@ -280,11 +299,30 @@ class Reconciler:
         verdicts[c.READY] = c.Verdict("False", planned.reason, planned.message)
         return verdicts
 
-    def _observe(self, view: SpecView, key: str, tp: int, dep: dict[str, Any] | None) -> observe.Observation:
+    def _workload(self, view: SpecView, nodes: int) -> dict[str, Any] | None:
+        """The Deployment, or for a replica over several nodes the LWS in a Deployment's shape."""
+        if nodes == 1:
+            return self.kube.get(k8s.deployment(view.namespace, view.name))
+        return group.as_deployment_status(self.kube.get(group.leaderworkerset_ref(view.namespace, view.name)))
+
+    def _multi_node_unavailable(self, view: SpecView, status: dict[str, Any], tp: int,
+                                nodes: int) -> dict[str, c.Verdict]:
+        problem = c.Verdict("False", c.MULTI_NODE_UNAVAILABLE, (
+            f"the plan spreads each replica's {tp} GPUs over {nodes} nodes, which runs as a LeaderWorkerSet "
+            f"group, but the cluster does not serve {group.LWS_API_VERSION} (CRD {group.LWS_CRD}): "
+            f"{group.INSTALL_HINT}; or keep replicas on one node (gpu.maxPerReplica 8 or less)"))
+        verdicts = {c.PLANNED: _planned_verdict(status["plan"]), **self._previous_workers(view, status, problem)}
+        verdicts[c.DEGRADED] = c.Verdict("True", problem.reason, problem.message)
+        verdicts[c.PROGRESSING] = c.Verdict("False", problem.reason, "the rollout is blocked: see Degraded")
+        return verdicts
+
+    def _observe(self, view: SpecView, key: str, tp: int, dep: dict[str, Any] | None,
+                 nodes: int = 1) -> observe.Observation:
         pods = self._worker_pods(view)
         template_key = ((((dep or {}).get("spec") or {}).get("template") or {}).get("metadata") or {}) \
             .get("annotations", {}).get(labels.PLAN_KEY)
-        capacity = observe.capacity_verdict(tp, view.gpu_max_per_replica, self._node_gpus(view), view.gpu_product)
+        capacity = observe.capacity_verdict(tp, view.gpu_max_per_replica, self._node_gpus(view), view.gpu_product,
+                                            nodes)
         return observe.observe(view.replicas, template_key == key, dep, pods, capacity)
 
     def _node_gpus(self, view: SpecView) -> int | None:

@@ -18,10 +18,16 @@ Namespaced rules apply in the watched namespaces (Role) or everywhere (ClusterRo
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete"]
 # The workload Deployment: server-side applied (patch; create when it does not exist yet), read
-# for its rollout state and watched by kopf.
+# for its rollout state and watched by kopf; deleted when a new plan spans nodes.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# A replica larger than one node: its LeaderWorkerSet, server-side applied, read for its groups'
+# progress, deleted when a new plan fits one node again. Whether the CRD is installed is asked
+# through discovery, which needs no rule.
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["get", "create", "patch", "delete"]
 # The plan ConfigMap and the Service: server-side applied only.
 - apiGroups: [""]
   resources: ["configmaps", "services"]
