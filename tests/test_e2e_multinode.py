@@ -8,8 +8,27 @@ import json
 import pytest
 import yaml
 
+from tests.checkpoints import write_model
 from tests.cluster import lws as lws_mod
 from tests.cluster.wait import wait_for
+from tests.test_e2e_operator import Operator, crd  # noqa: F401 - crd is a fixture used here
+
+pytestmark = pytest.mark.timeout(420)
+TARGET = "meta-llama/Llama-3.1-70B-Instruct"
+NAME = "llama-70b-ngram"
+# Llama-3.1-70B on H100s holds ~1.55M KV tokens on 8 GPUs; 1.6M needs 16: two 8-GPU nodes a replica.
+SDD = {
+    "apiVersion": "specdecode.io/v1alpha1", "kind": "SpecDecodeDeployment", "metadata": {"name": NAME},
+    "spec": {
+        "replicas": 1,
+        "target": {"model": TARGET, "dtype": "bfloat16"},
+        "draft": {"algorithm": "NGRAM"},
+        "serving": {"contextLength": 8192, "maxRunningRequests": 64, "minKVTokens": 1_600_000},
+        "gpu": {"product": "NVIDIA-H100-80GB-HBM3", "maxPerReplica": 16},
+        "modelStore": {"pvc": {"claimName": "models"}},
+        "resources": {"cpu": "8"},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +37,65 @@ def lws(cluster):
     installed = lws_mod.LeaderWorkerSet(cluster, folder).install()
     yield installed
     installed.uninstall()
+
+
+@pytest.fixture
+def store(cluster, namespace):
+    """The `models` PVC with a sparse Llama-3.1-70B-Instruct."""
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
+        "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}}}))
+    write_model(cluster.pvc_root / namespace / "models" / TARGET, "llama-3.1-70b-instruct")
+    wait_for(lambda: _get(cluster, namespace, "pvc", "models")["status"].get("phase") == "Bound",
+             timeout=30, what="PVC models bound")
+
+
+@pytest.fixture
+def operator(cluster, crd, namespace, store):  # noqa: F811 - crd is the imported fixture
+    op = Operator(cluster, namespace).start()
+    yield op
+    op.stop()
+    print(f"--- operator log (tail) ---\n{op.tail(80)}")
+
+
+def _get(cluster, namespace, kind, name):
+    r = cluster.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
+    if r.returncode != 0:
+        assert "NotFound" in r.stderr, r.stderr
+        return None
+    return json.loads(r.stdout)
+
+
+def _cond(sdd, ctype):
+    return next((c for c in (sdd or {}).get("status", {}).get("conditions", []) if c["type"] == ctype), None)
+
+
+def _wait_sdd(cluster, namespace, predicate, what, timeout=180):
+    def check():
+        sdd = _get(cluster, namespace, "sdd", NAME)
+        return sdd if sdd and predicate(sdd) else None
+
+    return wait_for(check, timeout=timeout, interval=1.0, what=f"{NAME}: {what}")
+
+
+def _apply(cluster, namespace, body):
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
+
+
+# Runs before the `lws` fixture installs LeaderWorkerSet (tests run in file order).
+def test_without_leaderworkerset_the_sdd_reports_multinode_unavailable(cluster, namespace, operator):
+    _apply(cluster, namespace, SDD)
+    sdd = _wait_sdd(cluster, namespace, lambda s: (_cond(s, "Degraded") or {}).get("status") == "True",
+                    "Degraded")
+    degraded = _cond(sdd, "Degraded")
+    assert degraded["reason"] == "MultiNodeUnavailable", degraded
+    assert "leaderworkersets.leaderworkerset.x-k8s.io" in degraded["message"]
+    assert "helm install lws" in degraded["message"]
+    assert sdd["status"]["plan"]["tensorParallelSize"] == 16 and sdd["status"]["plan"]["nodesPerReplica"] == 2
+    assert sdd["status"]["phase"] == "Degraded"
+    # No partial workload: no Deployment, ConfigMap or Service.
+    for kind, name in (("deployment", NAME), ("configmap", f"{NAME}-plan"), ("service", NAME)):
+        assert _get(cluster, namespace, kind, name) is None, kind
 
 
 def _pods(cluster, namespace, selector):
@@ -54,3 +132,76 @@ def test_the_lws_controller_makes_groups_with_the_webhook_environment(cluster, l
         assert env["LWS_GROUP_SIZE"] == "2" and env["LWS_WORKER_INDEX"] == index
     # 8 GPUs each: the two pods sit on the two H100 nodes.
     assert {leader["spec"]["nodeName"], worker["spec"]["nodeName"]} == {"h100-node-1", "h100-node-2"}
+
+
+def _group_pods(cluster, namespace):
+    return {p["metadata"]["name"]: p for p in _pods(cluster, namespace, f"specdecode.io/name={NAME}")
+            if p["metadata"]["labels"].get("specdecode.io/role") == "worker"}
+
+
+def test_a_replica_needing_16_gpus_runs_as_a_group_over_two_nodes(cluster, lws, namespace, operator):
+    _apply(cluster, namespace, SDD)
+    sdd = _wait_sdd(cluster, namespace, lambda s: s.get("status", {}).get("phase") == "Ready", "Ready")
+    plan = sdd["status"]["plan"]
+    assert (plan["tensorParallelSize"], plan["nodesPerReplica"]) == (16, 2)
+    assert sdd["status"]["nodesPerReplica"] == 2 and sdd["status"]["readyReplicas"] == 1
+    assert _get(cluster, namespace, "deployment", NAME) is None
+
+    group = _get(cluster, namespace, "leaderworkerset", f"{NAME}-group")
+    assert group["spec"]["leaderWorkerTemplate"]["size"] == 2 and group["spec"]["replicas"] == 1
+    pods = _group_pods(cluster, namespace)
+    leader_name, worker_name = f"{NAME}-group-0", f"{NAME}-group-0-1"
+    assert sorted(pods) == [leader_name, worker_name]
+    leader, worker = pods[leader_name], pods[worker_name]
+    assert {leader["spec"]["nodeName"], worker["spec"]["nodeName"]} == {"h100-node-1", "h100-node-2"}
+    for pod, index in ((leader, "0"), (worker, "1")):
+        (container,) = pod["spec"]["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+        env = _env(pod)
+        assert env["LWS_GROUP_SIZE"] == "2" and env["LWS_WORKER_INDEX"] == index
+        assert env["LWS_LEADER_ADDRESS"] == f"{leader_name}.{NAME}-group.{namespace}"
+        args = container["args"]
+        assert args[args.index("--tp") + 1] == "16" and args[args.index("--nnodes") + 1] == "2"
+    assert "readinessProbe" in leader["spec"]["containers"][0]
+    assert "readinessProbe" not in worker["spec"]["containers"][0]
+    service = _get(cluster, namespace, "service", NAME)
+    assert service["spec"]["selector"]["specdecode.io/group-role"] == "leader"
+    endpoints = json.loads(cluster.kubectl("get", "endpointslices", "-n", namespace, "-l",
+                                           f"kubernetes.io/service-name={NAME}", "-o", "json").stdout)["items"]
+    targets = {e["targetRef"]["name"] for s in endpoints for e in s.get("endpoints") or []}
+    assert targets <= {leader_name}
+
+
+EXTRA_NODES = ("h100-node-3", "h100-node-4")
+
+
+@pytest.fixture
+def two_more_h100_nodes(cluster):
+    """Two more 8-GPU nodes, so that two 16-GPU groups fit; removed afterwards."""
+    base = next(n for n in yaml.safe_load_all(lws_mod.HERE.joinpath("nodes.yaml").read_text())
+                if n["metadata"]["name"] == "h100-node-1")
+    for name in EXTRA_NODES:
+        node = json.loads(json.dumps(base))
+        node["metadata"]["name"] = name
+        node["metadata"]["labels"]["kubernetes.io/hostname"] = name
+        node["status"]["addresses"] = [{"type": "Hostname", "address": name}]
+        cluster.api.create("/api/v1/nodes", node)
+    wait_for(lambda: cluster.kubectl("wait", "--for=condition=Ready", *(f"node/{n}" for n in EXTRA_NODES),
+                                     "--timeout=5s", check=False).returncode == 0, timeout=60, what="extra nodes Ready")
+    yield
+    for name in EXTRA_NODES:
+        cluster.kubectl("delete", "node", name, "--wait=false", check=False)
+
+
+def test_scaling_to_two_replicas_makes_two_groups(cluster, lws, namespace, operator, two_more_h100_nodes):
+    _apply(cluster, namespace, SDD)
+    _wait_sdd(cluster, namespace, lambda s: s.get("status", {}).get("phase") == "Ready", "Ready")
+    cluster.kubectl("scale", "sdd", NAME, "-n", namespace, "--replicas=2")
+    sdd = _wait_sdd(cluster, namespace, lambda s: s.get("status", {}).get("phase") == "Ready"
+                    and s["status"].get("readyReplicas") == 2, "2 groups Ready")
+    assert sdd["status"]["replicas"] == 2
+    assert _get(cluster, namespace, "leaderworkerset", f"{NAME}-group")["spec"]["replicas"] == 2
+    pods = _group_pods(cluster, namespace)
+    assert sorted(pods) == [f"{NAME}-group-{g}{s}" for g in (0, 1) for s in ("", "-1")]
+    nodes = [p["spec"]["nodeName"] for p in pods.values()]
+    assert len(set(nodes)) == 4  # 8 GPUs each: one pod per node

@@ -220,3 +220,29 @@ def test_a_new_plan_that_spans_nodes_replaces_the_deployment():
     r.reconcile("ns", "llama-8b-eagle3")
     assert kube.get(group.leaderworkerset_ref("ns", "llama-8b-eagle3")) is not None
     assert kube.deployment() is None
+
+
+def test_installing_lws_later_replaces_the_previous_deployment():
+    from specdecode_operator import group
+    from tests.operator_helpers import make_plan
+
+    kube = _kube(serves_lws=False)
+    r = _plan_and_reconcile(kube, make_plan(tp=8))
+    kube.roll_out()
+    r.reconcile("ns", "llama-8b-eagle3")
+    body = kube.sdd()
+    body["spec"]["serving"]["minKVTokens"] = 1_600_000
+    kube.put_sdd(body)
+    r.reconcile("ns", "llama-8b-eagle3")
+    kube.finish_planner(0, json.dumps(_group_plan()))
+    r.reconcile("ns", "llama-8b-eagle3")
+    sdd = kube.sdd()
+    assert _cond(sdd, "Degraded")["reason"] == "MultiNodeUnavailable"
+    assert _cond(sdd, "Available")["status"] == "True"  # the previous plan's workers still serve
+    assert kube.deployment() is not None
+
+    kube.serves = lambda api_version, kind: kind == "LeaderWorkerSet"
+    r.reconcile("ns", "llama-8b-eagle3")
+    assert kube.get(group.leaderworkerset_ref("ns", "llama-8b-eagle3")) is not None
+    assert kube.deployment() is None
+    assert kube.sdd()["status"]["nodesPerReplica"] == 2

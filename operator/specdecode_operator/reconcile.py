@@ -118,7 +118,6 @@ class Reconciler:
             tp = int(plan["tensorParallelSize"])
             nodes = group.nodes_per_replica(plan)
             status["gpusPerReplica"] = tp
-            status["nodesPerReplica"] = nodes
             if nodes > 1 and not self.kube.serves(group.LWS_API_VERSION, group.LWS_KIND):
                 # Nothing is applied: a ConfigMap and Service without their workload help no one.
                 return self._finish(sdd, view, status, old_status, self._multi_node_unavailable(
@@ -136,9 +135,12 @@ class Reconciler:
                         dep = applied
                     elif child["kind"] == group.LWS_KIND:
                         dep = group.as_deployment_status(applied)
-                else:  # a plan that changed between one node and several: the other workload goes
-                    self.kube.delete(k8s.deployment(view.namespace, view.name) if nodes > 1
-                                     else group.leaderworkerset_ref(view.namespace, view.name))
+                else:
+                    if old_status.get("nodesPerReplica", 1) != nodes:  # one node <-> several: the other kind goes
+                        self.kube.delete(k8s.deployment(view.namespace, view.name) if nodes > 1
+                                         else group.leaderworkerset_ref(view.namespace, view.name))
+            if refused is None:  # recorded once its workload is applied: a switch deletes the other kind
+                status["nodesPerReplica"] = nodes
             obs = self._observe(view, key, tp, dep, nodes)
             verdicts.update(obs.verdicts)
             if refused is not None:  # what exists still reports Available; the rest waits on the refusal
