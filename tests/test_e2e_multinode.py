@@ -54,6 +54,9 @@ def store(cluster, namespace):
 def operator(cluster, crd, namespace, store):  # noqa: F811 - crd is the imported fixture
     op = Operator(cluster, namespace).start()
     yield op
+    # Gone before the namespace goes: an operator watching every namespace (the chart's, in a later
+    # test) must not find an SDD in a namespace that refuses new pods while it terminates.
+    cluster.kubectl("delete", "sdd", "--all", "-n", namespace, "--wait=true", timeout=120, check=False)
     op.stop()
     print(f"--- operator log (tail) ---\n{op.tail(80)}")
 
