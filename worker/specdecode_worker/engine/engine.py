@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from ..contract import EAGLE_ALGORITHMS
+from ..contract import EAGLE_ALGORITHMS, SERVED_ALGORITHMS
 from ..errors import InputError
 from ..model_config import ModelShape, load_shape
 from ..mtp_rule import check_standalone_draft
@@ -40,7 +40,7 @@ from .phases import Phase, PhaseError
 from .pools import KV_CACHE_DTYPES, MemoryPoolConfig
 from .request import Request, make_generator
 from .spec_policy import FIXED, MODES, CostCurve, SpecPolicy, StepCost
-from .speculative import ALGORITHMS, RoundResult, Speculator, StandaloneSpeculator
+from .speculative import RoundResult, Speculator, StandaloneSpeculator
 from .step_timing import measure_curve
 from .vocab_map import DraftVocabulary
 
@@ -97,9 +97,8 @@ class Stats:
 
 class Engine:
     def __init__(self, args: EngineArgs):
-        served = ALGORITHMS + EAGLE_ALGORITHMS + ("MTP",)
-        if args.algorithm not in served:
-            raise InputError(f"--algorithm {args.algorithm}: this engine serves {', '.join(served)}")
+        if args.algorithm not in SERVED_ALGORITHMS:
+            raise InputError(f"--algorithm {args.algorithm}: this engine serves {', '.join(SERVED_ALGORITHMS)}")
         needs_draft = args.algorithm == "STANDALONE" or args.algorithm in EAGLE_ALGORITHMS
         if needs_draft and not args.draft:
             raise InputError(f"--draft: {args.algorithm} needs a draft model folder")
