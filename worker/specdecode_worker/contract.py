@@ -7,6 +7,7 @@ MemoryPlan document: its kind, its typed shape, and the check that a plan states
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import types
@@ -208,9 +209,14 @@ def _json_key(name: str) -> str:
 _TYPE_NAMES = {bool: "bool", int: "int", float: "int/float", str: "str"}
 
 
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
 def _read(cls: type, obj: dict[str, Any], prefix: str, **extra: Any) -> Any:
     """Build dataclass ``cls`` from ``obj``, checking each key's presence and JSON type."""
-    hints = get_type_hints(cls)
+    hints = _field_types(cls)
     values: dict[str, Any] = dict(extra)
     for f in fields(cls):
         if f.name in extra:
