@@ -235,3 +235,15 @@ def test_eagle_tree_worker_args_count_proposals_without_the_root():
     assert _flag(args, "--num-draft-tokens") == "15"  # 16 verified tokens: the root and 15 proposals
     chain = workload.worker_args(parse_spec(example()), make_plan())
     assert _flag(chain, "--speculative-eagle-topk") == "1" and _flag(chain, "--num-draft-tokens") == "3"
+
+
+def test_speculation_policy_renders_to_the_worker_flag():
+    """draft.policy.mode reaches `serve --spec-policy`; adaptive when the spec leaves it out."""
+    from specdecode_worker.serve_cli import parser
+
+    assert _flag(workload.worker_args(parse_spec(example()), make_plan()), "--spec-policy") == "adaptive"
+    spec = example()
+    spec["spec"]["draft"]["policy"] = {"mode": "fixed"}
+    args = workload.worker_args(parse_spec(spec), make_plan())
+    assert _flag(args, "--spec-policy") == "fixed"
+    assert parser().parse_args(args[1:]).spec_policy == "fixed"

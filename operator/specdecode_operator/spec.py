@@ -69,6 +69,7 @@ class SpecView:
     planner_image: str = ""
     planner_request_gpu: bool = False
     planner_resources: dict[str, Any] = field(default_factory=dict)
+    spec_policy: str = "adaptive"  # draft.policy.mode: adaptive or fixed draft lengths
 
     def model_path(self, ref: ModelRef) -> str:
         """Where a model's files are inside a pod (the store is mounted at /models)."""
@@ -130,6 +131,7 @@ def parse_spec(body: dict[str, Any], default_image: str = DEFAULT_WORKER_IMAGE) 
         num_steps=num_steps,
         top_k=top_k,
         num_draft_tokens=num_draft_tokens,
+        spec_policy=(draft.get("policy") or {}).get("mode", "adaptive"),
         serving=Serving(
             context_length=int(serving.get("contextLength", 8192)),
             max_running_requests=int(serving.get("maxRunningRequests", 64)),

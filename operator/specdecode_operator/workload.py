@@ -73,7 +73,8 @@ def worker_args(view: SpecView, plan: dict[str, Any]) -> list[str]:
     chunk = reserve.get("chunkedPrefillSize", s.chunked_prefill_size)
     if chunk is not None:
         args += ["--chunked-prefill-size", str(chunk)]
-    args += ["--dtype", view.target_dtype, "--num-draft-tokens", str(draft_proposals(view))]
+    args += ["--dtype", view.target_dtype, "--num-draft-tokens", str(draft_proposals(view)),
+             "--spec-policy", view.spec_policy]
     if view.algorithm in EAGLE_ALGORITHMS:
         args += ["--speculative-num-steps", str(view.num_steps), "--speculative-eagle-topk", str(view.top_k)]
     return args
