@@ -63,7 +63,8 @@ def serving(argv):
 
 @pytest.fixture(scope="module")
 def server(models):
-    with serving(_argv(models, _free_port())) as running:
+    # Fixed draft lengths: every request drafts, so the draft counters below are certain to move.
+    with serving(_argv(models, _free_port(), "--spec-policy", "fixed")) as running:
         yield running
 
 
@@ -249,6 +250,23 @@ def test_metrics_and_plan_report_planned_and_actual_tokens(server):
     assert 0 <= values["specdecode_acceptance_rate"] <= 1
     assert values['specdecode_phase_seconds{phase="load_weights"}'] > 0
     assert values["specdecode_kv_pool_used_tokens"] == 0  # nothing running now: every slot returned
+
+
+def test_metrics_report_the_speculation_policy(server):
+    base, state = server
+    assert _complete(base, "one two three", speculative=False).status_code == 200  # a round without drafting
+    assert _complete(base, "one two three").status_code == 200
+    text = httpx.get(f"{base}/metrics").text
+    values = {line.split()[0]: float(line.split()[1])
+              for line in text.splitlines() if line and not line.startswith("#")}
+    stats = state.engine.stats
+    assert values["specdecode_draft_length_count"] == stats.verify_rounds  # one length per request-round
+    assert values['specdecode_draft_length_bucket{le="0"}'] > 0
+    assert values["specdecode_draft_length_sum"] == stats.proposed_tokens  # fixed K: every length proposed
+    assert 0 < values["specdecode_steps_without_speculation_total"] < values["specdecode_decode_steps_total"]
+    first = values['specdecode_acceptance_by_position{position="1"}']
+    assert first == stats.accepted_by_position[1] / stats.proposed_by_position[1]
+    assert values["specdecode_goodput_tokens_per_second"] > 0
 
 
 def test_serve_cli_refuses_bad_flags_with_exit_2(models, capsys):

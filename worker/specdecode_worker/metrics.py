@@ -7,7 +7,7 @@ import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -90,6 +90,7 @@ class _EngineCollector:
         yield gauge("acceptance_rate", "accepted / proposed draft tokens since start", rate)
         length = (stats.accepted_tokens + stats.verify_rounds) / stats.verify_rounds if stats.verify_rounds else 0.0
         yield gauge("accept_length", "mean tokens committed per verify round (accepted + 1)", length)
+        yield from speculation_policy_metrics(stats, counter, gauge)
         phases = GaugeMetricFamily("specdecode_phase_seconds", "duration of each initialisation phase",
                                    labels=["phase"])
         for name, secs in stats.phase_seconds.items():
@@ -117,6 +118,34 @@ class _EngineCollector:
             yield gauge("kv_pool_usage_ratio", "share of KV token slots in use", used / total if total else 0.0)
             yield gauge("running_requests", "requests being decoded", engine.num_running)
             yield gauge("waiting_requests", "requests queued for KV slots", engine.num_waiting)
+
+
+def speculation_policy_metrics(stats, counter, gauge):
+    """What the speculation policy chose and what it earned: draft lengths, rounds without
+    drafting, acceptance by draft position and goodput (tokens per second of decode rounds)."""
+    lengths = stats.draft_lengths
+    buckets, seen = [], 0
+    for k in range(max(lengths, default=0) + 1):
+        seen += lengths.get(k, 0)
+        buckets.append((str(k), seen))
+    buckets.append(("+Inf", seen))
+    yield HistogramMetricFamily("specdecode_draft_length", "draft tokens chosen per request and decode round",
+                                buckets=buckets, sum_value=sum(k * n for k, n in lengths.items()))
+    yield counter("decode_steps", "decode rounds run for the whole batch", stats.decode_steps)
+    yield counter("steps_without_speculation", "decode rounds in which no request drafted",
+                  stats.steps_without_speculation)
+    share = stats.steps_without_speculation / stats.decode_steps if stats.decode_steps else 0.0
+    yield gauge("steps_without_speculation_ratio", "share of decode rounds in which no request drafted", share)
+    by_position = GaugeMetricFamily("specdecode_acceptance_by_position",
+                                    "accepted / verified draft tokens at each draft position (1 = first)",
+                                    labels=["position"])
+    for position, verified in sorted(stats.proposed_by_position.items()):
+        by_position.add_metric([str(position)], stats.accepted_by_position.get(position, 0) / verified)
+    yield by_position
+    yield counter("decode_seconds", "seconds spent in decode rounds", stats.decode_seconds)
+    yield counter("decode_tokens", "tokens committed by decode rounds", stats.decode_tokens)
+    goodput = stats.decode_tokens / stats.decode_seconds if stats.decode_seconds else 0.0
+    yield gauge("goodput_tokens_per_second", "tokens committed per second of decode rounds since start", goodput)
 
 
 def render(state) -> bytes:
