@@ -16,7 +16,9 @@ from specdecode_worker.contract import KV_CACHE_DTYPES, PLANNED_ALGORITHMS
 from tests.operator_helpers import ROOT, example
 CRD = yaml.safe_load((ROOT / "crds" / "specdecode.io_specdecodedeployments.yaml").read_text())
 SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+# Every example that is a SpecDecodeDeployment (examples/hpa.yaml is an autoscaler for one).
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.yaml")
+                  if any(doc and doc.get("kind") == KIND for doc in yaml.safe_load_all(p.read_text())))
 
 
 def key_of(body: dict) -> str:
@@ -38,6 +40,10 @@ def _openapi_to_jsonschema(node):
     if isinstance(node, list):
         return [_openapi_to_jsonschema(v) for v in node]
     return node
+
+
+def test_every_deployment_example_is_checked():
+    assert {p.name for p in EXAMPLES} >= {"spec-deploy.yaml", "standalone-draft.yaml", "ngram.yaml"}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
