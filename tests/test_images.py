@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import hashlib
 import json
 import os
 import re
@@ -303,6 +304,31 @@ def test_entry_point_help_is_the_local_clis(images, image, args):
     assert local.returncode == 0, local.stderr
     assert "usage: specdecode-" in ran.stdout
     assert ran.stdout == local.stdout
+
+
+CODE_PROBE = """
+import hashlib, json, pathlib, specdecode_operator, specdecode_worker
+files = {}
+for pkg in (specdecode_operator, specdecode_worker):
+    root = pathlib.Path(pkg.__file__).parent
+    for f in root.rglob('*.py'):
+        files[f"{pkg.__name__}/{f.relative_to(root)}"] = hashlib.sha256(f.read_bytes()).hexdigest()
+print(json.dumps(files))
+"""
+
+
+@built
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_image_holds_this_checkouts_code(images, image):
+    """Every module file in the image is the checkout's, byte for byte (no stale build cache)."""
+    local = {}
+    for root in SOURCE_ROOTS:
+        for f in root.glob("specdecode_*/**/*.py"):
+            rel = f.relative_to(root)
+            local[str(rel)] = hashlib.sha256(f.read_bytes()).hexdigest()
+    in_image = python_in(images[image], CODE_PROBE, options=podman.chart_options())
+    stale = sorted(name for name in local.keys() | in_image.keys() if local.get(name) != in_image.get(name))
+    assert len(local) > 10 and not stale, f"{image} image differs from the checkout in: {stale[:10]}"
 
 
 WRITE_PROBE = """
