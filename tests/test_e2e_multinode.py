@@ -208,3 +208,31 @@ def test_scaling_to_two_replicas_makes_two_groups(cluster, lws, namespace, opera
     assert sorted(pods) == [f"{NAME}-group-{g}{s}" for g in (0, 1) for s in ("", "-1")]
     nodes = [p["spec"]["nodeName"] for p in pods.values()]
     assert len(set(nodes)) == 4  # 8 GPUs each: one pod per node
+
+
+def test_deleting_a_worker_pod_recreates_its_group(cluster, lws, namespace, operator):
+    _apply(cluster, namespace, SDD)
+    _wait_sdd(cluster, namespace, lambda s: s.get("status", {}).get("phase") == "Ready", "Ready")
+    before = {n: p["metadata"]["uid"] for n, p in _group_pods(cluster, namespace).items()}
+    leader_name, worker_name = f"{NAME}-group-0", f"{NAME}-group-0-1"
+    h100 = "--selector=nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3"
+    # Cordoned nodes hold the recreated group Pending, so its progress can be seen in the status.
+    cluster.kubectl("cordon", h100)
+    try:
+        cluster.kubectl("delete", "pod", worker_name, "-n", namespace, "--wait=false")
+
+        def recreated():  # RecreateGroupOnPodRestart: the leader goes too, and the group comes back whole
+            pods = _group_pods(cluster, namespace)
+            fresh = {n: p["metadata"]["uid"] for n, p in pods.items() if not p["metadata"].get("deletionTimestamp")}
+            return leader_name in fresh and fresh[leader_name] != before[leader_name]
+
+        wait_for(recreated, timeout=120, interval=0.5, what="a new leader pod: the group is recreated")
+        sdd = _wait_sdd(cluster, namespace, lambda s: s["status"].get("readyReplicas") == 0
+                        and s["status"].get("phase") != "Ready", "the recreated group reported not ready")
+        assert _cond(sdd, "Ready")["status"] == "False" and _cond(sdd, "Available")["status"] == "False"
+    finally:
+        cluster.kubectl("uncordon", h100)
+    sdd = _wait_sdd(cluster, namespace, lambda s: s.get("status", {}).get("phase") == "Ready"
+                    and s["status"].get("readyReplicas") == 1, "Ready again")
+    after = {n: p["metadata"]["uid"] for n, p in _group_pods(cluster, namespace).items()}
+    assert sorted(after) == [leader_name, worker_name] and all(after[n] != before[n] for n in after)
