@@ -29,6 +29,7 @@ test-unit: setup
 
 cluster-build:
 	bash tests/cluster/build.sh
+	bash tests/cluster/build_lws.sh
 
 # Both container images with podman (installed from Debian when missing), on a Debian base made
 # without a registry; a rerun with unchanged inputs builds nothing. See README "Images".

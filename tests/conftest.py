@@ -19,6 +19,7 @@ import uuid
 import pytest
 
 from tests.cluster.controlplane import ControlPlane, build_binaries
+from tests.cluster.lws import build as lws_build
 from tests.cluster.wait import wait_for
 
 # Without a GPU, Triton kernels can only run under its interpreter, and Triton reads the switch when
@@ -56,6 +57,11 @@ def pytest_collection_finish(session):
                 _build["bin_dir"] = build_binaries(progress=_progress)
             except Exception as exc:
                 _build["error"] = exc
+            if any("lws" in getattr(item, "fixturenames", ()) for item in session.items):
+                try:  # LeaderWorkerSet too, for the same reason; the fixture finds it cached
+                    lws_build(progress=_progress)
+                except Exception:  # only the tests that use it fail: the `lws` fixture builds again and raises
+                    pass
 
 
 @pytest.fixture(scope="session")
