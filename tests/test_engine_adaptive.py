@@ -100,6 +100,17 @@ def test_eagle_skips_rounds_and_catches_up_exactly(eagle_models, tree):
     assert eng.kv_usage()[0] == 0
 
 
+def test_standalone_draft_cache_catches_up_after_rounds_without_drafting(models, reference):
+    """A copy of the target as draft accepts everything only if its cache holds every committed
+    token: with random lengths, 0 included, acceptance must stay exactly 1."""
+    eng = engine(models["target"], "STANDALONE", models["copy"], spec_policy="adaptive")
+    rng = random.Random(2)
+    eng.policy.draft_lengths = lambda rids, caps: [rng.choice([0, 0, c]) if c else 0 for c in caps]
+    assert greedy(eng) == reference
+    assert eng.stats.draft_lengths[0] > 0 and eng.stats.draft_lengths[4] > 0
+    assert eng.stats.accepted_tokens == eng.stats.proposed_tokens > 0
+
+
 def test_a_request_can_turn_drafting_off_or_cap_it(models, reference):
     eng = engine(models["target"], "NGRAM", spec_policy="fixed")
     reqs = [Request(PROMPTS[0], GREEDY, speculative=False), Request(PROMPTS[3], GREEDY, max_draft_tokens=1),
