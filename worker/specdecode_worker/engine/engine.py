@@ -270,9 +270,9 @@ class Engine:
         if self.target_runner.tp.size > 1:
             target = CostCurve({1: 0.01, max(batches) * (k + 1): 0.02})
         else:
-            target = measure_curve(self.target_runner, batches, widths)
+            target = measure_curve(self.target_runner, batches, widths, args.context_len)
         if args.algorithm == "STANDALONE":
-            draft = measure_curve(self.draft_runner, batches, [1])
+            draft = measure_curve(self.draft_runner, batches, [1], args.context_len)
         elif args.algorithm == "NGRAM":
             draft = None
         else:  # an EAGLE head or NextN layer: one layer against the target's many

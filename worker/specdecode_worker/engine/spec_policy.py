@@ -3,9 +3,9 @@
 The adaptive policy picks each request's draft length k in 0..K that maximises the batch's
 expected goodput, sum_r E[accepted_r + 1 | k_r] / step_time(verify tokens, draft steps):
 - acceptance is estimated by draft position, as the conditional rate P(accept i | accepted
-  i - 1), per request and per algorithm: a Beta estimate with forgetting; a request's first
-  position leans on the algorithm's estimate (itself starting from a fixed per-algorithm prior),
-  every later position on the one before it;
+  i - 1), per request and per algorithm: a Beta estimate with forgetting; a request's estimate
+  leans on the algorithm's at each position, and the algorithm's on a fixed per-algorithm prior
+  at position 1 and on the position before at later ones;
 - E[accepted | k] = sum_{i<=k} prod_{j<=i} a_j, so the gain of the i-th draft token of a request
   is prod_{j<=i} a_j and never grows with i: for a given verify width the best choice takes the
   largest gains, and the policy tries every width (and every draft depth) and keeps the best ratio;
@@ -41,15 +41,17 @@ class Acceptance:
     def rates(self) -> list[float]:
         """P(the draft token at position i (0-based) is accepted | all before it were), by position.
 
-        Position 0 leans on the prior; each later position leans on the position before it, so a
-        position never drafted yet is expected to do as its predecessor does (the draft length
-        can then grow one position at a time as acceptance shows)."""
+        A request's estimate leans on the algorithm's, position by position (what earlier
+        requests showed). The algorithm's leans on its fixed prior at position 0 and on the
+        position before at later ones, so a position never drafted yet is expected to do as its
+        predecessor does (the draft length can grow one position at a time as acceptance shows)."""
+        pooled = self.prior.rates() if isinstance(self.prior, Acceptance) else None
         out = []
         for i in range(len(self.hits)):
-            if i:
-                prior = out[-1]
+            if pooled is not None:
+                prior = pooled[i]
             else:
-                prior = self.prior.rates()[0] if isinstance(self.prior, Acceptance) else self.prior
+                prior = out[-1] if i else self.prior
             out.append((self.prior_weight * prior + self.hits[i]) / (self.prior_weight + self.seen[i]))
         return out
 
