@@ -53,3 +53,13 @@ def run_all(eng: Engine, reqs):
     while not all(r.done.is_set() for r in reqs):
         eng.step()
     return reqs
+
+
+# chi-square critical values at alpha = 0.001 by degrees of freedom
+CHI2_CRIT = {3: 16.266, 7: 24.322}
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())

@@ -1,14 +1,21 @@
-"""Shared inputs for operator tests: the repository's example SDDs and MemoryPlans that keep the contract."""
+"""Shared inputs for operator tests: the repository's example SDDs, MemoryPlans that keep the
+contract, and an in-memory API server with a settable clock for the reconciler."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import yaml
 
+from specdecode_operator import kube as k8s
+from specdecode_operator import labels
+from specdecode_operator.kube import ApiError
 from specdecode_worker.contract import GIB, kv_token_capacity, validate_plan
 
 ROOT = Path(__file__).resolve().parents[1]
+OWNER = {"apiVersion": "specdecode.io/v1alpha1", "kind": "SpecDecodeDeployment", "name": "llama-8b-eagle3",
+         "uid": "u-1", "controller": True, "blockOwnerDeletion": True}
 
 
 def example(name: str = "spec-deploy.yaml") -> dict:
@@ -34,3 +41,137 @@ def make_plan(tp=1, fits=True, target=16_060_522_496, draft=849_763_584, f=0.83,
         "legacy": {"maxTotalNumTokens": tokens, "peakBytes": g}, "layerRatio": {"maxTotalNumTokens": tokens},
         "message": "fits" if fits else "does not fit",
     })
+
+
+NS = "ns"
+
+
+class FakeKube:
+    """Objects by Ref; resourceVersion checks on status writes; counts what is created.
+
+    ``refuse[(verb, kind)]`` is an ApiError raised on every create/apply of that kind, as the API
+    server does while an admission plugin or a quota refuses it.
+    """
+
+    def __init__(self):
+        self.objects: dict[k8s.Ref, dict] = {}
+        self.rv = 0
+        self.events: list[tuple[str, str, bool]] = []
+        self.created: list[str] = []
+        self.deleted: list[str] = []
+        self.applied: list[dict] = []
+        self.nodes: list[dict] | None = []
+        self.conflict_next_status_write = False
+        self.refuse: dict[tuple[str, str], ApiError] = {}
+
+    def _bump(self, obj):
+        self.rv += 1
+        obj.setdefault("metadata", {})["resourceVersion"] = str(self.rv)
+
+    def _check(self, verb, obj):
+        if (verb, obj["kind"]) in self.refuse:
+            raise self.refuse[(verb, obj["kind"])]
+
+    def get(self, ref):
+        obj = self.objects.get(ref)
+        return copy.deepcopy(obj) if obj else None
+
+    def list(self, ref, label_selector=None):
+        if ref == k8s.NODES:
+            if self.nodes is None:
+                raise ApiError(403, "nodes is forbidden")
+            return self.nodes
+        want = dict(kv.split("=") for kv in label_selector.split(",")) if label_selector else {}
+        return [copy.deepcopy(o) for r, o in self.objects.items() if r.collection() == ref.collection()
+                and all(o["metadata"].get("labels", {}).get(a) == b for a, b in want.items())]
+
+    def create(self, body):
+        self._check("create", body)
+        ref = k8s.Ref.of(body)
+        if ref in self.objects:
+            raise ApiError(409, f"{ref.name} already exists")
+        obj = copy.deepcopy(body)
+        obj["metadata"]["uid"] = f"uid-{len(self.created)}"
+        obj["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
+        obj["status"] = {"phase": "Pending"}
+        self._bump(obj)
+        self.objects[ref] = obj
+        self.created.append(ref.name)
+        return obj
+
+    def delete(self, ref):
+        if self.objects.pop(ref, None) is not None:
+            self.deleted.append(ref.name)
+
+    def apply(self, obj):
+        self._check("apply", obj)
+        ref = k8s.Ref.of(obj)
+        old = self.objects.get(ref)
+        new = copy.deepcopy(obj)
+        new["status"] = (old or {}).get("status", {})
+        gen = (old or {}).get("metadata", {}).get("generation", 0)
+        changed = old is None or {k: v for k, v in old.items() if k != "status" and k != "metadata"} != \
+            {k: v for k, v in new.items() if k != "status" and k != "metadata"}
+        new["metadata"]["generation"] = gen + 1 if changed else gen
+        self._bump(new)
+        self.objects[ref] = new
+        self.applied.append(obj)
+        return new
+
+    def write_status(self, sdd, status):
+        cur = self.objects[k8s.Ref.of(sdd)]
+        if self.conflict_next_status_write or cur["metadata"]["resourceVersion"] != sdd["metadata"]["resourceVersion"]:
+            self.conflict_next_status_write = False
+            raise ApiError(409, "the object has been modified")
+        cur["status"] = copy.deepcopy(status)
+        self._bump(cur)
+        return cur
+
+    def event(self, sdd, reason, message, warning):
+        self.events.append((reason, message, warning))
+
+    # --- helpers for tests --------------------------------------------------------------------
+
+    def put_sdd(self, body):
+        body = copy.deepcopy(body)
+        body.setdefault("apiVersion", "specdecode.io/v1alpha1")
+        body.setdefault("kind", "SpecDecodeDeployment")
+        key = k8s.Ref.of(body)
+        old = self.objects.get(key)
+        body["metadata"]["generation"] = (old["metadata"]["generation"] + 1) if old else 1
+        if old:
+            body["status"] = old.get("status", {})
+        self._bump(body)
+        self.objects[key] = body
+
+    def sdd(self, name="llama-8b-eagle3"):
+        return self.get(k8s.sdd(NS, name))
+
+    def pods(self, role):
+        return [o for r, o in self.objects.items() if r.kind == "Pod" and o["metadata"]["labels"][labels.ROLE] == role]
+
+    def finish_planner(self, code, message):
+        (pod,) = [p for p in self.pods("planner") if p["status"].get("phase") in ("Pending", "Running")]
+        pod["status"] = {"phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [{
+            "name": "planner", "state": {"terminated": {"exitCode": code, "message": message,
+                                                        "finishedAt": "2026-01-01T00:00:10Z"}}}]}
+        return pod
+
+    def deployment(self, name="llama-8b-eagle3"):
+        return self.get(k8s.deployment(NS, name))
+
+    def roll_out(self, ready=None):
+        """What the Deployment controller and kubelets would report once the pods are up."""
+        dep = self.objects[k8s.deployment(NS, "llama-8b-eagle3")]
+        n = dep["spec"]["replicas"] if ready is None else ready
+        dep["status"] = {"observedGeneration": dep["metadata"]["generation"], "replicas": dep["spec"]["replicas"],
+                         "readyReplicas": n, "updatedReplicas": dep["spec"]["replicas"],
+                         "conditions": [{"type": "Available", "status": "True" if n else "False"}]}
+
+
+class Clock:
+    def __init__(self, t=1767225600.0):  # 2026-01-01T00:00:00Z
+        self.t = t
+
+    def __call__(self):
+        return self.t

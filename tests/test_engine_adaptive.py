@@ -16,8 +16,7 @@ from specdecode_worker.engine.spec_policy import CostCurve, StepCost  # noqa: E4
 from specdecode_worker.errors import InputError  # noqa: E402
 
 from tests.eagle_heads import write_copying_eagle_head  # noqa: E402
-from tests.engine_helpers import engine, noisy_copy, run_all, tiny_models  # noqa: E402
-from tests.test_engine_sampling import CHI2_CRIT, chi_square  # noqa: E402
+from tests.engine_helpers import CHI2_CRIT, chi_square, engine, noisy_copy, run_all, tiny_models  # noqa: E402
 from tests.tiny_models import write_tiny_model  # noqa: E402
 
 # Repetitive prompts (NGRAM finds matches) next to ones without any repetition.

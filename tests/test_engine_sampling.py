@@ -16,18 +16,8 @@ pytest.importorskip("transformers")
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.engine.sampling import verify  # noqa: E402
 
-from tests.engine_helpers import engine, run_all  # noqa: E402
+from tests.engine_helpers import CHI2_CRIT, chi_square, engine, run_all  # noqa: E402
 from tests.tiny_models import write_tiny_model  # noqa: E402
-
-# chi-square critical values at alpha = 0.001 by degrees of freedom
-CHI2_CRIT = {3: 16.266, 7: 24.322}
-
-
-def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    expected = probs * counts.sum()
-    keep = expected > 0
-    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
-
 
 def test_verify_output_follows_target_distribution():
     g = torch.Generator().manual_seed(0)

@@ -363,8 +363,7 @@ def test_with_the_monitoring_api_monitors_select_workers_and_operator(cluster):
     from specdecode_operator import workload
     from specdecode_operator.spec import parse_spec
 
-    from tests.test_operator_render import OWNER, make_plan
-    from tests.test_operator_spec import example
+    from tests.operator_helpers import OWNER, example, make_plan
 
     pod = workload.render_deployment(parse_spec(example()), make_plan(), "k", OWNER)["spec"]["template"]
     assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()

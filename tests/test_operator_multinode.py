@@ -134,8 +134,8 @@ def test_lws_status_reads_like_a_deployment():
 # --- reconciling ----------------------------------------------------------------------------------
 
 def _kube(serves_lws: bool):
-    """The reconciler's fake API (tests/test_operator_reconcile.py) plus discovery of the LWS API."""
-    from tests.test_operator_reconcile import FakeKube
+    """The reconciler's fake API (tests/operator_helpers.py) plus discovery of the LWS API."""
+    from tests.operator_helpers import FakeKube
 
     kube = FakeKube()
     kube.serves = lambda api_version, kind: serves_lws and (api_version, kind) == \
@@ -146,7 +146,7 @@ def _kube(serves_lws: bool):
 
 def _plan_and_reconcile(kube, plan):
     from specdecode_operator.reconcile import Options, Reconciler
-    from tests.test_operator_reconcile import Clock
+    from tests.operator_helpers import Clock
 
     r = Reconciler(kube, Options(default_image="img:1"), clock=Clock())
     r.reconcile("ns", "llama-8b-eagle3")

@@ -12,8 +12,7 @@ import pytest
 from specdecode_operator import planner, podsecurity, workload
 from specdecode_operator.spec import parse_spec, plan_key
 from tests.restricted_profile import pod_spec_of, violations
-from tests.test_operator_render import OWNER, make_plan
-from tests.test_operator_spec import example
+from tests.operator_helpers import OWNER, example, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,10 +9,7 @@ import pytest
 from specdecode_operator import labels, planner, workload
 from specdecode_operator.spec import parse_spec, plan_key
 from specdecode_worker.contract import GIB
-from tests.operator_helpers import example, make_plan
-
-OWNER = {"apiVersion": "specdecode.io/v1alpha1", "kind": "SpecDecodeDeployment", "name": "llama-8b-eagle3",
-         "uid": "u-1", "controller": True, "blockOwnerDeletion": True}
+from tests.operator_helpers import OWNER, example, make_plan
 
 
 def _flag(args: list[str], name: str) -> str:
