@@ -161,7 +161,7 @@ def test_a_model_without_a_nextn_layer_is_refused_before_weights_load(tmp_path):
 def test_served_with_algorithm_mtp_completions_return_the_target_greedy_text(model_dir):
     import httpx
 
-    from tests.test_server import _free_port, serving
+    from tests.server_helpers import free_port, serving
 
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -169,7 +169,7 @@ def test_served_with_algorithm_mtp_completions_return_the_target_greedy_text(mod
     expected = {}
     for p in prompts:
         expected[p] = tok.decode(hf_greedy(hf, tok(p).input_ids, 10), skip_special_tokens=True)
-    port = str(_free_port())
+    port = str(free_port())
     argv = ["--target", str(model_dir), "--algorithm", "MTP", "--num-draft-tokens", "2", "--device", "cpu",
             "--device-memory-gib", "1.5", "--mem-fraction-static", "0.95", "--context-length", "64",
             "--host", "127.0.0.1", "--port", port, "--log-level", "warning", "--served-model-name", "ds"]

@@ -102,10 +102,10 @@ def test_a_failed_request_counts_no_end_to_end_latency():
 def worker(tmp_path_factory):
     """(base URL, completion usage, /metrics text) of a tiny STANDALONE worker after one completion."""
     from tests.engine_helpers import tiny_models
-    from tests.test_server import _argv, _free_port, serving
+    from tests.server_helpers import free_port, serve_argv, serving
 
     models = tiny_models(tmp_path_factory.mktemp("monitoring"))
-    with serving(_argv(models, _free_port())) as (base, _state):
+    with serving(serve_argv(models, free_port())) as (base, _state):
         body = {"model": "target", "prompt": "one two three", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
         r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
@@ -140,10 +140,10 @@ def test_worker_exports_the_plans_dynamic_reserve(worker):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_worker_exports_the_dynamic_peak(tmp_path):
     from tests.engine_helpers import tiny_models
-    from tests.test_server import _argv, _free_port, serving
+    from tests.server_helpers import free_port, serve_argv, serving
 
     models = tiny_models(tmp_path)
-    argv = _argv(models, _free_port())
+    argv = serve_argv(models, free_port())
     argv[argv.index("--device") + 1] = "cuda"
     del argv[argv.index("--device-memory-gib"):argv.index("--device-memory-gib") + 2]  # the GPU's own memory
     with serving(argv) as (base, _state):

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import pytest
 
@@ -20,21 +16,7 @@ from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from specdecode_worker.server import ServerState, build_app  # noqa: E402
 
 from tests.engine_helpers import tiny_models  # noqa: E402
-
-CONTEXT = 128
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _argv(models, port, *extra):
-    return ["--target", str(models["target"]), "--draft", str(models["draft"]), "--algorithm", "STANDALONE",
-            "--device", "cpu", "--device-memory-gib", "1.1", "--mem-fraction-static", "0.95",
-            "--context-length", str(CONTEXT), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-            "--served-model-name", "target", *extra]
+from tests.server_helpers import CONTEXT, free_port, serve_argv, serving  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -42,29 +24,10 @@ def models(tmp_path_factory):
     return tiny_models(tmp_path_factory.mktemp("server"))
 
 
-@contextmanager
-def serving(argv):
-    """A real server from `serve` arguments on a thread; yields (base URL, state) once healthy."""
-    port = argv[argv.index("--port") + 1]
-    srv, state, _ = serve_cli.build(argv)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while not _healthy(base):
-            assert state.init_error is None and time.time() < deadline, f"never healthy: {state.init_error}"
-            time.sleep(0.1)
-        yield base, state
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def server(models):
     # Fixed draft lengths: every request drafts, so the draft counters below are certain to move.
-    with serving(_argv(models, _free_port(), "--spec-policy", "fixed")) as running:
+    with serving(serve_argv(models, free_port(), "--spec-policy", "fixed")) as running:
         yield running
 
 
@@ -82,13 +45,6 @@ def reference(models):
         gen = hf.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
         out[p] = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
     return out
-
-
-def _healthy(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/health").status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def _complete(base, prompt, **kw):
@@ -270,7 +226,7 @@ def test_metrics_report_the_speculation_policy(server):
 
 
 def test_serve_cli_refuses_bad_flags_with_exit_2(models, capsys):
-    port = str(_free_port())
+    port = str(free_port())
     cases = [
         (["--algorithm", "MTP"], "'num_nextn_predict_layers' must be a positive integer for MTP"),  # a Llama draft
         (["--algorithm", "EAGLE3", "--speculative-eagle-topk", "0"], "--speculative-eagle-topk: must be positive"),
@@ -278,7 +234,7 @@ def test_serve_cli_refuses_bad_flags_with_exit_2(models, capsys):
         (["--plan", "/nonexistent/plan.json"], "cannot read"),
     ]
     for extra, needle in cases:
-        assert serve_cli.main(_argv(models, port, *extra)) == 2
+        assert serve_cli.main(serve_argv(models, port, *extra)) == 2
         assert needle in capsys.readouterr().err
     no_budget = ["--target", str(models["target"]), "--device", "cpu", "--port", port]
     assert serve_cli.main(no_budget) == 2
@@ -327,7 +283,7 @@ def test_worker_below_the_plan_floor_exits_3(models, tmp_path, capsys):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan))
     argv = ["--target", str(models["target"]), "--algorithm", "NGRAM", "--plan", str(path), "--device", "cpu",
-            "--host", "127.0.0.1", "--port", str(_free_port()), "--log-level", "warning"]
+            "--host", "127.0.0.1", "--port", str(free_port()), "--log-level", "warning"]
     assert serve_cli.main(argv) == 3
     assert "KV token slots fit" in capsys.readouterr().err
 
@@ -343,7 +299,7 @@ def test_eagle3_head_serves_the_target_greedy_text(models, reference, tmp_path, 
                              aux_layer_ids=[-1, 0, 1])
     shape = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--num-draft-tokens", "5"] if tree \
         else ["--num-draft-tokens", "3"]
-    argv = _argv(models, _free_port(), *shape)
+    argv = serve_argv(models, free_port(), *shape)
     argv[argv.index("--draft") + 1] = str(head)
     argv[argv.index("--algorithm") + 1] = "EAGLE3"
     with serving(argv) as (base, state):
