@@ -155,6 +155,10 @@ def follow(runners: dict[str, Any]) -> int:
         msg = tp.broadcast()
         if msg[0] == "stop":
             return count
+        if msg[0] == "replay":  # a runner's own kind of pass (an EAGLE round's target pass or head step)
+            runners[msg[1]].replay(msg[2])
+            count += 1
+            continue
         _, name, batch, extend_lens, seq_lens_cpu, rows, last_only = msg
         runner = runners[name]
         dev = runner.device

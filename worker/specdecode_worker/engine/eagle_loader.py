@@ -10,6 +10,9 @@ Shared tensors, as the planner (``checkpoint.split_target_draft``) prices them: 
 always the target's, the lm_head too for EAGLE; a copy in the head's checkpoint is skipped, so
 the target's tensors are resident once. Everything else the checkpoint holds is the head's own
 (EAGLE3's lm_head, ``d2t`` and ``t2d`` included).
+
+Under tensor parallelism each rank keeps its shard of every tensor the head shards
+(``models.eagle``), cut from the whole tensor after the checks against the full shapes.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import torch
 
 from ..errors import InputError
 from ..model_config import read_config
+from .distributed import SINGLE, TPGroup
 from .models.eagle import Eagle3Head, EagleHead
+from .parallel_layers import take_shard
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -73,7 +78,7 @@ def read_head_tensors(model_dir: str | Path) -> tuple[dict[str, torch.Tensor], s
     return tensors, ", ".join(str(b) for b in bins)
 
 
-def _head_config(raw: dict):
+def head_config(raw: dict):
     from transformers import LlamaConfig
 
     cfg = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "auto_map")}
@@ -111,11 +116,12 @@ def load_eagle_head(
     target_num_layers: int,
     device,
     dtype: torch.dtype,
+    tp: TPGroup = SINGLE,
 ) -> LoadedHead:
     model_dir = Path(model_dir)
     where = str(model_dir / "config.json")
     raw = read_config(model_dir)
-    config = _head_config(raw)
+    config = head_config(raw)
     tensors, files = read_head_tensors(model_dir)
     tensors = {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIXES)}
 
@@ -153,10 +159,10 @@ def load_eagle_head(
 
     with torch.device("meta"):
         if algorithm == "EAGLE3":
-            head = Eagle3Head(config, target_hidden_size, head_vocab, has_d2t="d2t" in tensors)
+            head = Eagle3Head(config, target_hidden_size, head_vocab, has_d2t="d2t" in tensors, tp=tp)
         else:
             head = EagleHead(config, fc_bias="fc.bias" in tensors,
-                             first_input_norm="layers.0.input_layernorm.weight" in tensors)
+                             first_input_norm="layers.0.input_layernorm.weight" in tensors, tp=tp)
         if "t2d" in tensors:  # kept (and priced by the planner) though decoding needs only d2t
             head.register_buffer("t2d", torch.empty(tensors["t2d"].shape, dtype=torch.bool))
     expected = dict(head.state_dict())
@@ -168,12 +174,13 @@ def load_eagle_head(
     if missing:
         raise InputError(f"{files}: tensor '{missing[0]}' is missing ({len(missing)} missing) for an {algorithm} head "
                          f"with config {where}")
+    params = dict(head.named_parameters())  # they carry the shard specs; state_dict() does not
     state = {}
     for name, ref in expected.items():
-        t = tensors[name]
-        if tuple(t.shape) != tuple(ref.shape):
-            raise InputError(f"{files}: tensor '{name}' has shape {tuple(t.shape)}, "
-                             f"config.json implies {tuple(ref.shape)}")
+        t, full = take_shard(tensors[name], params.get(name, ref))
+        if t is None:
+            raise InputError(f"{files}: tensor '{name}' has shape {tuple(tensors[name].shape)}, "
+                             f"config.json implies {full}")
         keep = ref.dtype if not ref.dtype.is_floating_point else dtype
         state[name] = t.to(device=device, dtype=keep)
     head.load_state_dict(state, strict=True, assign=True)

@@ -16,10 +16,16 @@ neither model has cached; D: the first position the draft has not cached with ta
 4. the accepted tokens' target slots take positions L.., the rest go back to the allocator; the
    accepted tokens' target features wait for the next round's extend (D = L), which rewrites the
    draft's K/V at those positions with target features, so its cache has no holes.
+
+Under tensor parallelism the head shards with the target (``models.eagle``). Rank 0 runs the
+rounds; each target pass and head step it runs is announced to the other ranks with its batch,
+the req_to_token rows it reads, and (head steps) the features, so every rank runs the same pass
+on its shards and the collectives line up (``EagleSpeculator.replay``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -30,10 +36,11 @@ from ..errors import InputError
 from ..model_config import load_shape
 from .attention import make_attn_backend
 from .batch import Segment, alloc_positions, free_positions, make_batch, prompt_segments, with_cache_locs
-from .distributed import SINGLE
-from .eagle_loader import load_eagle_head
+from ..model_config import read_config
+from .eagle_loader import head_config, load_eagle_head
 from .loader import tensor_bytes
 from .model_runner import ModelRunner
+from .parallel_layers import check_splits, parallel_logits
 from .phases import Phase, PhaseError, require
 from .request import Request
 from .sampling import choose, verify
@@ -66,20 +73,23 @@ class HiddenCapture:
 
 
 class EagleRunner(ModelRunner):
-    """The head on one device; phases 2 and 3 are ModelRunner's (the head's own K/V layers)."""
+    """The head on one device, sharded as the target is; phases 2 and 3 are ModelRunner's (the
+    head's own K/V layers, ``max(1, kv / t)`` heads per rank)."""
 
     def __init__(self, model_dir: str, target_runner: ModelRunner, algorithm: str):
         if algorithm not in EAGLE_ALGORITHMS:
             raise ValueError(f"unknown EAGLE algorithm {algorithm}")
-        if target_runner.tp.size > 1:
-            raise InputError("EAGLE heads are served with tensor parallelism 1; drop --tp for EAGLE/EAGLE3")
+        tp = target_runner.tp
+        if tp.size > 1:  # the planner's rule: the head splits t ways as the target does
+            check_splits(head_config(read_config(model_dir)), tp.size, f"{model_dir}/config.json")
         # config.json only (the layer count is known before any weight); dtypes are the target's.
         self._init_state(model_dir, "draft", target_runner.device, load_shape(model_dir), target_runner.dtype,
-                         target_runner.kv_dtype, SINGLE)
+                         target_runner.kv_dtype, tp)
         self.algorithm = algorithm
         self.target = target_runner
         self.aux_layers: list[int] | None = None
         self.tree_backend = None  # set in phase 3
+        self.speculator = None  # the EagleSpeculator over this head: a follower replays through it
 
     def load_weights(self) -> None:
         if self.phase >= Phase.WEIGHTS_LOADED:
@@ -88,7 +98,7 @@ class EagleRunner(ModelRunner):
                 self.name)
         t = self.target.shape
         loaded = load_eagle_head(self.model_dir, self.algorithm, t.hidden_size, t.vocab_size, t.num_hidden_layers,
-                                 self.device, self.dtype)
+                                 self.device, self.dtype, self.tp)
         self.model, self.aux_layers = loaded.head, loaded.aux_layers
         self.weight_bytes = tensor_bytes(self.model)  # shared tensors stay in the target's module
         if loaded.skipped_shared:
@@ -103,6 +113,10 @@ class EagleRunner(ModelRunner):
         self.tree_backend = make_tree_attn_backend(self.req_to_token_pool, self.token_to_kv_pool, None)
         log.info("%s: EAGLE draft steps run eagerly (no CUDA graphs)", self.name)
         self.phase = Phase.BACKENDS_READY
+
+    def replay(self, call: tuple) -> None:
+        """A follower: run rank 0's announced target pass or head step on this rank's shards."""
+        self.speculator.replay(call)
 
 
 def check_tree_args(topk: int, num_steps: int, num_draft_tokens: int) -> None:
@@ -135,6 +149,8 @@ class EagleSpeculator(Speculator):
                                                           target_runner.token_to_kv_pool,
                                                           target_runner.model.sliding_window)
         self.embed = target_runner.model.model.embed_tokens
+        self.tp = draft_runner.tp  # the target's group (an MTP layer: a single rank)
+        draft_runner.speculator = self
         d2t = getattr(self.head, "d2t", None)
         self._draft_ids = None if d2t is None else torch.arange(d2t.numel(), device=d2t.device) + d2t
         self._features: dict[int, torch.Tensor] = {}  # rid -> target features not yet in the draft cache
@@ -146,26 +162,54 @@ class EagleSpeculator(Speculator):
         return self.k + 1 + scratch
 
     # ---- model calls ----------------------------------------------------------------------
+    def _backend(self, name: str):
+        return {"target": self.target.backend, "target_tree": self.target_tree_backend,
+                "draft": self.draft.backend, "draft_tree": self.draft.tree_backend}[name]
+
+    def _announce(self, call: str, backend: str, fb, rows, hidden=None, from_target: bool = False) -> None:
+        """Rank 0: send the other ranks this pass (they run it on their shards, see ``replay``)."""
+        if self.tp.size == 1 or not self.tp.is_leader:
+            return
+        width = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else 0
+        req_rows = self.target.req_to_token_pool.req_to_token[fb.req_pool_indices, :width].cpu()
+        hidden = None if hidden is None else hidden.cpu()
+        self.tp.broadcast(("replay", self.draft.name,
+                           (call, backend, _batch_to(fb, "cpu"), req_rows, rows.cpu(), hidden, from_target)))
+
+    def replay(self, call: tuple) -> None:
+        name, backend, fb, req_rows, rows, hidden, from_target = call
+        dev = self.target.device
+        fb = _batch_to(fb, dev)
+        # The draft adopts the target's req_to_token pool: one mirror of rank 0's rows serves both.
+        self.target.req_to_token_pool.req_to_token[fb.req_pool_indices, : req_rows.shape[1]] = req_rows.to(dev)
+        if name == "target":
+            self._target(fb, backend, rows=rows.to(dev))
+        else:
+            self._draft(fb, backend, hidden.to(dev), from_target, rows.to(dev))
+
     @torch.inference_mode()
-    def _target(self, fb, backend, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _target(self, fb, backend: str, last_only: bool = False, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (every token's, or each request's last) and head features for every token."""
         require(self.target.phase, Phase.BACKENDS_READY, "run a forward pass", self.target.name)
         capture = HiddenCapture(self.draft.aux_layers)
-        rows = fb.logit_rows(last_only)
-        logits = self.target.model(fb, backend, rows, capture)
+        rows = fb.logit_rows(last_only) if rows is None else rows
+        self._announce("target", backend, fb, rows)
+        logits = self.target.model(fb, self._backend(backend), rows, capture)
         return logits.float(), capture.features()
 
     @torch.inference_mode()
-    def _draft(self, fb, backend, hidden, from_target: bool, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draft(self, fb, backend: str, hidden, from_target: bool, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft logits over the target's vocabulary and next features, at ``rows``."""
         require(self.draft.phase, Phase.BACKENDS_READY, "run a forward pass", self.draft.name)
-        normed, feature = self.head(self.embed(fb.input_ids), hidden, from_target, fb, backend)
+        self._announce("draft", backend, fb, rows, hidden, from_target)
+        normed, feature = self.head(self.embed(fb.input_ids), hidden, from_target, fb, self._backend(backend))
         normed = normed[rows]
         lm_head = getattr(self.head, "lm_head", None)
         if lm_head is None:
-            logits = torch.nn.functional.linear(normed, self.target.model.head_weight()).float()
+            logits = parallel_logits(normed, self.target.model.head_weight(), self.target.shape.vocab_size,
+                                     self.tp).float()
         else:
-            logits = lm_head(normed).float()
+            logits = parallel_logits(normed, lm_head.weight, self.head.draft_vocab_size, self.tp).float()
             if self._draft_ids is not None:  # scatter draft ids onto their target ids
                 full = torch.full((logits.shape[0], self.target.shape.vocab_size), float("-inf"), device=logits.device)
                 full[:, self._draft_ids] = logits
@@ -176,7 +220,7 @@ class EagleSpeculator(Speculator):
     def prefill(self, reqs: list[Request]) -> list[int]:
         segments = prompt_segments(self.target, reqs)
         fb = with_cache_locs(make_batch(segments, self.target.device), self.target.req_to_token_pool, segments)
-        logits, features = self._target(fb, self.target.backend, last_only=True)
+        logits, features = self._target(fb, "target", last_only=True)
         first, start = [], 0
         for i, (r, s) in enumerate(zip(reqs, segments)):
             end = start + len(s.tokens)
@@ -230,7 +274,7 @@ class EagleSpeculator(Speculator):
         segments = [Segment(r.req_idx, r.all_ids[r.draft_kv_len + 1 : r.kv_len + 1], r.draft_kv_len) for r in reqs]
         fb = with_cache_locs(make_batch(segments, self.draft.device), self.draft.req_to_token_pool, segments)
         hidden = torch.cat([self._features[r.rid] for r in reqs])
-        logits, feature = self._draft(fb, self.draft.backend, hidden, True, fb.logit_rows(True))
+        logits, feature = self._draft(fb, "draft", hidden, True, fb.logit_rows(True))
         for r in reqs:
             r.draft_kv_len = r.kv_len
         return logits, feature
@@ -246,14 +290,14 @@ class EagleSpeculator(Speculator):
             if step + 1 < self.k:
                 segments = [Segment(r.req_idx, [tokens[i][-1]], r.kv_len + step) for i, r in enumerate(reqs)]
                 fb = with_cache_locs(make_batch(segments, self.draft.device), self.draft.req_to_token_pool, segments)
-                logits, hidden = self._draft(fb, self.draft.backend, hidden, False, fb.logit_rows(False))
+                logits, hidden = self._draft(fb, "draft", hidden, False, fb.logit_rows(False))
 
         self.last_draft_seconds = time.perf_counter() - start_time
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
         tokens = [t[:k] for t, k in zip(tokens, ks)]
         segments = [Segment(r.req_idx, [r.all_ids[-1]] + tokens[i], r.kv_len) for i, r in enumerate(reqs)]
         fb = with_cache_locs(make_batch(segments, self.target.device), pool, segments)
-        target_logits, features = self._target(fb, self.target.backend)
+        target_logits, features = self._target(fb, "target")
         results, start = [], 0
         for i, r in enumerate(reqs):
             rows = slice(start, start + ks[i] + 1)
@@ -288,7 +332,7 @@ class EagleSpeculator(Speculator):
         try:
             for step in range(1, self.num_steps):
                 fb = self._tree_step_batch(reqs, cands, frontier, expanded, scratch, step)
-                step_logits, step_hidden = self._draft(fb, self.draft.tree_backend, front_hidden, False,
+                step_logits, step_hidden = self._draft(fb, "draft_tree", front_hidden, False,
                                                        fb.logit_rows(False))
                 top = torch.topk(torch.log_softmax(step_logits, dim=-1), k, dim=-1)
                 new_frontier, rows = [], []
@@ -363,7 +407,7 @@ class EagleSpeculator(Speculator):
             key_positions=[torch.tensor([r.kv_len + d for d in t.depths], device=device) for r, t in zip(reqs, trees)],
             masks=[t.mask(device) for t in trees],
         )
-        logits, features = self._target(fb, self.target_tree_backend)
+        logits, features = self._target(fb, "target_tree")
         results, start = [], 0
         for r, t, s in zip(reqs, trees, slots):
             rows = slice(start, start + t.size)
@@ -381,3 +425,15 @@ class EagleSpeculator(Speculator):
             self._features[r.rid] = features[rows][torch.tensor(keep, device=features.device)]
             results.append(RoundResult([t.tokens[x] for x in path] + [nxt], proposed=t.size - 1, accepted=len(path)))
         return results
+
+
+def _batch_to(fb, device):
+    """A copy of a (tree) forward batch with its tensors, and lists of tensors, on ``device``."""
+    def move(v):
+        if isinstance(v, torch.Tensor):
+            return v.to(device)
+        if isinstance(v, list) and v and isinstance(v[0], torch.Tensor):
+            return [t.to(device) for t in v]
+        return v
+
+    return dataclasses.replace(fb, **{f.name: move(getattr(fb, f.name)) for f in dataclasses.fields(fb)})

@@ -131,18 +131,34 @@ def read_shard(f, name: str, param: nn.Parameter) -> tuple[torch.Tensor | None, 
     if spec is None:
         tensor = f.get_tensor(name)
         return tensor, tuple(tensor.shape), tuple(param.shape)
-    dim, start, length, full = spec
     piece = f.get_slice(name)
     shape = tuple(piece.get_shape())
-    if shape != full:
-        return None, shape, full
+    if shape != spec[3]:
+        return None, shape, spec[3]
+    return _cut(piece, spec), shape, spec[3]
+
+
+def take_shard(tensor: torch.Tensor, param: nn.Parameter) -> tuple[torch.Tensor | None, tuple]:
+    """This rank's part of a whole checkpoint tensor already in memory (as ``read_shard``).
+
+    Returns (tensor, the full shape the model expects); tensor is None when the shapes differ.
+    """
+    spec = getattr(param, "tp_shard", None)
+    full = tuple(param.shape) if spec is None else spec[3]
+    if tuple(tensor.shape) != full:
+        return None, full
+    return (tensor if spec is None else _cut(tensor, spec).clone()), full  # clone: not a view of the whole
+
+
+def _cut(piece, spec) -> torch.Tensor:
+    dim, start, length, full = spec
     end = min(start + length, full[dim])
     tensor = piece[start:end] if dim == 0 else piece[:, start:end]
     if tensor.shape[dim] < length:  # last vocabulary shard: zero rows past the vocabulary
         pad = list(tensor.shape)
         pad[dim] = length - tensor.shape[dim]
         tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
-    return tensor, shape, full
+    return tensor
 
 
 def model_tp(config, role: str, where: str) -> TPGroup:

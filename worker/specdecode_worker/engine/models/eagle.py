@@ -14,6 +14,12 @@ own lm_head over a draft vocabulary; ``d2t`` maps draft id d to target id d + d2
 Draft position p reads token p + 1 with the feature of position p, so it predicts token p + 2.
 Both heads share the target's embedding; EAGLE-1 also its lm_head. Module names match the
 published checkpoints after ``checkpoint_tensors`` normalises them.
+
+Under tensor parallelism t the heads shard as the planner prices them (``checkpoint.per_gpu_bytes``):
+the decoder layers as the target's (column-parallel q/k/v, gate/up; row-parallel o, down; KV heads
+``max(1, kv / t)``), EAGLE3's own lm_head by vocabulary rows; ``fc``, the norms and ``d2t``/``t2d``
+stay whole on every rank. The features they read (the target's residual stream after its
+row-parallel all-reduces, and the embedding after its all-reduce) are already whole on every rank.
 """
 
 from __future__ import annotations
@@ -21,23 +27,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..distributed import SINGLE, TPGroup
+from ..parallel_layers import column_linear, kv_head_block, lm_head, row_linear
 from .llama import RMSNorm
 from .rope import RotaryEmbedding
 
 
 class HeadAttention(nn.Module):
-    def __init__(self, config, layer_id: int, in_dim: int):
+    """Sharded as the target's attention: heads / t query heads, max(1, kv_heads / t) KV heads."""
+
+    def __init__(self, config, layer_id: int, in_dim: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.head_dim = d = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.num_heads = heads // tp.size
+        kv_first, self.num_kv_heads = kv_head_block(kv_heads, tp)
         self.scaling = self.head_dim**-0.5
         bias = bool(getattr(config, "attention_bias", False))
-        self.q_proj = nn.Linear(in_dim, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        kv_rows = dict(start=kv_first * d, length=self.num_kv_heads * d)
+        self.q_proj = column_linear(in_dim, heads * d, bias, tp)
+        self.k_proj = column_linear(in_dim, kv_heads * d, bias, tp, **kv_rows)
+        self.v_proj = column_linear(in_dim, kv_heads * d, bias, tp, **kv_rows)
+        self.o_proj = row_linear(heads * d, config.hidden_size, bias, tp)
 
     def forward(self, x, cos, sin, fb, backend):
         n = x.shape[0]
@@ -49,13 +62,13 @@ class HeadAttention(nn.Module):
 
 
 class HeadMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_proj = column_linear(h, i, bias, tp)
+        self.up_proj = column_linear(h, i, bias, tp)
+        self.down_proj = row_linear(i, h, bias, tp)
 
     def forward(self, x):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -64,12 +77,12 @@ class HeadMLP(nn.Module):
 class HeadLayer(nn.Module):
     """A Llama decoder layer; EAGLE3's reads concat(normed embedding, normed hidden)."""
 
-    def __init__(self, config, layer_id: int, eagle3: bool, input_norm: bool):
+    def __init__(self, config, layer_id: int, eagle3: bool, input_norm: bool, tp: TPGroup = SINGLE):
         super().__init__()
         h = config.hidden_size
         self.eagle3 = eagle3
-        self.self_attn = HeadAttention(config, layer_id, 2 * h if eagle3 else h)
-        self.mlp = HeadMLP(config)
+        self.self_attn = HeadAttention(config, layer_id, 2 * h if eagle3 else h, tp)
+        self.mlp = HeadMLP(config, tp)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps) if (input_norm or eagle3) else None
         if eagle3:
@@ -89,13 +102,13 @@ class EagleHead(nn.Module):
 
     eagle3 = False
 
-    def __init__(self, config, fc_bias: bool = True, first_input_norm: bool = False):
+    def __init__(self, config, fc_bias: bool = True, first_input_norm: bool = False, tp: TPGroup = SINGLE):
         super().__init__()
         h = config.hidden_size
         self.hidden_size = h
-        self.fc = nn.Linear(2 * h, h, bias=fc_bias)
+        self.fc = nn.Linear(2 * h, h, bias=fc_bias)  # replicated: its input is the whole feature
         self.layers = nn.ModuleList(
-            HeadLayer(config, i, eagle3=False, input_norm=(i > 0 or first_input_norm))
+            HeadLayer(config, i, eagle3=False, input_norm=(i > 0 or first_input_norm), tp=tp)
             for i in range(config.num_hidden_layers)
         )
         self.rotary = RotaryEmbedding(config)
@@ -116,15 +129,18 @@ class EagleHead(nn.Module):
 class Eagle3Head(nn.Module):
     eagle3 = True
 
-    def __init__(self, config, target_hidden_size: int, draft_vocab_size: int | None, has_d2t: bool):
+    def __init__(self, config, target_hidden_size: int, draft_vocab_size: int | None, has_d2t: bool,
+                 tp: TPGroup = SINGLE):
         super().__init__()
         h = config.hidden_size
         self.hidden_size = h
-        self.fc = nn.Linear(3 * target_hidden_size, h, bias=False)
-        self.layers = nn.ModuleList([HeadLayer(config, 0, eagle3=True, input_norm=True)])
+        self.fc = nn.Linear(3 * target_hidden_size, h, bias=False)  # replicated: its input is the whole feature
+        self.layers = nn.ModuleList([HeadLayer(config, 0, eagle3=True, input_norm=True, tp=tp)])
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        # No own lm_head: the target's serves. No d2t: draft ids are target ids.
-        self.lm_head = nn.Linear(h, draft_vocab_size, bias=False) if draft_vocab_size is not None else None
+        # No own lm_head: the target's serves. No d2t: draft ids are target ids. An own lm_head is
+        # vocabulary-parallel under t (ceil(draft vocab / t) rows per rank), d2t whole on every rank.
+        self.draft_vocab_size = draft_vocab_size
+        self.lm_head = lm_head(draft_vocab_size, h, tp) if draft_vocab_size is not None else None
         if has_d2t:
             self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
         else:
