@@ -165,7 +165,7 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
     verify_rows = max_running_requests * verify_tokens
     tokens = max(chunked_prefill_size, verify_rows)
     per_token = target.token_bytes(tp)
-    if draft is not None:  # priced unsharded: an EAGLE head and a replicated draft run whole on each GPU
+    if draft is not None:  # priced unsharded: exact for a replicated draft, an upper bound for a sharded head
         per_token = max(per_token, draft.token_bytes(1))
     features = tokens * FEATURE_HIDDENS.get(algorithm, 0) * target.hidden_size * target.dtype_bytes
     eager = tokens * per_token + target.logit_bytes(verify_rows) + features
