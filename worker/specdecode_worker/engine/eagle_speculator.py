@@ -261,7 +261,7 @@ class EagleSpeculator(Speculator):
             alloc_positions(pool, alloc, r.req_idx, r.kv_len, r.kv_len + 1)
         segments = [Segment(r.req_idx, [r.all_ids[-1]], r.kv_len) for r in reqs]
         fb = with_cache_locs(make_batch(segments, self.target.device), pool, segments)
-        logits, features = self._target(fb, self.target.backend)
+        logits, features = self._target(fb, "target")
         results = []
         for i, r in enumerate(reqs):
             token, _ = choose(logits[i], r.params, r.generator)
