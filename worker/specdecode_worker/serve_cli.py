@@ -136,6 +136,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         planned_tokens=kv["maxTotalNumTokens"],
         draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization,
         kv_cache_dtype=kv_cache_dtype, spec_policy=args.spec_policy,
+        chunked_prefill_size=reserve.get("chunkedPrefillSize") or 0,
     )
     return engine_args, plan
 

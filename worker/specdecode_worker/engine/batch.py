@@ -33,13 +33,13 @@ class Segment:
     start: int
 
 
-def prompt_segments(runner, reqs) -> list[Segment]:
-    """Take KV slots for every prompt token of ``reqs`` in ``runner``'s pools; one segment each."""
+def chunk_segments(runner, reqs, ends: list[int]) -> list[Segment]:
+    """Take KV slots for prefill positions ``r.kv_len .. end - 1`` of each request; one segment each."""
     pool, allocator = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
     segments = []
-    for r in reqs:
-        alloc_positions(pool, allocator, r.req_idx, 0, len(r.prompt_ids))
-        segments.append(Segment(r.req_idx, r.prompt_ids, 0))
+    for r, end in zip(reqs, ends):
+        alloc_positions(pool, allocator, r.req_idx, r.kv_len, end)
+        segments.append(Segment(r.req_idx, r.prefill_ids[r.kv_len : end], r.kv_len))
     return segments
 
 

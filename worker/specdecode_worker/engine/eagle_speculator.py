@@ -35,7 +35,7 @@ from ..contract import EAGLE_ALGORITHMS
 from ..errors import InputError
 from ..model_config import load_shape
 from .attention import make_attn_backend
-from .batch import Segment, alloc_positions, free_positions, make_batch, prompt_segments, with_cache_locs
+from .batch import Segment, alloc_positions, chunk_segments, free_positions, make_batch, with_cache_locs
 from ..model_config import read_config
 from .eagle_loader import head_config, load_eagle_head
 from .loader import tensor_bytes
@@ -217,27 +217,31 @@ class EagleSpeculator(Speculator):
         return logits, feature[rows]
 
     # ---- prefill ----------------------------------------------------------------------------
-    def prefill(self, reqs: list[Request]) -> list[int]:
-        segments = prompt_segments(self.target, reqs)
+    def prefill(self, reqs: list[Request], ends: list[int]) -> list[int | None]:
+        """Target features of every prefilled position wait for the head's first extend (D = 0)."""
+        segments = chunk_segments(self.target, reqs, ends)
         fb = with_cache_locs(make_batch(segments, self.target.device), self.target.req_to_token_pool, segments)
         logits, features = self._target(fb, "target", last_only=True)
         first, start = [], 0
-        for i, (r, s) in enumerate(zip(reqs, segments)):
-            end = start + len(s.tokens)
-            token, _ = choose(logits[i], r.params, r.generator)
-            r.kv_len = len(r.prompt_ids)
-            r.draft_kv_len = 0
-            first.append(token)
-            self._features[r.rid] = features[start:end]
-            start = end
+        for i, (r, s, end) in enumerate(zip(reqs, segments, ends)):
+            chunk = features[start : start + len(s.tokens)]
+            start += len(s.tokens)
+            if s.start == 0:
+                r.draft_kv_len = 0
+                self._features[r.rid] = chunk
+            else:
+                self._features[r.rid] = torch.cat([self._features[r.rid], chunk])
+            first.append(self.first_token(r, end, logits[i]))
         return first
+
+    def release(self, r: Request) -> None:
+        self._features.pop(r.rid, None)
 
     # ---- one round ----------------------------------------------------------------------------
     def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None) -> list[RoundResult]:
         """Request i verifies at most ``draft_lengths[i]`` tokens: the first ones of its chain, or
         the best-scored nodes of its tree (any prefix of that order is a tree). The head drafts
         for the whole batch; a round where no request drafts is a plain target step."""
-        self._features = {r.rid: self._features[r.rid] for r in reqs}  # finished requests drop out
         ks = [self.k] * len(reqs) if draft_lengths is None else [min(k, self.k) for k in draft_lengths]
         if not any(ks):
             self.last_draft_seconds = 0.0

@@ -8,18 +8,27 @@
    and allocator;
 3. backends: attention backends and CUDA graphs, target then draft.
 The speculator is built last, over the finished runners, then the speculation policy, whose cost
-model a few timed passes seed (adaptive only). ``step`` is admit -> prefill / policy picks each
-request's draft length -> decode round -> commit, and ``_commit`` is the one place a request's
-output grows.
+model a few timed passes seed (adaptive only). ``step`` is admit -> make room -> one prefill chunk
+-> policy picks each request's draft length -> decode round -> commit, and ``_commit`` is the one
+place a request's output grows.
+Scheduling policy: prefill and decode alternate within a step. Each step runs at most one prefill
+pass of at most ``chunked_prefill_size`` prompt tokens (oldest admitted requests first, a long
+prompt split over steps), then one decode round for every request whose prefill is done, so a
+long prompt delays running requests by one chunk per step, never by a whole prompt. Admission
+counts the slots requests really hold plus an estimate of their growth (``new_token_ratio`` of the
+tokens they may still generate); when the pool runs short, the newest requests are retracted
+(slots freed in the shared target/draft allocator) and later recomputed from prompt + committed
+tokens. Recompute samples nothing, so a request's generator continues where it stopped.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -74,6 +83,10 @@ class EngineArgs:
     draft_quantization: str | None = None  # "int8": dynamic int8 draft linears (cpu)
     kv_cache_dtype: str = "auto"  # auto (the compute dtype), fp8_e4m3 or fp8_e5m2: every model's K/V pool
     spec_policy: str = FIXED  # fixed: K drafts every round; adaptive: the draft length that maximises goodput
+    chunked_prefill_size: int = 0  # most prompt tokens per prefill pass (the plan's chunkedPrefillSize); 0: no cap
+    # Admission reserves this share of the tokens a request may still generate (1.0: the worst case,
+    # prompt + max_tokens up front); an estimate that proves short is paid for by retraction.
+    new_token_ratio: float = 0.5
 
 
 @dataclass
@@ -84,6 +97,7 @@ class Stats:
     accepted_tokens: int = 0
     verify_rounds: int = 0
     finished_requests: int = 0
+    retracted_requests: int = 0  # retractions under KV pressure (work recomputed later)
     accept_lengths: Counter[int] = field(default_factory=Counter)  # accepted drafts per request-round -> count
     draft_lengths: Counter[int] = field(default_factory=Counter)  # draft length chosen per request-round -> count
     decode_steps: int = 0
@@ -126,8 +140,8 @@ class Engine:
         self.policy: SpecPolicy | None = None
         self.stats = Stats()
         self._waiting: queue.Queue[Request] = queue.Queue()
-        self._running: list[Request] = []
-        self._reserved = 0
+        self._running: list[Request] = []  # admitted (prefilling or decoding), oldest first
+        self._retracted: deque[Request] = deque()  # wait ahead of new requests
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.eos_token_ids: frozenset[int] = frozenset()
@@ -342,7 +356,7 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if not self._running and self._waiting.empty():
+            if not self._running and not self._retracted and self._waiting.empty():
                 time.sleep(0.002)
                 continue
             try:
@@ -352,41 +366,110 @@ class Engine:
                 for r in list(self._running):
                     self._finish(r, error=f"internal error: {type(exc).__name__}: {exc}")
 
+    def _expected_slots(self, r: Request) -> int:
+        """Slots ``r`` will take beyond those it holds: its prefill left, one round's, and a share of
+        the tokens it may still generate (the whole of them once it has been retracted)."""
+        if r.req_idx is None:  # waiting: the prompt, or prompt + committed tokens after a retraction
+            prefill_left = len(r.all_ids) - (1 if r.output_ids else 0)
+        else:
+            prefill_left = len(r.prefill_ids) - r.kv_len if r.prefill_ids is not None else 0
+        ratio = 1.0 if r.retractions else self.args.new_token_ratio
+        growth = math.ceil(ratio * (r.params.max_tokens - len(r.output_ids)))
+        return prefill_left + self.speculator.slots_per_round + growth
+
+    def _next_waiting(self) -> Request | None:
+        if self._retracted:
+            return self._retracted[0]
+        return None if self._waiting.empty() else self._waiting.queue[0]
+
     def _admit(self) -> list[Request]:
         admitted = []
-        cap = self.memory_pool_config.max_total_num_tokens
         pool = self.target_runner.req_to_token_pool
-        while not self._waiting.empty() and pool.available_size() > 0:
-            req = self._waiting.queue[0]
-            need = self.slots_needed(req)
-            if self._reserved + need > cap:
-                break  # wait for running requests to free their slots
-            self._waiting.get()
+        spare = self.target_runner.token_to_kv_pool_allocator.available_size()
+        spare -= sum(self._expected_slots(r) for r in self._running)
+        while pool.available_size() > 0 and (req := self._next_waiting()) is not None:
+            need = self._expected_slots(req)
+            if need > spare and self._running:
+                break  # wait for running requests to finish or grow less than estimated
+            (self._retracted.popleft if self._retracted else self._waiting.get)()
             if req.abort_requested:
                 self._finish(req, reason="abort")
                 continue
             req.req_idx = pool.alloc()
-            req.reserved_slots = need
-            self._reserved += need
+            req.prefill_ids = req.all_ids[:-1] if req.output_ids else list(req.prompt_ids)
+            spare -= need
+            self._running.append(req)
             admitted.append(req)
         return admitted
+
+    def _retract(self, r: Request) -> None:
+        """Free every slot of ``r`` (target and draft share them) and queue it for recompute."""
+        runner = self.target_runner
+        free_positions(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, r.req_idx, 0, r.kv_len)
+        runner.req_to_token_pool.free(r.req_idx)
+        self.speculator.release(r)
+        r.req_idx, r.kv_len, r.draft_kv_len, r.prefill_ids = None, 0, 0, None
+        r.retractions += 1
+        self.stats.retracted_requests += 1
+        self._running.remove(r)
+        self._retracted.appendleft(r)  # retracted newest first, so the older comes back first
+        log.info("request %d retracted under KV pressure (%d tokens committed, recomputed later)", r.rid,
+                 len(r.output_ids))
+
+    def _chunk_budget(self) -> int:
+        return self.args.chunked_prefill_size or self.memory_pool_config.max_total_num_tokens
+
+    def _room_needed(self) -> int:
+        """Slots this step takes: one round for every decoding request, and the first prefill chunk."""
+        decoding = sum(1 for r in self._running if r.prefill_ids is None)
+        first = next((r for r in self._running if r.prefill_ids is not None), None)
+        chunk = min(self._chunk_budget(), len(first.prefill_ids) - first.kv_len) if first else 0
+        return decoding * self.speculator.slots_per_round + chunk
+
+    def _make_room(self) -> None:
+        """Retract the newest requests until this step fits. The oldest is never retracted, and it
+        always fits alone (``check_fits``), so every request finishes."""
+        alloc = self.target_runner.token_to_kv_pool_allocator
+        while len(self._running) > 1 and alloc.available_size() < self._room_needed():
+            self._retract(self._running[-1])
+
+    def _prefill_chunk(self) -> None:
+        """One target pass over at most one chunk of prompt tokens, oldest requests first."""
+        decoding = sum(1 for r in self._running if r.prefill_ids is None)
+        room = self.target_runner.token_to_kv_pool_allocator.available_size()
+        budget = min(self._chunk_budget(), room - decoding * self.speculator.slots_per_round)
+        reqs, ends = [], []
+        for r in self._running:
+            if r.prefill_ids is None or budget <= 0:
+                continue
+            n = min(budget, len(r.prefill_ids) - r.kv_len)
+            reqs.append(r)
+            ends.append(r.kv_len + n)
+            budget -= n
+        if not reqs:
+            return
+        for r, token in zip(reqs, self.speculator.prefill(reqs, ends)):
+            if r.kv_len < len(r.prefill_ids):
+                continue  # more chunks to come
+            r.prefill_ids = None
+            if token is not None:
+                self.stats.prompt_tokens += len(r.prompt_ids)
+                self._commit(r, [token])
 
     def abort(self, req: Request) -> None:
         """Ask the engine to end ``req`` (client gone, stop string seen); thread-safe."""
         req.abort_requested = True
 
     def step(self) -> None:
-        """Admit waiting requests and prefill them, then one speculative round for all running."""
+        """Admit, make room, one prefill chunk, then one speculative round for the decoding requests."""
         for r in [r for r in self._running if r.abort_requested]:
             self._finish(r, reason="abort")
-        new = self._admit()
-        if new:
-            for r, token in zip(new, self.speculator.prefill(new)):
-                self.stats.prompt_tokens += len(r.prompt_ids)
-                self._running.append(r)
-                self._commit(r, [token])
-        if self._running:
-            reqs = list(self._running)
+        self._admit()
+        self._make_room()
+        self._prefill_chunk()
+        room = self.target_runner.token_to_kv_pool_allocator.available_size() // self.speculator.slots_per_round
+        reqs = [r for r in self._running if r.prefill_ids is None][:room]  # a just-prefilled one may wait a step
+        if reqs:
             rids = [r.rid for r in reqs]
             ks = self.policy.draft_lengths(rids, [self._draft_cap(r) for r in reqs])
             start = time.perf_counter()
@@ -453,7 +536,7 @@ class Engine:
             free_positions(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, r.req_idx, 0, r.kv_len)
             runner.req_to_token_pool.free(r.req_idx)
             r.req_idx = None
-            self._reserved -= r.reserved_slots
+        self.speculator.release(r)
         r.finish_reason, r.error = reason, error
         self.stats.finished_requests += 1
         if r.on_update:
@@ -467,7 +550,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return self._waiting.qsize()
+        return self._waiting.qsize() + len(self._retracted)
 
     def kv_usage(self) -> tuple[int, int]:
         alloc = self.target_runner.token_to_kv_pool_allocator

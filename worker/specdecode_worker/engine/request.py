@@ -69,7 +69,10 @@ class Request:
     req_idx: int | None = None
     kv_len: int = 0
     draft_kv_len: int = 0
-    reserved_slots: int = 0
+    # While prefilling: the tokens to cache before decoding, ``kv_len`` of them done. The prompt, or
+    # after a retraction the prompt plus every committed token but the last (recomputed, not resampled).
+    prefill_ids: list[int] | None = None
+    retractions: int = 0
     accepted_draft_tokens: int = 0
     proposed_draft_tokens: int = 0
     verify_rounds: int = 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..contract import EAGLE_ALGORITHMS, SERVED_ALGORITHMS
-from .batch import Segment, alloc_positions, forward_segments, free_positions, prompt_segments
+from .batch import Segment, alloc_positions, chunk_segments, forward_segments, free_positions
 from .model_runner import ModelRunner
 from .request import Request
 from .sampling import choose, verify
@@ -56,8 +56,24 @@ class Speculator(ABC):
         """KV slots a request may hold beyond its committed tokens during one round."""
 
     @abstractmethod
-    def prefill(self, reqs: list[Request]) -> list[int]:
-        """Run the prompts through the target; returns each request's first token."""
+    def prefill(self, reqs: list[Request], ends: list[int]) -> list[int | None]:
+        """Cache prefill positions ``r.kv_len .. end - 1`` of each request in one target pass.
+
+        Returns the first token of each request whose prompt this chunk finished, None for the
+        others and for a request recomputed after a retraction (its tokens are committed already).
+        """
+
+    def release(self, r: Request) -> None:
+        """Forget what is kept for ``r`` between rounds (it finished or was retracted)."""
+        return None  # only EAGLE keeps per-request state (target features) between rounds
+
+    @staticmethod
+    def first_token(r: Request, end: int, logits: torch.Tensor) -> int | None:
+        """Advance ``r`` past its chunk; sample its first token when the chunk ends a fresh prompt."""
+        r.kv_len = end
+        if end < len(r.prefill_ids) or r.output_ids:
+            return None
+        return choose(logits, r.params, r.generator)[0]
 
     # Whether requests of one round may draft different lengths (else the policy picks one k).
     per_request_draft_lengths: bool = True
@@ -104,16 +120,16 @@ class StandaloneSpeculator(Speculator):
     def slots_per_round(self) -> int:
         return self.k + 1
 
-    # prefill: the prompt goes through the target; the draft catches up in its first round.
-    def prefill(self, reqs: list[Request]) -> list[int]:
-        segments = prompt_segments(self.target, reqs)
+    # prefill: each chunk goes through the target, and through the draft at the same slots, so the
+    # draft's first round catches up one token, not a whole prompt in one pass.
+    def prefill(self, reqs: list[Request], ends: list[int]) -> list[int | None]:
+        segments = chunk_segments(self.target, reqs, ends)
         logits = forward_segments(self.target, segments, last_only=True)
-        first = []
-        for r, row in zip(reqs, logits):
-            token, _ = choose(row, r.params, r.generator)
-            r.kv_len = len(r.prompt_ids)
-            first.append(token)
-        return first
+        if self.draft is not None:
+            forward_segments(self.draft, segments, last_only=True)
+        for r, end in zip(reqs, ends):
+            r.draft_kv_len = end if self.draft is not None else 0
+        return [self.first_token(r, end, row) for r, end, row in zip(reqs, ends, logits)]
 
     def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None) -> list[RoundResult]:
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
