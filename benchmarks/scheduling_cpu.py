@@ -1,13 +1,14 @@
 """Admission at a fixed KV pool on CPU: the worst-case reservation against held tokens + estimated growth.
 
 One engine per setting, same requests, greedy, a small random Llama (nothing downloaded). Requests
-declare max_tokens 128; in the "answers stop early" workload each answer ends at a stop (the client
-aborts it, as the server does on a stop string) after a random 16..128 tokens, as chat answers do;
+declare max_tokens 96; in the "answers stop early" workload each answer ends at a stop (the client
+aborts it, as the server does on a stop string) after a random 16..96 tokens, as chat answers do;
 in the "answers run to max_tokens" workload none stops, so the estimate runs short and requests are
 retracted and recomputed. Reported: requests admitted in the first step, the mean and peak number
-running per step, retractions, and generated tokens per second.
+running per step, retractions, and generated tokens per CPU second of the engine (one
+thread, process time: on a shared machine wall time measures the neighbours).
 
-Run:  PYTHONPATH=worker:operator:. python benchmarks/scheduling_cpu.py [--requests 32] [--pool 2048]
+Run:  PYTHONPATH=worker:operator:. python benchmarks/scheduling_cpu.py [--requests 16] [--pool 1024]
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from tests.tiny_models import write_tiny_model  # noqa: E402
 
-MAX_TOKENS = 128
+MAX_TOKENS = 96
 
 
 def run(model: Path, args, ratio: float, stops: bool) -> dict:
-    eng = Engine(EngineArgs(str(model), device_memory_bytes=1 << 30, runtime_bytes=0, context_len=512,
+    eng = Engine(EngineArgs(str(model), device_memory_bytes=1 << 30, runtime_bytes=0, context_len=160,
                             max_total_tokens=args.pool, max_running_requests=args.requests,
                             chunked_prefill_size=args.chunk, new_token_ratio=ratio))
     eng.init_model_worker()
@@ -46,14 +47,14 @@ def run(model: Path, args, ratio: float, stops: bool) -> dict:
 
         prompt = [rng.randrange(3, 150) for _ in range(args.prompt)]
         reqs.append(Request(prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), on_update=stop))
-    start = time.perf_counter()
+    start = time.process_time()
     for r in reqs:
         eng.submit(r)
     running = []
     while not all(r.done.is_set() for r in reqs):
         eng.step()
         running.append(eng.num_running)
-    secs = time.perf_counter() - start
+    secs = time.process_time() - start
     tokens = sum(len(r.output_ids) for r in reqs)
     return {"first_step": running[0], "mean": sum(running) / len(running), "peak": max(running),
             "retracted": eng.stats.retracted_requests, "tokens": tokens, "tok_s": tokens / secs,
@@ -62,11 +63,11 @@ def run(model: Path, args, ratio: float, stops: bool) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--prompt", type=int, default=64)
-    p.add_argument("--pool", type=int, default=2048)
-    p.add_argument("--chunk", type=int, default=256)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--pool", type=int, default=1024)
+    p.add_argument("--chunk", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -75,7 +76,7 @@ def main() -> None:
                                  num_key_value_heads=2)
         print(f"pool {args.pool} tokens, {args.requests} requests of {args.prompt} prompt tokens, "
               f"max_tokens {MAX_TOKENS}, chunk {args.chunk}")
-        print("| workload | admission | admitted at once | mean / peak running | retractions | tok/s |")
+        print("| workload | admission | admitted at once | mean / peak running | retractions | tok per CPU s |")
         print("|---|---|---|---|---|---|")
         for stops, name in ((True, "answers stop early"), (False, "answers run to max_tokens")):
             worst = run(model, args, 1.0, stops)
