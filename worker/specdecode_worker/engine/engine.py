@@ -285,7 +285,11 @@ class Engine:
             target = CostCurve({1: 0.01, max(batches) * (k + 1): 0.02})
         else:
             target = measure_curve(self.target_runner, batches, widths, args.context_len)
-        if args.algorithm == "STANDALONE":
+        if args.algorithm == "STANDALONE" and self.draft_runner.tp.size > 1:
+            # A sharded draft cannot be timed alone either: its decode cost scales with its weight bytes.
+            share = self.draft_runner.weight_bytes / max(self.target_runner.weight_bytes, 1)
+            draft = CostCurve({x: y * share for x, y in zip(target.xs, target.ys)})
+        elif args.algorithm == "STANDALONE":
             draft = measure_curve(self.draft_runner, batches, [1], args.context_len)
         elif args.algorithm == "NGRAM":
             draft = None
