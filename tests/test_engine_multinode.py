@@ -17,7 +17,7 @@ from specdecode_worker.engine.distributed import Nodes, RankFailure, launch  # n
 from specdecode_worker.engine.request import Request  # noqa: E402
 
 from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
-from tests.test_engine_tp import CONTEXT, GREEDY, PROMPTS, WALL_S, _engine_kw, _tp_rank  # noqa: E402
+from tests.tp_helpers import CONTEXT, GREEDY, PROMPTS, WALL_S, engine_kwargs, tp_rank  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def _two_free_ports() -> int:
 def _pod(size: int, nodes: Nodes, rank_args: tuple, results) -> None:
     """One pod: supervises its local ranks and reports what its launch returned or raised."""
     try:
-        results.put((nodes.node_rank, "ok", launch(size, _tp_rank, rank_args, nodes=nodes, wall_timeout_s=WALL_S)))
+        results.put((nodes.node_rank, "ok", launch(size, tp_rank, rank_args, nodes=nodes, wall_timeout_s=WALL_S)))
     except RankFailure as exc:
         results.put((nodes.node_rank, "failed", str(exc)))
     except BaseException as exc:  # noqa: BLE001 - the test shows it
@@ -72,7 +72,7 @@ def models(tmp_path_factory):
 
 
 def test_four_ranks_over_two_pods_give_the_single_rank_greedy_output(models):
-    kws = {a: _engine_kw(models, 4, a) for a in ("NONE", "STANDALONE")}
+    kws = {a: engine_kwargs(models, 4, a) for a in ("NONE", "STANDALONE")}
     pods = _run_pods(4, (kws,))
     assert [pods[r][0] for r in (0, 1)] == ["ok", "ok"], pods
     leader, worker = pods[0][1], pods[1][1]
@@ -93,7 +93,7 @@ def test_a_rank_failing_in_the_second_pod_stops_both(models, tmp_path):
     shutil.copytree(models["target"], bad)
     weights = bad / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])
-    pods = _run_pods(2, ({"NONE": _engine_kw(models, 2, "NONE")}, {1: str(bad)}))
+    pods = _run_pods(2, ({"NONE": engine_kwargs(models, 2, "NONE")}, {1: str(bad)}))
     for node_rank in (0, 1):
         status, message = pods[node_rank]
         assert status == "failed", pods
@@ -116,7 +116,7 @@ def test_serve_over_two_pods_from_the_leaderworkerset_environment(models, tmp_pa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdecode_worker.engine.distributed import free_port
-    from tests.test_engine_tp import BUDGET_GIB, FRACTION
+    from tests.tp_helpers import BUDGET_GIB, FRACTION
 
     http, master = free_port(), _two_free_ports()
     argv = [sys.executable, "-m", "specdecode_worker", "serve", "--tp", "2", "--target", str(models["target"]),

@@ -14,64 +14,21 @@ pytest.importorskip("transformers")
 
 from specdecode_worker import plan_cli  # noqa: E402
 from specdecode_worker.engine.distributed import RankFailure, launch  # noqa: E402
-from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
-from specdecode_worker.plan import runtime_reserve_bytes  # noqa: E402
+from specdecode_worker.engine.request import Request  # noqa: E402
 
 from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
+from tests.tp_helpers import (  # noqa: E402
+    BUDGET_GIB,
+    CONTEXT,
+    FRACTION,
+    GREEDY,
+    MAX_TOKENS,
+    PROMPTS,
+    WALL_S,
+    engine_kwargs,
+    tp_rank,
+)
 from tests.tiny_models import write_tiny_model  # noqa: E402
-
-from specdecode_worker.contract import GIB  # noqa: E402
-PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [20, 21, 22], list(range(30, 50))]
-MAX_TOKENS = 12
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-# Per t: a budget whose KV area after the planner's runtime reserve (1 GiB + t x 128 MiB) is ~0.1 GiB.
-BUDGET_GIB = {1: 1.2, 2: 1.45, 4: 1.7}
-FRACTION = 0.95
-CONTEXT = 64
-WALL_S = 240  # no rank may hang: the supervisor ends the run after this
-
-
-def _describe(eng) -> dict:
-    t = eng.target_runner
-    d = eng.draft_runner if eng.draft_runner else None
-    info = {
-        "target_weight_bytes": t.weight_bytes, "target_kv_cell": t.kv_cell_bytes,
-        "target_kv_heads": t.token_to_kv_pool.k_buffer[0].shape[1],
-        "profiled_tokens": eng.memory_profile.max_total_num_tokens,
-        "allocated_tokens": t.token_to_kv_pool_allocator.size, "kv_rows": t.token_to_kv_pool.k_buffer[0].shape[0],
-    }
-    if d is not None:
-        info.update(draft_weight_bytes=d.weight_bytes, draft_kv_cell=d.kv_cell_bytes, draft_tp=d.tp.size,
-                    draft_kv_rows=d.token_to_kv_pool.k_buffer[0].shape[0])
-    return info
-
-
-def _lead(eng) -> dict:
-    reqs = run_all(eng, [Request(list(p), GREEDY) for p in PROMPTS])
-    return {**_describe(eng), "outputs": [r.output_ids for r in reqs], "proposed": eng.stats.proposed_tokens}
-
-
-def _tp_rank(engine_kws: dict[str, dict], bad_target: dict | None = None) -> dict:
-    """Runs inside each rank process (spawned): per algorithm one engine, init, then lead or follow."""
-    from specdecode_worker.engine.distributed import get_tp
-    from specdecode_worker.engine.tp_engine import run_rank
-
-    torch.set_num_threads(1)
-    out = {}
-    for algorithm, engine_kw in engine_kws.items():
-        kw = dict(engine_kw)
-        if bad_target and get_tp().rank in bad_target:
-            kw["target"] = bad_target[get_tp().rank]
-        out[algorithm] = run_rank(EngineArgs(**kw), _lead, _describe)
-    return out
-
-
-def _engine_kw(models, tp: int, algorithm: str) -> dict:
-    return dict(target=str(models["target"]), draft=str(models["draft"]) if algorithm == "STANDALONE" else None,
-                algorithm=algorithm, device_memory_bytes=int(BUDGET_GIB[tp] * GIB), mem_fraction_static=FRACTION,
-                runtime_bytes=runtime_reserve_bytes(tp), context_len=CONTEXT, max_running_requests=4,
-                num_draft_tokens=3)
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +54,8 @@ def tp_runs(models):
 
     def get(tp: int, algorithm: str) -> list[dict]:
         if tp not in cache:
-            kws = {a: _engine_kw(models, tp, a) for a in ("NONE", "STANDALONE")}
-            cache[tp] = launch(tp, _tp_rank, (kws,), wall_timeout_s=WALL_S)
+            kws = {a: engine_kwargs(models, tp, a) for a in ("NONE", "STANDALONE")}
+            cache[tp] = launch(tp, tp_rank, (kws,), wall_timeout_s=WALL_S)
         return [rank[algorithm] for rank in cache[tp]]
 
     return get
@@ -164,7 +121,7 @@ def test_a_rank_failing_at_load_stops_the_whole_worker(models, tmp_path):
     weights = bad / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])
     with pytest.raises(RankFailure, match=r"rank 1 of 2 failed: .*stopped the other 1 rank") as err:
-        launch(2, _tp_rank, ({"NONE": _engine_kw(models, 2, "NONE")}, {1: str(bad)}), wall_timeout_s=WALL_S)
+        launch(2, tp_rank, ({"NONE": engine_kwargs(models, 2, "NONE")}, {1: str(bad)}), wall_timeout_s=WALL_S)
     assert "deserializing header" in str(err.value)  # the failing rank's own error, not a peer's
     assert multiprocessing.active_children() == []  # no rank left behind
 
