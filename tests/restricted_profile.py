@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from specdecode_operator import planner, workload
+from specdecode_operator.spec import parse_spec, plan_key
+from tests.operator_helpers import OWNER, example, make_plan
+
 ALLOWED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
                         "projected", "secret"}
 ALLOWED_ADD_CAPABILITIES = {"NET_BIND_SERVICE"}
@@ -74,3 +78,31 @@ def pod_spec_of(obj: dict[str, Any]) -> dict[str, Any]:
     if obj["kind"] == "Pod":
         return obj["spec"]
     return obj["spec"]["template"]["spec"]
+
+
+def hub_store(body):
+    """The SDD with its models fetched from a hub (an init container) instead of a PVC."""
+    body["spec"]["modelStore"] = {"hub": {"endpoint": "https://hub.example", "tokenSecret": {"name": "hf"}}}
+    return body
+
+
+def _variants():
+    yield "pvc", example()
+    yield "hub", hub_store(example())
+    gpu = example()
+    gpu["spec"]["planner"] = {"requestGPU": True}
+    yield "planner-gpu", gpu
+    sa = example()
+    sa["spec"]["pod"] = {"serviceAccountName": "puller", "imagePullSecrets": [{"name": "reg"}]}
+    yield "service-account", sa
+
+
+def rendered_pods():
+    """(what, pod spec) for every pod the operator creates, in each store and parallelism."""
+    for name, body in _variants():
+        view = parse_spec(body)
+        key = plan_key(view)
+        yield f"{name}/planner", pod_spec_of(planner.render_planner_pod(view, key, OWNER))
+        for tp in (1, 4):
+            dep = workload.render_deployment(view, make_plan(tp=tp), key, OWNER)
+            yield f"{name}/worker-tp{tp}", pod_spec_of(dep)

@@ -427,7 +427,7 @@ def _enforce(cluster, namespace, level):
 
 def test_every_rendered_pod_is_admitted_in_a_restricted_namespace(cluster, namespace):
     """The API server's own PodSecurity admission, as a second judge of what the unit tests check."""
-    from tests.test_operator_podsecurity import rendered_pods
+    from tests.restricted_profile import rendered_pods
 
     _enforce(cluster, namespace, "restricted")
     cluster.kubectl("create", "serviceaccount", "puller", "-n", namespace)  # the variant with spec.pod's account

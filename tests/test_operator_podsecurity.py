@@ -11,37 +11,10 @@ import pytest
 
 from specdecode_operator import planner, podsecurity, workload
 from specdecode_operator.spec import parse_spec, plan_key
-from tests.restricted_profile import pod_spec_of, violations
+from tests.restricted_profile import hub_store, pod_spec_of, rendered_pods, violations
 from tests.operator_helpers import OWNER, example, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _hub(body):
-    body["spec"]["modelStore"] = {"hub": {"endpoint": "https://hub.example", "tokenSecret": {"name": "hf"}}}
-    return body
-
-
-def _variants():
-    yield "pvc", example()
-    yield "hub", _hub(example())
-    gpu = example()
-    gpu["spec"]["planner"] = {"requestGPU": True}
-    yield "planner-gpu", gpu
-    sa = example()
-    sa["spec"]["pod"] = {"serviceAccountName": "puller", "imagePullSecrets": [{"name": "reg"}]}
-    yield "service-account", sa
-
-
-def rendered_pods():
-    """(what, pod spec) for every pod the operator creates, in each store and parallelism."""
-    for name, body in _variants():
-        view = parse_spec(body)
-        key = plan_key(view)
-        yield f"{name}/planner", pod_spec_of(planner.render_planner_pod(view, key, OWNER))
-        for tp in (1, 4):
-            dep = workload.render_deployment(view, make_plan(tp=tp), key, OWNER)
-            yield f"{name}/worker-tp{tp}", pod_spec_of(dep)
 
 
 @pytest.mark.parametrize("what,spec", list(rendered_pods()), ids=lambda x: x if isinstance(x, str) else "")
@@ -70,7 +43,7 @@ def test_the_pod_user_is_the_images_user():
 
 
 def test_spec_pod_adds_to_the_defaults():
-    body = _hub(example())
+    body = hub_store(example())
     body["spec"]["pod"] = {"serviceAccountName": "puller", "securityContext": {"runAsUser": 2000, "fsGroup": 3000}}
     view = parse_spec(body)
     spec = pod_spec_of(workload.render_deployment(view, make_plan(), plan_key(view), OWNER))
@@ -81,7 +54,7 @@ def test_spec_pod_adds_to_the_defaults():
 
 
 def _clean():
-    view = parse_spec(_hub(example()))
+    view = parse_spec(hub_store(example()))
     return pod_spec_of(workload.render_deployment(view, make_plan(tp=2), plan_key(view), OWNER))
 
 
