@@ -7,6 +7,10 @@ full logs stay in ``cluster.logs_dir`` (under pytest's temporary folder).
 
 ``namespace`` (function): a fresh namespace whose default service account exists, deleted after
 the test.
+
+``crd`` (module), ``store`` and ``operator`` (function): the operator's end-to-end set-up: the CRD
+installed, a `models` claim holding sparse published checkpoints, and `specdecode-operator` running
+as a local process for the test's namespace (tests/e2e_helpers.py has the helpers they use).
 """
 
 from __future__ import annotations
@@ -15,10 +19,14 @@ import os
 import re
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
+import yaml
 
+from tests.checkpoints import write_model
 from tests.cluster.controlplane import ControlPlane, build_binaries
+from tests.e2e_helpers import CRD, DRAFT, OTHER_DRAFT, TARGET, Operator, get_object
 from tests.cluster.lws import build as lws_build
 from tests.cluster.wait import wait_for
 
@@ -100,3 +108,35 @@ def pytest_runtest_makereport(item, call):
     if report.failed and _planes and "cluster" in getattr(item, "fixturenames", ()):
         report.sections.append(("control plane logs (tail)", _planes[0].log_tails()))
     return report
+
+
+# ---- the operator's end-to-end fixtures: its CRD, a model store claim, the operator process ----
+
+@pytest.fixture(scope="module")
+def crd(cluster):
+    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/specdecodedeployments.specdecode.io", "--timeout=60s")
+    return CRD
+
+
+@pytest.fixture
+def store(cluster, namespace):
+    """The `models` PVC with sparse Llama-3.1-8B-Instruct and two EAGLE3 heads."""
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
+        "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}}}))
+    root = Path(cluster.pvc_root) / namespace / "models"
+    write_model(root / TARGET, "llama-3.1-8b-instruct")
+    write_model(root / DRAFT, "eagle3-llama-3.1-8b")
+    write_model(root / OTHER_DRAFT, "eagle3-llama-3.1-8b")
+    wait_for(lambda: get_object(cluster, namespace, "pvc", "models")["status"].get("phase") == "Bound",
+             timeout=30, what="PVC models bound")
+    return root
+
+
+@pytest.fixture
+def operator(cluster, crd, namespace, store):
+    op = Operator(cluster, namespace).start()
+    yield op
+    op.stop()
+    print(f"--- operator log (tail) ---\n{op.tail(80)}")  # shown by pytest when the test failed

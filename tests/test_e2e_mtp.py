@@ -11,8 +11,7 @@ import pytest
 
 from tests.checkpoints import CONFIGS, _deepseek_tensors, write_checkpoint
 from tests.cluster.wait import wait_for
-from tests.test_e2e_operator import BIN, _get, _list, apply, condition, example, phase_is, wait_sdd
-from tests.test_e2e_operator import crd, operator, store  # noqa: F401  (fixtures)
+from tests.e2e_helpers import BIN, apply, condition, example, get_object, list_objects, phase_is, wait_sdd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -45,15 +44,15 @@ def test_mtp_deployment_plans_the_nextn_layer_and_rolls_out(cluster, namespace, 
     assert out.returncode == 0, out.stderr
     expected = json.loads(out.stdout)
     assert expected["kvCache"] == plan["kvCache"] and expected["weights"] == plan["weights"]
-    dep = _get(cluster, namespace, "deployment", NAME)
+    dep = get_object(cluster, namespace, "deployment", NAME)
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--algorithm") + 1] == "MTP"
     assert args[args.index("--num-draft-tokens") + 1] == "2"  # numSteps proposals per round
     target = args[args.index("--target") + 1]
     assert target.endswith(MODEL) and args[args.index("--draft") + 1] == target  # the NextN layer's folder
-    workers = _list(cluster, namespace, "pods", f"specdecode.io/name={NAME},specdecode.io/role=worker")
+    workers = list_objects(cluster, namespace, "pods", f"specdecode.io/name={NAME},specdecode.io/role=worker")
     assert len(workers) == 1
-    pinned = json.loads(_get(cluster, namespace, "configmap", f"{NAME}-plan")["data"]["plan.json"])
+    pinned = json.loads(get_object(cluster, namespace, "configmap", f"{NAME}-plan")["data"]["plan.json"])
     assert pinned["kvCache"] == plan["kvCache"]
-    wait_for(lambda: condition(_get(cluster, namespace, "sdd", NAME), "Available")["status"] == "True",
+    wait_for(lambda: condition(get_object(cluster, namespace, "sdd", NAME), "Available")["status"] == "True",
              timeout=30, what="Available")

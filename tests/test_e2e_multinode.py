@@ -11,7 +11,7 @@ import yaml
 from tests.checkpoints import write_model
 from tests.cluster import lws as lws_mod
 from tests.cluster.wait import wait_for
-from tests.test_e2e_operator import Operator, crd  # noqa: F401 - crd is a fixture used here
+from tests.e2e_helpers import Operator
 
 pytestmark = pytest.mark.timeout(420)
 TARGET = "meta-llama/Llama-3.1-70B-Instruct"
@@ -46,7 +46,7 @@ def store(cluster, namespace):
         "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
         "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}}}))
     write_model(cluster.pvc_root / namespace / "models" / TARGET, "llama-3.1-70b-instruct")
-    wait_for(lambda: _get(cluster, namespace, "pvc", "models")["status"].get("phase") == "Bound",
+    wait_for(lambda: get_object(cluster, namespace, "pvc", "models")["status"].get("phase") == "Bound",
              timeout=30, what="PVC models bound")
 
 
@@ -61,7 +61,7 @@ def operator(cluster, crd, namespace, store):  # noqa: F811 - crd is the importe
     print(f"--- operator log (tail) ---\n{op.tail(80)}")
 
 
-def _get(cluster, namespace, kind, name):
+def get_object(cluster, namespace, kind, name):
     r = cluster.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
     if r.returncode != 0:
         assert "NotFound" in r.stderr, r.stderr
@@ -75,7 +75,7 @@ def _cond(sdd, ctype):
 
 def _wait_sdd(cluster, namespace, predicate, what, timeout=180):
     def check():
-        sdd = _get(cluster, namespace, "sdd", NAME)
+        sdd = get_object(cluster, namespace, "sdd", NAME)
         return sdd if sdd and predicate(sdd) else None
 
     return wait_for(check, timeout=timeout, interval=1.0, what=f"{NAME}: {what}")
@@ -98,7 +98,7 @@ def test_without_leaderworkerset_the_sdd_reports_multinode_unavailable(cluster, 
     assert sdd["status"]["phase"] == "Degraded"
     # No partial workload: no Deployment, ConfigMap or Service.
     for kind, name in (("deployment", NAME), ("configmap", f"{NAME}-plan"), ("service", NAME)):
-        assert _get(cluster, namespace, kind, name) is None, kind
+        assert get_object(cluster, namespace, kind, name) is None, kind
 
 
 def _pods(cluster, namespace, selector):
@@ -148,9 +148,9 @@ def test_a_replica_needing_16_gpus_runs_as_a_group_over_two_nodes(cluster, lws, 
     plan = sdd["status"]["plan"]
     assert (plan["tensorParallelSize"], plan["nodesPerReplica"]) == (16, 2)
     assert sdd["status"]["nodesPerReplica"] == 2 and sdd["status"]["readyReplicas"] == 1
-    assert _get(cluster, namespace, "deployment", NAME) is None
+    assert get_object(cluster, namespace, "deployment", NAME) is None
 
-    group = _get(cluster, namespace, "leaderworkerset", f"{NAME}-group")
+    group = get_object(cluster, namespace, "leaderworkerset", f"{NAME}-group")
     assert group["spec"]["leaderWorkerTemplate"]["size"] == 2 and group["spec"]["replicas"] == 1
     pods = _group_pods(cluster, namespace)
     leader_name, worker_name = f"{NAME}-group-0", f"{NAME}-group-0-1"
@@ -167,7 +167,7 @@ def test_a_replica_needing_16_gpus_runs_as_a_group_over_two_nodes(cluster, lws, 
         assert args[args.index("--tp") + 1] == "16" and args[args.index("--nnodes") + 1] == "2"
     assert "readinessProbe" in leader["spec"]["containers"][0]
     assert "readinessProbe" not in worker["spec"]["containers"][0]
-    service = _get(cluster, namespace, "service", NAME)
+    service = get_object(cluster, namespace, "service", NAME)
     assert service["spec"]["selector"]["specdecode.io/group-role"] == "leader"
     endpoints = json.loads(cluster.kubectl("get", "endpointslices", "-n", namespace, "-l",
                                            f"kubernetes.io/service-name={NAME}", "-o", "json").stdout)["items"]
@@ -203,7 +203,7 @@ def test_scaling_to_two_replicas_makes_two_groups(cluster, lws, namespace, opera
     sdd = _wait_sdd(cluster, namespace, lambda s: s.get("status", {}).get("phase") == "Ready"
                     and s["status"].get("readyReplicas") == 2, "2 groups Ready")
     assert sdd["status"]["replicas"] == 2
-    assert _get(cluster, namespace, "leaderworkerset", f"{NAME}-group")["spec"]["replicas"] == 2
+    assert get_object(cluster, namespace, "leaderworkerset", f"{NAME}-group")["spec"]["replicas"] == 2
     pods = _group_pods(cluster, namespace)
     assert sorted(pods) == [f"{NAME}-group-{g}{s}" for g in (0, 1) for s in ("", "-1")]
     nodes = [p["spec"]["nodeName"] for p in pods.values()]

@@ -9,168 +9,18 @@ no worker process runs.
 from __future__ import annotations
 
 import json
-import signal
-import socket
-import subprocess
-import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.checkpoints import write_model
 from tests.cluster.wait import wait_for
-
-ROOT = Path(__file__).resolve().parents[1]
-CRD = ROOT / "crds" / "specdecode.io_specdecodedeployments.yaml"
-EXAMPLE = ROOT / "examples" / "spec-deploy.yaml"
-TARGET = "meta-llama/Llama-3.1-8B-Instruct"
-DRAFT = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
-OTHER_DRAFT = "mirror/EAGLE3-LLaMA3.1-Instruct-8B-v2"
-BIN = Path(sys.executable).parent
+from tests.e2e_helpers import (
+    DRAFT, OTHER_DRAFT, Operator, ROOT, TARGET, apply, condition, example, get_object, list_objects, local_plan,
+    phase_is, planner_pods, wait_sdd,
+)
 
 pytestmark = pytest.mark.timeout(300)
-
-
-# --- fixtures -------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def crd(cluster):
-    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/specdecodedeployments.specdecode.io", "--timeout=60s")
-    return CRD
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Operator:
-    """`specdecode-operator` as a subprocess with the cluster's kubeconfig."""
-
-    def __init__(self, cluster, namespace: str, *extra: str, env: dict | None = None):
-        self.cluster, self.namespace, self.extra = cluster, namespace, extra
-        self.env = env or cluster.env
-        self.log = Path(cluster.logs_dir) / f"operator-{namespace}.log"
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-
-    def start(self) -> "Operator":
-        port = _free_port()
-        self.starts += 1
-        out = open(self.log, "ab")
-        self.proc = subprocess.Popen(
-            [str(BIN / "specdecode-operator"), "--namespace", self.namespace, "--log-format", "plain",
-             "--worker-image", "specdecode/worker:test", "--liveness", f"http://127.0.0.1:{port}/healthz",
-             *self.extra], env=self.env, stdout=out, stderr=subprocess.STDOUT)
-        url = self.health = f"http://127.0.0.1:{port}/healthz"
-
-        def healthy():
-            assert self.proc.poll() is None, f"operator exited {self.proc.returncode}: {self.tail()}"
-            with urllib.request.urlopen(url, timeout=2) as r:
-                return r.status == 200
-
-        wait_for(healthy, timeout=60, interval=0.5, what="operator liveness endpoint")
-        return self
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
-
-
-@pytest.fixture
-def store(cluster, namespace):
-    """The `models` PVC with sparse Llama-3.1-8B-Instruct and two EAGLE3 heads."""
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump({
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
-        "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}}}))
-    root = Path(cluster.pvc_root) / namespace / "models"
-    write_model(root / TARGET, "llama-3.1-8b-instruct")
-    write_model(root / DRAFT, "eagle3-llama-3.1-8b")
-    write_model(root / OTHER_DRAFT, "eagle3-llama-3.1-8b")
-    wait_for(lambda: _get(cluster, namespace, "pvc", "models")["status"].get("phase") == "Bound",
-             timeout=30, what="PVC models bound")
-    return root
-
-
-@pytest.fixture
-def operator(cluster, crd, namespace, store):
-    op = Operator(cluster, namespace).start()
-    yield op
-    op.stop()
-    print(f"--- operator log (tail) ---\n{op.tail(80)}")  # shown by pytest when the test failed
-
-
-# --- helpers --------------------------------------------------------------------------------------
-
-def _get(cluster, namespace, kind, name):
-    r = cluster.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
-    if r.returncode != 0:
-        assert "NotFound" in r.stderr, r.stderr
-        return None
-    return json.loads(r.stdout)
-
-
-def _list(cluster, namespace, kind, selector):
-    return json.loads(cluster.kubectl("get", kind, "-n", namespace, "-l", selector, "-o", "json").stdout)["items"]
-
-
-def example(**spec_changes) -> dict:
-    body = yaml.safe_load(EXAMPLE.read_text())
-    for path, value in spec_changes.items():
-        node = body["spec"]
-        *parents, leaf = path.split("__")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return body
-
-
-def apply(cluster, namespace, body, check=True):
-    return cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body), check=check)
-
-
-def condition(sdd, ctype):
-    return next((c for c in (sdd or {}).get("status", {}).get("conditions", []) if c["type"] == ctype), None)
-
-
-def wait_sdd(cluster, namespace, name, predicate, what, timeout=90):
-    def check():
-        sdd = _get(cluster, namespace, "sdd", name)
-        return sdd if sdd and predicate(sdd) else None
-
-    return wait_for(check, timeout=timeout, interval=0.5, what=f"{name}: {what}")
-
-
-def phase_is(phase):
-    return lambda s: s.get("status", {}).get("phase") == phase
-
-
-def planner_pods(cluster, namespace, name):
-    return _list(cluster, namespace, "pods", f"specdecode.io/name={name},specdecode.io/role=planner")
-
-
-def local_plan(store: Path, *args: str) -> dict:
-    """The planner CLI's own output for the same models, run here."""
-    out = subprocess.run([str(BIN / "specdecode-worker"), "plan", "--target", str(store / TARGET), *args,
-                          "--output", "json"], capture_output=True, text=True)
-    assert out.returncode in (0, 3), out.stderr
-    return json.loads(out.stdout)
 
 
 NAME = "llama-8b-eagle3"
@@ -195,7 +45,7 @@ def test_example_plans_deploys_scales_replans_and_deletes(cluster, namespace, st
     assert condition(sdd, "Available")["status"] == "True" and condition(sdd, "Degraded")["status"] == "False"
     assert sdd["status"]["observedGeneration"] == sdd["metadata"]["generation"]
 
-    dep = _get(cluster, namespace, "deployment", NAME)
+    dep = get_object(cluster, namespace, "deployment", NAME)
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == tp
     args = container["args"]
@@ -206,14 +56,14 @@ def test_example_plans_deploys_scales_replans_and_deletes(cluster, namespace, st
     managers = {(m["manager"], m["operation"]) for m in full["metadata"]["managedFields"]}
     assert ("specdecode-operator", "Apply") in managers  # server-side apply with our field manager
     for kind, child in (("configmap", f"{NAME}-plan"), ("service", NAME)):
-        owner = _get(cluster, namespace, kind, child)["metadata"]["ownerReferences"][0]
+        owner = get_object(cluster, namespace, kind, child)["metadata"]["ownerReferences"][0]
         assert (owner["kind"], owner["uid"], owner["controller"]) == \
             ("SpecDecodeDeployment", sdd["metadata"]["uid"], True)
-    workers = _list(cluster, namespace, "pods", "specdecode.io/name=llama-8b-eagle3,specdecode.io/role=worker")
+    workers = list_objects(cluster, namespace, "pods", "specdecode.io/name=llama-8b-eagle3,specdecode.io/role=worker")
     assert len(workers) == 1 and workers[0]["spec"]["nodeName"].startswith("h100-node-")
-    pinned = json.loads(_get(cluster, namespace, "configmap", f"{NAME}-plan")["data"]["plan.json"])
+    pinned = json.loads(get_object(cluster, namespace, "configmap", f"{NAME}-plan")["data"]["plan.json"])
     assert pinned["kvCache"] == plan["kvCache"]
-    assert _get(cluster, namespace, "service", NAME)["spec"]["ports"][0]["port"] == 8000
+    assert get_object(cluster, namespace, "service", NAME)["spec"]["ports"][0]["port"] == 8000
     table = cluster.kubectl("get", "sdd", NAME, "-n", namespace).stdout
     assert "Ready" in table and str(plan["kvCache"]["maxTotalNumTokens"]) in table
     events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector",
@@ -229,16 +79,16 @@ def test_example_plans_deploys_scales_replans_and_deletes(cluster, namespace, st
                    and s["status"]["phase"] == "Ready", "3 ready replicas")
     assert sdd["status"]["plan"]["key"] == plan["key"]
     assert [p["metadata"]["uid"] for p in planner_pods(cluster, namespace, NAME)] == [first_planner["metadata"]["uid"]]
-    dep = _get(cluster, namespace, "deployment", NAME)
+    dep = get_object(cluster, namespace, "deployment", NAME)
     assert dep["spec"]["replicas"] == 3 and dep["spec"]["template"] == template_hash
-    assert len(_list(cluster, namespace, "replicasets", "specdecode.io/name=llama-8b-eagle3")) == 1
+    assert len(list_objects(cluster, namespace, "replicasets", "specdecode.io/name=llama-8b-eagle3")) == 1
 
     # a new draft model: a new plan, a rolled pod template, the old planner pod cleaned up
     apply(cluster, namespace, example(replicas=3, draft__model=OTHER_DRAFT))
     sdd = wait_sdd(cluster, namespace, NAME, lambda s: s["status"]["plan"]["key"] != plan["key"]
                    and s["status"]["phase"] == "Ready" and s["status"].get("updatedReplicas") == 3,
                    "re-planned and rolled")
-    dep = _get(cluster, namespace, "deployment", NAME)
+    dep = get_object(cluster, namespace, "deployment", NAME)
     assert dep["spec"]["template"]["metadata"]["annotations"]["specdecode.io/plan-key"] == sdd["status"]["plan"]["key"]
     assert f"/models/{OTHER_DRAFT}" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
     wait_for(lambda: [p["metadata"]["labels"]["specdecode.io/plan-key"] for p in planner_pods(cluster, namespace, NAME)]
@@ -250,7 +100,7 @@ def test_example_plans_deploys_scales_replans_and_deletes(cluster, namespace, st
     def all_gone():
         left = []
         for kind in ("deployments", "replicasets", "services", "configmaps", "pods"):
-            items = _list(cluster, namespace, kind, "specdecode.io/name=llama-8b-eagle3")
+            items = list_objects(cluster, namespace, kind, "specdecode.io/name=llama-8b-eagle3")
             left += [f"{kind}/{i['metadata']['name']}" for i in items]
         return not left or None
 
@@ -279,7 +129,7 @@ def test_invalid_specs_are_refused_by_the_api_server(cluster, crd, namespace):
         body["spec"].update(change)
         r = apply(cluster, namespace, body, check=False)
         assert r.returncode != 0 and message in r.stderr, (change, r.stderr)
-    assert _get(cluster, namespace, "sdd", NAME) is None
+    assert get_object(cluster, namespace, "sdd", NAME) is None
     # every shipped example is accepted (server-side dry run)
     for path in sorted((ROOT / "examples").glob("*.yaml")):
         cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(path))
@@ -293,7 +143,7 @@ def test_model_too_large_for_the_gpus(cluster, namespace, store, operator):
     short = sdd["status"]["plan"]["shortfallBytes"]
     assert short > 0 and str(short) in planned["message"]
     assert sdd["status"]["plan"]["fits"] is False
-    assert _get(cluster, namespace, "deployment", NAME) is None
+    assert get_object(cluster, namespace, "deployment", NAME) is None
     assert len(planner_pods(cluster, namespace, NAME)) == 1
 
 
@@ -308,7 +158,7 @@ def test_planner_failure_is_reported_and_retried(cluster, namespace, store, oper
                    "PlannerFailed")
     message = condition(sdd, "Planned")["message"]
     assert "hidden_size" in message and "bad input" in message, message
-    assert sdd["status"]["phase"] == "Failed" and _get(cluster, namespace, "deployment", NAME) is None
+    assert sdd["status"]["phase"] == "Failed" and get_object(cluster, namespace, "deployment", NAME) is None
     first_uid = planner_pods(cluster, namespace, NAME)[0]["metadata"]["uid"]
     config.write_text(good)  # the user fixes the model store; the retry picks it up
     sdd = wait_sdd(cluster, namespace, NAME, phase_is("Ready"), "Ready after a retry", timeout=60)
@@ -327,14 +177,14 @@ def test_operator_killed_mid_plan_resumes_with_one_planner_pod(cluster, crd, nam
         op.start()
         wait_sdd(cluster, namespace, NAME, phase_is("Ready"), "Ready after the restart")
         assert [p["metadata"]["uid"] for p in planner_pods(cluster, namespace, NAME)] == [pod["metadata"]["uid"]]
-        assert len(_list(cluster, namespace, "replicasets", "specdecode.io/name=llama-8b-eagle3")) == 1
+        assert len(list_objects(cluster, namespace, "replicasets", "specdecode.io/name=llama-8b-eagle3")) == 1
         op.kill()  # and once more, when everything is done: a restart changes nothing
-        rv = _get(cluster, namespace, "sdd", NAME)["status"]
+        rv = get_object(cluster, namespace, "sdd", NAME)["status"]
         op.start()
         wait_for(lambda: "resum" in op.tail(200).lower() or None, timeout=30, what="resume handled")
-        assert _get(cluster, namespace, "sdd", NAME)["status"]["phase"] == "Ready"
+        assert get_object(cluster, namespace, "sdd", NAME)["status"]["phase"] == "Ready"
         assert len(planner_pods(cluster, namespace, NAME)) == 1
-        assert rv["plan"] == _get(cluster, namespace, "sdd", NAME)["status"]["plan"]
+        assert rv["plan"] == get_object(cluster, namespace, "sdd", NAME)["status"]["plan"]
     finally:
         op.stop()
 
@@ -347,7 +197,7 @@ def test_more_gpus_per_replica_than_any_node(cluster, namespace, store, operator
     degraded = condition(sdd, "Degraded")
     assert degraded["reason"] == "PlanExceedsNodeGPUs", degraded
     assert "needs 2 GPUs per replica" in degraded["message"] and "NVIDIA-L4 offers is 1" in degraded["message"]
-    (pod,) = _list(cluster, namespace, "pods", "specdecode.io/name=llama-8b-eagle3,specdecode.io/role=worker")
+    (pod,) = list_objects(cluster, namespace, "pods", "specdecode.io/name=llama-8b-eagle3,specdecode.io/role=worker")
     assert not pod["spec"].get("nodeName")
 
 
@@ -449,7 +299,7 @@ def test_restricted_namespace_plans_and_reaches_ready(cluster, namespace, store,
     apply(cluster, namespace, example())
     sdd = wait_sdd(cluster, namespace, NAME, phase_is("Ready"), "Ready in a restricted namespace")
     assert condition(sdd, "Planned")["reason"] == "PlanReady"
-    (worker,) = _list(cluster, namespace, "pods", f"specdecode.io/name={NAME},specdecode.io/role=worker")
+    (worker,) = list_objects(cluster, namespace, "pods", f"specdecode.io/name={NAME},specdecode.io/role=worker")
     assert worker["spec"]["securityContext"]["runAsNonRoot"] is True
     assert worker["spec"]["automountServiceAccountToken"] is False
     assert not [v for v in worker["spec"]["volumes"] if "projected" in v]  # no token volume was injected
@@ -487,7 +337,7 @@ def _quota(cluster, namespace, gpus):
 
 def test_gpu_quota_below_the_plan_is_quota_exceeded_then_ready_once_raised(cluster, namespace, store, operator):
     _quota(cluster, namespace, 0)
-    wait_for(lambda: _get(cluster, namespace, "resourcequota", "gpus").get("status", {}).get("hard"),
+    wait_for(lambda: get_object(cluster, namespace, "resourcequota", "gpus").get("status", {}).get("hard"),
              timeout=30, what="quota status computed")
     apply(cluster, namespace, example())
     sdd = wait_sdd(cluster, namespace, NAME, lambda s: (condition(s, "Degraded") or {}).get("reason")

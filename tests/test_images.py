@@ -480,7 +480,7 @@ def service_account_volume(cluster, namespace: str, sa: str, path: Path) -> Path
 @built
 def test_operator_image_reconciles_an_example_with_the_chart_deployment_and_token(images, cluster, namespace,
                                                                                   tmp_path):
-    from tests.test_chart import CHART, forbidden_lines, local_example, wait_ready
+    from tests.chart_helpers import CHART, forbidden_lines, local_example, wait_ready
 
     ns = namespace
     repository, _, tag = images["operator"].rpartition(":")

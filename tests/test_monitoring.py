@@ -230,7 +230,7 @@ def test_a_liveness_url_that_cannot_serve_both_is_refused(url):
 
 
 def test_running_operator_serves_its_sdds_conditions_next_to_liveness(cluster, namespace):
-    from tests.test_e2e_operator import Operator
+    from tests.e2e_helpers import Operator
 
     cluster.kubectl("apply", "--server-side", "-f", str(CRD))
     cluster.kubectl("wait", "--for=condition=Established", "crd/specdecodedeployments.specdecode.io", "--timeout=60s")
