@@ -4,6 +4,7 @@ planner prices per GPU (the head sharded with the target, ``fc`` and norms whole
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 
@@ -30,7 +31,8 @@ pytestmark = pytest.mark.slow  # one launch of t rank processes per t
 VOCAB = 8
 DRAFT_VOCAB = 4  # EAGLE3's own lm_head: 4 rows split 2 and 4 ways
 MODES = {"chain": dict(num_draft_tokens=3),
-         "tree": dict(num_draft_tokens=6, speculative_num_steps=3, speculative_eagle_topk=3)}
+         "tree": dict(num_draft_tokens=6, speculative_num_steps=3, speculative_eagle_topk=3),
+         "mixed": dict(num_draft_tokens=3)}  # chains; per request: no drafting, 1 token, or 3
 HEADS = {"eagle": "EAGLE", "eagle3": "EAGLE3"}
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 BUDGET_GIB = {1: 1.2, 2: 1.45, 4: 1.7}  # ~0.1 GiB of KV after the planner's runtime reserve
@@ -42,6 +44,17 @@ WALL_S = 300
 def _prompts():
     rng = random.Random(0)
     return [[rng.randrange(VOCAB) for _ in range(rng.randrange(2, 14))] for _ in range(4)]
+
+
+def _requests(mode: str) -> list[Request]:
+    """In "mixed", two requests never draft (rounds where no request drafts are plain target
+    steps) and one drafts a single token, so the head catches up over skipped tokens."""
+    if mode != "mixed":
+        return [Request(p, GREEDY) for p in _prompts()]
+    long = SamplingParams(max_tokens=32, ignore_eos=True)  # outlives the drafting requests
+    caps = [dict(params=long, speculative=False), dict(params=long, speculative=False),
+            dict(params=GREEDY, max_draft_tokens=1), dict(params=GREEDY)]
+    return [Request(p, **c) for p, c in zip(_prompts(), caps)]
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +85,8 @@ def _describe(eng) -> dict:
             "allocated_tokens": eng.target_runner.token_to_kv_pool_allocator.size}
 
 
-def _lead(eng) -> dict:
-    reqs = run_all(eng, [Request(p, GREEDY) for p in _prompts()])
+def _lead(eng, mode: str) -> dict:
+    reqs = run_all(eng, _requests(mode))
     return {**_describe(eng), "outputs": [r.output_ids for r in reqs], "accepted": eng.stats.accepted_tokens}
 
 
@@ -82,10 +95,11 @@ def _rank(engine_kws: dict) -> dict:
     from specdecode_worker.engine.tp_engine import run_rank
 
     torch.set_num_threads(1)
-    return {case: run_rank(EngineArgs(**kw), _lead, _describe) for case, kw in engine_kws.items()}
+    return {case: run_rank(EngineArgs(**kw), functools.partial(_lead, mode=case[1]), _describe)
+            for case, kw in engine_kws.items()}
 
 
-CASES = [(h, m) for h in HEADS for m in MODES]
+CASES = [(h, m) for h in HEADS for m in ("chain", "tree")] + [("eagle3", "mixed")]
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +107,11 @@ def single(models):
     """t = 1 greedy output per (head, mode), in this process, and the target's own greedy output."""
     out = {case: [r.output_ids for r in run_all(engine(models["target"], HEADS[case[0]], models[case[0]],
                                                        context_len=CONTEXT, **MODES[case[1]]),
-                                                [Request(p, GREEDY) for p in _prompts()])]
+                                                _requests(case[1]))]
            for case in CASES}
-    out["NONE"] = [r.output_ids for r in run_all(engine(models["target"], context_len=CONTEXT),
-                                                 [Request(p, GREEDY) for p in _prompts()])]
+    for mode in MODES:
+        out[("NONE", mode)] = [r.output_ids for r in run_all(engine(models["target"], context_len=CONTEXT),
+                                                             _requests(mode))]
     return out
 
 
@@ -119,7 +134,7 @@ def test_greedy_output_equals_single_rank(single, tp_runs, tp, head, mode):
     ranks = tp_runs(tp)
     assert len(ranks) == tp and all(r is not None for r in ranks)  # every follower was released
     lead = ranks[0][(head, mode)]
-    assert single[(head, mode)] == single["NONE"]  # t = 1 is exact, so t = tp is compared to the target too
+    assert single[(head, mode)] == single[("NONE", mode)]  # t = 1 is exact, so t = tp is compared to the target too
     assert lead["outputs"] == single[(head, mode)]
     assert lead["accepted"] > 0  # accepted drafts were committed on every rank
     assert all(r[(head, mode)]["draft_tp"] == tp for r in ranks)  # the head is sharded, not replicated
