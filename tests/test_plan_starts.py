@@ -38,6 +38,8 @@ def models(tmp_path_factory):
     }
     m["eagle-llama"] = write_eagle_head(root / "eagle-llama", m["llama"])
     m["eagle3-llama"] = write_eagle3_head(root / "eagle3-llama", m["llama"], draft_vocab=64, aux_layer_ids=[0, 1, 1])
+    # the default layers [2, L//2, L-3] do not exist in a two-layer target
+    m["eagle3-default-layers"] = write_eagle3_head(root / "eagle3-default-layers", m["llama"], draft_vocab=64)
     return m
 
 
@@ -46,6 +48,7 @@ CASES = [  # (target, algorithm, draft or None, the planner accepts it)
     ("llama", "STANDALONE", "llama-small", True),
     ("llama", "EAGLE", "eagle-llama", True),
     ("llama", "EAGLE3", "eagle3-llama", True),
+    ("llama", "EAGLE3", "eagle3-default-layers", False),
     ("llama", "MTP", None, False),  # no NextN layer
     ("qwen2", "STANDALONE", "qwen2-small", True),  # one tokenizer, vocabularies padded 192 vs 136
     ("mistral", "STANDALONE", "llama-small", True),

@@ -18,9 +18,10 @@ from typing import Any
 from .checkpoint import read_checkpoint, split_target_draft, total_bytes
 from .contract import FP8_KV_CACHE_DTYPES, GIB, PLANNED_ALGORITHMS, ExitCode, to_json
 from .devices import resolve_device_memory
+from .eagle_rule import aux_layer_ids
 from .errors import InputError
 from .flags import CommandParser, add_sizing_flags, asks_for_help
-from .model_config import ModelShape, load_shape
+from .model_config import ModelShape, load_shape, read_config
 from .mtp_rule import MTP_TENSOR_PARALLEL_SIZES, check_mtp_draft, check_mtp_tp, check_standalone_draft
 from .plan import (
     DEFAULT_GPUS_PER_NODE,
@@ -158,6 +159,8 @@ def _draft_shape(args: PlanArgs, target_dir: Path, target: ModelShape) -> tuple[
         check_mtp_draft(draft, str(draft_dir / "config.json"))  # the worker's rule
         return draft_dir, draft, draft.num_nextn_predict_layers
     draft = load_shape(draft_dir)
+    if algorithm == "EAGLE3":  # the worker's rule for the target layers the head reads
+        aux_layer_ids(read_config(draft_dir), target.num_hidden_layers, str(draft_dir / "config.json"))
     if algorithm == "STANDALONE":
         check_standalone_draft(draft, str(draft_dir / "config.json"))
         check_vocabulary(target_dir, draft_dir, target, draft)

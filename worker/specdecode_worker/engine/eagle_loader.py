@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..eagle_rule import aux_layer_ids
 from ..errors import InputError
 from ..model_config import read_config
 from .distributed import SINGLE, TPGroup
@@ -83,29 +84,6 @@ def head_config(raw: dict):
 
     cfg = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "auto_map")}
     return LlamaConfig(**cfg)
-
-
-def aux_layer_ids(raw: dict, target_layers: int, where: str) -> list[int]:
-    """Hidden states entering these target layers feed an EAGLE3 head.
-
-    ``eagle_config.eagle_aux_hidden_state_layer_ids`` names layers whose output is read (the state
-    entering the next one); the default is the state entering layers 2, L//2 and L-3.
-    """
-    eagle_cfg = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
-    ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
-    if ids is None:
-        layers = [2, target_layers // 2, target_layers - 3]
-        field = f"the default layers [2, L//2, L-3] for the target's {target_layers} layers"
-    else:
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise InputError(f"{where}: field 'eagle_config.eagle_aux_hidden_state_layer_ids' must be a list of "
-                             "integers")
-        layers = [i + 1 for i in ids]
-        field = f"'eagle_config.eagle_aux_hidden_state_layer_ids' {ids}"
-    if len(layers) != 3 or not all(0 <= i <= target_layers for i in layers):
-        raise InputError(f"{where}: {field} must name 3 layers of the target's {target_layers}; "
-                         "set eagle_config.eagle_aux_hidden_state_layer_ids to three layer ids in [-1, L-1]")
-    return layers
 
 
 def load_eagle_head(
