@@ -9,7 +9,9 @@ import torch
 
 from specdecode_worker.engine.engine import Engine, EngineArgs
 
-from tests.tiny_models import write_tiny_pair
+from specdecode_worker.engine.request import Request, SamplingParams
+
+from tests.tiny_models import write_tiny_model, write_tiny_pair
 
 # Tiny matrices gain nothing from intra-op threads, and on shared CI cores the thread hand-off
 # costs more than the arithmetic.
@@ -63,3 +65,35 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     keep = expected > 0
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def second_token_case(root: Path) -> tuple[Path, Path, list[int], torch.Tensor, torch.Tensor]:
+    """A tiny target and a different draft over 8 tokens, a prompt, and the exact marginal of the
+    second sampled token under each, from transformers' full forward passes."""
+    from transformers import AutoModelForCausalLM
+
+    shape = dict(vocab_size=8, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    target = write_tiny_model(root / "t", seed=0, weight_scale=4.0, num_hidden_layers=2, **shape)
+    draft = write_tiny_model(root / "d", seed=5, weight_scale=4.0, num_hidden_layers=1, **shape)
+    prompt = [1, 2, 3]
+
+    def marginal(path: Path) -> torch.Tensor:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            q1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
+            seqs = torch.tensor([prompt + [t] for t in range(8)])
+            q2 = torch.softmax(model(seqs).logits[:, -1], -1)  # [t1, t2]
+        return (q1[:, None] * q2).sum(0).double()
+
+    return target, draft, prompt, marginal(target), marginal(draft)
+
+
+def second_token_counts(eng: Engine, prompt: list[int], n: int = 3000) -> torch.Tensor:
+    """How often each token came second in ``n`` seeded samples of two tokens at temperature 1."""
+    reqs = [Request(prompt, SamplingParams(max_tokens=2, temperature=1.0, seed=i, ignore_eos=True)) for i in range(n)]
+    run_all(eng, reqs)
+    assert [r.error for r in reqs if r.error] == [] and {len(r.output_ids) for r in reqs} == {2}
+    counts = torch.zeros(8, dtype=torch.float64)
+    for r in reqs:
+        counts[r.output_ids[1]] += 1
+    return counts

@@ -16,7 +16,9 @@ from specdecode_worker.engine.spec_policy import CostCurve, StepCost  # noqa: E4
 from specdecode_worker.errors import InputError  # noqa: E402
 
 from tests.eagle_heads import write_copying_eagle_head  # noqa: E402
-from tests.engine_helpers import CHI2_CRIT, chi_square, engine, noisy_copy, run_all, tiny_models  # noqa: E402
+from tests.engine_helpers import (  # noqa: E402
+    CHI2_CRIT, chi_square, engine, noisy_copy, run_all, second_token_case, second_token_counts, tiny_models,
+)
 from tests.tiny_models import write_tiny_model  # noqa: E402
 
 # Repetitive prompts (NGRAM finds matches) next to ones without any repetition.
@@ -132,33 +134,11 @@ def test_unknown_policy_is_refused(models):
 def test_sampling_stays_exact_when_the_draft_length_changes(tmp_path):
     """Second sampled token of a STANDALONE engine whose draft length is drawn at random for every
     request and round (0 included) vs the exact marginal from transformers."""
-    from transformers import AutoModelForCausalLM
-
-    shape = dict(vocab_size=8, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
-    target = write_tiny_model(tmp_path / "t", seed=0, weight_scale=4.0, num_hidden_layers=2, **shape)
-    draft = write_tiny_model(tmp_path / "d", seed=5, weight_scale=4.0, num_hidden_layers=1, **shape)
-    prompt = [1, 2, 3]
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    hf_d = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
-
-    def marginal(model):
-        with torch.no_grad():
-            q1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
-            seqs = torch.tensor([prompt + [t] for t in range(8)])
-            q2 = torch.softmax(model(seqs).logits[:, -1], -1)  # [t1, t2]
-        return (q1[:, None] * q2).sum(0).double()
-
-    exact, draft_marginal = marginal(hf), marginal(hf_d)
+    target, draft, prompt, exact, draft_marginal = second_token_case(tmp_path)
     eng = engine(target, "STANDALONE", draft, num_draft_tokens=3, max_running_requests=64, spec_policy="adaptive")
     rng = random.Random(1)
     eng.policy.draft_lengths = lambda rids, caps: [rng.randrange(0, c + 1) for c in caps]
-    reqs = [Request(prompt, SamplingParams(max_tokens=2, temperature=1.0, seed=i, ignore_eos=True))
-            for i in range(3000)]
-    run_all(eng, reqs)
-    assert [r.error for r in reqs if r.error] == [] and {len(r.output_ids) for r in reqs} == {2}
-    counts = torch.zeros(8, dtype=torch.float64)
-    for r in reqs:
-        counts[r.output_ids[1]] += 1
+    counts = second_token_counts(eng, prompt)
     assert set(eng.stats.draft_lengths) == {0, 1, 2, 3}
     assert 0 < eng.stats.accepted_tokens < eng.stats.proposed_tokens
     assert chi_square(counts, exact) < CHI2_CRIT[7]

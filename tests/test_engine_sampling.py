@@ -13,11 +13,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
+from specdecode_worker.engine.request import SamplingParams  # noqa: E402
 from specdecode_worker.engine.sampling import verify  # noqa: E402
 
-from tests.engine_helpers import CHI2_CRIT, chi_square, engine, run_all  # noqa: E402
-from tests.tiny_models import write_tiny_model  # noqa: E402
+from tests.engine_helpers import CHI2_CRIT, chi_square, engine, second_token_case, second_token_counts  # noqa: E402,E501
 
 def test_verify_output_follows_target_distribution():
     g = torch.Generator().manual_seed(0)
@@ -52,31 +51,9 @@ def test_point_mass_proposals_follow_target_distribution():
 
 def test_engine_second_token_marginal_is_the_targets(tmp_path):
     """Second sampled token of a STANDALONE engine vs the exact marginal from transformers."""
-    from transformers import AutoModelForCausalLM
-
-    shape = dict(vocab_size=8, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
-    target = write_tiny_model(tmp_path / "t", seed=0, weight_scale=4.0, num_hidden_layers=2, **shape)
-    draft = write_tiny_model(tmp_path / "d", seed=5, weight_scale=4.0, num_hidden_layers=1, **shape)
-    prompt = [1, 2, 3]
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    hf_d = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
-
-    def marginal(model):
-        with torch.no_grad():
-            q1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
-            seqs = torch.tensor([prompt + [t] for t in range(8)])
-            q2 = torch.softmax(model(seqs).logits[:, -1], -1)  # [t1, t2]
-        return (q1[:, None] * q2).sum(0).double()
-
-    exact, draft_marginal = marginal(hf), marginal(hf_d)
+    target, draft, prompt, exact, draft_marginal = second_token_case(tmp_path)
     eng = engine(target, "STANDALONE", draft, num_draft_tokens=3, max_running_requests=64)
-    reqs = [Request(prompt, SamplingParams(max_tokens=2, temperature=1.0, seed=i, ignore_eos=True))
-            for i in range(3000)]
-    run_all(eng, reqs)
-    assert [r.error for r in reqs if r.error] == [] and {len(r.output_ids) for r in reqs} == {2}
-    counts = torch.zeros(8, dtype=torch.float64)
-    for r in reqs:
-        counts[r.output_ids[1]] += 1
+    counts = second_token_counts(eng, prompt)
     assert eng.stats.accepted_tokens > 0 and eng.stats.accepted_tokens < eng.stats.proposed_tokens
     assert chi_square(counts, exact) < CHI2_CRIT[7]
     assert chi_square(counts, draft_marginal) > CHI2_CRIT[7]
