@@ -97,26 +97,25 @@ def test_llama70b_on_80gb_needs_more_than_one_gpu(models, capsys):
     assert plan1["shortfallBytes"] > 141_107_412_992 - (81_559 - 615) * MIB
 
 
-def test_deepseek_mtp_is_planned_at_the_tensor_parallelism_the_worker_drafts_with(models, capsys):
-    # MTP drafting is served at t = 1 (mtp_rule): DeepSeek-V3 does not fit one H200, and the plan says
-    # what is missing instead of planning 8 GPUs the worker would refuse.
+def test_deepseek_mtp_on_h200_needs_eight_gpus(models, capsys):
+    # The NextN layer shards with the target (mtp_rule), so MTP plans at the size the target needs.
     code, plan = plan_of(capsys, "--target", models["deepseek-v3"], "--algorithm", "MTP",
                          "--gpu-product", "NVIDIA-H200")
-    assert code == 3 and not plan["fits"] and plan["tensorParallelSize"] == 1 and plan["draft"] == "deepseek-v3"
+    assert code == 0 and plan["fits"] and plan["tensorParallelSize"] == 8 and plan["draft"] == "deepseek-v3"
     kv = plan["kvCache"]
     assert (kv["targetBytesPerToken"], kv["draftBytesPerToken"], kv["draftNumLayers"]) == (70_272, 1_152, 1)
-    assert kv["contextLength"] == 163_840
+    assert kv["contextLength"] == 163_840 and kv["maxTotalNumTokens"] == 780_652
     assert plan["layerRatio"]["bytesPerToken"] == 71_424
-    assert 625 * GIB < plan["weights"]["targetBytes"] < 630 * GIB  # ~673 GB FP8 on one GPU
-    assert 10 * GIB < plan["weights"]["draftBytes"] < 12 * GIB
-    assert "does not fit on 1 GPU(s)" in plan["message"]
+    # ~673 GB FP8 over 8 GPUs; the NextN layer's block split 8 ways, eh_proj and norms whole
+    assert plan["weights"] == {"targetBytes": 85_140_130_848, "draftBytes": 1_661_047_968}
     fp8 = plan_of(capsys, "--target", models["deepseek-v3"], "--algorithm", "MTP", "--gpu-product", "NVIDIA-H200",
                   "--kv-cache-dtype", "fp8_e4m3")[1]
     assert fp8["kvCache"]["targetBytesPerToken"] == 35_136 and fp8["kvCache"]["draftBytesPerToken"] == 576
-    assert fp8["kvCache"]["dtype"] == "fp8_e4m3"
-    code, out, err = run(capsys, "--target", models["deepseek-v3"], "--algorithm", "MTP", "--gpu-product",
-                         "NVIDIA-H200", "--tp", "8")
-    assert code == 2 and "--tp 8: MTP drafting is served with tensor parallelism 1" in err
+    assert fp8["kvCache"]["dtype"] == "fp8_e4m3" and fp8["tensorParallelSize"] == 8
+    code, one = plan_of(capsys, "--target", models["deepseek-v3"], "--algorithm", "MTP", "--gpu-product",
+                        "NVIDIA-H200", "--tp", "1")
+    assert code == 3 and not one["fits"] and one["weights"]["draftBytes"] == 11_717_511_392
+    assert "does not fit on 1 GPU(s)" in one["message"] and "fits with --tp 8" in one["message"]
 
 
 def test_mtp_without_nextn_layers_is_bad_input(models, capsys):

@@ -1,9 +1,9 @@
 """Which MTP drafts are served: one rule for the planner and the worker (no torch import).
 
 The worker drafts with DeepSeek-V3's NextN layer: exactly one layer (``num_nextn_predict_layers``
-1, as DeepSeek-V3/R1/V3.1 publish), at tensor parallelism 1 (the layer reads the target's hidden
-states on the rank that schedules; sharing them across ranks is not built). The planner refuses
-anything else first, so a planned MTP deployment is one the worker starts.
+1, as DeepSeek-V3/R1/V3.1 publish), at any tensor parallelism that splits the target (the layer
+shards with it). The planner refuses anything else first, so a planned MTP deployment is one the
+worker starts.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from .errors import InputError
 from .model_config import ModelShape
 
 MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
-MTP_TENSOR_PARALLEL_SIZES = (1,)
 
 
 def check_mtp_draft(shape: ModelShape, where: str) -> None:
@@ -27,13 +26,6 @@ def check_mtp_draft(shape: ModelShape, where: str) -> None:
     if nextn != 1:
         raise InputError(f"{where}: field 'num_nextn_predict_layers' is {nextn}; MTP drafting serves exactly one "
                          "NextN layer (as DeepSeek-V3/R1 publish)")
-
-
-def check_mtp_tp(tp: int) -> None:
-    if tp not in MTP_TENSOR_PARALLEL_SIZES:
-        raise InputError(f"--tp {tp}: MTP drafting is served with tensor parallelism 1 (the NextN layer reads the "
-                         "target's hidden states on one rank); use --tp 1, or NGRAM/STANDALONE under tensor "
-                         "parallelism")
 
 
 def check_standalone_draft(shape: ModelShape, where: str) -> None:

@@ -22,7 +22,7 @@ from .eagle_rule import aux_layer_ids
 from .errors import InputError
 from .flags import CommandParser, add_sizing_flags, asks_for_help
 from .model_config import ModelShape, load_shape, read_config
-from .mtp_rule import MTP_TENSOR_PARALLEL_SIZES, check_mtp_draft, check_mtp_tp, check_standalone_draft
+from .mtp_rule import check_mtp_draft, check_standalone_draft
 from .plan import (
     DEFAULT_GPUS_PER_NODE,
     DEFAULT_MAX_TP,
@@ -180,10 +180,6 @@ def make_plan(args: PlanArgs) -> dict[str, Any]:
     replicable = algorithm == "STANDALONE"
     shapes = [target] + ([draft] if draft is not None and draft is not target and not replicable else [])
     valid = [tp for tp in TP_CANDIDATES if tp <= args.max_tp and all(_splits(tp, s) for s in shapes)]
-    if algorithm == "MTP":  # served at the sizes the worker drafts with (mtp_rule)
-        if args.tp is not None:
-            check_mtp_tp(args.tp)
-        valid = [tp for tp in valid if tp in MTP_TENSOR_PARALLEL_SIZES]
     tp_req = _requested_tp(args, shapes, valid)
 
     device = resolve_device_memory(args.gpu_memory_gib, args.gpu_product)

@@ -149,7 +149,7 @@ class EagleSpeculator(Speculator):
                                                           target_runner.token_to_kv_pool,
                                                           target_runner.model.sliding_window)
         self.embed = target_runner.model.model.embed_tokens
-        self.tp = draft_runner.tp  # the target's group (an MTP layer: a single rank)
+        self.tp = draft_runner.tp  # the target's group: heads and the MTP layer shard with it
         draft_runner.speculator = self
         d2t = getattr(self.head, "d2t", None)
         self._draft_ids = None if d2t is None else torch.arange(d2t.numel(), device=d2t.device) + d2t

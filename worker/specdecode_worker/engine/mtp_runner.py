@@ -7,6 +7,13 @@
   adopting the target's req_to_token pool and allocator.
 - phase 3 ``init_backends``: torch-native attention over that pool, eagerly.
 
+Under tensor parallelism the layer shards with the target, as the planner prices it per GPU
+(``checkpoint.per_gpu_bytes``): the decoder block like a target layer (MLA heads split, latent
+projections and router whole, experts split by their intermediate dimension); ``eh_proj``,
+``enorm``, ``hnorm`` and ``shared_head.norm`` whole on every rank. Each rank keeps the whole
+one-layer latent pool (the planner's draft cell). Rank 0 runs the rounds and announces every
+target pass and NextN step to the other ranks, as for an EAGLE head (``EagleSpeculator.replay``).
+
 The layer keeps its own K/V (it is not a frozen-KV draft reading the target's cache), so the
 standard order of the phases serves it: target pools first, then the draft's adopting them.
 Drafting rounds are the EAGLE chain's (``EagleSpeculator`` with top-k 1): the NextN layer reads
@@ -21,9 +28,8 @@ import torch
 
 from ..errors import InputError
 from ..model_config import load_shape
-from ..mtp_rule import check_mtp_draft, check_mtp_tp
+from ..mtp_rule import check_mtp_draft
 from .attention import TorchNativeAttnBackend
-from .distributed import SINGLE
 from .loader import load_safetensors, tensor_bytes
 from .model_runner import ModelRunner
 from .models.deepseek_mtp import DeepseekMTP
@@ -37,19 +43,20 @@ class MTPRunner(ModelRunner):
 
         shape = load_shape(model_dir)
         check_mtp_draft(shape, f"{model_dir}/config.json")  # the planner's rule
-        check_mtp_tp(target_runner.tp.size)
+        # The target's group: the layer splits t ways as the target does (DeepseekMTP checks it).
         self._init_state(model_dir, "draft", target_runner.device, shape, target_runner.dtype,
-                         target_runner.kv_dtype, SINGLE)
+                         target_runner.kv_dtype, target_runner.tp)
         self.config = AutoConfig.from_pretrained(self.model_dir)
         self.target = target_runner
         self.aux_layers = None  # the speculator's capture keeps the target's final hidden state
         self.tree_backend = None  # MTP drafts chains
+        self.speculator = None  # the EagleSpeculator over this layer: a follower replays through it
 
     def load_weights(self) -> None:
         if self.phase >= Phase.WEIGHTS_LOADED:
             raise PhaseError(f"{self.name}: weights are already loaded")
         with torch.device("meta"):
-            model = DeepseekMTP(self.config)
+            model = DeepseekMTP(self.config, self.tp)
         load_safetensors(model, self.model_dir, self.device, self.dtype)
         model.rotary.reset(self.device)
         self.model = model.eval().requires_grad_(False)
@@ -62,13 +69,17 @@ class MTPRunner(ModelRunner):
     def kv_cell_bytes(self) -> int:
         """One latent cell per token: the NextN layer's (the planner's draft cell)."""
         itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
-        return self.shape.kv_bytes_per_token(1, itemsize, self.shape.num_nextn_predict_layers)
+        return self.shape.kv_bytes_per_token(self.tp.size, itemsize, self.shape.num_nextn_predict_layers)
 
     def init_backends(self, cuda_graph_max_bs: int = 0, verify_tokens: int = 0) -> None:
         require(self.phase, Phase.POOLS_ALLOCATED, "initialise attention backends", self.name)
         self.backend = TorchNativeAttnBackend(self.req_to_token_pool, self.token_to_kv_pool, None)
         log.info("%s: MTP draft steps run eagerly on the torch-native backend", self.name)
         self.phase = Phase.BACKENDS_READY
+
+    def replay(self, call: tuple) -> None:
+        """A follower: run rank 0's announced target pass or NextN step on this rank's shards."""
+        self.speculator.replay(call)
 
 
 def check_mtp_args(topk: int, num_steps: int | None, num_draft_tokens: int) -> None:

@@ -9,6 +9,11 @@ the hidden state (as SGLang and vLLM do); the target's hidden state is its final
 Weights load as published: ``model.layers.{num_hidden_layers}.*`` of the target's checkpoint. The
 checkpoint's copies of ``embed_tokens`` and ``shared_head.head`` are not loaded: the target's
 embedding and lm_head serve, so they are resident once, as the planner counts them.
+
+Under tensor parallelism t the layer shards as the planner prices it (``checkpoint.per_gpu_bytes``):
+the decoder block as a target layer; ``eh_proj``, ``enorm``, ``hnorm`` and ``shared_head.norm``
+whole on every rank. Its inputs (the target's normalised hidden state, the embedding after its
+all-reduce) and its output (after the block's all-reduces) are whole on every rank.
 """
 
 from __future__ import annotations
