@@ -159,8 +159,9 @@ def sync(device: str) -> None:
 
 def engine(s: Settings, models, target: str, algorithm: str = "NONE", draft: str | None = None):
     """An engine planned in-process with the planner's defaults, as `serve` would be."""
+    # fixed: every round drafts k, so the rows measure speculation at a controlled acceptance
     argv = ["--target", str(models[target]), "--algorithm", algorithm, "--device", s.device,
-            "--context-length", str(s.context), "--num-draft-tokens", str(s.k)]
+            "--context-length", str(s.context), "--num-draft-tokens", str(s.k), "--spec-policy", "fixed"]
     if draft:
         argv += ["--draft", str(models[draft])]
     if s.cpu_budget_gib:
