@@ -18,6 +18,18 @@ It reports
   - decode step time at batch 64 with live length 1k against 7k;
   - speculative speedup (STANDALONE, k = 3) with a copy of the target as draft (acceptance 1) and a
     perturbed copy, and with the 1B draft, at batch 1 and 16;
+  - MTP (k = 3, the target's own NextN layer) against no speculation at batch 1, on a
+    DeepSeek-V3-shaped model cut to one GPU: DeepSeek-V3's MLA, grouped MoE routing (8 of the
+    routed experts per token, n_group 8, topk_group 4, 1 shared expert, first_k_dense_replace 3),
+    YaRN rope, hidden 7168, 128 heads and vocabulary, but 4 layers (3 dense + 1 MoE) and 64 routed
+    experts instead of 61 layers and 256, plus one NextN layer: about 20 GB of bf16 weights. The
+    acceptance is controlled: every block's residual writes (o_proj, down_proj) are scaled by
+    1/100, so target and NextN layer both pick nearly what the token's embedding alone picks, and
+    eh_proj is [I | 0] (the NextN step reads the next token's embedding, not the hidden state).
+    Such a near-bigram model's greedy chain soon cycles, so acceptance is high (RESIDUAL_SCALE 1
+    gives about 0: a random NextN layer, the row then measures the draft's cost only).
+    Estimated cost: start-up and random init well under a minute, 2 x 256 decode steps of a
+    ~6.5 GB step (weights read) with eager MoE expert loops, well under a minute;
 and prints a table (``--json`` writes the numbers too).
 
 Run on a GPU box:  PYTHONPATH=worker:operator:. python benchmarks/gpu_serving.py [--json out.json]
@@ -45,10 +57,10 @@ for _p in (ROOT, ROOT / "worker", ROOT / "operator"):
         sys.path.insert(0, str(_p))
 
 from specdecode_worker import serve_cli  # noqa: E402
-from specdecode_worker.engine import model_runner  # noqa: E402
+from specdecode_worker.engine import model_runner, mtp_runner  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.engine.engine import Engine  # noqa: E402
-from tests.checkpoints import CONFIGS, _decoder_tensors, model_tensors, write_checkpoint  # noqa: E402
+from tests.checkpoints import CONFIGS, _decoder_tensors, _deepseek_tensors, model_tensors, write_checkpoint  # noqa: E402,E501
 
 LLAMA_1B = {  # meta-llama/Llama-3.2-1B-Instruct
     **CONFIGS["llama-3.1-8b-instruct"], "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -62,6 +74,22 @@ TINY_TARGET = {**CONFIGS["llama-3.1-8b-instruct"], "hidden_size": 64, "intermedi
                "max_position_embeddings": 512, "torch_dtype": "float32"}
 TINY_DRAFT = {**TINY_TARGET, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
               "num_attention_heads": 2, "num_key_value_heads": 1}
+# DeepSeek-V3 cut to one GPU: its geometry, 4 layers (3 dense + 1 MoE) and 64 routed experts, bf16.
+DEEPSEEK_CUT = {
+    **{k: v for k, v in CONFIGS["deepseek-v3"].items() if k != "quantization_config"},
+    "num_hidden_layers": 4, "n_routed_experts": 64, "max_position_embeddings": 163840,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+}
+TINY_DEEPSEEK = {
+    **DEEPSEEK_CUT, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 16, "kv_lora_rank": 16,
+    "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+}
+RESIDUAL_SCALE = 0.01  # DeepSeek blocks' residual writes: small, so the next token follows the current one
 TINY_EAGLE3 = {**CONFIGS["eagle3-llama-3.1-8b"], "hidden_size": 64, "intermediate_size": 128,
                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "draft_vocab_size": 256,
                "bos_token_id": 1, "eos_token_id": 2}
@@ -87,9 +115,10 @@ class Settings:
 
 FULL = Settings("cuda", 8192, 1024, 256, (1, 8, 64), 7168, 64, 16, (1, 16), 3, 0.1,
                 configs={"target": CONFIGS["llama-3.1-8b-instruct"], "draft1b": LLAMA_1B,
-                         "eagle3": CONFIGS["eagle3-llama-3.1-8b"]})
+                         "eagle3": CONFIGS["eagle3-llama-3.1-8b"], "deepseek": DEEPSEEK_CUT})
 TINY = Settings("cpu", 256, 24, 6, (1, 2), 180, 2, 3, (2,), 3, 0.1, cpu_budget_gib=2.0,
-                configs={"target": TINY_TARGET, "draft1b": TINY_DRAFT, "eagle3": TINY_EAGLE3})
+                configs={"target": TINY_TARGET, "draft1b": TINY_DRAFT, "eagle3": TINY_EAGLE3,
+                         "deepseek": TINY_DEEPSEEK})
 
 
 # ---- models -------------------------------------------------------------------------------------
@@ -110,8 +139,52 @@ def write_models(root: Path, s: Settings) -> dict[str, Path]:
         "perturbed": write_checkpoint(root / "perturbed", c["target"], _decoder_tensors(c["target"])),
         "draft1b": write_checkpoint(root / "draft1b", c["draft1b"], _decoder_tensors(c["draft1b"])),
         "eagle3": write_checkpoint(root / "eagle3", c["eagle3"], eagle3_tensors(c["eagle3"])),
+        "deepseek": write_checkpoint(root / "deepseek", c["deepseek"], bf16_deepseek_tensors(c["deepseek"])),
     }
     return out
+
+
+def bf16_deepseek_tensors(cfg: dict):
+    """The published layout (NextN layer included) with every linear in bf16: no fp8 scales."""
+    return [(name, "BF16" if dtype == "F8_E4M3" else dtype, shape) for name, dtype, shape in _deepseek_tensors(cfg)
+            if not name.endswith("weight_scale_inv")]
+
+
+def deepseek_loader(seed: int, residual_scale: float):
+    """Random weights for the DeepSeek target and its NextN layer with a controlled acceptance.
+
+    Residual writes (o_proj, down_proj) scaled by ``residual_scale``: each layer barely moves the
+    hidden state, so the target's next token is nearly a function of the current token's embedding.
+    The NextN layer gets eh_proj = [I | 0] (it reads the embedding of the token it continues) and
+    the same small writes, so it picks what the target will pick; the router bias is zero.
+    """
+    def load(model, model_dir, device, dtype):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        state = {}
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                t = torch.zeros(p.shape, device=device, dtype=p.dtype)
+            elif "norm" in name:
+                t = torch.ones(p.shape, device=device, dtype=dtype)
+            elif name.endswith("eh_proj.weight"):
+                h = p.shape[0]
+                t = torch.cat([torch.eye(h, device=device, dtype=dtype),
+                               torch.zeros(h, h, device=device, dtype=dtype)], dim=1)
+            else:
+                std = p.shape[-1] ** -0.5 if p.dim() > 1 else 0.02
+                t = torch.empty(p.shape, device=device, dtype=dtype).normal_(0, std, generator=gen)
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    t *= residual_scale
+            state[name] = t
+        model.load_state_dict(state, strict=False, assign=True)
+    return load
+
+
+def dispatch_loader(loaders: dict):
+    """One load_safetensors stand-in serving each model folder with its own loader."""
+    def load(model, model_dir, device, dtype):
+        loaders[str(Path(model_dir).resolve())](model, model_dir, device, dtype)
+    return load
 
 
 def random_loader(seeds: dict[str, tuple[int, float]]):
@@ -298,11 +371,30 @@ def spec_phase(s: Settings, models, res: dict, name: str, base: dict) -> None:
                             "same_output": out["outputs"] == base[b]["outputs"]})
 
 
+def mtp_phase(s: Settings, models, res: dict) -> None:
+    """MTP (k drafts from the target's NextN layer, fixed policy) against the plain engine, batch 1."""
+    runs = {}
+    for algorithm in ("NONE", "MTP"):
+        eng, _ = engine(s, models, "deepseek", algorithm)
+        before = (eng.stats.accepted_tokens, eng.stats.proposed_tokens)
+        runs[algorithm] = generate(eng, s, 1, s.prompt, s.new_tokens, seed=9)
+        runs[algorithm]["acceptance"] = ((eng.stats.accepted_tokens - before[0])
+                                         / max(eng.stats.proposed_tokens - before[1], 1))
+        del eng
+        release(s.device)
+    base, mtp = runs["NONE"], runs["MTP"]
+    res["mtp"] = {"batch": 1, "k": s.k, "acceptance": mtp["acceptance"], "tok_s": mtp["tok_s"],
+                  "baseline_tok_s": base["tok_s"], "speedup": mtp["tok_s"] / base["tok_s"],
+                  "same_output": mtp["outputs"] == base["outputs"], "decode_tokens": mtp["decode_tokens"]}
+
+
 def run(s: Settings, root: Path, log=print) -> dict:
     models = write_models(root, s)
     seeds = {str(models["target"].resolve()): (0, 0.0), str(models["copy"].resolve()): (0, 0.0),
              str(models["perturbed"].resolve()): (0, s.noise), str(models["draft1b"].resolve()): (1, 0.0)}
-    model_runner.load_safetensors = random_loader(seeds)
+    loaders = {folder: random_loader(seeds) for folder in seeds}
+    loaders[str(models["deepseek"].resolve())] = deepseek_loader(3, RESIDUAL_SCALE)
+    model_runner.load_safetensors = mtp_runner.load_safetensors = dispatch_loader(loaders)
     res: dict = {"device": torch.cuda.get_device_name() if s.device == "cuda" else "cpu"}
     bw = copy_bandwidth(s.device)
     release(s.device)
@@ -327,6 +419,9 @@ def run(s: Settings, root: Path, log=print) -> dict:
         release(s.device)
         for r in res["spec"][-len(s.spec_batches):]:
             log(f"STANDALONE {name} batch {r['batch']}: acceptance {r['acceptance']:.2f}, speedup {r['speedup']:.2f}x")
+    mtp_phase(s, models, res)
+    m = res["mtp"]
+    log(f"MTP batch 1: acceptance {m['acceptance']:.2f}, speedup {m['speedup']:.2f}x, same output {m['same_output']}")
     return res
 
 
@@ -355,6 +450,10 @@ def table(res: dict) -> str:
             rows.append((f"STANDALONE {r['draft']} k=3 batch {r['batch']}",
                          f"acceptance {r['acceptance']:.2f}, {r['tok_s']:.1f} vs {r['baseline_tok_s']:.1f} tok/s = "
                          f"{r['speedup']:.2f}x, same output: {r['same_output']}"))
+        m = res["mtp"]
+        rows.append((f"MTP (DeepSeek-V3 cut) k={m['k']} batch 1",
+                     f"acceptance {m['acceptance']:.2f}, {m['tok_s']:.1f} vs {m['baseline_tok_s']:.1f} tok/s = "
+                     f"{m['speedup']:.2f}x, same output: {m['same_output']}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"| {k.ljust(width)} | {v} |" for k, v in rows)
 
@@ -369,12 +468,12 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: run with --tiny for the CPU smoke run", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    original = model_runner.load_safetensors
+    originals = model_runner.load_safetensors, mtp_runner.load_safetensors
     try:
         with tempfile.TemporaryDirectory() as root:
             res = run(s, Path(root), log=lambda m: print(m, flush=True))
     finally:
-        model_runner.load_safetensors = original
+        model_runner.load_safetensors, mtp_runner.load_safetensors = originals
     res["wall_s"] = time.perf_counter() - start
     print(table(res))
     print(f"wall time {res['wall_s']:.0f} s")

@@ -22,10 +22,13 @@ def test_tiny_run_reports_every_row(tmp_path, capsys, monkeypatch):
     spec.loader.exec_module(bench)
     from specdecode_worker.engine import model_runner
 
-    original = model_runner.load_safetensors
+    from specdecode_worker.engine import mtp_runner
+
+    original, original_mtp = model_runner.load_safetensors, mtp_runner.load_safetensors
     out = tmp_path / "res.json"
     assert bench.main(["--tiny", "--json", str(out)]) == 0
-    assert model_runner.load_safetensors is original  # the random loader is undone
+    assert model_runner.load_safetensors is original  # the random loaders are undone
+    assert mtp_runner.load_safetensors is original_mtp
     res = json.loads(out.read_text())
     assert res["startup"] == "ok" and 0 < res["allocated_kv_tokens"]
     assert 0 < res["planned_dynamic_bytes"] < 64 << 20
@@ -36,7 +39,15 @@ def test_tiny_run_reports_every_row(tmp_path, capsys, monkeypatch):
     # and the output is the plain engine's.
     assert spec_rows["copy"]["acceptance"] == 1.0 and spec_rows["copy"]["same_output"]
     assert all(r["same_output"] for r in res["spec"])  # greedy speculative output is the target's own
+    # MTP on the DeepSeek-shaped model: the NextN layer drafted (k per round, some accepted) and the
+    # greedy output is the plain engine's on the same prompt.
+    mtp = res["mtp"]
+    assert mtp["same_output"] and mtp["batch"] == 1 and mtp["k"] == bench.TINY.k
+    assert 0 < mtp["acceptance"] <= 1 and mtp["decode_tokens"] > 0
+    assert mtp["tok_s"] > 0 and mtp["baseline_tok_s"] > 0
+    assert mtp["speedup"] == pytest.approx(mtp["tok_s"] / mtp["baseline_tok_s"])
     table = capsys.readouterr().out
     for label in ("KV tokens planned / allocated", "dynamic bytes planned / measured", "decode batch 1",
-                  "step time at live length", "STANDALONE perturbed k=3 batch 2"):
+                  "step time at live length", "STANDALONE perturbed k=3 batch 2",
+                  "MTP (DeepSeek-V3 cut) k=3 batch 1"):
         assert label in table
