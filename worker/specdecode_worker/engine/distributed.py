@@ -280,8 +280,9 @@ def launch(size: int, fn: Callable, args: tuple = (), device: str = "cpu", timeo
             while not results.empty():
                 rank, status, value = results.get()
                 if status == "error":
-                    # A rank whose peer in another pod died fails too; report the first cause.
-                    remote = _remote_failure(link, 2.0)
+                    # A rank whose peer in another pod died fails too, inside a collective; wait for
+                    # that pod's report of the first cause. A rank's own error is reported at once.
+                    remote = _remote_failure(link, PEER_REPORT_WAIT_S if _collective_failure(value) else 0.0)
                     if remote is not None:
                         raise RankFailure(f"tensor-parallel {remote}; stopped this pod's {len(ranks)} rank(s)")
                     raise failed(f"{where(rank)} failed: {value}")
@@ -322,17 +323,27 @@ def launch(size: int, fn: Callable, args: tuple = (), device: str = "cpu", timeo
             signal.signal(signal.SIGTERM, previous)
 
 
+PEER_REPORT_WAIT_S = 15.0  # how long a rank failing in a collective waits for another pod's cause
+
+
+def _collective_failure(error: str) -> bool:
+    """An error raised by torch.distributed (a peer's socket closed under a collective): a
+    consequence of a failure elsewhere rather than a cause."""
+    return "distributed_c10d" in error or "gloo" in error.lower() or "nccl" in error.lower()
+
+
 def _remote_failure(link, wait_s: float) -> str | None:
     """Another pod's failure report, if one arrives within ``wait_s``."""
     if link is None:
         return None
     end = time.monotonic() + wait_s
-    while time.monotonic() < end:
+    while True:
         event = link.poll()
         if event is not None and event.kind == "failed":
             return event.message
+        if time.monotonic() >= end:
+            return None
         time.sleep(0.05)
-    return None
 
 
 def _stop(procs) -> None:
