@@ -43,23 +43,21 @@ def sa_kubeconfig(cluster, namespace: str, sa: str, path: Path) -> Path:
     return path
 
 
-class LocalOperator:
-    """specdecode-operator as a local process with the chart Deployment's own arguments."""
+class OperatorProcess:
+    """An operator run as a child process: started, then polled on its liveness endpoint until
+    healthy (failing at once if it exits); its log is kept for failure messages."""
 
-    def __init__(self, args: list[str], kubeconfig: Path, log: Path):
-        port = free_ports(1)[0]
-        self.health = f"http://127.0.0.1:{port}/healthz"
-        args = [a for a in args if not a.startswith("--liveness")] + [f"--liveness={self.health}"]
-        env = dict(os.environ, KUBECONFIG=str(kubeconfig))
-        env.pop("KUBERNETES_SERVICE_HOST", None)
+    what = "operator"
+    health: str
+
+    def launch(self, cmd: list[str], env: dict, log: Path, timeout: float) -> None:
         self.log = log
         self._out = open(log, "wb")
-        self.proc = subprocess.Popen([str(OPERATOR), *args], env=env, stdout=self._out,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        wait_for(self._healthy, timeout=60, what=f"operator liveness {self.health}")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        wait_for(self._healthy, timeout=timeout, what=f"{self.what} liveness {self.health}")
 
     def _healthy(self) -> bool:
-        assert self.proc.poll() is None, f"operator exited {self.proc.returncode}:\n{self.tail()}"
+        assert self.proc.poll() is None, f"{self.what} exited {self.proc.returncode}:\n{self.tail()}"
         try:
             with urllib.request.urlopen(self.health, timeout=2) as resp:
                 return resp.status == 200
@@ -68,6 +66,18 @@ class LocalOperator:
 
     def tail(self, lines: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+class LocalOperator(OperatorProcess):
+    """specdecode-operator as a local process with the chart Deployment's own arguments."""
+
+    def __init__(self, args: list[str], kubeconfig: Path, log: Path):
+        port = free_ports(1)[0]
+        self.health = f"http://127.0.0.1:{port}/healthz"
+        args = [a for a in args if not a.startswith("--liveness")] + [f"--liveness={self.health}"]
+        env = dict(os.environ, KUBECONFIG=str(kubeconfig))
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        self.launch([str(OPERATOR), *args], env, log, timeout=60)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -114,7 +124,7 @@ def sdd_status(cluster, namespace: str, name: str) -> dict:
     return obj.get("status") or {}
 
 
-def wait_ready(cluster, op: LocalOperator, namespace: str, name: str, timeout: float = 180) -> dict:
+def wait_ready(cluster, op: OperatorProcess, namespace: str, name: str, timeout: float = 180) -> dict:
     """Status once Ready; fails at once when the operator dies or the API server refuses it."""
     deadline = time.monotonic() + timeout
     status: dict = {}
@@ -137,6 +147,6 @@ def can_i(cluster, sa_user: str, *args: str) -> bool:
     return result.stdout.strip() == "yes"
 
 
-def forbidden_lines(op: LocalOperator) -> list[str]:
+def forbidden_lines(op: OperatorProcess) -> list[str]:
     return [line for line in op.log.read_text(errors="replace").splitlines()
             if "forbidden" in line.lower() or " 403" in line]

@@ -23,7 +23,6 @@ import re
 import subprocess
 import sys
 import tomllib
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -36,8 +35,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from tests import podman
+from tests.chart_helpers import OperatorProcess
 from tests.cluster.controlplane import free_ports
-from tests.cluster.wait import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -413,11 +412,13 @@ RELEASE = "sdo-image"
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # where kubelet mounts the token
 
 
-class OperatorContainer:
+class OperatorContainer(OperatorProcess):
     """The operator image run as the chart's Deployment would run it: its image, arguments, env
     and security settings, with only a token of the chart's ServiceAccount mounted where kubelet
     mounts it. Host network, to reach the API server on loopback; the liveness endpoint moves to
     a free loopback port (the chart's 8080 on 0.0.0.0 could be taken on a shared host)."""
+
+    what = "operator container"
 
     def __init__(self, cluster, namespace: str, deployment: dict, token_dir: Path, log: Path):
         pod = deployment["spec"]["template"]["spec"]
@@ -439,22 +440,7 @@ class OperatorContainer:
         cmd = ["podman", "run", "--rm", "--name", self.name, "--network", "host", *options,
                "--volume", f"{token_dir}:{SA_DIR}:ro", *(f"--env={k}={v}" for k, v in env.items()),
                container["image"], *args]
-        self.log = log
-        self._out = open(log, "wb")
-        self.proc = subprocess.Popen(cmd, env=podman.env(), stdout=self._out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
-        wait_for(self._healthy, timeout=120, what=f"operator container liveness {self.health}")
-
-    def _healthy(self) -> bool:
-        assert self.proc.poll() is None, f"operator container exited {self.proc.returncode}:\n{self.tail()}"
-        try:
-            with urllib.request.urlopen(self.health, timeout=2) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
-
-    def tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        self.launch(cmd, podman.env(), log, timeout=120)
 
     def stop(self) -> None:
         subprocess.run(["podman", "stop", "--time", "20", self.name], env=podman.env(), capture_output=True)
