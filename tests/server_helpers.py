@@ -9,6 +9,7 @@ import time
 from contextlib import contextmanager
 
 import httpx
+import pytest
 
 from specdecode_worker import serve_cli
 
@@ -52,3 +53,13 @@ def healthy(base: str) -> bool:
         return httpx.get(f"{base}/health").status_code == 200
     except httpx.TransportError:
         return False
+
+
+def wait_until_healthy(base: str, proc, timeout: float, logs) -> None:
+    """Poll a `serve` subprocess until /health answers; fail with its logs if it exits or times out."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if healthy(base):
+            return
+        time.sleep(0.5)
+    pytest.fail("server never became healthy:\n" + "\n".join(log.read_text()[-2000:] for log in logs))

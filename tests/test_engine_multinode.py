@@ -110,12 +110,12 @@ def test_serve_over_two_pods_from_the_leaderworkerset_environment(models, tmp_pa
     import signal
     import subprocess
     import sys
-    import time
 
     httpx = pytest.importorskip("httpx")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdecode_worker.engine.distributed import free_port
+    from tests.server_helpers import wait_until_healthy
     from tests.tp_helpers import BUDGET_GIB, FRACTION
 
     http, master = free_port(), _two_free_ports()
@@ -135,16 +135,7 @@ def test_serve_over_two_pods_from_the_leaderworkerset_environment(models, tmp_pa
     leader, worker = pods
     base = f"http://127.0.0.1:{http}"
     try:
-        deadline = time.time() + WALL_S
-        while time.time() < deadline and leader.poll() is None:
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"leader never became healthy: {logs[0].read_text()[-2000:]}\n{logs[1].read_text()[-2000:]}")
+        wait_until_healthy(base, leader, WALL_S, logs)
         tok = AutoTokenizer.from_pretrained(models["target"])
         hf = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
         prompt = "hello world what is the"

@@ -155,13 +155,13 @@ def test_serve_tp2_answers_like_transformers(models, tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdecode_worker.engine.distributed import free_port
+    from tests.server_helpers import wait_until_healthy
 
     port = free_port()
     argv = [sys.executable, "-m", "specdecode_worker", "serve", "--tp", "2", "--target", str(models["target"]),
@@ -173,16 +173,7 @@ def test_serve_tp2_answers_like_transformers(models, tmp_path):
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + WALL_S
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"server never became healthy: {(tmp_path / 'serve.log').read_text()[-2000:]}")
+        wait_until_healthy(base, proc, WALL_S, [tmp_path / "serve.log"])
         assert httpx.get(f"{base}/plan").json()["plan"]["tensorParallelSize"] == 2
         tok = AutoTokenizer.from_pretrained(models["target"])
         hf = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
