@@ -25,8 +25,21 @@ def example(name: str = "spec-deploy.yaml") -> dict:
     return body
 
 
-def make_plan(tp=1, fits=True, target=16_060_522_496, draft=849_763_584, f=0.83, g=85_520_809_984):
-    """A MemoryPlan that satisfies the contract's identity (built with the planner's own formula)."""
+TARGET_COMMIT = "1" * 40
+DRAFT_COMMIT = "2" * 40
+
+
+def hub_sources(target_parts=(6_000_000_000, 5_000_000_000, 5_060_522_496), draft_parts=(849_763_584,)):
+    """``plan.sources`` as a hub planner records them for the example's target and draft."""
+    return {"target": {"repo": "meta-llama/Llama-3.1-8B-Instruct", "revision": "main", "commit": TARGET_COMMIT,
+                       "bytes": sum(target_parts), "partBytes": list(target_parts)},
+            "draft": {"repo": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "revision": "main", "commit": DRAFT_COMMIT,
+                      "bytes": sum(draft_parts), "partBytes": list(draft_parts)}}
+
+
+def make_plan(tp=1, fits=True, target=16_060_522_496, draft=849_763_584, f=0.83, g=85_520_809_984, sources=None):
+    """A MemoryPlan that satisfies the contract's identity (built with the planner's own formula);
+    ``sources``: the hub repositories and commits it was read from."""
     t_cell, d_cell = 131_072 // tp, 4_096 // tp
     tokens = kv_token_capacity(g, f, target // tp, draft // tp, GIB, t_cell, d_cell)
     return validate_plan({
@@ -40,6 +53,7 @@ def make_plan(tp=1, fits=True, target=16_060_522_496, draft=849_763_584, f=0.83,
         "shortfallBytes": 0 if fits else 5 * GIB, "minMemFractionStatic": 0.3,
         "legacy": {"maxTotalNumTokens": tokens, "peakBytes": g}, "layerRatio": {"maxTotalNumTokens": tokens},
         "message": "fits" if fits else "does not fit",
+        **({"sources": sources} if sources else {}),
     })
 
 

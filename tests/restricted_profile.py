@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdecode_operator import planner, workload
+from specdecode_operator import modelcache, models, planner, workload
 from specdecode_operator.spec import parse_spec, plan_key
-from tests.operator_helpers import OWNER, example, make_plan
+from tests.operator_helpers import OWNER, example, hub_sources, make_plan
 
 ALLOWED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
                         "projected", "secret"}
@@ -80,15 +80,20 @@ def pod_spec_of(obj: dict[str, Any]) -> dict[str, Any]:
     return obj["spec"]["template"]["spec"]
 
 
-def hub_store(body):
-    """The SDD with its models fetched from a hub (an init container) instead of a PVC."""
-    body["spec"]["modelStore"] = {"hub": {"endpoint": "https://hub.example", "tokenSecret": {"name": "hf"}}}
+def hub_store(body, cache=None):
+    """The SDD with its models from a hub: downloaded by each pod (init containers), or with
+    ``cache`` ({"claimName": ...} or {"create": {...}}) once into a cache PVC by a Job."""
+    hub = {"endpoint": "https://hub.example", "tokenSecret": {"name": "hf"}}
+    if cache is not None:
+        hub["cache"] = cache
+    body["spec"]["modelStore"] = {"hub": hub}
     return body
 
 
 def _variants():
     yield "pvc", example()
     yield "hub", hub_store(example())
+    yield "hub-cache", hub_store(example(), {"create": {}})
     gpu = example()
     gpu["spec"]["planner"] = {"requestGPU": True}
     yield "planner-gpu", gpu
@@ -103,6 +108,10 @@ def rendered_pods():
         view = parse_spec(body)
         key = plan_key(view)
         yield f"{name}/planner", pod_spec_of(planner.render_planner_pod(view, key, OWNER))
+        sources = hub_sources() if view.hub else None
         for tp in (1, 4):
-            dep = workload.render_deployment(view, make_plan(tp=tp), key, OWNER)
+            dep = workload.render_deployment(view, make_plan(tp=tp, sources=sources), key, OWNER)
             yield f"{name}/worker-tp{tp}", pod_spec_of(dep)
+        if models.cache_claim(view):
+            job = modelcache.render_job(view, models.cache_claim(view), sources["target"], OWNER)
+            yield f"{name}/model-cache", job["spec"]["template"]["spec"]

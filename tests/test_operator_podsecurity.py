@@ -12,7 +12,7 @@ import pytest
 from specdecode_operator import planner, podsecurity, workload
 from specdecode_operator.spec import parse_spec, plan_key
 from tests.restricted_profile import hub_store, pod_spec_of, rendered_pods, violations
-from tests.operator_helpers import OWNER, example, make_plan
+from tests.operator_helpers import OWNER, example, hub_sources, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ def test_spec_pod_adds_to_the_defaults():
     body = hub_store(example())
     body["spec"]["pod"] = {"serviceAccountName": "puller", "securityContext": {"runAsUser": 2000, "fsGroup": 3000}}
     view = parse_spec(body)
-    spec = pod_spec_of(workload.render_deployment(view, make_plan(), plan_key(view), OWNER))
+    spec = pod_spec_of(workload.render_deployment(view, make_plan(sources=hub_sources()), plan_key(view), OWNER))
     assert spec["serviceAccountName"] == "puller" and spec["automountServiceAccountToken"] is False
     assert spec["securityContext"]["runAsUser"] == 2000 and spec["securityContext"]["fsGroup"] == 3000
     assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -55,7 +55,7 @@ def test_spec_pod_adds_to_the_defaults():
 
 def _clean():
     view = parse_spec(hub_store(example()))
-    return pod_spec_of(workload.render_deployment(view, make_plan(tp=2), plan_key(view), OWNER))
+    return pod_spec_of(workload.render_deployment(view, make_plan(tp=2, sources=hub_sources()), plan_key(view), OWNER))
 
 
 def _worker(spec):
@@ -72,7 +72,7 @@ def _worker(spec):
     (lambda s: _worker(s)["securityContext"].update(capabilities={"drop": ["NET_RAW"]}), "drop ALL"),
     (lambda s: _worker(s)["securityContext"]["capabilities"].update(add=["SYS_ADMIN"]), "SYS_ADMIN"),
     (lambda s: _worker(s)["securityContext"].update(privileged=True), "is privileged"),
-    (lambda s: s["initContainers"][0].pop("securityContext"), "fetch-models must"),
+    (lambda s: s["initContainers"][0].pop("securityContext"), "fetch-target must"),
     (lambda s: s["volumes"].append({"name": "h", "hostPath": {"path": "/"}}), "hostPath"),
     (lambda s: s.update(hostNetwork=True), "hostNetwork"),
     (lambda s: _worker(s)["ports"][0].update(hostPort=8000), "hostPort"),

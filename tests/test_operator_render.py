@@ -9,7 +9,7 @@ import pytest
 from specdecode_operator import labels, planner, workload
 from specdecode_operator.spec import parse_spec, plan_key
 from specdecode_worker.contract import GIB
-from tests.operator_helpers import OWNER, example, make_plan
+from tests.operator_helpers import DRAFT_COMMIT, OWNER, TARGET_COMMIT, example, hub_sources, make_plan
 
 
 def _flag(args: list[str], name: str) -> str:
@@ -193,16 +193,89 @@ def test_configmap_and_service():
     assert kinds == ["ConfigMap", "Deployment", "Service"]
 
 
-def test_hub_store_downloads_into_the_pod():
-    body = example()
-    body["spec"]["modelStore"] = {"hub": {"tokenSecret": {"name": "hf", "key": "token"}}}
+def _hub(body, **hub):
+    body["spec"]["modelStore"] = {"hub": {"endpoint": "http://hub.local", "tokenSecret": {"name": "hf", "key": "tok"},
+                                          **hub}}
+    return body
+
+
+TOKEN_REF = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "tok"}}}
+
+
+def test_hub_planner_reads_headers_over_http_with_no_volume_and_the_token_by_reference():
+    body = _hub(example())
+    body["spec"]["target"]["revision"] = "v1.0"
     view = parse_spec(body)
-    dep = workload.render_deployment(view, make_plan(), "k", OWNER)
-    spec = dep["spec"]["template"]["spec"]
+    pod = planner.render_planner_pod(view, plan_key(view), OWNER)
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[:9] == ["plan", "--model-source", "hub", "--target", "meta-llama/Llama-3.1-8B-Instruct",
+                        "--target-revision", "v1.0", "--draft", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"]
+    assert "--draft-revision" not in args  # none given: the hub's default branch
+    assert "initContainers" not in pod["spec"]
+    assert all("persistentVolumeClaim" not in v for v in pod["spec"]["volumes"])
+    assert {v["name"] for v in pod["spec"]["volumes"]} == {"tmp", "cache"}  # writable scratch only
+    env = pod["spec"]["containers"][0]["env"]
+    assert {"name": "HF_ENDPOINT", "value": "http://hub.local"} in env and TOKEN_REF in env
+    assert all("value" not in e for e in env if e["name"] == "HF_TOKEN")
+    # HF_HOME on an emptyDir: the root filesystem is read-only
+    hf_home = next(e["value"] for e in env if e["name"] == "HF_HOME")
+    mount = max((m for m in pod["spec"]["containers"][0]["volumeMounts"] if hf_home.startswith(m["mountPath"])),
+                key=lambda m: len(m["mountPath"]))
+    assert "emptyDir" in next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
+
+
+def test_hub_planner_args_for_mtp_and_ngram_name_no_draft_repository():
+    args = planner.planner_args(parse_spec(_hub(example("ngram.yaml"))))
+    assert "--draft" not in args and "--model-source" in args
+    body = _hub(example())
+    body["spec"]["draft"] = {"algorithm": "MTP"}
+    args = planner.planner_args(parse_spec(body))
+    assert "--draft" not in args  # the planner's default: the target's own NextN layers
+
+
+def test_a_hub_store_changes_the_plan_key_but_its_cache_does_not():
+    pvc, hub = parse_spec(example()), parse_spec(_hub(example()))
+    cached = parse_spec(_hub(example(), cache={"claimName": "models"}))
+    assert plan_key(pvc) != plan_key(hub) == plan_key(cached)
+
+
+def test_hub_workers_without_a_cache_download_the_plans_commits_in_init_containers():
+    view = parse_spec(_hub(example()))
+    plan = make_plan(sources=hub_sources())
+    spec = workload.render_deployment(view, plan, "k", OWNER)["spec"]["template"]["spec"]
     assert {"name": "models", "emptyDir": {}} in spec["volumes"]
-    init = spec["initContainers"][0]
-    assert init["args"] == ["meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"]
-    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in init["env"]
+    fetch_t, fetch_d = spec["initContainers"]
+    assert fetch_t["args"] == ["fetch", "--repo", "meta-llama/Llama-3.1-8B-Instruct", "--commit", TARGET_COMMIT,
+                               "--dest", f"/models/meta-llama/Llama-3.1-8B-Instruct/{TARGET_COMMIT}",
+                               "--termination-log", "/dev/termination-log"]
+    assert fetch_d["args"][fetch_d["args"].index("--commit") + 1] == DRAFT_COMMIT
+    assert TOKEN_REF in fetch_t["env"] and {"name": "models", "mountPath": "/models"} in fetch_t["volumeMounts"]
+    args = spec["containers"][0]["args"]
+    assert _flag(args, "--target") == f"/models/meta-llama/Llama-3.1-8B-Instruct/{TARGET_COMMIT}"
+    assert _flag(args, "--draft") == f"/models/yuhuili/EAGLE3-LLaMA3.1-Instruct-8B/{DRAFT_COMMIT}"
+
+
+def test_hub_workers_with_a_cache_mount_it_read_only_and_download_nothing():
+    view = parse_spec(_hub(example(), cache={"claimName": "shared-models"}))
+    spec = workload.render_deployment(view, make_plan(sources=hub_sources()), "k", OWNER)["spec"]["template"]["spec"]
+    assert "initContainers" not in spec
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "shared-models", "readOnly": True}} \
+        in spec["volumes"]
+    worker = spec["containers"][0]
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in worker["volumeMounts"]
+    assert _flag(worker["args"], "--target") == f"/models/meta-llama/Llama-3.1-8B-Instruct/{TARGET_COMMIT}"
+    assert not any(e["name"] == "HF_TOKEN" for e in worker.get("env", []))  # workers never talk to the hub
+
+
+def test_hub_mtp_workers_draft_from_the_targets_folder():
+    body = _hub(example(), cache={"create": {}})
+    body["spec"]["draft"] = {"algorithm": "MTP"}
+    view = parse_spec(body)
+    sources = hub_sources()
+    del sources["draft"]
+    args = workload.worker_args(view, make_plan(sources=sources))
+    assert _flag(args, "--draft") == _flag(args, "--target") == \
+        f"/models/meta-llama/Llama-3.1-8B-Instruct/{TARGET_COMMIT}"
 
 
 @pytest.mark.parametrize("name", [

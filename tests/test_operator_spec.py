@@ -78,6 +78,23 @@ def test_operator_defaults_equal_the_crd_defaults():
     assert view.serving.kv_cache_dtype == _crd_default("serving", "kvCacheDtype")
     assert view.planner_request_gpu is _crd_default("planner", "requestGPU")
     assert view.image_pull_policy == _crd_default("imagePullPolicy")
+    created = parse_spec(_with_cache({"create": {}})).hub_cache
+    assert created.access_mode == _crd_default("modelStore", "hub", "cache", "create", "accessMode")
+
+
+def _with_cache(cache):
+    body = example()
+    body["spec"]["modelStore"] = {"hub": {"cache": cache}}
+    return body
+
+
+def test_hub_cache_views():
+    shared = parse_spec(_with_cache({"claimName": "models"})).hub_cache
+    assert (shared.claim_name, shared.create) == ("models", False)
+    made = parse_spec(_with_cache({"create": {"storageClassName": "nfs", "accessMode": "ReadWriteOnce",
+                                              "size": "300Gi"}})).hub_cache
+    assert (made.create, made.storage_class, made.access_mode, made.size) == (True, "nfs", "ReadWriteOnce", "300Gi")
+    assert parse_spec(example()).hub_cache is None
 
 
 def test_spec_view_of_the_example():

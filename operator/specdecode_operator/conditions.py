@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 PLANNED = "Planned"
+MODELS_READY = "ModelsReady"  # only for a hub store with a cache: every model is downloaded into it
 AVAILABLE = "Available"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 READY = "Ready"
-ORDER = (PLANNED, AVAILABLE, PROGRESSING, DEGRADED, READY)
+ORDER = (PLANNED, MODELS_READY, AVAILABLE, PROGRESSING, DEGRADED, READY)
 
 # Reasons a user acts on (capacity vs runtime failures are told apart).
 PLANNING = "Planning"
@@ -26,6 +27,10 @@ UNSCHEDULABLE = "Unschedulable"
 WORKER_STARTUP_FAILED = "WorkerStartupFailed"
 WORKER_OOM_KILLED = "WorkerOOMKilled"
 PODS_NOT_READY = "PodsNotReady"
+DOWNLOADING = "Downloading"
+DOWNLOADED = "Downloaded"
+MODEL_DOWNLOAD_FAILED = "ModelDownloadFailed"  # with the hub's message: 401, 404, disk full
+CACHE_CLAIM_NOT_FOUND = "CacheClaimNotFound"  # modelStore.hub.cache.claimName names no PVC
 MULTI_NODE_UNAVAILABLE = "MultiNodeUnavailable"  # the plan spans nodes and LeaderWorkerSet is not installed
 # The API server refused a child (the planner pod, the plan ConfigMap, the Deployment, the Service,
 # or the worker pods the ReplicaSet creates): by Pod Security admission, by a ResourceQuota, or
@@ -81,7 +86,8 @@ def get(conditions: Iterable[dict[str, Any]], ctype: str) -> dict[str, Any] | No
 
 FAILURE_REASONS = frozenset({INSUFFICIENT_GPU_MEMORY, PLANNER_FAILED, PLAN_EXCEEDS_NODE_GPUS, UNSCHEDULABLE,
                              WORKER_STARTUP_FAILED, WORKER_OOM_KILLED, PODS_NOT_READY,
-                             POD_SECURITY_REJECTED, QUOTA_EXCEEDED, CHILD_REJECTED, MULTI_NODE_UNAVAILABLE})
+                             POD_SECURITY_REJECTED, QUOTA_EXCEEDED, CHILD_REJECTED, MULTI_NODE_UNAVAILABLE,
+                             MODEL_DOWNLOAD_FAILED, CACHE_CLAIM_NOT_FOUND})
 
 
 def is_bad(ctype: str, status: str, reason: str = "") -> bool:
@@ -117,6 +123,9 @@ def phase(conditions: list[dict[str, Any]], ready: int, desired: int) -> str:
     if planned["status"] == "Unknown":
         return "Planning"
     if planned["status"] == "False":
+        return "Degraded" if ready > 0 else "Failed"
+    models = get(conditions, MODELS_READY)
+    if models is not None and models["status"] == "False" and models.get("reason") in FAILURE_REASONS:
         return "Degraded" if ready > 0 else "Failed"
     degraded = get(conditions, DEGRADED)
     if degraded is not None and degraded["status"] == "True":

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 # Every kind the operator touches, with its plural (the resource name in REST paths).
 PLURALS = {"Pod": "pods", "ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments",
-           "Event": "events", "Node": "nodes", KIND: PLURAL, "LeaderWorkerSet": "leaderworkersets"}
+           "Event": "events", "Node": "nodes", KIND: PLURAL, "LeaderWorkerSet": "leaderworkersets",
+           "Job": "jobs", "PersistentVolumeClaim": "persistentvolumeclaims"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,14 @@ def pods(namespace: str, name: str | None = None) -> Ref:
 
 def deployment(namespace: str, name: str) -> Ref:
     return Ref("apps/v1", "Deployment", namespace, name)
+
+
+def job(namespace: str, name: str) -> Ref:
+    return Ref("batch/v1", "Job", namespace, name)
+
+
+def claim(namespace: str, name: str) -> Ref:
+    return Ref("v1", "PersistentVolumeClaim", namespace, name)
 
 
 def sdd(namespace: str, name: str) -> Ref:

@@ -24,10 +24,7 @@ ACTIVE_DEADLINE_SECONDS = 900
 def planner_args(view: SpecView) -> list[str]:
     """``specdecode-worker plan`` arguments for this spec (the plan's inputs, nothing else)."""
     s = view.serving
-    args = ["plan", "--target", view.model_path(view.target)]
-    if view.draft_dir:
-        args += ["--draft", view.draft_dir]
-    args += ["--algorithm", view.algorithm, "--tp", "auto"]
+    args = ["plan", *_model_args(view), "--algorithm", view.algorithm, "--tp", "auto"]
     if view.planner_max_tp > DEFAULT_MAX_TP:
         args += ["--max-tp", str(view.planner_max_tp)]
     if view.gpu_per_node is not None:
@@ -46,6 +43,22 @@ def planner_args(view: SpecView) -> list[str]:
     if s.chunked_prefill_size is not None:
         args += ["--chunked-prefill-size", str(s.chunked_prefill_size)]
     args += ["--output", "json", "--termination-log", TERMINATION_LOG]
+    return args
+
+
+def _model_args(view: SpecView) -> list[str]:
+    """Folders in the mounted store, or hub repositories (and revisions) read over HTTP."""
+    if not view.hub:
+        args = ["--target", view.model_path(view.target)]
+        return args + (["--draft", view.draft_dir] if view.draft_dir else [])
+    args = ["--model-source", "hub", "--target", view.target.model]
+    if view.target.revision:
+        args += ["--target-revision", view.target.revision]
+    draft = view.hub_draft
+    if draft is not None:
+        args += ["--draft", draft.model]
+        if draft.revision:
+            args += ["--draft-revision", draft.revision]
     return args
 
 
@@ -70,7 +83,6 @@ def render_planner_pod(view: SpecView, key: str, owner: dict[str, Any]) -> dict[
         "restartPolicy": "Never",
         "activeDeadlineSeconds": ACTIVE_DEADLINE_SECONDS,
         "enableServiceLinks": False,
-        "initContainers": models.fetch_init_containers(view, view.planner_image, "*.json,*.safetensors"),
         "containers": [{
             "name": "planner",
             "image": view.planner_image,
@@ -78,15 +90,15 @@ def render_planner_pod(view: SpecView, key: str, owner: dict[str, Any]) -> dict[
             "command": ["specdecode-worker"],
             "args": planner_args(view),
             "resources": resources,
-            "volumeMounts": [models.mount()],
+            # A hub store is read over HTTP (headers only): no model volume, only the hub's address and token.
+            "volumeMounts": [] if view.hub else [models.mount()],
+            "env": models.hub_env(view) if view.hub else [],
             # The plan goes to the termination log; on a crash the log tail explains it instead.
             "terminationMessagePath": TERMINATION_LOG,
             "terminationMessagePolicy": "FallbackToLogsOnError",
         }],
-        "volumes": models.volumes(view),
+        "volumes": [] if view.hub else models.volumes(view),
     }
-    if not spec["initContainers"]:
-        del spec["initContainers"]
     if node_selector:
         spec["nodeSelector"] = node_selector
     for k in ("tolerations", "affinity", "imagePullSecrets"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import calendar
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -19,13 +20,15 @@ from specdecode_worker.contract import GIB, PLAN_API_VERSION, PLAN_KIND
 
 from . import conditions as c
 from . import kube as k8s
-from . import group, labels, observe, planner, refusals, workload
+from . import group, labels, modelcache, models, observe, planner, refusals, workload
 from .kube import ApiError, Kube, now_iso
 from .spec import DEFAULT_WORKER_IMAGE, SpecView, parse_spec, plan_key, planner_pod_name
 
 log = logging.getLogger(__name__)
 # Status refresh while waiting on something no watch event reports (a planner backoff).
 POLL_SECONDS = 30.0
+# Status refresh while models download (progress in status.models); Job events also trigger one.
+DOWNLOAD_POLL_SECONDS = 5.0
 NODE_CACHE_SECONDS = 20.0
 
 
@@ -115,6 +118,15 @@ class Reconciler:
 
         if plan is not None and plan.get("fits"):
             self._cleanup_planners(view, key)
+            if models.cache_claim(view):  # workers start only once every model is in the cache
+                ready, wait = self._models(view, plan, owner, status)
+                verdicts[c.MODELS_READY] = ready
+                if ready.status != "True":
+                    refused = ready if ready.reason in REFUSAL_REASONS else None
+                    verdicts.update(self._waiting_for_models(view, status, ready))
+                    return self._finish(sdd, view, status, old_status, verdicts, generation, refused, wait)
+            else:
+                status.pop("models", None)
             tp = int(plan["tensorParallelSize"])
             nodes = group.nodes_per_replica(plan)
             status["gpusPerReplica"] = tp
@@ -163,6 +175,8 @@ class Reconciler:
         meta = sdd["metadata"]
         now = now_iso()
         conds = c.apply_verdicts(list(old_status.get("conditions") or []), verdicts, generation, now)
+        if not models.cache_claim(view):  # no cache (any more): nothing is downloaded ahead of the pods
+            conds = [x for x in conds if x.get("type") != c.MODELS_READY]
         status["conditions"] = conds
         status["observedGeneration"] = generation
         status["selector"] = labels.selector_string(view.name)
@@ -208,6 +222,11 @@ class Reconciler:
             verdicts[c.PLANNED] = c.Verdict("Unknown", c.PLANNING, f"planner pod {name} started")
             return None, POLL_SECONDS
         outcome = planner.read_outcome(pod)
+        if outcome.state == "fits" and view.hub:  # workers pin the commits the plan read
+            try:
+                models.sources(view, outcome.plan or {})
+            except ValueError as exc:
+                outcome = dataclasses.replace(outcome, state="failed", message=str(exc))
         if outcome.state in ("pending", "running"):
             verdicts[c.PLANNED] = c.Verdict("Unknown", c.PLANNING, f"{name}: {outcome.message}")
             return None, POLL_SECONDS
@@ -276,6 +295,89 @@ class Reconciler:
             meta = pod.get("metadata") or {}
             if (meta.get("labels") or {}).get(labels.PLAN_KEY) != key:
                 self.kube.delete(k8s.pods(view.namespace, meta["name"]))
+
+    # --- the hub model cache ---------------------------------------------------------------------
+
+    def _models(self, view: SpecView, plan: dict[str, Any], owner: dict[str, Any],
+                status: dict[str, Any]) -> tuple[c.Verdict, float | None]:
+        """Drive the cache one step: its PVC, one download Job per model, their progress in
+        status.models. Returns ModelsReady and when to look again."""
+        claim_name = models.cache_claim(view)
+        try:
+            sources = modelcache.unique_sources(view, plan)
+        except ValueError as exc:
+            return c.Verdict("False", c.MODEL_DOWNLOAD_FAILED, str(exc)), POLL_SECONDS
+        claim = self.kube.get(k8s.claim(view.namespace, claim_name))
+        if claim is None and not view.hub_cache.create:
+            return modelcache.claim_not_found(view, claim_name), POLL_SECONDS
+        if claim is None:
+            try:
+                claim = self._create(modelcache.render_claim(view, plan, owner), k8s.claim(view.namespace, claim_name))
+            except ApiError as exc:
+                return self._refusal(view, f"PVC {claim_name}", exc), None
+        previous = {(m.get("repo"), m.get("commit")): m for m in status.get("models") or []}
+        entries, items, wait = [], [], DOWNLOAD_POLL_SECONDS
+        for src in sources:
+            name = modelcache.job_name(claim_name, src["repo"], src["commit"])
+            ref = k8s.job(view.namespace, name)
+            job = self.kube.get(ref)
+            if job is None:
+                try:
+                    job = self._create(modelcache.render_job(view, claim_name, src, modelcache.claim_owner(claim)), ref)
+                except ApiError as exc:
+                    return self._refusal(view, f"download Job {name}", exc), None
+            pods = [] if job is None or modelcache.job_complete(job) else self.kube.list(k8s.pods(view.namespace),
+                                                                   f"{modelcache.JOB_NAME_LABEL}={name}")
+            item = modelcache.progress(src, job, pods, name)
+            entry = item.as_status()
+            old = previous.get((src["repo"], src["commit"])) or {}
+            failed = modelcache.job_failed(job) if job is not None else None
+            if failed is not None:  # out of retries per part: after the backoff, a new Job
+                attempts, uid = int(old.get("attempts", 0)), job["metadata"].get("uid")
+                if old.get("failedJobUID") != uid:
+                    attempts += 1
+                entry.update(attempts=attempts, failedJobUID=uid)
+                since = _epoch(failed.get("lastTransitionTime")) or self.clock()
+                left = since + modelcache.retry_delay(attempts) - self.clock()
+                if left <= 0:
+                    self.kube.delete(ref)
+                    log.info("%s/%s download Job %s failed %d time(s); created again", view.namespace, view.name,
+                             name, attempts)
+                    left, note = 1.0, "download Job restarted"
+                else:
+                    note = f"retrying in {int(left + 0.999)}s"
+                item = dataclasses.replace(item, message=f"{item.message} (attempt {attempts} failed; {note})")
+                entry["message"] = item.message
+                wait = min(wait, max(left, 1.0))
+            elif old.get("attempts"):
+                entry["attempts"] = old["attempts"]
+            items.append(item)
+            entries.append(entry)
+        status["models"] = entries
+        ready = modelcache.verdict(items, claim_name)
+        return ready, (None if ready.status == "True" else wait)
+
+    def _create(self, body: dict[str, Any], ref: k8s.Ref) -> dict[str, Any] | None:
+        """Create ``body``; one that exists already (an earlier reconcile, another SDD) is read instead."""
+        try:
+            created = self.kube.create(body)
+            log.info("%s %s/%s created", body["kind"], ref.namespace, ref.name)
+            return created
+        except ApiError as exc:
+            if exc.status == 409:  # exists, or still terminating after a delete: next time
+                return self.kube.get(ref)
+            raise
+
+    def _waiting_for_models(self, view: SpecView, status: dict[str, Any], ready: c.Verdict) -> dict[str, c.Verdict]:
+        """While models download no worker of this plan is created; workers of an earlier plan keep serving."""
+        verdicts = self._previous_workers(view, status, ready)
+        downloading = ready.reason == c.DOWNLOADING
+        verdicts[c.PROGRESSING] = c.Verdict("True" if downloading else "False", ready.reason,
+                                            "downloading the models into the cache: " + ready.message if downloading
+                                            else "the rollout waits for the models: see ModelsReady")
+        if not downloading:
+            verdicts[c.DEGRADED] = c.Verdict("True", ready.reason, ready.message)
+        return verdicts
 
     # --- workers --------------------------------------------------------------------------------
 

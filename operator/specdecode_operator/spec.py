@@ -30,6 +30,17 @@ class ModelRef:
 
 
 @dataclass(frozen=True)
+class HubCache:
+    """``modelStore.hub.cache``: an existing claim, or one the operator creates (``create``)."""
+
+    claim_name: str | None = None
+    create: bool = False
+    storage_class: str | None = None
+    access_mode: str = "ReadWriteMany"
+    size: str | None = None  # None: the plan's weight bytes plus a margin
+
+
+@dataclass(frozen=True)
 class Serving:
     context_length: int = 8192
     max_running_requests: int = 64
@@ -70,10 +81,17 @@ class SpecView:
     planner_request_gpu: bool = False
     planner_resources: dict[str, Any] = field(default_factory=dict)
     spec_policy: str = "adaptive"  # draft.policy.mode: adaptive or fixed draft lengths
+    hub_cache: HubCache | None = None
 
     def model_path(self, ref: ModelRef) -> str:
         """Where a model's files are inside a pod (the store is mounted at /models)."""
         return f"{MODELS_MOUNT}/{ref.model.strip('/')}"
+
+    @property
+    def hub_draft(self) -> ModelRef | None:
+        """The draft repository a hub store plans and downloads; MTP without a draft uses the
+        target's own checkpoint (the planner's default), NGRAM has none."""
+        return None if self.algorithm == "NGRAM" else self.draft
 
     @property
     def planner_max_tp(self) -> int:
@@ -155,7 +173,18 @@ def parse_spec(body: dict[str, Any], default_image: str = DEFAULT_WORKER_IMAGE) 
         planner_image=planner.get("image") or image,
         planner_request_gpu=bool(planner.get("requestGPU", False)),
         planner_resources=dict(planner.get("resources") or {}),
+        hub_cache=_hub_cache((store.get("hub") or {}).get("cache")),
     )
+
+
+def _hub_cache(cache: dict[str, Any] | None) -> HubCache | None:
+    if not cache:
+        return None
+    create = cache.get("create")
+    if create is None:
+        return HubCache(claim_name=cache.get("claimName"))
+    return HubCache(create=True, storage_class=create.get("storageClassName"),
+                    access_mode=create.get("accessMode", "ReadWriteMany"), size=_quantity(create.get("size")))
 
 
 def planner_inputs(view: SpecView) -> dict[str, Any]:
@@ -176,7 +205,10 @@ def planner_inputs(view: SpecView) -> dict[str, Any]:
             **({"maxTp": view.planner_max_tp} if view.planner_max_tp > DEFAULT_MAX_TP else {}),
             **({"perNode": view.gpu_per_node} if view.gpu_per_node is not None else {}),
         },
-        "store": {"pvc": view.pvc_claim, "hub": (view.hub or {}).get("endpoint") if view.hub else None},
+        # A hub store plans from headers over HTTP and records the commits it read (plan.sources);
+        # the cache is not an input: it holds the same files.
+        "store": {"pvc": view.pvc_claim, "hub": (view.hub or {}).get("endpoint") if view.hub else None,
+                  **({"hubPlanning": "headers"} if view.hub else {})},
         "plannerImage": view.planner_image,
     }
 

@@ -51,9 +51,10 @@ def worker_args(view: SpecView, plan: dict[str, Any]) -> list[str]:
     """``specdecode-worker serve`` arguments: the plan's numbers, pinned."""
     s = view.serving
     reserve = plan.get("reserve") or {}
-    args = ["serve", "--target", view.model_path(view.target)]
-    if view.draft_dir:
-        args += ["--draft", view.draft_dir]
+    target_dir, draft_dir = models.model_dirs(view, plan)
+    args = ["serve", "--target", target_dir]
+    if draft_dir:
+        args += ["--draft", draft_dir]
     args += [
         "--algorithm", view.algorithm,
         "--plan", f"{PLAN_DIR}/{PLAN_FILE}",
@@ -146,7 +147,7 @@ def render_deployment(view: SpecView, plan: dict[str, Any], key: str, owner: dic
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
     }
-    init = models.fetch_init_containers(view, view.image)
+    init = models.fetch_init_containers(view, plan)
     if init:
         pod_spec["initContainers"] = init
     node_selector = dict(view.pod.get("nodeSelector") or {})

@@ -1,9 +1,11 @@
 """Test container runtime for planner pods: runs their container as a local process.
 
 KWOK simulates pods without running anything. Planner pods (label ``specdecode.io/role:
-planner``) must run the real planner, so this runner plays the container runtime for them:
+planner``) must run the real planner, and model download pods (``specdecode.io/role:
+model-cache``, the pods of the operator's download Jobs) must really download from the test
+hub into the cache claim's folder, so this runner plays the container runtime for both:
 
-* It picks pods with that label that are scheduled (``spec.nodeName``), Running (KWOK's
+* It picks pods with either label that are scheduled (``spec.nodeName``), Running (KWOK's
   pod-ready stage) and not being deleted, and runs each pod once, keyed by pod UID. A marker file
   per UID in the state folder keeps that true across runner restarts: a pod whose process was
   cut off by a restart is recorded as exit code 137 rather than run again.
@@ -59,7 +61,7 @@ from pathlib import Path
 from .kube import ApiError, KubeClient
 from .local_volumes import sync_volumes
 
-ROLE_SELECTOR = "specdecode.io/role=planner"
+ROLE_SELECTOR = "specdecode.io/role in (planner,model-cache)"
 ANN_EXIT_CODE = "specdecode.test/exit-code"
 ANN_REASON = "specdecode.test/reason"
 ANN_MESSAGE = "specdecode.test/termination-message"
@@ -386,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     ready = args.state_dir / "ready"
-    print(f"planner runtime: watching pods with {ROLE_SELECTOR}", flush=True)
+    print(f"planner runtime: running pods with {ROLE_SELECTOR}", flush=True)
     volumes_synced = 0.0
     while not stop.is_set():
         try:

@@ -117,7 +117,7 @@ class FakeApi:
         self.patches = []
 
     def get(self, path, **query):
-        assert query == {"labelSelector": "specdecode.io/role=planner"}
+        assert query == {"labelSelector": "specdecode.io/role in (planner,model-cache)"}
         return {"items": self.pods}
 
     def merge_patch(self, path, patch):

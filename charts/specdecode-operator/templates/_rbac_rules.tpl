@@ -32,6 +32,15 @@ Namespaced rules apply in the watched namespaces (Role) or everywhere (ClusterRo
 - apiGroups: [""]
   resources: ["configmaps", "services"]
   verbs: ["create", "patch"]
+# A hub store with a cache: the cache PVC is read, and created when cache.create asks for it;
+# one download Job per model is created, read for its completed parts, and deleted to retry
+# once it failed for good. Its pods are read (above) for the hub's error message.
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "create"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "create", "delete"]
 # One Event per condition transition.
 - apiGroups: [""]
   resources: ["events"]

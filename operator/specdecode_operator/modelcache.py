@@ -1,0 +1,272 @@
+"""The hub model cache: its PVC, one download Job per (claim, repo, commit), and their progress.
+
+Pure functions; the reconciler creates what they render and reads what they interpret.
+
+- The cache PVC is the user's (``cache.claimName``) or one the operator creates (``cache.create``),
+  sized from the plan's bytes plus a margin.
+- A model is downloaded once per cache: the Job's name is a hash of (claim, repo, commit), so every
+  SDD that uses the same cache and commit finds the same Job. The Job is owned by the PVC, not by an
+  SDD: it lives as long as the files it wrote, and its completion is the record that they are there.
+- The Job is Indexed: index i downloads part i of the model's files (the planner computed the same
+  split, ``plan.sources.<role>.partBytes``), so progress is the bytes of the completed indexes.
+  A failed index is retried by the Job controller with its own backoff (``backoffLimitPerIndex``);
+  a Job that failed for good is deleted and created again after the operator's backoff.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from specdecode_worker.contract import GIB
+
+from . import conditions as c
+from . import labels, models, podsecurity
+from .spec import MODELS_MOUNT, SpecView
+
+ROLE_MODEL_CACHE = "model-cache"
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+REPO_ANNOTATION = "specdecode.io/repo"
+COMMIT_ANNOTATION = "specdecode.io/commit"
+CLAIM_ANNOTATION = "specdecode.io/claim"
+# Pod failures per part before the Job gives up on it (the Job controller waits 10 s doubling between them).
+BACKOFF_LIMIT_PER_INDEX = 4
+# A created cache holds the plan's files plus this share (hub metadata, partial files of a retry),
+# and at least one GiB more.
+SIZE_MARGIN = 0.10
+MIN_MARGIN_BYTES = GIB
+FIRST_RETRY_SECONDS = 30.0
+MAX_RETRY_SECONDS = 600.0
+
+PENDING, DOWNLOADING, DOWNLOADED, FAILED = "Pending", "Downloading", "Downloaded", "Failed"
+
+
+# --- the cache claim --------------------------------------------------------------------------------
+
+def unique_sources(view: SpecView, plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """The plan's hub sources, one per (repo, commit): a draft that is the target is one download."""
+    seen: dict[tuple[str, str], dict[str, Any]] = {}
+    for src in models.sources(view, plan).values():
+        seen.setdefault((src["repo"], src["commit"]), src)
+    return list(seen.values())
+
+
+def claim_size(total_bytes: int) -> str:
+    """A created cache's size: the files, plus 10 % and at least 1 GiB, in whole GiB."""
+    margin = max(int(total_bytes * SIZE_MARGIN), MIN_MARGIN_BYTES)
+    return f"{math.ceil((total_bytes + margin) / GIB)}Gi"
+
+
+def render_claim(view: SpecView, plan: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
+    """The PVC ``cache.create`` asks for; owned by the SDD, so it goes when the SDD goes."""
+    cache = view.hub_cache
+    assert cache is not None and cache.create
+    size = cache.size or claim_size(sum(int(s.get("bytes", 0)) for s in unique_sources(view, plan)))
+    spec: dict[str, Any] = {"accessModes": [cache.access_mode], "resources": {"requests": {"storage": size}}}
+    if cache.storage_class:
+        spec["storageClassName"] = cache.storage_class
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {
+            "name": models.cache_claim(view),
+            "namespace": view.namespace,
+            "labels": labels.common(view.name, ROLE_MODEL_CACHE),
+            "ownerReferences": [owner],
+        },
+        "spec": spec,
+    }
+
+
+def claim_owner(claim: dict[str, Any]) -> dict[str, Any]:
+    """An owner reference to the cache PVC (not a controller: the PVC controls nothing)."""
+    meta = claim["metadata"]
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "name": meta["name"], "uid": meta["uid"]}
+
+
+# --- the download Job ---------------------------------------------------------------------------------
+
+def job_name(claim: str, repo: str, commit: str) -> str:
+    """The same name for every SDD that downloads this commit into this cache."""
+    digest = hashlib.sha256(f"{claim}\0{repo}\0{commit}".encode()).hexdigest()[:12]
+    return f"model-cache-{digest}"
+
+
+def parts(src: dict[str, Any]) -> int:
+    return max(1, len(src.get("partBytes") or []))
+
+
+def render_job(view: SpecView, claim: str, src: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
+    """The Indexed Job that downloads one model into the cache, one part per index."""
+    n = parts(src)
+    pod_labels = labels.common(view.name, ROLE_MODEL_CACHE)
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",  # a failed part is a new pod: the Job controller counts and backs off
+        "enableServiceLinks": False,
+        "containers": [{
+            "name": "fetch",
+            "image": view.image,
+            "imagePullPolicy": view.image_pull_policy,
+            "command": ["specdecode-worker"],
+            "args": models.fetch_args(src["repo"], src["commit"], n),
+            "env": models.hub_env(view),
+            "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
+            "volumeMounts": [{"name": models.VOLUME, "mountPath": MODELS_MOUNT}],
+            # The hub's error (401, 404, disk full) is the pod's termination message.
+            "terminationMessagePath": models.TERMINATION_LOG,
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+        }],
+        "volumes": [{"name": models.VOLUME, "persistentVolumeClaim": {"claimName": claim}}],
+    }
+    for k in ("nodeSelector", "tolerations", "affinity", "imagePullSecrets", "serviceAccountName"):
+        if view.pod.get(k):
+            spec[k] = view.pod[k]
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": job_name(claim, src["repo"], src["commit"]),
+            "namespace": view.namespace,
+            "labels": pod_labels,
+            "annotations": {REPO_ANNOTATION: src["repo"], COMMIT_ANNOTATION: src["commit"], CLAIM_ANNOTATION: claim},
+            "ownerReferences": [owner],
+        },
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": n,
+            "parallelism": n,
+            "backoffLimitPerIndex": BACKOFF_LIMIT_PER_INDEX,
+            "template": {"metadata": {"labels": pod_labels},
+                         "spec": podsecurity.restrict(spec, view.pod.get("securityContext"))},
+        },
+    }
+
+
+# --- progress -------------------------------------------------------------------------------------------
+
+def parse_indexes(text: str | None) -> set[int]:
+    """A Job's ``completedIndexes`` / ``failedIndexes``: "0-2,5" -> {0, 1, 2, 5}."""
+    out: set[int] = set()
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        lo, _, hi = item.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+@dataclass(frozen=True)
+class Progress:
+    repo: str
+    commit: str
+    bytes_done: int
+    bytes_total: int
+    state: str
+    job: str
+    message: str = ""
+
+    def as_status(self) -> dict[str, Any]:
+        out = {"repo": self.repo, "commit": self.commit, "bytesDone": self.bytes_done,
+               "bytesTotal": self.bytes_total, "state": self.state, "job": self.job}
+        if self.message:
+            out["message"] = self.message
+        return out
+
+
+def _condition(job: dict[str, Any], ctype: str) -> dict[str, Any] | None:
+    for cond in (job.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == ctype and cond.get("status") == "True":
+            return cond
+    return None
+
+
+def job_complete(job: dict[str, Any]) -> bool:
+    return _condition(job, "Complete") is not None
+
+
+def job_failed(job: dict[str, Any]) -> dict[str, Any] | None:
+    """The Job's Failed condition once it gave up (an index out of retries), else None."""
+    return _condition(job, "Failed")
+
+
+def failure_message(pods: list[dict[str, Any]], completed: set[int]) -> str | None:
+    """The termination message of the latest failed pod of a part that is still missing."""
+    latest: tuple[str, str] | None = None
+    for pod in pods:
+        status = pod.get("status") or {}
+        if status.get("phase") != "Failed":
+            continue
+        index = ((pod.get("metadata") or {}).get("annotations") or {}).get(COMPLETION_INDEX)
+        if index is not None and index.isdigit() and int(index) in completed:
+            continue
+        for cs in status.get("containerStatuses") or []:
+            term = (cs.get("state") or {}).get("terminated") or {}
+            if term:
+                text = (term.get("message") or "").strip() or f"exit code {term.get('exitCode')} ({term.get('reason')})"
+                when = term.get("finishedAt") or ""
+                if latest is None or when >= latest[0]:
+                    latest = (when, text)
+        if latest is None and status.get("reason"):  # evicted, deadline: no container ever terminated
+            latest = ("", f"{status.get('reason')}: {status.get('message', '')}".strip(": "))
+    return None if latest is None else latest[1]
+
+
+def progress(src: dict[str, Any], job: dict[str, Any] | None, pods: list[dict[str, Any]], name: str) -> Progress:
+    """Bytes done (the completed parts), and the state: Pending (no Job yet), Downloading,
+    Downloaded, or Failed (a part's pod failed: the hub's message; the Job retries it)."""
+    part_bytes = [int(b) for b in src.get("partBytes") or []]
+    total = int(src.get("bytes") or sum(part_bytes))
+    base = dict(repo=src["repo"], commit=src["commit"], bytes_total=total, job=name)
+    if job is None:
+        return Progress(bytes_done=0, state=PENDING, **base)
+    st = job.get("status") or {}
+    done_parts = parse_indexes(st.get("completedIndexes"))
+    done = sum(b for i, b in enumerate(part_bytes) if i in done_parts)
+    if job_complete(job):
+        return Progress(bytes_done=total, state=DOWNLOADED, **base)
+    message = failure_message(pods, done_parts)
+    if message is not None or job_failed(job):
+        return Progress(bytes_done=done, state=FAILED,
+                        message=message or (job_failed(job) or {}).get("message", "the download Job failed"), **base)
+    return Progress(bytes_done=done, state=DOWNLOADING, **base)
+
+
+def gigabytes(n: int) -> str:
+    return f"{n / 1e9:.1f}"
+
+
+def summary(items: list[Progress]) -> str:
+    """ "31.2 / 141.1 GB (22%)" over every model (the percentage rounds down: 100 % means done)."""
+    done = sum(p.bytes_done for p in items)
+    total = sum(p.bytes_total for p in items)
+    pct = 100 if total == 0 else (100 * done) // total
+    return f"{gigabytes(done)} / {gigabytes(total)} GB ({pct}%)"
+
+
+def retry_delay(attempts: int) -> float:
+    """The operator's wait before it recreates a Job that failed for good: 30 s doubling to 10 min."""
+    return min(FIRST_RETRY_SECONDS * 2 ** max(attempts - 1, 0), MAX_RETRY_SECONDS)
+
+
+def verdict(items: list[Progress], claim: str) -> c.Verdict:
+    """ModelsReady: Downloaded once every model is in the cache; a failure names the model and
+    carries the hub's message; otherwise the bytes so far."""
+    failed = [p for p in items if p.state == FAILED]
+    if failed:
+        why = "; ".join(f"{p.repo}@{p.commit[:12]}: {p.message}" for p in failed)
+        return c.Verdict("False", c.MODEL_DOWNLOAD_FAILED, f"{why} ({summary(items)} downloaded)")
+    if all(p.state == DOWNLOADED for p in items):
+        total = sum(p.bytes_total for p in items)
+        return c.Verdict("True", c.DOWNLOADED, f"{gigabytes(total)} GB in PVC {claim}")
+    return c.Verdict("False", c.DOWNLOADING, summary(items))
+
+
+def claim_not_found(view: SpecView, claim: str) -> c.Verdict:
+    return c.Verdict("False", c.CACHE_CLAIM_NOT_FOUND, (
+        f"PVC {claim} (spec.modelStore.hub.cache.claimName) does not exist in namespace {view.namespace}: "
+        "create it (ReadWriteMany, or ReadWriteOnce with every pod on one node), or set cache.create "
+        "for the operator to make one"))
