@@ -1,4 +1,5 @@
-"""``specdecode-worker``: one entry point with two jobs, ``plan`` (the init pod) and ``serve``.
+"""``specdecode-worker``: one entry point for ``plan`` (the planner pod), ``serve`` (the workers) and
+``fetch`` (the download pods of a hub model cache).
 
 The subcommand's own parser (``plan_cli.parser``, ``serve_cli.parser``) reads the rest of the
 command line, so each flag is defined in one place.
@@ -15,6 +16,7 @@ COMMANDS = {
     "plan": "dry-run GPU memory plan for a target + draft model pair (reads configs and checkpoint "
             "headers only; no torch, no weights)",
     "serve": "load the models in three phases and serve an OpenAI-compatible API",
+    "fetch": "download (a part of) a hub model at a pinned commit into a folder, skipping complete files",
 }
 
 
@@ -28,9 +30,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="specdecode-worker", epilog="Run 'specdecode-worker plan --help' or "
-                "'specdecode-worker serve --help' for options.")
-    commands = p.add_subparsers(dest="command", metavar="{plan,serve}", required=True)
+    p = _Parser(prog="specdecode-worker", epilog="Run 'specdecode-worker COMMAND --help' for a command's options.")
+    commands = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}", required=True)
     for name, text in COMMANDS.items():
         # The subcommand's flags, -h included, go through to its own parser.
         commands.add_parser(name, help=text, description=text, add_help=False)
@@ -53,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         from .plan_cli import main as plan_main
 
         return plan_main(rest)
+    if args.command == "fetch":
+        from .fetch_cli import main as fetch_main
+
+        return fetch_main(rest)
     from .serve_cli import main as serve_main
 
     return serve_main(rest)

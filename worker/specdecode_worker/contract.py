@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import types
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import IntEnum
@@ -38,6 +39,7 @@ class ExitCode(IntEnum):
     INTERNAL_ERROR = 1  # a bug: the traceback is in the log
     BAD_INPUT = 2  # a flag or model file to fix; one line says which
     DOES_NOT_FIT = 3  # plan: the models do not fit; serve: the memory found after loading is below the plan
+    HUB_UNAVAILABLE = 4  # plan/fetch from a hub: unreachable or a server error; the same command may succeed later
 
 
 # --- the MemoryPlan document ----------------------------------------------------------------------
@@ -46,6 +48,7 @@ PLAN_API_VERSION = "specdecode.io/v1alpha1"
 PLAN_KIND = "MemoryPlan"
 # Kubernetes keeps at most this many bytes of a termination message, where the planner writes its plan.
 TERMINATION_LOG_LIMIT = 4096
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 def kv_token_capacity(
@@ -128,6 +131,32 @@ class LayerRatioAccounting:
 
 
 @dataclass(frozen=True)
+class PlanSource:
+    """Where a hub model was read: the commit the revision pointed at, and its download parts."""
+
+    repo: str
+    revision: str
+    commit: str
+    bytes: int  # every file a worker loads (weights, configs, tokenizer)
+    part_bytes: list[int]  # bytes of each download part (hub.partition of the files)
+
+    def check(self) -> None:
+        if not _COMMIT.fullmatch(self.commit):
+            raise ValueError(f"MemoryPlan: sources commit of {self.repo} must be 40 hex digits, got {self.commit!r}")
+        if not self.part_bytes or sum(self.part_bytes) != self.bytes:
+            raise ValueError(f"MemoryPlan: sources partBytes of {self.repo} must be non-empty and add up to "
+                             f"bytes {self.bytes}, got {self.part_bytes}")
+
+
+@dataclass(frozen=True)
+class PlanSources:
+    """Only for models planned from a hub; no draft for NGRAM, nor for MTP from the target's own repo."""
+
+    target: PlanSource
+    draft: PlanSource | None = None
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     """The plan the planner writes and the worker serves against (see ``plan.py`` for its terms)."""
 
@@ -151,6 +180,7 @@ class MemoryPlan:
     gpu: PlanGpu | None = None
     min_tensor_parallel_size: int | None = None
     nodes_per_replica: int | None = None  # pods (one per node) one replica spans; missing: 1
+    sources: PlanSources | None = None  # models planned from a hub: the commits to load
     # The JSON object as given, passed on unchanged (to the SDD status and the worker's --plan).
     document: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -191,6 +221,9 @@ class MemoryPlan:
                 f"MemoryPlan: kvCache.maxTotalNumTokens is {kv.max_total_num_tokens} but gpuMemoryBytes x "
                 f"memFractionStatic - weights - reserve.runtimeBytes over the KV bytes per token gives {expected}"
             )
+        for source in (self.sources.target, self.sources.draft) if self.sources else ():
+            if source is not None:
+                source.check()
         size = len(to_json(self.document).encode())
         if size >= TERMINATION_LOG_LIMIT:
             raise ValueError(f"MemoryPlan: compact JSON is {size} bytes, over the {TERMINATION_LOG_LIMIT}-byte limit")
@@ -234,6 +267,11 @@ def _read(cls: type, obj: dict[str, Any], prefix: str, **extra: Any) -> Any:
             if not optional:
                 raise ValueError(f"MemoryPlan: missing required key '{path}'")
             values[f.name] = None
+        elif get_origin(kind) is list:
+            if not isinstance(value, list):
+                raise ValueError(f"MemoryPlan: key '{path}' must be a list, got {value!r}")
+            item = get_args(kind)[0]
+            values[f.name] = [_checked(f"{path}[{i}]", v, item) for i, v in enumerate(value)]
         else:
             values[f.name] = _checked(path, value, kind)
     return cls(**values)

@@ -1,7 +1,8 @@
 """``specdecode-worker plan``: the dry-run memory plan the planner pod runs.
 
 Exit codes: 0 it fits; 3 it does not fit (the plan is still printed and written); 2 bad input
-(one line on stderr naming the file and the field); 1 internal error. With ``--termination-log``
+(one line on stderr naming the file and the field; for hub models also a missing repo, revision or
+token); 4 the hub is unreachable or failing (retry); 1 internal error. With ``--termination-log``
 the compact plan JSON is written there (on exit 2 or 1, the one-line error instead), which is
 where Kubernetes picks up a container's termination message.
 """
@@ -9,8 +10,10 @@ where Kubernetes picks up a container's termination message.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ from .devices import resolve_device_memory
 from .eagle_rule import aux_layer_ids
 from .errors import InputError
 from .flags import CommandParser, add_sizing_flags, asks_for_help
+from .hub import HubClient, HubError
 from .model_config import ModelShape, load_shape, read_config
 from .mtp_rule import check_mtp_draft, check_standalone_draft
 from .plan import (
@@ -41,8 +45,16 @@ DEFAULT_CONTEXT_LENGTH = 4096
 
 def parser() -> argparse.ArgumentParser:
     p = CommandParser(prog="specdecode-worker plan", description="Dry-run GPU memory plan for a target + draft pair.")
-    p.add_argument("--target", required=True, help="target model folder (config.json + *.safetensors)")
-    p.add_argument("--draft", help="draft model folder (not for NGRAM; MTP defaults to the target folder)")
+    p.add_argument("--target", required=True,
+                   help="target model folder (config.json + *.safetensors), or OWNER/NAME with --model-source hub")
+    p.add_argument("--draft", help="draft model folder, or OWNER/NAME with --model-source hub "
+                                   "(not for NGRAM; MTP defaults to the target)")
+    p.add_argument("--model-source", choices=("path", "hub"), default="path",
+                   help="path: --target/--draft are folders (default); hub: they are hub models, read over HTTP "
+                        "(configs and safetensors headers only) from $HF_ENDPOINT with $HF_TOKEN")
+    for role in ("target", "draft"):
+        p.add_argument(f"--{role}-revision",
+                       help=f"with --model-source hub: branch, tag or commit of the {role} (default main)")
     p.add_argument("--algorithm", required=True, choices=PLANNED_ALGORITHMS)
     add_sizing_flags(p, serving=False)
     p.add_argument("--max-tp", type=int, default=DEFAULT_MAX_TP,
@@ -241,6 +253,47 @@ def make_plan(args: PlanArgs) -> dict[str, Any]:
     return build_plan(req, candidate, valid or [tp_req])
 
 
+def make_hub_plan(args: PlanArgs, target_revision: str | None = None, draft_revision: str | None = None,
+                  client: HubClient | None = None) -> dict[str, Any]:
+    """The plan of hub models: ``make_plan`` over header-only copies, plus the commits read (``sources``)."""
+    client = client or HubClient()
+    target = client.resolve(args.target, target_revision or "main")
+    draft = None
+    if args.draft and args.algorithm != "NGRAM":  # NGRAM with a draft: make_plan says to drop it
+        draft = client.resolve(args.draft, draft_revision or "main")
+        if (draft.repo, draft.commit) == (target.repo, target.commit):
+            draft = None  # MTP naming its own target: one model
+    tokenizer = args.algorithm == "STANDALONE"  # only the draft-compatibility rule reads tokenizer.json
+    with tempfile.TemporaryDirectory(prefix="specdecode-plan-") as tmp:
+        roots = (Path(tmp) / "target", Path(tmp) / "draft")
+        target_dir = client.header_folder(target, roots[0] / target.repo, tokenizer)
+        draft_dir = target_dir if args.draft and draft is None else None
+        if draft is not None:
+            draft_dir = client.header_folder(draft, roots[1] / draft.repo, tokenizer)
+        local = dataclasses.replace(args, target=str(target_dir),
+                                    draft=str(draft_dir) if draft_dir is not None else args.draft)
+        try:
+            plan = make_plan(local)
+        except InputError as exc:  # name the hub files, not the temporary copies
+            message = str(exc)
+            for root in roots:
+                message = message.replace(f"{root}/", "")
+            raise InputError(message) from None
+    plan["sources"] = {"target": target.source(), **({"draft": draft.source()} if draft else {})}
+    return plan
+
+
+def plan_from_flags(flags: argparse.Namespace) -> dict[str, Any]:
+    """The plan ``specdecode-worker plan`` prints, from folders or from a hub."""
+    args = plan_args(flags)
+    if flags.model_source == "hub":
+        return make_hub_plan(args, flags.target_revision, flags.draft_revision)
+    for name in ("target_revision", "draft_revision"):
+        if getattr(flags, name):
+            raise InputError(f"--{name.replace('_', '-')}: revisions are for hub models; add --model-source hub")
+    return make_plan(args)
+
+
 def _gib(n: int) -> str:
     return f"{n / GIB:9.2f} GiB"
 
@@ -302,12 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
         log_path = args.termination_log
-        plan = make_plan(plan_args(args))
+        plan = plan_from_flags(args)
     except InputError as exc:
         message = " ".join(str(exc).split())
         print(message, file=sys.stderr)
         _write_log(log_path, message)
-        return ExitCode.BAD_INPUT
+        return ExitCode.HUB_UNAVAILABLE if isinstance(exc, HubError) and exc.retryable else ExitCode.BAD_INPUT
     except Exception as exc:  # a bug, not the user's input: keep the traceback for the report
         traceback.print_exc()
         _write_log(log_path, f"internal error: {type(exc).__name__}: {exc}")
