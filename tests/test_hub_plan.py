@@ -74,6 +74,7 @@ def model_bytes(folder):
     ("EAGLE3", "meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"),
     ("STANDALONE", "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),  # reads both tokenizer.json
     ("NGRAM", "meta-llama/Llama-3.1-70B-Instruct", None),
+    ("STANDALONE", "Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),  # one repo, read once
 ])
 def test_hub_plan_equals_folder_plan(hub, folders, capsys, tmp_path, algorithm, target, draft):
     hub_args = ["--algorithm", algorithm, "--target", target, *(["--draft", draft] if draft else []), *SIZING]

@@ -255,21 +255,24 @@ def make_plan(args: PlanArgs) -> dict[str, Any]:
 
 def make_hub_plan(args: PlanArgs, target_revision: str | None = None, draft_revision: str | None = None,
                   client: HubClient | None = None) -> dict[str, Any]:
-    """The plan of hub models: ``make_plan`` over header-only copies, plus the commits read (``sources``)."""
+    """The plan of hub models: ``make_plan`` over header-only copies, plus the commits read (``sources``).
+
+    Every draft named is a source, even one that is the target's own repo and commit (an MTP
+    draft named explicitly): it is read once, and the operator downloads each (repo, commit) once.
+    """
     client = client or HubClient()
     target = client.resolve(args.target, target_revision or "main")
     draft = None
     if args.draft and args.algorithm != "NGRAM":  # NGRAM with a draft: make_plan says to drop it
         draft = client.resolve(args.draft, draft_revision or "main")
-        if (draft.repo, draft.commit) == (target.repo, target.commit):
-            draft = None  # MTP naming its own target: one model
     tokenizer = args.algorithm == "STANDALONE"  # only the draft-compatibility rule reads tokenizer.json
     with tempfile.TemporaryDirectory(prefix="specdecode-plan-") as tmp:
         roots = (Path(tmp) / "target", Path(tmp) / "draft")
         target_dir = client.header_folder(target, roots[0] / target.repo, tokenizer)
-        draft_dir = target_dir if args.draft and draft is None else None
+        draft_dir = None
         if draft is not None:
-            draft_dir = client.header_folder(draft, roots[1] / draft.repo, tokenizer)
+            same = (draft.repo, draft.commit) == (target.repo, target.commit)
+            draft_dir = target_dir if same else client.header_folder(draft, roots[1] / draft.repo, tokenizer)
         local = dataclasses.replace(args, target=str(target_dir),
                                     draft=str(draft_dir) if draft_dir is not None else args.draft)
         try:
