@@ -73,12 +73,13 @@ def test_draft_proposes_only_rows_both_heads_have_and_verification_reads_the_who
         models, monkeypatch, draft, shared):
     seen = []
 
-    def recording_verify(proposals, draft_probs, target_logits, params, generator):
-        seen.append((list(proposals), draft_probs, target_logits.shape[-1]))
-        return verify(proposals, draft_probs, target_logits, params, generator)
+    def recording_verify(draft, draft_probs, target_logits, lengths, params, u):
+        for i, k in enumerate(lengths):
+            seen.append((draft[i, :k].tolist(), draft_probs[i, :k], target_logits.shape[-1]))
+        return verify_chains(draft, draft_probs, target_logits, lengths, params, u)
 
-    verify = speculative.verify
-    monkeypatch.setattr(speculative, "verify", recording_verify)
+    verify_chains = speculative.verify_chains
+    monkeypatch.setattr(speculative, "verify_chains", recording_verify)
     eng = engine(models["target"], "STANDALONE", models[draft])
     params = SamplingParams(max_tokens=30, temperature=1.0, seed=7, ignore_eos=True)
     run_all(eng, [Request(p, params) for p in PROMPTS])

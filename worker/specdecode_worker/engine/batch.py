@@ -68,7 +68,12 @@ def with_cache_locs(fb: ForwardBatch, req_pool: ReqToTokenPool, segments: list[S
     return fb
 
 
-def forward_segments(runner, segments: list[Segment], last_only: bool) -> torch.Tensor:
-    """Run ``runner`` over segments whose positions already have slots; returns float32 logits."""
+def forward_segments(runner, segments: list[Segment], last_only: bool,
+                     input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Run ``runner`` over segments whose positions already have slots; returns float32 logits.
+    ``input_ids``: the segments' tokens already on the device (sampled there), in their order;
+    the segments' own token lists then only give lengths."""
     fb = with_cache_locs(make_batch(segments, runner.device), runner.req_to_token_pool, segments)
+    if input_ids is not None:
+        fb.input_ids = input_ids
     return runner.forward(fb, last_only)

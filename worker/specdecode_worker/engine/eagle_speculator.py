@@ -43,8 +43,8 @@ from .model_runner import ModelRunner
 from .parallel_layers import check_splits, parallel_logits
 from .phases import Phase, PhaseError, require
 from .request import Request
-from .sampling import choose, verify
-from .speculative import RoundResult, Speculator
+from .batch_sampling import choose_tokens, to_host
+from .speculative import RoundResult, Speculator, accept_chains, first_uniforms
 from .tree import DraftTree, accept_path, ancestor_mask, select_tree
 from .tree_attention import TreeForwardBatch, make_tree_attn_backend
 
@@ -222,8 +222,8 @@ class EagleSpeculator(Speculator):
         segments = chunk_segments(self.target, reqs, ends)
         fb = with_cache_locs(make_batch(segments, self.target.device), self.target.req_to_token_pool, segments)
         logits, features = self._target(fb, "target", last_only=True)
-        first, start = [], 0
-        for i, (r, s, end) in enumerate(zip(reqs, segments, ends)):
+        start = 0
+        for r, s in zip(reqs, segments):
             chunk = features[start : start + len(s.tokens)]
             start += len(s.tokens)
             if s.start == 0:
@@ -231,8 +231,7 @@ class EagleSpeculator(Speculator):
                 self._features[r.rid] = chunk
             else:
                 self._features[r.rid] = torch.cat([self._features[r.rid], chunk])
-            first.append(self.first_token(r, end, logits[i]))
-        return first
+        return self.first_tokens(reqs, ends, logits)
 
     def release(self, r: Request) -> None:
         self._features.pop(r.rid, None)
@@ -266,9 +265,9 @@ class EagleSpeculator(Speculator):
         segments = [Segment(r.req_idx, [r.all_ids[-1]], r.kv_len) for r in reqs]
         fb = with_cache_locs(make_batch(segments, self.target.device), pool, segments)
         logits, features = self._target(fb, "target")
+        tokens, _ = choose_tokens(logits, [r.params for r in reqs], first_uniforms(reqs, 1, logits.device))
         results = []
-        for i, r in enumerate(reqs):
-            token, _ = choose(logits[i], r.params, r.generator)
+        for i, (r, token) in enumerate(zip(reqs, to_host(tokens)[0])):
             r.kv_len += 1
             self._features[r.rid] = torch.cat([self._features[r.rid], features[i : i + 1]])
             results.append(RoundResult([token], proposed=0, accepted=0))
@@ -284,35 +283,41 @@ class EagleSpeculator(Speculator):
         return logits, feature
 
     def _chain_round(self, reqs, logits, hidden, ks, start_time) -> list[RoundResult]:
-        tokens: list[list[int]] = [[] for _ in reqs]
-        probs: list[list] = [[] for _ in reqs]
+        # Proposals stay on the device through the chain and the verify pass; one transfer at the end.
+        device, params = self.target.device, [r.params for r in reqs]
+        tokens = torch.zeros(len(reqs), self.k, dtype=torch.int64, device=device)
+        probs = None
         for step in range(self.k):
-            for i, r in enumerate(reqs):
-                token, p = choose(logits[i], r.params, r.generator)
-                tokens[i].append(token)
-                probs[i].append(p)
+            token, p = choose_tokens(logits, params, first_uniforms(reqs, 1, logits.device))
+            tokens[:, step] = token
+            if p is not None:
+                if probs is None:
+                    probs = torch.zeros(len(reqs), self.k, p.shape[-1], device=device)
+                probs[:, step] = p
             if step + 1 < self.k:
-                segments = [Segment(r.req_idx, [tokens[i][-1]], r.kv_len + step) for i, r in enumerate(reqs)]
+                segments = [Segment(r.req_idx, [0], r.kv_len + step) for r in reqs]
                 fb = with_cache_locs(make_batch(segments, self.draft.device), self.draft.req_to_token_pool, segments)
+                fb.input_ids = token
                 logits, hidden = self._draft(fb, "draft", hidden, False, fb.logit_rows(False))
 
         self.last_draft_seconds = time.perf_counter() - start_time
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
-        tokens = [t[:k] for t, k in zip(tokens, ks)]
-        segments = [Segment(r.req_idx, [r.all_ids[-1]] + tokens[i], r.kv_len) for i, r in enumerate(reqs)]
-        fb = with_cache_locs(make_batch(segments, self.target.device), pool, segments)
+        chains = torch.cat([torch.tensor([[r.all_ids[-1]] for r in reqs], device=device), tokens], dim=1)
+        flat = [i * (self.k + 1) + j for i, k in enumerate(ks) for j in range(k + 1)]
+        segments = [Segment(r.req_idx, [0] * (k + 1), r.kv_len) for r, k in zip(reqs, ks)]
+        fb = with_cache_locs(make_batch(segments, device), pool, segments)
+        fb.input_ids = chains.reshape(-1).index_select(0, torch.tensor(flat, device=device))
         target_logits, features = self._target(fb, "target")
+        accepted, nexts, drafted = accept_chains(reqs, tokens, probs, target_logits, ks)
         results, start = [], 0
-        for i, r in enumerate(reqs):
-            rows = slice(start, start + ks[i] + 1)
-            start += ks[i] + 1
-            draft_probs = None if r.params.greedy else probs[i][: ks[i]]
-            n, nxt = verify(tokens[i], draft_probs, target_logits[rows], r.params, r.generator)
+        for r, k, n, nxt, chain in zip(reqs, ks, accepted, nexts, drafted):
+            rows = slice(start, start + k + 1)
+            start += k + 1
             last = r.kv_len
             r.kv_len = last + n + 1
             free_positions(pool, alloc, r.req_idx, r.kv_len, last + self.k + 1)
             self._features[r.rid] = features[rows][: n + 1]
-            results.append(RoundResult(tokens[i][:n] + [nxt], proposed=ks[i], accepted=n))
+            results.append(RoundResult(chain[:n] + [nxt], proposed=k, accepted=n))
         return results
 
     def _draft_trees(self, reqs, logits, hidden, ks) -> list[DraftTree]:

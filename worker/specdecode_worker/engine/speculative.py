@@ -24,7 +24,7 @@ from ..contract import EAGLE_ALGORITHMS, SERVED_ALGORITHMS
 from .batch import Segment, alloc_positions, chunk_segments, forward_segments, free_positions
 from .model_runner import ModelRunner
 from .request import Request
-from .sampling import choose, verify
+from .batch_sampling import chain_rows, choose_tokens, to_host, uniforms, verify_chains
 
 # EAGLE (and MTP, whose NextN layer drafts like an EAGLE head) have their own speculator.
 ALGORITHMS = tuple(a for a in SERVED_ALGORITHMS if a not in EAGLE_ALGORITHMS and a != "MTP")
@@ -68,12 +68,23 @@ class Speculator(ABC):
         return None  # only EAGLE keeps per-request state (target features) between rounds
 
     @staticmethod
-    def first_token(r: Request, end: int, logits: torch.Tensor) -> int | None:
-        """Advance ``r`` past its chunk; sample its first token when the chunk ends a fresh prompt."""
-        r.kv_len = end
-        if end < len(r.prefill_ids) or r.output_ids:
-            return None
-        return choose(logits, r.params, r.generator)[0]
+    def first_tokens(reqs: list[Request], ends: list[int], logits: torch.Tensor) -> list[int | None]:
+        """Advance each request past its chunk (``logits``: its last row); sample, in one batch
+        and one transfer, the first token of each request whose chunk ends a fresh prompt."""
+        fresh = []
+        for i, (r, end) in enumerate(zip(reqs, ends)):
+            r.kv_len = end
+            if end >= len(r.prefill_ids) and not r.output_ids:  # a recompute samples nothing
+                fresh.append(i)
+        out: list[int | None] = [None] * len(reqs)
+        if fresh:
+            picked = [reqs[i] for i in fresh]
+            rows = logits.index_select(0, torch.tensor(fresh, device=logits.device))
+            params = [r.params for r in picked]
+            tokens, _ = choose_tokens(rows, params, first_uniforms(picked, 1, rows.device))
+            for i, t in zip(fresh, to_host(tokens)[0]):
+                out[i] = t
+        return out
 
     # Whether requests of one round may draft different lengths (else the policy picks one k).
     per_request_draft_lengths: bool = True
@@ -87,10 +98,26 @@ class Speculator(ABC):
         tokens (default: the speculator's K). A length of 0 is a plain decode step for it."""
 
 
-@dataclass
-class Proposal:
-    tokens: list[int]
-    probs: list[torch.Tensor | None] | None  # None: deterministic proposals
+def first_uniforms(reqs: list[Request], counts, device) -> torch.Tensor | None:
+    """Uniforms for a sampling pass over ``reqs``, ``[B]`` for one draw each."""
+    u = uniforms([r.params for r in reqs], [r.generator for r in reqs], counts, device)
+    return None if u is None else u[:, 0]
+
+
+def accept_chains(reqs: list[Request], draft: torch.Tensor, draft_probs: torch.Tensor | None,
+                  logits: torch.Tensor, ks: list[int]) -> tuple[list[int], list[int], list[list[int]]]:
+    """Verify every request's chain on the device and read the results back once: accepted counts,
+    next tokens and the proposals. ``logits``: the verify pass's rows, ``ks[i] + 1`` per request."""
+    width = max(ks, default=0)
+    draft = draft[:, :width]
+    draft_probs = None if draft_probs is None else draft_probs[:, :width]
+    rows = torch.tensor(chain_rows(ks), device=logits.device)
+    target = logits.index_select(0, rows).view(len(reqs), width + 1, -1)
+    params = [r.params for r in reqs]
+    u = uniforms(params, [r.generator for r in reqs], [k + 1 for k in ks], logits.device)
+    n, nxt = verify_chains(draft, draft_probs, target, ks, params, u)
+    n, nxt, drafted = to_host(n, nxt, draft)
+    return n, nxt, drafted
 
 
 def ngram_propose(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
@@ -129,7 +156,7 @@ class StandaloneSpeculator(Speculator):
             forward_segments(self.draft, segments, last_only=True)
         for r, end in zip(reqs, ends):
             r.draft_kv_len = end if self.draft is not None else 0
-        return [self.first_token(r, end, row) for r, end, row in zip(reqs, ends, logits)]
+        return self.first_tokens(reqs, ends, logits)
 
     def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None) -> list[RoundResult]:
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
@@ -137,47 +164,65 @@ class StandaloneSpeculator(Speculator):
         for r, k in zip(reqs, ks):
             alloc_positions(pool, alloc, r.req_idx, r.kv_len, r.kv_len + k + 1)
         start_time = time.perf_counter()
-        proposals = self._propose(reqs, ks)
+        draft, draft_probs, found = self._propose(reqs, ks)
         self.last_draft_seconds = time.perf_counter() - start_time
-        segments = [Segment(r.req_idx, [r.all_ids[-1]] + p.tokens, r.kv_len) for r, p in zip(reqs, proposals)]
-        logits = forward_segments(self.target, segments, last_only=False)
-        results, start = [], 0
-        for r, p, k in zip(reqs, proposals, ks):
-            rows = logits[start : start + len(p.tokens) + 1]
-            start += len(p.tokens) + 1
-            n, nxt = verify(p.tokens, p.probs, rows, r.params, r.generator)
+        # The verify pass's tokens stay on the device: each request's last token, then its proposals.
+        device = self.target.device
+        width = draft.shape[1]
+        chains = torch.cat([torch.tensor([[r.all_ids[-1]] for r in reqs], device=device), draft], dim=1)
+        flat = [i * (width + 1) + j for i, k in enumerate(found) for j in range(k + 1)]
+        ids = chains.reshape(-1).index_select(0, torch.tensor(flat, device=device))
+        segments = [Segment(r.req_idx, [0] * (k + 1), r.kv_len) for r, k in zip(reqs, found)]
+        logits = forward_segments(self.target, segments, last_only=False, input_ids=ids)
+        accepted, nexts, drafted = accept_chains(reqs, draft, draft_probs, logits, found)
+        results = []
+        for r, k, f, n, nxt, tokens in zip(reqs, ks, found, accepted, nexts, drafted):
             last = r.kv_len
             r.kv_len = last + n + 1  # the last token and the n accepted proposals are now cached
             r.draft_kv_len = min(r.draft_kv_len, r.kv_len)
             free_positions(pool, alloc, r.req_idx, r.kv_len, last + k + 1)
-            results.append(RoundResult(p.tokens[:n] + [nxt], proposed=len(p.tokens), accepted=n))
+            results.append(RoundResult(tokens[:n] + [nxt], proposed=f, accepted=n))
         return results
 
-    def _propose(self, reqs: list[Request], ks: list[int]) -> list[Proposal]:
+    def _propose(self, reqs: list[Request], ks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """Proposals ``[B, max(ks)]`` on the target's device, the distributions they were drawn from
+        (None: point masses), and each request's real draft length (a lookup may find fewer)."""
+        device = self.target.device
         if self.algorithm == "NONE":
-            return [Proposal([], None) for _ in reqs]
+            return torch.zeros(len(reqs), 0, dtype=torch.int64, device=device), None, [0] * len(reqs)
         if self.algorithm == "NGRAM":
-            return [Proposal(ngram_propose(r.all_ids, k, self.ngram_max) if k else [], None) for r, k in zip(reqs, ks)]
+            found = [ngram_propose(r.all_ids, k, self.ngram_max) if k else [] for r, k in zip(reqs, ks)]
+            width = max((len(f) for f in found), default=0)
+            padded = [f + [0] * (width - len(f)) for f in found]
+            return (torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(reqs), width), None,
+                    [len(f) for f in found])
         return self._draft_propose(reqs, ks)
 
-    def _draft_propose(self, reqs: list[Request], ks: list[int]) -> list[Proposal]:
+    def _draft_propose(self, reqs: list[Request], ks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         # Step 1 catches the draft's cache up to the last committed token (prompt, or every token
-        # committed since this request last drafted); steps 2..k feed back one proposal each.
+        # committed since this request last drafted); steps 2..k feed back one proposal each, from
+        # the device (nothing is read back until the verify pass's results).
         # A request drafting 0 tokens is left out: its draft cache catches up when it next drafts.
-        tokens: list[list[int]] = [[] for _ in reqs]
-        probs: list[list] = [[] for _ in reqs]
-        segments = {i: Segment(r.req_idx, r.all_ids[r.draft_kv_len :], r.draft_kv_len)
-                    for i, r in enumerate(reqs) if ks[i]}
-        for step in range(max(ks, default=0)):
-            drafting = list(segments)
-            logits = forward_segments(self.draft, list(segments.values()), last_only=True)
-            for i, row in zip(drafting, logits):
-                token, p = choose(row, reqs[i].params, reqs[i].generator)
-                tokens[i].append(token)
-                probs[i].append(p)
-            segments = {i: Segment(reqs[i].req_idx, [tokens[i][-1]], reqs[i].kv_len + step + 1)
-                        for i in drafting if ks[i] > step + 1}
+        device, width = self.target.device, max(ks, default=0)
+        tokens = torch.zeros(len(reqs), width, dtype=torch.int64, device=device)
+        probs = None
+        segments = [Segment(r.req_idx, r.all_ids[r.draft_kv_len :], r.draft_kv_len) for r, k in zip(reqs, ks) if k]
+        ids = None
+        for step in range(width):
+            drafting = [i for i, k in enumerate(ks) if k > step]
+            index = torch.tensor(drafting, device=device)
+            if step:
+                segments = [Segment(reqs[i].req_idx, [0], reqs[i].kv_len + step) for i in drafting]
+                ids = tokens[:, step - 1].index_select(0, index)
+            logits = forward_segments(self.draft, segments, last_only=True, input_ids=ids)
+            picked = [reqs[i] for i in drafting]
+            token, p = choose_tokens(logits, [r.params for r in picked], first_uniforms(picked, 1, logits.device))
+            tokens[:, step].index_copy_(0, index, token.to(device))
+            if p is not None:
+                if probs is None:
+                    probs = torch.zeros(len(reqs), width, p.shape[-1], device=device)
+                probs[:, step].index_copy_(0, index, p.to(device))
         for r, k in zip(reqs, ks):
             if k:
                 r.draft_kv_len = r.kv_len + k  # positions up to L+k-1 now hold draft K/V
-        return [Proposal(t, None if r.params.greedy else p) for r, t, p in zip(reqs, tokens, probs)]
+        return tokens, probs, ks

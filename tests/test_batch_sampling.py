@@ -1,0 +1,112 @@
+"""Batch sampling on the logits' device: distributions against a per-row reference, draws against
+exact counts, and one host transfer per engine pass whatever the algorithm."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from specdecode_worker.engine import batch_sampling  # noqa: E402
+from specdecode_worker.engine.batch_sampling import (batch_probs, chain_rows, choose_tokens, draw,  # noqa: E402
+                                                     verify_chains)
+from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
+
+from tests.eagle_heads import write_eagle_head  # noqa: E402
+from tests.engine_helpers import engine, tiny_models  # noqa: E402
+from tests.tiny_models import write_tiny_model  # noqa: E402
+
+
+def _reference_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row the obvious way: softmax at the temperature, keep the top k, keep the smallest
+    prefix of the sorted tokens whose mass before each token is below top_p, renormalise."""
+    probs = torch.softmax(row.double() / p.temperature, dim=-1)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if p.top_k:
+        keep &= row >= torch.topk(row, p.top_k).values[-1]
+    probs = torch.where(keep, probs, 0) / torch.where(keep, probs, 0).sum()
+    if p.top_p < 1:
+        order = torch.argsort(probs, descending=True).tolist()
+        mass, kept = 0.0, []
+        for t in order:
+            if mass >= p.top_p:
+                break
+            kept.append(t)
+            mass += float(probs[t])
+        mask = torch.zeros_like(keep)
+        mask[kept] = True
+        probs = torch.where(mask, probs, 0) / torch.where(mask, probs, 0).sum()
+    return probs
+
+
+def test_each_row_gets_its_own_temperature_top_k_and_top_p():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=gen) * 3
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_k=7),
+              SamplingParams(temperature=2.0, top_p=0.6), SamplingParams(temperature=0.8, top_k=10, top_p=0.9)]
+    got = batch_probs(logits, params)
+    for row, p, g in zip(logits, params, got):
+        torch.testing.assert_close(g.double(), _reference_probs(row, p), atol=1e-6, rtol=1e-5)
+
+
+def test_draw_inverts_the_cumulative_distribution_exactly():
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.0, 0.0, 2.0, 2.0]])  # the second unnormalised
+    u = (torch.arange(1000) + 0.5) / 1000
+    first = draw(probs[:1].expand(1000, 4), u)
+    second = draw(probs[1:].expand(1000, 4), u)
+    assert torch.bincount(first, minlength=4).tolist() == [100, 0, 600, 300]
+    assert torch.bincount(second, minlength=4).tolist() == [0, 0, 500, 500]
+
+
+def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams()]
+    tokens, _ = choose_tokens(logits, params, torch.tensor([0.3, 0.7, 0.9]))
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+
+
+def test_greedy_chains_accept_the_prefix_equal_to_the_argmax():
+    best = [[3, 1, 4, 1], [5, 9, 2, 6], [2, 7, 1, 8]]
+    logits = torch.full((3, 4, 10), -5.0)
+    for i, row in enumerate(best):
+        for j, t in enumerate(row):
+            logits[i, j, t] = 5.0
+    draft = torch.tensor([[3, 1, 0], [5, 9, 2], [0, 7, 1]])
+    n, nxt = verify_chains(draft, None, logits, [3, 2, 3], [SamplingParams()] * 3, None)
+    assert n.tolist() == [2, 2, 0] and nxt.tolist() == [4, 2, 2]
+
+
+def test_chain_rows_lay_out_uneven_chains():
+    assert chain_rows([2, 0, 1]) == [0, 1, 2, 3, 3, 3, 4, 5, 5]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sync")
+    found = tiny_models(root / "pair")
+    small = write_tiny_model(root / "small", "llama", seed=0, weight_scale=3.0, vocab_size=16, num_hidden_layers=2)
+    found.update(small=small, eagle=write_eagle_head(root / "eagle", small, seed=1))
+    return found
+
+
+@pytest.mark.parametrize("algorithm", ["NONE", "STANDALONE", "NGRAM", "EAGLE"])
+def test_one_host_transfer_per_pass(models, algorithm):
+    """Every decode round reads its results back once (the draft's proposals stay on the device
+    until the verify pass's transfer), and a prefill pass that finishes prompts once."""
+    target, draft = (models["small"], models["eagle"]) if algorithm == "EAGLE" else \
+        (models["target"], models["draft"] if algorithm == "STANDALONE" else None)
+    eng = engine(target, algorithm, draft, num_draft_tokens=3)
+    params = [SamplingParams(max_tokens=9, ignore_eos=True), SamplingParams(max_tokens=9, temperature=1.0, seed=3,
+                                                                            ignore_eos=True)]
+    reqs = [eng.submit(Request([5, 6, 7, 5, 6, 7, 5][: 4 + i], p)) for i, p in enumerate(params * 2)]
+    steps = 0
+    while not all(r.done.is_set() for r in reqs):
+        before = (batch_sampling.to_host.count, eng.stats.decode_steps, sum(bool(r.output_ids) for r in reqs))
+        eng.step()
+        transfers = batch_sampling.to_host.count - before[0]
+        rounds = eng.stats.decode_steps - before[1]
+        prefilled = sum(bool(r.output_ids) for r in reqs) - before[2]
+        assert transfers == rounds + (1 if prefilled else 0), (transfers, rounds, prefilled)
+        steps += rounds
+    assert steps > 3 and all(len(r.output_ids) == 9 for r in reqs)
