@@ -86,6 +86,8 @@ class _EngineCollector:
         yield counter("draft_proposed_tokens", "draft tokens proposed for verification", stats.proposed_tokens)
         yield counter("draft_accepted_tokens", "draft tokens the target accepted", stats.accepted_tokens)
         yield counter("verify_rounds", "request-rounds verified by the target", stats.verify_rounds)
+        yield counter("retractions", "requests retracted under KV pressure (their work recomputed later)",
+                      stats.retracted_requests)
         rate = stats.accepted_tokens / stats.proposed_tokens if stats.proposed_tokens else 0.0
         yield gauge("acceptance_rate", "accepted / proposed draft tokens since start", rate)
         length = (stats.accepted_tokens + stats.verify_rounds) / stats.verify_rounds if stats.verify_rounds else 0.0
@@ -107,6 +109,11 @@ class _EngineCollector:
         if dynamic is not None:
             yield gauge("dynamic_bytes_planned", "R_dynamic in the memory plan: bytes left free for activations, "
                         "logits and CUDA graphs", dynamic)
+        warm = getattr(engine, "dynamic_peak", None)
+        if warm is not None and warm.measured is not None:
+            yield gauge("dynamic_bytes_measured", "dynamic peak measured by phase 3's warm-up (largest prefill "
+                        "chunk, largest graph batch): allocator peak beyond weights and pools (CUDA only)",
+                        warm.measured)
         peak = dynamic_peak_bytes(engine)
         if peak is not None:
             yield gauge("dynamic_bytes_peak", "peak bytes the torch allocator held beyond weights and KV pools "

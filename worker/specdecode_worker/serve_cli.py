@@ -137,6 +137,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization,
         kv_cache_dtype=kv_cache_dtype, spec_policy=args.spec_policy,
         chunked_prefill_size=reserve.get("chunkedPrefillSize") or 0,
+        planned_dynamic_bytes=reserve.get("dynamicBytes"),
     )
     return engine_args, plan
 

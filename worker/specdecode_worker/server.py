@@ -189,8 +189,11 @@ async def plan(http: HttpRequest):
         actual = {**engine.memory_profile.as_dict(), "phaseSeconds": engine.stats.phase_seconds,
                   "poolTokens": pool.max_total_num_tokens if pool else None}
     planned = (state.plan or {}).get("kvCache", {}).get("maxTotalNumTokens")
+    peak = getattr(engine, "dynamic_peak", None)
+    dynamic = {"planned": (state.plan or {}).get("reserve", {}).get("dynamicBytes"), "measured": None,
+               **(peak.as_dict() if peak else {})}
     return {"plan": state.plan, "actual": actual, "plannedMaxTotalNumTokens": planned,
-            "actualMaxTotalNumTokens": actual and actual["max_total_num_tokens"]}
+            "actualMaxTotalNumTokens": actual and actual["max_total_num_tokens"], "dynamicBytes": dynamic}
 
 
 @router.get("/metrics")

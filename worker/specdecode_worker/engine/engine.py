@@ -52,6 +52,7 @@ from .spec_policy import FIXED, MODES, CostCurve, SpecPolicy, StepCost
 from .speculative import RoundResult, Speculator, StandaloneSpeculator
 from .step_timing import measure_curve
 from .vocab_map import DraftVocabulary
+from .warmup import DynamicPeak, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class EngineArgs:
     # Admission reserves this share of the tokens a request may still generate (1.0: the worst case,
     # prompt + max_tokens up front); an estimate that proves short is paid for by retraction.
     new_token_ratio: float = 0.5
+    planned_dynamic_bytes: int | None = None  # the plan's reserve.dynamicBytes, checked by phase 3's warm-up
 
 
 @dataclass
@@ -136,6 +138,7 @@ class Engine:
         self.free_before_weights: int | None = None  # cuda: the budget, measured before any weight
         self.memory_profile: MemoryProfile | None = None
         self.memory_pool_config: MemoryPoolConfig | None = None
+        self.dynamic_peak: DynamicPeak | None = None  # phase 3's warm-up: planned vs measured
         self.speculator: Speculator | None = None
         self.policy: SpecPolicy | None = None
         self.stats = Stats()
@@ -256,6 +259,16 @@ class Engine:
                 runner.init_backends(args.cuda_graph_max_bs, verify_tokens=args.num_draft_tokens + 1)
             else:
                 runner.init_backends(args.cuda_graph_max_bs)
+        self.dynamic_peak = self._warm_up()
+
+    def _warm_up(self) -> DynamicPeak:
+        """The largest prefill chunk and the largest graph batch at the verify width, once each,
+        through the target (and a draft model of its own); the peak is read where it can be."""
+        args = self.args
+        k = 0 if args.algorithm == "NONE" else args.num_draft_tokens
+        runners = [self.target_runner] + ([self.draft_runner] if args.algorithm == "STANDALONE" else [])
+        return warm_up(runners, args.planned_dynamic_bytes, args.chunked_prefill_size or args.context_len,
+                       args.cuda_graph_max_bs or args.max_running_requests, k + 1)
 
     def _make_speculator(self) -> Speculator:
         args = self.args
