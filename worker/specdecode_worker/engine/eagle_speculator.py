@@ -136,9 +136,10 @@ class EagleSpeculator(Speculator):
     """EAGLE and EAGLE3: the head drafts a chain or a tree from the target's features."""
 
     def __init__(self, algorithm: str, target_runner: ModelRunner, draft_runner: EagleRunner,
-                 num_steps: int, topk: int = 1, num_draft_tokens: int | None = None):
+                 num_steps: int, topk: int = 1, num_draft_tokens: int | None = None, chunk_tokens: int = 0):
         num_draft_tokens = num_steps if num_draft_tokens is None else num_draft_tokens
         check_tree_args(topk, num_steps, num_draft_tokens)
+        self.chunk_tokens = chunk_tokens  # most tokens in one head pass catching up (chunkedPrefillSize); 0: no cap
         self.algorithm = algorithm
         self.target = target_runner
         self.draft = draft_runner
@@ -274,6 +275,7 @@ class EagleSpeculator(Speculator):
         return results
 
     def _draft_extend(self, reqs):
+        self._catch_up(reqs)
         segments = [Segment(r.req_idx, r.all_ids[r.draft_kv_len + 1 : r.kv_len + 1], r.draft_kv_len) for r in reqs]
         fb = with_cache_locs(make_batch(segments, self.draft.device), self.draft.req_to_token_pool, segments)
         hidden = torch.cat([self._features[r.rid] for r in reqs])
@@ -281,6 +283,35 @@ class EagleSpeculator(Speculator):
         for r in reqs:
             r.draft_kv_len = r.kv_len
         return logits, feature
+
+    def _catch_up(self, reqs) -> None:
+        """When the head's pending positions (a prompt prefilled in chunks, or many rounds without
+        drafting) exceed one chunk, extend it over all but each request's last pending position in
+        passes of at most ``chunk_tokens`` tokens, as the target's prefill was; the round's own
+        extend then reads one position per request."""
+        chunk = self.chunk_tokens
+        if not chunk or sum(r.kv_len - r.draft_kv_len for r in reqs) <= chunk:
+            return
+        while True:
+            budget, segments, hidden, taken = chunk, [], [], []
+            for r in reqs:
+                n = min(budget, r.kv_len - 1 - r.draft_kv_len)
+                if n <= 0:
+                    continue
+                d = r.draft_kv_len
+                segments.append(Segment(r.req_idx, r.all_ids[d + 1 : d + 1 + n], d))
+                hidden.append(self._features[r.rid][:n])
+                taken.append((r, n))
+                budget -= n
+                if not budget:
+                    break
+            if not segments:
+                return
+            fb = with_cache_locs(make_batch(segments, self.draft.device), self.draft.req_to_token_pool, segments)
+            self._draft(fb, "draft", torch.cat(hidden), True, fb.logit_rows(True))  # only its K/V are kept
+            for r, n in taken:
+                r.draft_kv_len += n
+                self._features[r.rid] = self._features[r.rid][n:]
 
     def _chain_round(self, reqs, logits, hidden, ks, start_time) -> list[RoundResult]:
         # Proposals stay on the device through the chain and the verify pass; one transfer at the end.

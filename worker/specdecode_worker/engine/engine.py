@@ -275,9 +275,10 @@ class Engine:
         if args.algorithm in EAGLE_ALGORITHMS:
             return EagleSpeculator(args.algorithm, self.target_runner, self.draft_runner,
                                    args.speculative_num_steps or args.num_draft_tokens, args.speculative_eagle_topk,
-                                   args.num_draft_tokens)
+                                   args.num_draft_tokens, chunk_tokens=args.chunked_prefill_size)
         if args.algorithm == "MTP":  # the NextN layer drafts chains from the target's hidden states, as EAGLE does
-            return EagleSpeculator(args.algorithm, self.target_runner, self.draft_runner, args.num_draft_tokens)
+            return EagleSpeculator(args.algorithm, self.target_runner, self.draft_runner, args.num_draft_tokens,
+                                   chunk_tokens=args.chunked_prefill_size)
         return StandaloneSpeculator(args.algorithm, self.target_runner, self.draft_runner, args.num_draft_tokens,
                                     args.ngram_max)
 
