@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specdecode_worker import fetch_cli, plan_cli
+from specdecode_worker import fetch_cli, plan_cli, serve_cli
 from specdecode_worker.contract import ExitCode
 from specdecode_worker.hub import HubClient, HubFile, partition
 from tests.hub_server import HubServer
@@ -84,8 +84,10 @@ def test_fetch_gets_the_planned_commit_after_the_branch_moved(hub, models, capsy
 def test_the_fetched_folder_is_what_serve_and_plan_load(hub, models, capsys, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    dest = tmp_path / "m"
+    dest = tmp_path / "models" / REPO / hub.commit  # the cache layout the operator mounts
     assert fetch(capsys, "--repo", REPO, "--commit", hub.commit, "--dest", dest)[0] == ExitCode.OK
+    served = serve_cli.http_options(serve_cli.parser().parse_args(["--target", str(dest), "--algorithm", "NONE"]))
+    assert served.model_name == "tiny-llama"  # the API names the model, not its commit
     tok, ref = AutoTokenizer.from_pretrained(dest), AutoTokenizer.from_pretrained(models[0])
     assert tok("hello world").input_ids == ref("hello world").input_ids
     assert tok.chat_template == ref.chat_template
@@ -94,8 +96,8 @@ def test_the_fetched_folder_is_what_serve_and_plan_load(hub, models, capsys, tmp
     for folder in (dest, models[0]):
         assert plan_cli.main(["--target", str(folder), "--algorithm", "NGRAM", "--gpu-memory-gib", "8"]) == 0
         plan = json.loads(capsys.readouterr().out)
-        plans.append({k: v for k, v in plan.items() if k != "target"})  # folder names differ
-    assert plans[0] == plans[1]
+        plans.append(plan)
+    assert plans[0] == plans[1]  # "target" too: the cache folder is named as the model
 
 
 def test_part_from_the_job_completion_index(hub, capsys, tmp_path, monkeypatch):

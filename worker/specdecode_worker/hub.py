@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,8 @@ MODEL_FILE_SUFFIXES = (".safetensors", ".json", ".model", ".tiktoken", ".txt", "
 # What the planner opens besides the safetensors headers.
 PLANNER_FILES = ("config.json", INDEX_FILE)
 TOKENIZER_FILE = "tokenizer.json"
+
+COMMIT = re.compile(r"[0-9a-f]{40}")
 
 T = TypeVar("T")
 
@@ -105,6 +108,14 @@ def partition(files: Iterable[HubFile], parts: int) -> list[list[HubFile]]:
 
 def is_model_file(path: str) -> bool:
     return "/" not in path and not path.startswith(".") and path.endswith(MODEL_FILE_SUFFIXES)
+
+
+def model_name(folder: str | Path) -> str:
+    """A model folder's name, as plans and the API name it: the folder's own name, except for a
+    cache folder ``<owner>/<name>/<commit>`` (where ``specdecode-worker fetch`` puts a hub model),
+    whose name is the model's, not the commit's."""
+    path = Path(folder).resolve()
+    return path.parent.name if COMMIT.fullmatch(path.name) and path.parent.name else path.name
 
 
 def endpoint_from_env() -> str:

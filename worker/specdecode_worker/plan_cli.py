@@ -24,7 +24,7 @@ from .devices import resolve_device_memory
 from .eagle_rule import aux_layer_ids
 from .errors import InputError
 from .flags import CommandParser, add_sizing_flags, asks_for_help
-from .hub import HubClient, HubError
+from .hub import HubClient, HubError, model_name
 from .model_config import ModelShape, load_shape, read_config
 from .mtp_rule import check_mtp_draft, check_standalone_draft
 from .plan import (
@@ -226,8 +226,8 @@ def make_plan(args: PlanArgs) -> dict[str, Any]:
     context = args.context_length or target.max_position_embeddings or DEFAULT_CONTEXT_LENGTH
     req = PlanRequest(
         algorithm=algorithm,
-        target_name=target_dir.resolve().name,
-        draft_name=None if draft_dir is None else draft_dir.resolve().name,
+        target_name=model_name(target_dir),
+        draft_name=None if draft_dir is None else model_name(draft_dir),
         gpu_memory_bytes=device.free_bytes,
         gpu_total_bytes=device.total_bytes,
         gpu_source=device.source,

@@ -23,6 +23,7 @@ from typing import Any
 from .contract import GIB, KV_CACHE_DTYPES, SERVED_ALGORITHMS, ExitCode
 from .errors import InputError
 from .flags import CommandParser, add_sizing_flags, asks_for_help
+from .hub import model_name
 
 log = logging.getLogger("specdecode_worker.serve")
 
@@ -39,7 +40,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory-gib", type=float, help="memory budget standing in for the GPU on cpu")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", help="model id in the API (default: the target folder's name)")
+    p.add_argument("--served-model-name", help="model id in the API (default: the target folder's name; "
+                   "for a hub cache folder OWNER/NAME/COMMIT, NAME)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     p.add_argument("--num-draft-tokens", type=int, default=4, help="proposals per verify round")
     p.add_argument("--speculative-num-steps", type=int,
@@ -235,8 +237,7 @@ class HttpOptions:
 
 
 def http_options(args: argparse.Namespace) -> HttpOptions:
-    return HttpOptions(args.host, args.port, args.served_model_name or Path(args.target).resolve().name,
-                       args.log_level.lower())
+    return HttpOptions(args.host, args.port, args.served_model_name or model_name(args.target), args.log_level.lower())
 
 
 def build(argv: list[str]):
