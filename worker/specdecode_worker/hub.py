@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 import re
 import struct
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from .errors import InputError
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 MAX_PARTS = 8
+HEADER_READERS = 8  # safetensors headers read at once
 INDEX_FILE = "model.safetensors.index.json"
 # Top-level files a served model needs: weights, configs, tokenizer and chat template files.
 # Other files (README, .bin/.pth duplicates, an ``original/`` folder) are neither planned nor fetched.
@@ -298,9 +300,15 @@ class HubClient:
         for name in small:
             if name in names:
                 (folder / name).write_bytes(self.read_file(model.repo, model.commit, name))
-        for f in model.files:
-            if f.path.endswith(".safetensors"):
-                with open(folder / f.path, "wb") as fh:
-                    fh.write(self.read_header(model, f.path))
-                    fh.truncate(f.size)  # a hole: the planner stats the size, never reads the data
+        shards = [f for f in model.files if f.path.endswith(".safetensors")]
+
+        def write(f: HubFile) -> None:
+            header = self.read_header(model, f.path)
+            with open(folder / f.path, "wb") as fh:
+                fh.write(header)
+                fh.truncate(f.size)  # a hole: the planner stats the size, never reads the data
+
+        # Round trips dominate against a remote hub (two per shard): a few at a time.
+        with ThreadPoolExecutor(max_workers=HEADER_READERS) as pool:
+            list(pool.map(write, shards))
         return folder
