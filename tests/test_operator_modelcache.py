@@ -132,8 +132,10 @@ def test_models_ready_verdicts_and_the_summary():
     v = modelcache.verdict([item(5, 10, "Failed", "401: set modelStore.hub.tokenSecret")], "cache")
     assert (v.status, v.reason) == ("False", c.MODEL_DOWNLOAD_FAILED)
     assert v.message.startswith(f"{TARGET_REPO}@{TARGET_COMMIT[:12]}: 401: set modelStore.hub.tokenSecret")
-    # 99.99 % is not done
-    assert modelcache.summary([item(9_999, 10_000, "Downloading")]).endswith("(99%)")
+    # 99.99 % is not done; tiny models are counted in smaller units
+    assert modelcache.summary([item(9_999, 10_000, "Downloading")]) == "10.0 / 10.0 kB (99%)"
+    assert modelcache.summary([item(2_500_000, 9_600_000, "Downloading")]) == "2.5 / 9.6 MB (26%)"
+    assert modelcache.size(512) == "512.0 B"
 
 
 # --- the reconciler ---------------------------------------------------------------------------------

@@ -235,8 +235,17 @@ def progress(src: dict[str, Any], job: dict[str, Any] | None, pods: list[dict[st
     return Progress(bytes_done=done, state=DOWNLOADING, **base)
 
 
-def gigabytes(n: int) -> str:
-    return f"{n / 1e9:.1f}"
+_UNITS = ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"))
+
+
+def _unit(total: int) -> tuple[float, str]:
+    """Decimal units, as a hub lists file sizes: GB for real models, smaller for tiny ones."""
+    return next(((scale, name) for scale, name in _UNITS if total >= scale), (1.0, "B"))
+
+
+def size(n: int) -> str:
+    scale, name = _unit(n)
+    return f"{n / scale:.1f} {name}"
 
 
 def summary(items: list[Progress]) -> str:
@@ -244,7 +253,8 @@ def summary(items: list[Progress]) -> str:
     done = sum(p.bytes_done for p in items)
     total = sum(p.bytes_total for p in items)
     pct = 100 if total == 0 else (100 * done) // total
-    return f"{gigabytes(done)} / {gigabytes(total)} GB ({pct}%)"
+    scale, name = _unit(total)
+    return f"{done / scale:.1f} / {total / scale:.1f} {name} ({pct}%)"
 
 
 def retry_delay(attempts: int) -> float:
@@ -261,7 +271,7 @@ def verdict(items: list[Progress], claim: str) -> c.Verdict:
         return c.Verdict("False", c.MODEL_DOWNLOAD_FAILED, f"{why} ({summary(items)} downloaded)")
     if all(p.state == DOWNLOADED for p in items):
         total = sum(p.bytes_total for p in items)
-        return c.Verdict("True", c.DOWNLOADED, f"{gigabytes(total)} GB in PVC {claim}")
+        return c.Verdict("True", c.DOWNLOADED, f"{size(total)} in PVC {claim}")
     return c.Verdict("False", c.DOWNLOADING, summary(items))
 
 
