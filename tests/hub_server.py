@@ -237,6 +237,13 @@ class _Handler(BaseHTTPRequestHandler):
         # Headers and body go out in separate writes: without this, the client's delayed ACK adds
         # about 40 ms to every small response.
         self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self.server.lock:
+            self.server.connections.add(self.request)
+
+    def finish(self) -> None:
+        with self.server.lock:
+            self.server.connections.discard(self.request)
+        super().finish()
 
     def log_message(self, format: str, *args) -> None:  # quiet: tests read counters, not logs
         pass
@@ -394,6 +401,19 @@ class _Server(ThreadingHTTPServer):
         self.hub, self.token = hub, token
         self.stats = Stats()
         self.throttle = Throttle(throttle)
+        self.connections: set[socket.socket] = set()
+        self.lock = threading.Lock()
+
+    def close_connections(self) -> None:
+        """End the kept-alive connections too: a later server on the same port must not find a
+        client's pooled connection still answered by this one."""
+        with self.lock:
+            open_now = list(self.connections)
+        for conn in open_now:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 class HubServer:
@@ -436,6 +456,7 @@ class HubServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        self._server.close_connections()
         if self._thread:
             self._thread.join(timeout=5)
 
