@@ -309,3 +309,21 @@ def test_a_hub_store_without_a_cache_downloads_in_each_pod_and_has_no_jobs():
     assert cond(kube.sdd(), c.MODELS_READY) is None and not jobs(kube)
     assert [i["name"] for i in kube.deployment()["spec"]["template"]["spec"]["initContainers"]] == \
         ["fetch-target", "fetch-draft"]
+
+
+def test_download_progress_is_exported_as_metrics():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from specdecode_operator.metrics import StatusBook, render
+
+    book = StatusBook()
+    book.record(NS, NAME, {"models": [{"repo": TARGET_REPO, "commit": TARGET_COMMIT, "bytesDone": 11_000_000_000,
+                                       "bytesTotal": 16_060_522_496, "state": "Downloading", "job": "j"}]})
+    book.record(NS, "pvc-store", {"phase": "Ready"})
+    samples = {(s.name, s.labels.get("sdd")): (s.value, s.labels) for fam in text_string_to_metric_families(
+        render(book)) for s in fam.samples}
+    value, labels = samples[("specdecode_sdd_model_downloaded_bytes", NAME)]
+    assert value == 11_000_000_000 and labels == {"namespace": NS, "sdd": NAME, "repo": TARGET_REPO,
+                                                   "commit": TARGET_COMMIT}
+    assert samples[("specdecode_sdd_model_bytes", NAME)][0] == 16_060_522_496
+    assert ("specdecode_sdd_model_bytes", "pvc-store") not in samples

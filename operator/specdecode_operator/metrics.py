@@ -1,4 +1,4 @@
-"""The SDDs' status as Prometheus metrics: conditions, phase and replica counts.
+"""The SDDs' status as Prometheus metrics: conditions, phase, replica counts and hub downloads.
 
 The reconciler records each SDD's latest status here; the health endpoint renders it at scrape
 time in the Prometheus text format (written by hand: the operator image carries no metrics
@@ -40,13 +40,15 @@ def _escape(value: str) -> str:
 
 def _sample(name: str, labels: dict[str, str], value: float) -> str:
     inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-    return f"{name}{{{inner}}} {value:g}"
+    # Integers exactly (bytes reach 1e11; %g keeps 6 digits), anything else as %g.
+    number = str(value) if isinstance(value, int) else f"{value:g}"
+    return f"{name}{{{inner}}} {number}"
 
 
 def render(book: StatusBook) -> str:
     """The text exposition format (version 0.0.4)."""
     entries = book.items()
-    conditions, phases, replicas, ready = [], [], [], []
+    conditions, phases, replicas, ready, done, total = [], [], [], [], [], []
     tracked = [f"specdecode_sdd_tracked {len(entries)}"]
     for (namespace, name), status in entries:
         sdd = {"namespace": namespace, "sdd": name}
@@ -59,11 +61,18 @@ def render(book: StatusBook) -> str:
             phases.append(_sample("specdecode_sdd_phase", sdd | {"phase": p}, 1 if p == phase else 0))
         replicas.append(_sample("specdecode_sdd_replicas", sdd, status.get("replicas", 0)))
         ready.append(_sample("specdecode_sdd_ready_replicas", sdd, status.get("readyReplicas", 0)))
+        for model in status.get("models") or []:  # a hub cache: download progress per model
+            labels = sdd | {"repo": model.get("repo", ""), "commit": model.get("commit", "")}
+            done.append(_sample("specdecode_sdd_model_downloaded_bytes", labels, model.get("bytesDone", 0)))
+            total.append(_sample("specdecode_sdd_model_bytes", labels, model.get("bytesTotal", 0)))
     families = [
         ("specdecode_sdd_condition", "gauge", "1 when the SDD's condition of this type is True, else 0", conditions),
         ("specdecode_sdd_phase", "gauge", "1 for the SDD's current phase", phases),
         ("specdecode_sdd_replicas", "gauge", "worker pods of the SDD's current rollout", replicas),
         ("specdecode_sdd_ready_replicas", "gauge", "worker pods that are Ready", ready),
+        ("specdecode_sdd_model_downloaded_bytes", "gauge",
+         "bytes of a hub model downloaded into the SDD's cache (its completed parts)", done),
+        ("specdecode_sdd_model_bytes", "gauge", "bytes of a hub model's files at the planned commit", total),
         ("specdecode_sdd_tracked", "gauge", "SDDs the operator tracks", tracked),
     ]
     lines = []
