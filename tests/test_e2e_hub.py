@@ -250,10 +250,10 @@ def test_cache_is_filled_once_shared_and_survives_replicas_and_restarts_without_
             download_pods = {p["metadata"]["uid"] for p in list_objects(cluster, namespace, "pods", CACHE_ROLE)}
             cluster.kubectl("scale", "sdd", name, "-n", namespace, "--replicas=2")
             wait_sdd(cluster, namespace, name, lambda s: s["status"].get("readyReplicas") == 2, "2 ready replicas")
-            (first, _) = list_objects(cluster, namespace, "pods", f"specdecode.io/name={name},specdecode.io/role=worker")
+            workers = f"specdecode.io/name={name},specdecode.io/role=worker"
+            (first, _) = list_objects(cluster, namespace, "pods", workers)
             cluster.kubectl("delete", "pod", first["metadata"]["name"], "-n", namespace, "--wait=true")
-            wait_for(lambda: len([p for p in list_objects(cluster, namespace, "pods",
-                                                         f"specdecode.io/name={name},specdecode.io/role=worker")
+            wait_for(lambda: len([p for p in list_objects(cluster, namespace, "pods", workers)
                                   if p["metadata"]["uid"] != first["metadata"]["uid"]
                                   and p.get("status", {}).get("phase") == "Running"]) == 2,
                      timeout=60, what="the deleted worker replaced")
@@ -261,6 +261,24 @@ def test_cache_is_filled_once_shared_and_survives_replicas_and_restarts_without_
                      and s["status"]["phase"] == "Ready", "Ready with 2 replicas again")
             assert hub.stats()["requests"] == 0
             assert {p["metadata"]["uid"] for p in list_objects(cluster, namespace, "pods", CACHE_ROLE)} == download_pods
+
+            # a deleted download Job is created again and finds its files complete: no weight byte is sent
+            job = models[TINY_TARGET]["job"]
+            old_uid = get_object(cluster, namespace, "job", job)["metadata"]["uid"]
+            cluster.kubectl("delete", "job", job, "-n", namespace, "--wait=true")
+
+            def rerun_complete():
+                again = get_object(cluster, namespace, "job", job) or {"metadata": {}}
+                return again["metadata"].get("uid") not in (None, old_uid) and any(
+                    c["type"] == "Complete" and c["status"] == "True" for c in again.get("status", {}).get(
+                        "conditions", []))
+
+            wait_for(rerun_complete, timeout=120, interval=0.5, what="the download Job created again and complete")
+            wait_sdd(cluster, namespace, name, lambda s: models_ready(s).get("status") == "True"
+                     and s["status"]["phase"] == "Ready", "Downloaded and Ready again")
+            rerun = hub.stats()
+            assert rerun["requests"] > 0  # the fetch did ask the hub what the commit holds
+            assert not any(key in rerun["files"] for key in weight_files(root)), rerun["files"]
 
             # a second SDD on the same cache plans (headers only) and shares the downloads
             apply(cluster, namespace, tiny_sdd("tiny-hub-two", hub, {"claimName": claim}))

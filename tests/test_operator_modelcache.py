@@ -10,7 +10,6 @@ from specdecode_operator import kube as k8s
 from specdecode_operator import modelcache, models
 from specdecode_operator.reconcile import Options, Reconciler
 from specdecode_operator.spec import parse_spec
-from specdecode_worker.contract import GIB
 from tests.operator_helpers import (
     DRAFT_COMMIT, NS, OWNER, TARGET_COMMIT, Clock, FakeKube, example, hub_sources, make_plan,
 )
