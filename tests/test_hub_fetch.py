@@ -183,3 +183,37 @@ def test_partition_is_deterministic_complete_and_balanced():
     assert partition(files, 1) == [files]
     with pytest.raises(ValueError):
         partition(files, 0)
+
+
+def test_a_file_of_the_wrong_size_is_downloaded_again(hub, models, capsys, tmp_path):
+    dest = tmp_path / "d"
+    assert fetch(capsys, "--repo", REPO, "--commit", hub.commit, "--dest", dest)[0] == ExitCode.OK
+    weights = dest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # cut short after the client recorded it complete
+    before = hub.bytes_for(REPO, "model.safetensors")
+    code, out, err = fetch(capsys, "--repo", REPO, "--commit", hub.commit, "--dest", dest)
+    assert code == ExitCode.OK, err
+    assert "5 complete already" in out and digests(dest) == digests(models[0])
+    assert hub.bytes_for(REPO, "model.safetensors") == 2 * before
+
+
+def test_disk_full_while_downloading(hub, capsys, tmp_path, monkeypatch):
+    import errno
+
+    import huggingface_hub
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", full)
+    code, _, err = fetch(capsys, "--repo", REPO, "--commit", hub.commit, "--dest", tmp_path / "d")
+    assert code == ExitCode.BAD_INPUT and err.startswith(f"disk full: {tmp_path / 'd'} needs ")
+
+
+def test_unreachable_hub_is_retryable(capsys, monkeypatch, tmp_path):
+    with HubServer() as closed:
+        url = closed.url  # nothing listens there once the server stopped
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    code, _, err = fetch(capsys, "--repo", REPO, "--commit", "a" * 40, "--dest", tmp_path)
+    assert code == ExitCode.HUB_UNAVAILABLE and err.startswith(f"cannot reach the hub at {url} (")

@@ -3,6 +3,7 @@ headers-only traffic (asserted on the server's byte counters), the commit it rea
 line for a missing token, repository or revision."""
 
 import json
+import re
 
 import pytest
 
@@ -194,3 +195,45 @@ def test_resolve_lists_the_files_a_worker_loads(tmp_path):
     expected = {p.name for p in folder.iterdir() if p.is_file()} - {"consolidated.safetensors", "README.md"}
     assert {f.path for f in model.files} == expected
     assert HubFile("config.json", (folder / "config.json").stat().st_size) in model.files
+
+
+def _http_error(status: int, url: str = "http://hub.test/org/m/resolve/main/config.json"):
+    import httpx2
+    from huggingface_hub.utils import hf_raise_for_status
+
+    response = httpx2.Response(status, request=httpx2.Request("GET", url))
+    try:
+        hf_raise_for_status(response)
+    except Exception as exc:
+        return exc
+    raise AssertionError(f"{status} raised nothing")
+
+
+@pytest.mark.parametrize("status,kind,words", [
+    (403, "auth", "403 Forbidden: the hub refuses org/m on http://hub.test to this token"),
+    (500, "hub", "the hub at http://hub.test answered 500 for org/m@main config.json; try again later"),
+    (503, "hub", "answered 503"),
+])
+def test_other_hub_answers(status, kind, words):
+    error = HubClient(endpoint="http://hub.test", token=TOKEN).explain(_http_error(status), "org/m", "main",
+                                                                       "config.json")
+    assert error.kind == kind and words in str(error) and TOKEN not in str(error)
+    assert error.retryable == (kind == "hub")
+
+
+def test_the_contract_checks_sources(folders, capsys):
+    from specdecode_worker.contract import MemoryPlan
+
+    plan = folder_plan(capsys, "--algorithm", "NGRAM", "--target", folders["Qwen/Qwen2.5-0.5B-Instruct"], *SIZING)
+    source = {"repo": "o/n", "revision": "main", "commit": "a" * 40, "bytes": 10, "partBytes": [6, 4]}
+    assert MemoryPlan.from_dict(plan | {"sources": {"target": source}}).sources.target.part_bytes == [6, 4]
+    assert MemoryPlan.from_dict(plan).sources is None  # a plan of folders has none
+    for broken, message in (({"commit": "main"}, "must be 40 hex digits"),
+                            ({"partBytes": [6, 5]}, "must be non-empty and add up to bytes 10"),
+                            ({"partBytes": []}, "must be non-empty"),
+                            ({"partBytes": "6,4"}, "must be a list"),
+                            ({"partBytes": [6, -4]}, "sources.target.partBytes[1]' must be a non-negative")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            MemoryPlan.from_dict(plan | {"sources": {"target": source | broken}})
+    with pytest.raises(ValueError, match="missing required key 'sources.target.revision'"):
+        MemoryPlan.from_dict(plan | {"sources": {"target": {"repo": "o/n"}}})

@@ -125,6 +125,8 @@ def fetch(client: HubClient, repo: str, commit: str, dest: Path, parts: int, par
     done = 0
     for i, f in enumerate(missing, 1):
         print(f"  [{i}/{len(missing)}] {f.path} ({_gb(f.size)})", flush=True)
+        # A file of another size is no download of this commit (the client would keep it): replace it.
+        (dest / f.path).unlink(missing_ok=True)
 
         def download(f: HubFile = f) -> None:
             hf_hub_download(repo, f.path, revision=commit, local_dir=dest, endpoint=client.endpoint,

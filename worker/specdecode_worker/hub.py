@@ -23,6 +23,7 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 import re
+import socket
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,7 +188,9 @@ class HubClient:
         if status is not None:
             return HubError(f"the hub at {self.endpoint} answered {status} for {repo}@{revision}"
                             f"{f' {path}' if path else ''}; try again later", "hub")
-        if isinstance(exc, OSError) or type(exc).__module__.startswith(("httpx", "httpcore")):
+        # Network failures only: a local OSError (a full disk) is the caller's to explain.
+        if isinstance(exc, (ConnectionError, TimeoutError, socket.gaierror)) or type(exc).__module__.startswith(
+                ("httpx", "httpcore")):
             return HubError(f"cannot reach the hub at {self.endpoint} ({type(exc).__name__}: {exc}): check "
                             "HF_ENDPOINT (in a SpecDecodeDeployment, modelStore.hub.endpoint) and the network",
                             "unreachable")
