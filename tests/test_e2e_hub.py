@@ -396,3 +396,25 @@ def test_invalid_hub_caches_are_refused_by_the_api_server(cluster, crd, namespac
     r = apply(cluster, namespace, body, check=False)
     assert r.returncode != 0 and "Unsupported value: \"ReadOnlyMany\"" in r.stderr, r.stderr
     cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(ROOT / "examples" / "hub-cache.yaml"))
+
+
+def test_a_hub_that_wants_a_token_refuses_the_planner_until_the_secret_is_named(cluster, crd, namespace, tmp_path):
+    root = tiny_models(tmp_path / "hub")
+    name = "tiny-gated"
+    with HubProcess(root, Path(cluster.logs_dir) / f"hub-{namespace}.log", token=TOKEN) as hub:
+        op = Operator(cluster, namespace).start()
+        try:
+            apply(cluster, namespace, tiny_sdd(name, hub, None, token=False))
+            sdd = wait_sdd(cluster, namespace, name, lambda s: (condition(s, "Planned") or {}).get("reason")
+                           == "PlannerFailed", "PlannerFailed without a token", timeout=180)
+            message = condition(sdd, "Planned")["message"]
+            assert "401" in message and "modelStore.hub.tokenSecret" in message, message
+            # naming the Secret is not a new plan: the planner's next retry carries the token
+            create_token_secret(cluster, namespace)
+            apply(cluster, namespace, tiny_sdd(name, hub, None, token=True))
+            sdd = wait_sdd(cluster, namespace, name, phase_is("Ready"), "Ready with the token", timeout=180)
+            assert sdd["status"]["plan"]["sources"]["target"]["commit"] == hub.commits[TINY_TARGET]
+        finally:
+            op.stop()
+            print(f"--- operator log (tail) ---\n{op.tail(60)}")
+    assert TOKEN not in op.log.read_text()
