@@ -18,6 +18,8 @@ It reports
   - decode step time at batch 64 with live length 1k against 7k;
   - speculative speedup (STANDALONE, k = 3) with a copy of the target as draft (acceptance 1) and a
     perturbed copy, and with the 1B draft, at batch 1 and 16;
+  - load-aware speculation: MTP with no speculation, fixed k = 3 and the adaptive policy, at 1, 4,
+    16 and 64 concurrent requests (64 new tokens each, same prompts, same outputs expected);
   - MTP (k = 3, the target's own NextN layer) against no speculation at batch 1, on a
     DeepSeek-V3-shaped model cut to one GPU: DeepSeek-V3's MLA, grouped MoE routing (8 of the
     routed experts per token, n_group 8, topk_group 4, 1 shared expert, first_k_dense_replace 3),
@@ -28,8 +30,9 @@ It reports
     eh_proj is [I | 0] (the NextN step reads the next token's embedding, not the hidden state).
     Such a near-bigram model's greedy chain soon cycles, so acceptance is high (RESIDUAL_SCALE 1
     gives about 0: a random NextN layer, the row then measures the draft's cost only).
-    Estimated cost: start-up and random init well under a minute, 2 x 256 decode steps of a
-    ~6.5 GB step (weights read) with eager MoE expert loops, well under a minute;
+    Estimated cost: start-up and random init well under a minute per engine (three engines), 2 x 256
+    decode steps of a ~6.5 GB step (weights read) with eager MoE expert loops, and the sweep's
+    3 x 4 x 64 rounds, about two minutes;
 and prints a table (``--json`` writes the numbers too).
 
 Run on a GPU box:  PYTHONPATH=worker:operator:. python benchmarks/gpu_serving.py [--json out.json]
@@ -111,12 +114,15 @@ class Settings:
     cpu_budget_gib: float | None = None
     configs: dict = field(default_factory=dict)
     chunk: int = 0  # prompt tokens per step; set from the plan's chunkedPrefillSize
+    sweep_batches: tuple[int, ...] = (1, 4, 16, 64)  # load-aware speculation: concurrency of the MTP sweep
+    sweep_tokens: int = 64
 
 
 FULL = Settings("cuda", 8192, 1024, 256, (1, 8, 64), 7168, 64, 16, (1, 16), 3, 0.1,
                 configs={"target": CONFIGS["llama-3.1-8b-instruct"], "draft1b": LLAMA_1B,
                          "eagle3": CONFIGS["eagle3-llama-3.1-8b"], "deepseek": DEEPSEEK_CUT})
-TINY = Settings("cpu", 256, 24, 6, (1, 2), 180, 2, 3, (2,), 3, 0.1, cpu_budget_gib=2.0,
+TINY = Settings("cpu", 256, 24, 6, (1, 2), 180, 2, 3, (2,), 3, 0.1, cpu_budget_gib=2.0, sweep_batches=(1, 2),
+                sweep_tokens=6,
                 configs={"target": TINY_TARGET, "draft1b": TINY_DRAFT, "eagle3": TINY_EAGLE3,
                          "deepseek": TINY_DEEPSEEK})
 
@@ -230,11 +236,12 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def engine(s: Settings, models, target: str, algorithm: str = "NONE", draft: str | None = None):
+def engine(s: Settings, models, target: str, algorithm: str = "NONE", draft: str | None = None,
+           policy: str = "fixed"):
     """An engine planned in-process with the planner's defaults, as `serve` would be."""
-    # fixed: every round drafts k, so the rows measure speculation at a controlled acceptance
+    # fixed (unless asked): every round drafts k, so the rows measure speculation at a controlled acceptance
     argv = ["--target", str(models[target]), "--algorithm", algorithm, "--device", s.device,
-            "--context-length", str(s.context), "--num-draft-tokens", str(s.k), "--spec-policy", "fixed"]
+            "--context-length", str(s.context), "--num-draft-tokens", str(s.k), "--spec-policy", policy]
     if draft:
         argv += ["--draft", str(models[draft])]
     if s.cpu_budget_gib:
@@ -371,21 +378,42 @@ def spec_phase(s: Settings, models, res: dict, name: str, base: dict) -> None:
                             "same_output": out["outputs"] == base[b]["outputs"]})
 
 
+MTP_METHODS = (("none", "NONE", "fixed"), ("fixed", "MTP", "fixed"), ("adaptive", "MTP", "adaptive"))
+
+
 def mtp_phase(s: Settings, models, res: dict) -> None:
-    """MTP (k drafts from the target's NextN layer, fixed policy) against the plain engine, batch 1."""
-    runs = {}
-    for algorithm in ("NONE", "MTP"):
-        eng, _ = engine(s, models, "deepseek", algorithm)
-        before = (eng.stats.accepted_tokens, eng.stats.proposed_tokens)
-        runs[algorithm] = generate(eng, s, 1, s.prompt, s.new_tokens, seed=9)
-        runs[algorithm]["acceptance"] = ((eng.stats.accepted_tokens - before[0])
-                                         / max(eng.stats.proposed_tokens - before[1], 1))
+    """MTP (k drafts from the target's NextN layer) against the plain engine: at batch 1 with the
+    fixed policy, and a sweep over concurrency of no speculation, fixed k and the adaptive policy
+    (load-aware speculation), on the same prompts. One engine at a time: each plans the whole device."""
+    runs, sweep = {}, []
+    for method, algorithm, policy in MTP_METHODS:
+        eng, _ = engine(s, models, "deepseek", algorithm, policy=policy)
+        if policy == "fixed":
+            runs[algorithm] = _with_acceptance(eng, lambda: generate(eng, s, 1, s.prompt, s.new_tokens, seed=9))
+        for c in s.sweep_batches:
+            plain_before = (eng.stats.steps_without_speculation, eng.stats.decode_steps)
+            out = _with_acceptance(eng, lambda: generate(eng, s, c, s.prompt, s.sweep_tokens, seed=11))
+            steps = eng.stats.decode_steps - plain_before[1]
+            drafting = 1 - (eng.stats.steps_without_speculation - plain_before[0]) / max(steps, 1)
+            sweep.append({"method": method, "concurrency": c, "tok_s": out["tok_s"], "acceptance": out["acceptance"],
+                          "drafting_rounds": drafting if algorithm != "NONE" else 0.0, "outputs": out["outputs"]})
         del eng
         release(s.device)
     base, mtp = runs["NONE"], runs["MTP"]
     res["mtp"] = {"batch": 1, "k": s.k, "acceptance": mtp["acceptance"], "tok_s": mtp["tok_s"],
                   "baseline_tok_s": base["tok_s"], "speedup": mtp["tok_s"] / base["tok_s"],
                   "same_output": mtp["outputs"] == base["outputs"], "decode_tokens": mtp["decode_tokens"]}
+    plain = {r["concurrency"]: r["outputs"] for r in sweep if r["method"] == "none"}
+    for r in sweep:
+        r["same_output"] = r.pop("outputs") == plain[r["concurrency"]]
+    res["mtp_sweep"] = sweep
+
+
+def _with_acceptance(eng, work) -> dict:
+    before = (eng.stats.accepted_tokens, eng.stats.proposed_tokens)
+    out = work()
+    out["acceptance"] = (eng.stats.accepted_tokens - before[0]) / max(eng.stats.proposed_tokens - before[1], 1)
+    return out
 
 
 def run(s: Settings, root: Path, log=print) -> dict:
@@ -422,6 +450,9 @@ def run(s: Settings, root: Path, log=print) -> dict:
     mtp_phase(s, models, res)
     m = res["mtp"]
     log(f"MTP batch 1: acceptance {m['acceptance']:.2f}, speedup {m['speedup']:.2f}x, same output {m['same_output']}")
+    for r in res["mtp_sweep"]:
+        log(f"MTP sweep {r['method']} concurrency {r['concurrency']}: {r['tok_s']:.1f} tok/s, drafting in "
+            f"{r['drafting_rounds']:.0%} of rounds, same output {r['same_output']}")
     return res
 
 
@@ -454,8 +485,21 @@ def table(res: dict) -> str:
         rows.append((f"MTP (DeepSeek-V3 cut) k={m['k']} batch 1",
                      f"acceptance {m['acceptance']:.2f}, {m['tok_s']:.1f} vs {m['baseline_tok_s']:.1f} tok/s = "
                      f"{m['speedup']:.2f}x, same output: {m['same_output']}"))
+        for c, best, adaptive, cells in sweep_rows(res["mtp_sweep"]):
+            rows.append((f"MTP k={m['k']} sweep, {c} requests", f"{cells}; adaptive / best of none, fixed = "
+                         f"{adaptive / best:.2f}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"| {k.ljust(width)} | {v} |" for k, v in rows)
+
+
+def sweep_rows(sweep: list[dict]):
+    """Per concurrency: the better of none and fixed, adaptive, and every method's tok/s in words."""
+    by = {(r["method"], r["concurrency"]): r for r in sweep}
+    for c in sorted({r["concurrency"] for r in sweep}):
+        cells = ", ".join(f"{m} {by[(m, c)]['tok_s']:.1f}" + (f" ({by[(m, c)]['drafting_rounds']:.0%} drafting)"
+                                                             if m == "adaptive" else "")
+                          for m, _, _ in MTP_METHODS)
+        yield c, max(by[("none", c)]["tok_s"], by[("fixed", c)]["tok_s"]), by[("adaptive", c)]["tok_s"], cells + " tok/s"
 
 
 def main(argv: list[str] | None = None) -> int:

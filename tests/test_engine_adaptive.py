@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.spec_policy import CostCurve, StepCost  # noqa: E402
+from specdecode_worker.engine.step_cost import StepCost  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 
 from tests.eagle_heads import write_copying_eagle_head  # noqa: E402
@@ -50,7 +50,7 @@ def reference(models):
 def acceptance_driven(eng, probe_every: int = 4):
     """Pin the cost model to 'each verify token costs half a step' so the lengths follow acceptance
     (measured timings would make the test depend on the machine)."""
-    eng.policy.cost = StepCost(CostCurve({1: 1.0, 101: 51.0}, rate=0.0), CostCurve({1: 0.1}, rate=0.0))
+    eng.policy.cost = StepCost.linear(plain=(0.5, 0.5), per_draft_token=0.5, draft_pass=(0.1, 0.0))
     eng.policy.probe_every = probe_every
     return eng
 

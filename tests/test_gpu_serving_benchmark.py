@@ -46,8 +46,14 @@ def test_tiny_run_reports_every_row(tmp_path, capsys, monkeypatch):
     assert 0 < mtp["acceptance"] <= 1 and mtp["decode_tokens"] > 0
     assert mtp["tok_s"] > 0 and mtp["baseline_tok_s"] > 0
     assert mtp["speedup"] == pytest.approx(mtp["tok_s"] / mtp["baseline_tok_s"])
+    # The load-aware sweep: none, fixed and adaptive at every concurrency, greedy output the plain engine's.
+    sweep = res["mtp_sweep"]
+    assert sorted((r["method"], r["concurrency"]) for r in sweep) == sorted(
+        (m, c) for m in ("none", "fixed", "adaptive") for c in bench.TINY.sweep_batches)
+    assert all(r["same_output"] and r["tok_s"] > 0 for r in sweep)
+    assert all(r["drafting_rounds"] == 1.0 for r in sweep if r["method"] == "fixed")
     table = capsys.readouterr().out
     for label in ("KV tokens planned / allocated", "dynamic bytes planned / measured", "decode batch 1",
                   "step time at live length", "STANDALONE perturbed k=3 batch 2",
-                  "MTP (DeepSeek-V3 cut) k=3 batch 1"):
+                  "MTP (DeepSeek-V3 cut) k=3 batch 1", "MTP k=3 sweep, 2 requests"):
         assert label in table

@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode_worker.engine.spec_policy import Acceptance, CostCurve, SpecPolicy, StepCost
+from specdecode_worker.engine.spec_policy import Acceptance, SpecPolicy
+from specdecode_worker.engine.step_cost import StepCost
 
 
-def overhead_bound(rate: float = 0.0) -> StepCost:
-    """A round costs 1 + 0.1 per verify token: extra tokens are cheap, as on a GPU at low load."""
-    return StepCost(CostCurve({1: 1.1, 100: 11.0}, rate=rate))
+def overhead_bound() -> StepCost:
+    """A round costs 1 + 0.1 per token: extra tokens are cheap, as on a GPU at low load."""
+    return StepCost.linear(plain=(1.0, 0.1), per_draft_token=0.1)
 
 
 def half_a_step_per_token() -> StepCost:
     """Each verify token costs half a plain step: a draft token pays when kept over half the time."""
-    return StepCost(CostCurve({1: 1.0, 101: 51.0}, rate=0.0))
+    return StepCost.linear(plain=(0.5, 0.5), per_draft_token=0.5)
 
 
-def compute_bound() -> StepCost:
-    """Free up to 8 tokens a pass, then linear: a batch of 16 pays for every draft token."""
-    return StepCost(CostCurve({1: 1.0, 8: 1.0, 128: 16.0}, rate=0.0))
+def weight_bound() -> StepCost:
+    """Reading the weights (1.0) dominates a step and is shared by the batch; each token adds 0.02
+    and each verify token 0.2: a kept draft token pays at batch 1, not at 16."""
+    return StepCost.linear(plain=(1.0, 0.02), per_draft_token=0.2)
 
 
 def run(policy: SpecPolicy, rids: list[int], rounds: int, accept) -> list[list[int]]:
@@ -28,24 +30,30 @@ def run(policy: SpecPolicy, rids: list[int], rounds: int, accept) -> list[list[i
     for _ in range(rounds):
         ks = policy.draft_lengths(rids, [policy.max_draft] * len(rids))
         accepted = [accept(rid, k) for rid, k in zip(rids, ks)]
-        policy.record(rids, ks, ks, accepted, 1.0)
+        policy.record(rids, ks, ks, accepted, policy.cost(len(rids), sum(ks)))
         chosen.append(ks)
     return chosen
 
 
 def test_acceptance_counts_positions_up_to_the_first_rejection():
-    est = Acceptance(4, prior=0.5, prior_weight=2.0, decay=1.0)
+    est = Acceptance(4, prior=0.5, prior_weight=2.0, decay=1.0, position_weight=1.0)
     est.observe(proposed=4, accepted=2)  # positions 1, 2 accepted, 3 rejected, 4 never judged
-    # Each position's prior is the rate before it; position 4, never judged, is position 3's rate.
-    assert est.rates() == pytest.approx([2 / 3, 7 / 9, 14 / 27, 14 / 27])
-    assert est.gains(3) == pytest.approx([2 / 3, 14 / 27, 14 / 27 * 14 / 27])
+    # Over all positions: 2 kept of 3 judged, on a prior of 0.5 worth 2 -> 3/5; each position
+    # leans on that with weight 1: (0.6 + 1) / 2, (0.6 + 1) / 2, (0.6 + 0) / 2, and 0.6 unjudged.
+    assert est.overall() == pytest.approx(0.6)
+    assert est.rates() == pytest.approx([0.8, 0.8, 0.3, 0.6])
+    assert est.gains(3) == pytest.approx([0.8, 0.64, 0.192])
 
 
-def test_cost_curve_interpolates_and_moves_toward_measurements():
-    curve = CostCurve({1: 1.0, 9: 2.0}, rate=0.5)
-    assert curve(5) == pytest.approx(1.5)
-    curve.update(5, 2.5)  # 1.0 too fast, shared by both neighbours
-    assert curve(5) == pytest.approx(2.0)
+def test_a_request_with_evidence_grows_its_estimate_at_once():
+    """One round that kept 4 of 4 lifts every position of that request, the undrafted ones too,
+    above the algorithm's; a rejection at position 1 pulls its estimate below."""
+    algorithm = Acceptance(4, prior=0.5, prior_weight=2.0, decay=0.95)
+    copying, other = Acceptance(4, algorithm), Acceptance(4, algorithm)
+    copying.observe(proposed=4, accepted=4)
+    other.observe(proposed=1, accepted=0)
+    assert min(copying.rates()) > 0.7 > 0.5 > max(other.rates())
+    assert algorithm.rates() == pytest.approx([0.5] * 4)  # the parent learns only what it is told
 
 
 def test_speculation_turns_off_when_acceptance_collapses_and_returns_when_it_comes_back():
@@ -63,13 +71,13 @@ def test_speculation_turns_off_when_acceptance_collapses_and_returns_when_it_com
 
 
 def test_load_backs_speculation_off_when_verify_tokens_are_paid_for():
-    """Acceptance 0.6 per token pays at batch 1 (extra tokens free) but not at 16 (each costs a share)."""
+    """Acceptance about 0.5 per token pays at batch 1 (the weights are read anyway) but not at 16."""
     def accept(_rid, k):
         return min(k, 1)  # the first draft usually kept, the rest rejected: about 0.5 per position
 
-    alone = SpecPolicy("adaptive", "STANDALONE", 4, compute_bound())
+    alone = SpecPolicy("adaptive", "STANDALONE", 4, weight_bound())
     assert run(alone, [1], 20, accept)[-1][0] >= 1
-    busy = SpecPolicy("adaptive", "STANDALONE", 4, compute_bound())
+    busy = SpecPolicy("adaptive", "STANDALONE", 4, weight_bound())
     assert run(busy, list(range(16)), 20, accept)[-1] == [0] * 16
 
 
@@ -96,3 +104,66 @@ def test_request_caps_hold_in_both_modes():
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="adaptive, fixed"):
         SpecPolicy("sometimes", "NGRAM", 4, overhead_bound())
+
+
+def test_probes_of_idle_requests_share_one_round():
+    """Held at 0, every request probes in the same round: the batch pays the switch to the verify
+    path once per ``probe_every`` rounds, not once per request."""
+    policy = SpecPolicy("adaptive", "NGRAM", 4, StepCost.linear((1.0, 0.1), 0.1, switch=(5.0, 0.0)), probe_every=4)
+    chosen = run(policy, list(range(8)), 16, lambda rid, k: 0)
+    drafting = [i for i, ks in enumerate(chosen) if any(ks)]
+    assert drafting == [3, 7, 11, 15], chosen
+    assert all(ks == [1] * 8 for ks in (chosen[i] for i in drafting))
+
+
+def test_switching_to_the_verify_path_has_its_own_price():
+    """With a verify path that costs as much as the rest of the step, one draft token kept 90% of
+    the time does not pay for one request in a batch of 8, and all eight drafting 4 do."""
+    cost = StepCost.linear(plain=(1.0, 0.1), per_draft_token=0.02, switch=(1.8, 0.0))
+    policy = SpecPolicy("adaptive", "NGRAM", 4, cost, probe_every=1000)
+    ks = run(policy, list(range(8)), 30, lambda rid, k: k if rid == 0 else 0)[-1]
+    assert ks == [0] * 8
+    ks = run(SpecPolicy("adaptive", "NGRAM", 4, cost), list(range(8)), 30, lambda rid, k: k)[-1]
+    assert ks == [4] * 8
+
+
+def test_cost_model_seeded_by_warm_up_points_recovers_their_terms():
+    true = (0.06, 0.01, 0.002, 0.005, 0.004)  # base, per request, switch, switch per request, per token
+    points = {(n, m): sum(c * x for c, x in zip(true, (1, n, m > 0, (m > 0) * n, m)))
+              for n, m in ((1, 0), (16, 0), (1, 4), (16, 16), (16, 64))}
+    model = StepCost(points)
+    assert list(model.coefficients().values())[:5] == pytest.approx(true, rel=1e-3)
+    assert model(8, 0) == pytest.approx(0.06 + 0.08)
+    assert model(8, 8) == pytest.approx(0.06 + 0.08 + 0.002 + 0.04 + 0.032)
+
+
+def test_cost_model_cancels_load_and_ignores_interrupted_rounds():
+    """Seeded on a quiet machine, run three times slower with one round in seven interrupted (x6):
+    the predicted ratio of a verify round to a plain one stays the machine's."""
+    model = StepCost.linear(plain=(0.06, 0.01), per_draft_token=0.004, switch=(0.0, 0.005), learn=True)
+    ratio = model(8, 32) / model(8, 0)
+    shapes = [(8, 0), (8, 32), (4, 0), (4, 16), (8, 8)] * 13
+    for i, (n, m) in enumerate(shapes):
+        seconds = 3 * model.__class__.linear((0.06, 0.01), 0.004, (0.0, 0.005))(n, m)
+        model.record(n, m, 0, 0, seconds * (6 if i % 7 == 3 else 1))
+    assert model.load == pytest.approx(3, rel=0.05)
+    assert model(8, 32) / model(8, 0) == pytest.approx(ratio, rel=0.05)
+
+
+def test_cost_model_learns_a_cheaper_verify_path_from_measured_rounds():
+    """The warm-up priced each verify token at a whole plain step per request; the rounds say
+    tokens are nearly free at today's load (which is twice the warm-up's): the fit follows them."""
+    seeded = StepCost.linear(plain=(0.05, 0.01), per_draft_token=0.01, learn=True)
+    true = StepCost.linear(plain=(0.10, 0.02), per_draft_token=0.002)
+    for n, m in [(8, 0), (8, 8), (8, 32), (2, 0), (2, 8)] * 13:
+        seeded.record(n, m, 0, 0, true(n, m))
+    assert seeded.coefficients()["per_draft_token"] == pytest.approx(0.002, rel=0.25)
+    assert seeded(8, 32) / seeded(8, 0) == pytest.approx(true(8, 32) / true(8, 0), rel=0.05)
+
+
+def test_cost_model_keeps_drafting_terms_non_negative():
+    """Noise that makes verify rounds look faster than plain ones never makes drafting look free of charge or better."""
+    model = StepCost({(1, 0): 0.10, (16, 0): 0.30, (1, 4): 0.09, (16, 16): 0.29, (16, 64): 0.28})
+    terms = model.coefficients()
+    assert all(terms[t] >= 0 for t in ("switch", "switch_per_request", "per_draft_token"))
+    assert model(16, 64) >= model(16, 0) - 1e-12

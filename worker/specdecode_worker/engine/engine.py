@@ -48,9 +48,10 @@ from .model_runner import ModelRunner
 from .phases import Phase, PhaseError
 from .pools import KV_CACHE_DTYPES, MemoryPoolConfig
 from .request import Request, make_generator
-from .spec_policy import FIXED, MODES, CostCurve, SpecPolicy, StepCost
+from .spec_policy import FIXED, MODES, SpecPolicy
 from .speculative import RoundResult, Speculator, StandaloneSpeculator
-from .step_timing import measure_curve
+from .step_cost import StepCost
+from .step_timing import draft_points, target_points
 from .vocab_map import DraftVocabulary
 from .warmup import DynamicPeak, warm_up
 
@@ -289,27 +290,29 @@ class Engine:
                                  per_request=spec.per_request_draft_lengths, choices=spec.draft_length_choices)
 
     def _step_cost(self, k: int) -> StepCost:
-        """Measured on one device (a few passes at batch 1 and full, width 1 and k + 1); with
+        """Measured on one device (a few passes at batch 1 and full, width 1, 2 and k + 1); with
         tensor parallelism the ranks cannot time passes alone, so a guess refined online seeds it."""
         args = self.args
         if args.spec_policy == FIXED or k == 0:
-            return StepCost(CostCurve({1: 1.0}))
-        batches, widths = [1, args.max_running_requests], [1, k + 1]
-        if self.target_runner.tp.size > 1:
-            target = CostCurve({1: 0.01, max(batches) * (k + 1): 0.02})
+            return StepCost({(1, 0): 1.0}, learn=False)
+        batch = args.max_running_requests
+        if self.target_runner.tp.size > 1:  # guess: verifying K per request at full batch doubles a plain step
+            target = {(1, 0): 0.01, (batch, 0): 0.01, (1, k): 0.01 * (1 + 1 / batch),
+                      (batch, batch): 0.01 * (1 + 1 / k), (batch, batch * k): 0.02}
         else:
-            target = measure_curve(self.target_runner, batches, widths, args.context_len)
+            target = target_points(self.target_runner, batch, k, args.context_len)
+        plain = {1: target[(1, 0)], batch: target[(batch, 0)]}
         if args.algorithm == "STANDALONE" and self.draft_runner.tp.size > 1:
             # A sharded draft cannot be timed alone either: its decode cost scales with its weight bytes.
             share = self.draft_runner.weight_bytes / max(self.target_runner.weight_bytes, 1)
-            draft = CostCurve({x: y * share for x, y in zip(target.xs, target.ys)})
+            draft = {j: s * share for j, s in plain.items()}
         elif args.algorithm == "STANDALONE":
-            draft = measure_curve(self.draft_runner, batches, [1], args.context_len)
+            draft = draft_points(self.draft_runner, batch, args.context_len)
         elif args.algorithm == "NGRAM":
             draft = None
         else:  # an EAGLE head or NextN layer: one layer against the target's many
             layers = max(self.target_shape.num_hidden_layers, 1)
-            draft = CostCurve({x: y / layers for x, y in zip(target.xs, target.ys)})
+            draft = {j: s / layers for j, s in plain.items()}
         return StepCost(target, draft)
 
     @property
@@ -493,8 +496,7 @@ class Engine:
             start = time.perf_counter()
             results = self.speculator.decode_round(reqs, ks)
             seconds = time.perf_counter() - start
-            self.policy.record(rids, ks, [x.proposed for x in results], [x.accepted for x in results], seconds,
-                               self.speculator.last_draft_seconds)
+            self.policy.record(rids, ks, [x.proposed for x in results], [x.accepted for x in results], seconds)
             self._count_step(ks, results, seconds)
             for r, result in zip(reqs, results):
                 self._count_round(r, result)

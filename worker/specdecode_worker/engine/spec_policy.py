@@ -1,18 +1,18 @@
 """How many tokens to draft: per step, and per request where the algorithm allows.
 
 The adaptive policy picks each request's draft length k in 0..K that maximises the batch's
-expected goodput, sum_r E[accepted_r + 1 | k_r] / step_time(verify tokens, draft steps):
+expected goodput, sum_r E[accepted_r + 1 | k_r] / step_time(round shape):
 - acceptance is estimated by draft position, as the conditional rate P(accept i | accepted
-  i - 1), per request and per algorithm: a Beta estimate with forgetting; a request's estimate
-  leans on the algorithm's at each position, and the algorithm's on a fixed per-algorithm prior
-  at position 1 and on the position before at later ones;
+  i - 1), per request and per algorithm: forgetting Beta estimates; a position's rate leans on
+  the estimate's rate over all positions, a request's overall rate on the algorithm's, and the
+  algorithm's on a fixed per-algorithm prior (see ``Acceptance``);
 - E[accepted | k] = sum_{i<=k} prod_{j<=i} a_j, so the gain of the i-th draft token of a request
   is prod_{j<=i} a_j and never grows with i: for a given verify width the best choice takes the
   largest gains, and the policy tries every width (and every draft depth) and keeps the best ratio;
-- step_time is a cost model over total verify tokens plus draft steps, seeded by a warm-up
-  measurement and refined online from measured rounds.
-A request drafting nothing gets no new observation, so every ``probe_every`` rounds at k = 0 it
-drafts one token: that is how speculation comes back once acceptance does.
+- step_time is ``step_cost.StepCost``: a linear model of the round's shape, seeded by the warm-up
+  and refitted online over recent rounds, with machine load cancelled.
+A request drafting nothing gets no new observation, so every ``probe_every`` rounds the requests
+held at k = 0 draft one token each, together: that is how speculation comes back once acceptance does.
 
 The fixed policy drafts K tokens for every request (today's behaviour); both honour a request's
 own cap (``speculative: false`` is a cap of 0). Nothing here needs torch.
@@ -20,8 +20,9 @@ own cap (``speculative: false`` is a cap of 0). Nothing here needs torch.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
+
+from .step_cost import StepCost
 
 ADAPTIVE, FIXED = "adaptive", "fixed"
 MODES = (ADAPTIVE, FIXED)
@@ -31,28 +32,39 @@ ALGORITHM_PRIORS = {"NGRAM": 0.5, "STANDALONE": 0.7, "EAGLE": 0.7, "EAGLE3": 0.7
 
 
 class Acceptance:
-    """Conditional acceptance by draft position, a forgetting Beta estimate over a prior."""
+    """Conditional acceptance by draft position: forgetting Beta estimates, shrunk toward a parent.
 
-    def __init__(self, positions: int, prior: "Acceptance | float", prior_weight: float = 1.0, decay: float = 0.8):
-        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+    Two levels of pooling, so that evidence counts at once: a position's rate leans on this
+    estimate's rate over all positions (a request that kept its first drafts is expected to keep
+    later ones too, before it has drafted that far), and that overall rate leans on the parent's
+    (the algorithm's estimate for a request; the algorithm's fixed prior for the algorithm)."""
+
+    def __init__(self, positions: int, prior: "Acceptance | float", prior_weight: float = 1.0, decay: float = 0.8,
+                 position_weight: float = 1.0):
+        self.prior, self.prior_weight, self.decay, self.position_weight = prior, prior_weight, decay, position_weight
         self.hits = [0.0] * positions
         self.seen = [0.0] * positions
 
-    def rates(self) -> list[float]:
-        """P(the draft token at position i (0-based) is accepted | all before it were), by position.
+    def overall(self) -> float:
+        """Acceptance over all positions, leaning on the parent's."""
+        parent = self.prior.overall() if isinstance(self.prior, Acceptance) else self.prior
+        return (self.prior_weight * parent + sum(self.hits)) / (self.prior_weight + sum(self.seen))
 
-        A request's estimate leans on the algorithm's, position by position (what earlier
-        requests showed). The algorithm's leans on its fixed prior at position 0 and on the
-        position before at later ones, so a position never drafted yet is expected to do as its
-        predecessor does (the draft length can grow one position at a time as acceptance shows)."""
-        pooled = self.prior.rates() if isinstance(self.prior, Acceptance) else None
+    def rates(self, parent: tuple[list[float], float] | None = None) -> list[float]:
+        """P(the draft token at position i (0-based) is accepted | all before it were), by position.
+        ``parent``: the parent's (rates(), overall()) when the caller has them already."""
+        if parent is None and isinstance(self.prior, Acceptance):
+            parent = self.prior.rates(), self.prior.overall()
+        if parent is None:
+            overall = (self.prior_weight * self.prior + sum(self.hits)) / (self.prior_weight + sum(self.seen))
+        else:
+            overall = (self.prior_weight * parent[1] + sum(self.hits)) / (self.prior_weight + sum(self.seen))
         out = []
         for i in range(len(self.hits)):
-            if pooled is not None:
-                prior = pooled[i]
-            else:
-                prior = out[-1] if i else self.prior
-            out.append((self.prior_weight * prior + self.hits[i]) / (self.prior_weight + self.seen[i]))
+            # A request's own overall rate, with the algorithm's profile over positions on top of it.
+            centre = overall if parent is None else overall * parent[0][i] / max(parent[1], 1e-9)
+            centre = min(centre, 1.0)
+            out.append((self.position_weight * centre + self.hits[i]) / (self.position_weight + self.seen[i]))
         return out
 
     def rate(self, i: int) -> float:
@@ -64,57 +76,13 @@ class Acceptance:
             self.seen[i] = self.decay * self.seen[i] + 1
             self.hits[i] = self.decay * self.hits[i] + (1.0 if i < accepted else 0.0)
 
-    def gains(self, k: int) -> list[float]:
+    def gains(self, k: int, parent: tuple[list[float], float] | None = None) -> list[float]:
         """Expected extra tokens from the 1st..k-th draft token: prod_{j<=i} a_j."""
         out, p = [], 1.0
-        for a in self.rates()[:k]:
+        for a in self.rates(parent)[:k]:
             p *= a
             out.append(p)
         return out
-
-
-class CostCurve:
-    """Seconds as a piecewise-linear function of a token count, refined toward measurements."""
-
-    def __init__(self, points: dict[int, float], rate: float = 0.2):
-        self.xs = sorted(points)
-        self.ys = [points[x] for x in self.xs]
-        self.rate = rate
-
-    def __call__(self, x: float) -> float:
-        xs, ys = self.xs, self.ys
-        if len(xs) == 1:
-            return ys[0] * max(x, 1) / max(xs[0], 1)
-        j = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
-        x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
-        slope = max((y1 - y0) / (x1 - x0), 0.0)
-        return max(y0 + slope * (x - x0), 1e-9)
-
-    def update(self, x: float, seconds: float) -> None:
-        """Move the two points around ``x`` toward a measured ``seconds`` (EWMA, by proximity)."""
-        xs = self.xs
-        err = seconds - self(x)
-        if len(xs) == 1:
-            self.ys[0] += self.rate * err
-            return
-        j = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
-        w1 = min(max((x - xs[j - 1]) / (xs[j] - xs[j - 1]), 0.0), 1.0)
-        step = self.rate * err / ((1 - w1) ** 2 + w1**2)  # moves the prediction at x by rate x err
-        self.ys[j - 1] = max(self.ys[j - 1] + (1 - w1) * step, 1e-9)
-        self.ys[j] = max(self.ys[j] + w1 * step, 1e-9)
-
-
-@dataclass
-class StepCost:
-    """One round's time: the target's pass over all verify tokens, plus the draft's steps
-    (each a pass over one token per drafting request; zero for NGRAM)."""
-
-    target: CostCurve
-    draft: CostCurve | None = None
-
-    def __call__(self, verify_tokens: int, draft_steps: int, drafting: int) -> float:
-        draft = self.draft(drafting) * draft_steps if self.draft is not None and draft_steps else 0.0
-        return self.target(verify_tokens) + draft
 
 
 @dataclass
@@ -128,9 +96,10 @@ class SpecPolicy:
     per_request: bool = True  # False: one k for the whole batch
     choices: tuple[int, ...] | None = None  # the k a uniform batch may take (None: 0..K)
     probe_every: int = 8
+    trace: list | None = None  # a list to append each round's choice, prediction and measurement to
     algorithm_acceptance: Acceptance = field(init=False)
     _requests: dict[int, Acceptance] = field(init=False, default_factory=dict)
-    _idle_rounds: dict[int, int] = field(init=False, default_factory=dict)
+    _rounds: int = field(init=False, default=0)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -148,68 +117,68 @@ class SpecPolicy:
         caps = [max(0, min(c, self.max_draft)) for c in caps]
         if self.mode == FIXED or self.max_draft == 0:
             return caps
+        self._rounds += 1
+        parent = self.algorithm_acceptance.rates(), self.algorithm_acceptance.overall()
+        gains = [self.acceptance(rid).gains(c, parent) for rid, c in zip(rids, caps)]
         if not self.per_request:
-            return self._uniform(rids, caps)
+            return self._uniform(gains, caps)
         best, best_rate = [0] * len(rids), None
         for depth in range(self.max_draft + 1):
-            ks, rate = self._best_for_depth(rids, [min(c, depth) for c in caps], depth)
+            ks, rate = self._best_for_depth([g[:depth] for g in gains], depth)
             if best_rate is None or rate > best_rate:
                 best, best_rate = ks, rate
-        return self._probe(rids, caps, best)
+        return self._probe(caps, best)
 
-    def _best_for_depth(self, rids, caps, depth) -> tuple[list[int], float]:
+    def _best_for_depth(self, gains: list[list[float]], depth: int) -> tuple[list[int], float]:
         """Largest gains first, every verify width tried: the best ks with at most ``depth`` drafts each."""
-        gains = sorted(((g, i, pos) for i, rid in enumerate(rids)
-                        for pos, g in enumerate(self.acceptance(rid).gains(caps[i]))), key=lambda t: (-t[0], t[2]))
-        n = len(rids)
-        tokens, best_m, best_rate, drafting = float(n), 0, n / self.cost(n, 0, 0), set()
-        for m, (g, i, _) in enumerate(gains, start=1):
+        order = sorted(((g, i, pos) for i, gs in enumerate(gains) for pos, g in enumerate(gs)),
+                       key=lambda t: (-t[0], t[2]))
+        n = len(gains)
+        tokens, best_m, best_rate, drafting = float(n), 0, n / self.cost(n, 0), set()
+        for m, (g, i, _) in enumerate(order, start=1):
             tokens += g
             drafting.add(i)
-            rate = tokens / self.cost(n + m, depth, len(drafting))
+            rate = tokens / self.cost(n, m, depth, len(drafting))
             if rate > best_rate:
                 best_m, best_rate = m, rate
         ks = [0] * n
-        for _, i, _ in gains[:best_m]:
+        for _, i, _ in order[:best_m]:
             ks[i] += 1
         return ks, best_rate
 
-    def _uniform(self, rids, caps) -> list[int]:
-        n = len(rids)
+    def _uniform(self, gains: list[list[float]], caps: list[int]) -> list[int]:
+        n = len(gains)
         options = self.choices if self.choices is not None else range(self.max_draft + 1)
         best_k, best_rate = 0, None
         for k in options:
-            expected = sum(1 + sum(self.acceptance(rid).gains(min(k, c))) for rid, c in zip(rids, caps))
-            rate = expected / self.cost(sum(1 + min(k, c) for c in caps), k, n if k else 0)
+            expected = sum(1 + sum(g[:k]) for g in gains)
+            drafts = sum(min(k, c) for c in caps)
+            rate = expected / self.cost(n, drafts, k if drafts else 0, n if drafts else 0)
             if best_rate is None or rate > best_rate:
                 best_k, best_rate = k, rate
         return [min(best_k, c) for c in caps]
 
-    def _probe(self, rids, caps, ks) -> list[int]:
-        """A request held at k = 0 by its estimate drafts one token now and then, to notice recovery."""
-        for i, rid in enumerate(rids):
-            if ks[i] or not caps[i]:
-                self._idle_rounds.pop(rid, None)
-                continue
-            idle = self._idle_rounds.get(rid, 0) + 1
-            if idle >= self.probe_every:
-                ks[i], idle = 1, 0
-            self._idle_rounds[rid] = idle
-        return ks
+    def _probe(self, caps: list[int], ks: list[int]) -> list[int]:
+        """Requests held at k = 0 by their estimates draft one token each every ``probe_every``
+        rounds, all in the same round: that is how speculation comes back once acceptance does,
+        and the round's switch to the verify path is paid once for all of them."""
+        if self._rounds % self.probe_every:
+            return ks
+        return [1 if not k and c else k for k, c in zip(ks, caps)]
 
-    def record(self, rids: list[int], ks: list[int], proposed: list[int], accepted: list[int], seconds: float,
-               draft_seconds: float = 0.0) -> None:
+    def record(self, rids: list[int], ks: list[int], proposed: list[int], accepted: list[int], seconds: float) -> None:
         """A finished round: acceptance per request and algorithm, and the measured step time."""
         for rid, p, a in zip(rids, proposed, accepted):
             if p:
                 self.acceptance(rid).observe(p, a)
                 self.algorithm_acceptance.observe(p, a)
-        depth = max(ks, default=0)
-        drafting = sum(1 for k in ks if k)
-        if depth and self.cost.draft is not None and draft_seconds > 0:
-            self.cost.draft.update(drafting, draft_seconds / depth)
-        self.cost.target.update(len(rids) + sum(proposed), max(seconds - draft_seconds, 1e-9))
+        if self.mode == FIXED:
+            return
+        shape = (len(rids), sum(proposed), max(proposed, default=0), sum(1 for p in proposed if p))
+        if self.trace is not None:
+            self.trace.append({"requests": shape[0], "ks": list(ks), "proposed": sum(proposed),
+                               "accepted": sum(accepted), "predicted": self.cost(*shape), "seconds": seconds})
+        self.cost.record(*shape, seconds)
 
     def forget(self, rid: int) -> None:
         self._requests.pop(rid, None)
-        self._idle_rounds.pop(rid, None)

@@ -2,6 +2,8 @@
 
 Each pass is decode-shaped: ``width`` new tokens per request after a cached prefix, because
 attention over the context is part of a round's cost that does not grow with the draft length.
+The shapes are timed in turn, several times over, and each keeps its fastest time: a load spike
+on a shared machine then spoils one repeat, not the shape of the model.
 """
 
 from __future__ import annotations
@@ -10,36 +12,49 @@ import time
 
 from .batch import Segment, alloc_positions, forward_segments, free_positions
 from .model_runner import ModelRunner
-from .spec_policy import CostCurve
 
 PREFIX_TOKENS = 128  # context each request has cached in the warm-up (less when the pool is small)
 
 
-def time_forward(runner: ModelRunner, batch: int, width: int, prefix: int, repeats: int = 2) -> float:
-    """Seconds of one pass over ``batch`` requests of ``width`` new tokens after ``prefix`` cached
-    ones (the prefix is filled once, untimed; the timed passes rewrite the same positions)."""
+def time_passes(runner: ModelRunner, shapes: list[tuple[int, int]], context_len: int,
+                repeats: int = 3) -> dict[tuple[int, int], float]:
+    """Fastest seconds of one pass over ``batch`` requests of ``width`` new tokens each after a
+    cached prefix, by (batch, width); the shapes interleaved ``repeats`` times."""
     pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
+    batch = max(b for b, _ in shapes)
+    widest = max(w for _, w in shapes)
+    prefix = max(0, min(PREFIX_TOKENS, context_len // 4, alloc.available_size() // (2 * batch) - widest))
     rows = [pool.alloc() for _ in range(batch)]
     try:
         for idx in rows:
-            alloc_positions(pool, alloc, idx, 0, prefix + width)
+            alloc_positions(pool, alloc, idx, 0, prefix + widest)
         if prefix:
             forward_segments(runner, [Segment(idx, [0] * prefix, 0) for idx in rows], last_only=True)
-        segments = [Segment(idx, [0] * width, prefix) for idx in rows]
-        forward_segments(runner, segments, last_only=False)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            forward_segments(runner, segments, last_only=False)
-        return (time.perf_counter() - start) / repeats
+        best = {}
+        for repeat in range(repeats + 1):  # the first round is untimed: it warms every shape up
+            for b, w in shapes:
+                segments = [Segment(idx, [0] * w, prefix) for idx in rows[:b]]
+                start = time.perf_counter()
+                forward_segments(runner, segments, last_only=False)
+                seconds = time.perf_counter() - start
+                if repeat:
+                    best[(b, w)] = min(seconds, best.get((b, w), seconds))
+        return best
     finally:
         for idx in rows:
-            free_positions(pool, alloc, idx, 0, prefix + width)
+            free_positions(pool, alloc, idx, 0, prefix + widest)
             pool.free(idx)
 
 
-def measure_curve(runner: ModelRunner, batches: list[int], widths: list[int], context_len: int) -> CostCurve:
-    """Seconds by total tokens in a pass, measured at every batch x width given."""
-    slots = runner.token_to_kv_pool_allocator.available_size()
-    prefix = max(0, min(PREFIX_TOKENS, context_len // 4, slots // (2 * max(batches)) - max(widths)))
-    return CostCurve({b * w: time_forward(runner, b, w, prefix)
-                      for b in sorted(set(batches)) for w in sorted(set(widths))})
+def target_points(runner: ModelRunner, batch: int, k: int, context_len: int) -> dict[tuple[int, int], float]:
+    """Seconds of a target pass by (requests, draft tokens verified in all): plain decode at batch
+    1 and ``batch``, and verify passes of k at batch 1, and of 1 and k per request at ``batch``
+    (what separates the switch to the verify path from the cost of each verified token)."""
+    shapes = [(1, 1), (batch, 1), (1, k + 1), (batch, 2), (batch, k + 1)]
+    timed = time_passes(runner, sorted(set(shapes)), context_len)
+    return {(b, b * (w - 1)): s for (b, w), s in timed.items()}
+
+
+def draft_points(runner: ModelRunner, batch: int, context_len: int) -> dict[int, float]:
+    """Seconds of one draft pass (one token per request) by the number of requests in it."""
+    return {b: s for (b, _), s in time_passes(runner, sorted({(1, 1), (batch, 1)}), context_len).items()}

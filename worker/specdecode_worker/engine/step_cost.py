@@ -1,0 +1,150 @@
+"""The speculation policy's cost model: seconds of one decode round, from the round's shape.
+
+A round of ``requests`` requests verifying ``drafts`` draft tokens in all, after ``depth`` draft
+passes over ``drafting`` requests each, costs (a linear model in these features)
+
+    plain(requests)                           a + b * requests
+  + switching to the verify path, if drafts   e + d * requests
+  + the verify tokens                         c * drafts
+  + the draft passes                          depth * (f + g * drafting)
+
+The switch term is there because a round in which nobody drafts runs the cheaper decode path
+(one token per request: batched decode attention, a CUDA graph on a GPU) and any draft token moves
+the whole batch onto the verify path.
+
+Seeded by the warm-up's timed passes, refined online by a least-squares fit over the last
+``window`` rounds. Machine load scales every step time by a common factor, and the policy's choice
+only depends on ratios of step times at the same moment; so the warm-up points enter the fit as
+pseudo-rounds rescaled by the current load factor (the median of measured over seeded prediction
+in the window). Load thus cancels, and whatever the recent rounds do not pin down (the cost of
+drafting while nobody drafts, say) keeps the warm-up's shape. Nothing here needs torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from statistics import median
+
+FEATURES = ("base", "per_request", "switch", "switch_per_request", "per_draft_token", "draft_pass",
+            "draft_pass_per_request")
+# The terms a round pays only for drafting: a fit may not make them negative (drafting never saves time).
+_MARGINAL = range(2, len(FEATURES))
+
+
+def features(requests: int, drafts: int, depth: int = 0, drafting: int = 0) -> tuple[float, ...]:
+    switch = 1.0 if drafts else 0.0
+    return (1.0, float(requests), switch, switch * requests, float(drafts), float(depth), float(depth * drafting))
+
+
+class StepCost:
+    """Seconds of one round; ``record`` refines the model with what a round measured."""
+
+    def __init__(self, target: dict[tuple[int, int], float], draft: dict[int, float] | None = None,
+                 window: int = 64, prior_weight: float = 0.5, refit_every: int = 4, learn: bool = True):
+        """``target``: seconds of a target pass by (requests, draft tokens verified in all);
+        ``draft``: seconds of one draft pass by the number of requests in it (None: no draft model,
+        the draft terms stay zero)."""
+        self.prior = [(features(n, m), s) for (n, m), s in target.items()]
+        self.prior += [((0.0,) * 5 + (1.0, float(j)), s) for j, s in (draft or {}).items()]
+        self.terms = list(range(len(FEATURES) if draft else 5))
+        self.prior_weight, self.refit_every, self.learn = prior_weight, refit_every, learn
+        self.rounds: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self.seed = self._fit([(x, s, 1.0 / max(s, 1e-12) ** 2) for x, s in self.prior], self.terms)
+        self.coef = list(self.seed)
+        self.load = 1.0  # measured / seeded prediction, over the window
+        self._since_fit = 0
+
+    @classmethod
+    def linear(cls, plain: tuple[float, float], per_draft_token: float, switch: tuple[float, float] = (0.0, 0.0),
+               draft_pass: tuple[float, float] = (0.0, 0.0), learn: bool = False) -> "StepCost":
+        """The model with the given terms (see the module doc), as if the warm-up had measured them."""
+        coef = (*plain, *switch, per_draft_token, *draft_pass)
+        target = {(n, m): _dot(coef, features(n, m)) for n, m in ((1, 0), (16, 0), (1, 4), (16, 16), (16, 64))}
+        draft = {j: draft_pass[0] + draft_pass[1] * j for j in (1, 16)} if any(draft_pass) else None
+        return cls(target, draft, learn=learn)
+
+    def __call__(self, requests: int, drafts: int, depth: int = 0, drafting: int = 0) -> float:
+        return max(_dot(self.coef, features(requests, drafts, depth, drafting)), 1e-9)
+
+    def coefficients(self) -> dict[str, float]:
+        return dict(zip(FEATURES, self.coef))
+
+    def record(self, requests: int, drafts: int, depth: int, drafting: int, seconds: float) -> None:
+        if not self.learn or seconds <= 0:
+            return
+        self.rounds.append((features(requests, drafts, depth, drafting), seconds))
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every:
+            self.refit()
+
+    def refit(self) -> None:
+        """Least squares in relative error over the window's rounds and the warm-up points at
+        today's load. Other work on the machine only ever adds time, so rounds that took over
+        twice what the first fit predicts are set aside as interrupted before the second fit."""
+        self._since_fit = 0
+        if not self.rounds:
+            return
+        self.load = median(s / max(_dot(self.seed, x), 1e-12) for x, s in self.rounds)
+        prior = [(x, s * self.load, self.prior_weight / max(s * self.load, 1e-12) ** 2) for x, s in self.prior]
+        rounds = list(self.rounds)
+        for _ in range(2):
+            scale = [max(_dot(self.seed, x) * self.load, 1e-12) for x, _ in rounds]
+            coef = self._fit(prior + [(x, s, 1.0 / c**2) for (x, s), c in zip(rounds, scale)], self.terms)
+            kept = [(x, s) for x, s in rounds if s <= 2.0 * max(_dot(coef, x), 1e-12)]
+            if len(kept) == len(rounds) or not kept:
+                break
+            rounds = kept
+        self.coef = coef
+
+    @staticmethod
+    def _fit(rows: list[tuple[tuple[float, ...], float, float]], terms: list[int]) -> list[float]:
+        """Weighted least squares over ``terms`` (the others zero); the marginal terms are held at
+        zero or above (dropped and refitted while one comes out negative)."""
+        free = list(terms)
+        while True:
+            coef = _solve_normal(rows, free, ridge=1e-6)
+            negative = [i for i in free if i in _MARGINAL and coef[i] < 0]
+            if not negative:
+                return coef
+            free = [i for i in free if i not in negative]
+
+
+def _dot(a, b) -> float:
+    return sum(x * y for x, y in zip(a, b))
+
+
+def _solve_normal(rows, free: list[int], ridge: float) -> list[float]:
+    """Coefficients over the ``free`` features (the others zero) minimising sum w (x.c - y)^2,
+    with a ridge relative to each feature's scale so unexcited features stay at zero."""
+    k = len(free)
+    a = [[0.0] * k for _ in range(k)]
+    rhs = [0.0] * k
+    for x, y, w in rows:
+        xs = [x[i] for i in free]
+        for i in range(k):
+            rhs[i] += w * xs[i] * y
+            for j in range(k):
+                a[i][j] += w * xs[i] * xs[j]
+    for i in range(k):
+        a[i][i] += ridge * (a[i][i] + 1.0)
+    # Gaussian elimination with partial pivoting on a k x k system (k <= 7).
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        rhs[col], rhs[pivot] = rhs[pivot], rhs[col]
+        if abs(a[col][col]) < 1e-300:
+            continue
+        for r in range(col + 1, k):
+            f = a[r][col] / a[col][col]
+            if f:
+                for c in range(col, k):
+                    a[r][c] -= f * a[col][c]
+                rhs[r] -= f * rhs[col]
+    sol = [0.0] * k
+    for i in range(k - 1, -1, -1):
+        s = rhs[i] - sum(a[i][j] * sol[j] for j in range(i + 1, k))
+        sol[i] = s / a[i][i] if abs(a[i][i]) > 1e-300 else 0.0
+    coef = [0.0] * len(FEATURES)
+    for i, v in zip(free, sol):
+        coef[i] = v
+    return coef
