@@ -238,7 +238,8 @@ def plot(rows, path: str) -> None:
     fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 3.6), sharey=True, squeeze=False)
     for ax, kind in zip(axes[0], kinds):
         for method in methods:
-            pts = sorted((r["concurrency"], r["tok_per_s"]) for r in rows if r["workload"] == kind and r["method"] == method)
+            pts = sorted((r["concurrency"], r["tok_per_s"]) for r in rows
+                         if r["workload"] == kind and r["method"] == method)
             style = "-" if "adaptive" in method else "--" if "fixed" in method else ":"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=method)
         ax.set_xscale("log", base=2)

@@ -389,10 +389,10 @@ def mtp_phase(s: Settings, models, res: dict) -> None:
     for method, algorithm, policy in MTP_METHODS:
         eng, _ = engine(s, models, "deepseek", algorithm, policy=policy)
         if policy == "fixed":
-            runs[algorithm] = _with_acceptance(eng, lambda: generate(eng, s, 1, s.prompt, s.new_tokens, seed=9))
+            runs[algorithm] = generate_counting(eng, s, 1, s.new_tokens, seed=9)
         for c in s.sweep_batches:
             plain_before = (eng.stats.steps_without_speculation, eng.stats.decode_steps)
-            out = _with_acceptance(eng, lambda: generate(eng, s, c, s.prompt, s.sweep_tokens, seed=11))
+            out = generate_counting(eng, s, c, s.sweep_tokens, seed=11)
             steps = eng.stats.decode_steps - plain_before[1]
             drafting = 1 - (eng.stats.steps_without_speculation - plain_before[0]) / max(steps, 1)
             sweep.append({"method": method, "concurrency": c, "tok_s": out["tok_s"], "acceptance": out["acceptance"],
@@ -409,9 +409,10 @@ def mtp_phase(s: Settings, models, res: dict) -> None:
     res["mtp_sweep"] = sweep
 
 
-def _with_acceptance(eng, work) -> dict:
+def generate_counting(eng, s: Settings, batch: int, new_tokens: int, seed: int) -> dict:
+    """``generate`` at the standard prompt length, with the acceptance of its rounds."""
     before = (eng.stats.accepted_tokens, eng.stats.proposed_tokens)
-    out = work()
+    out = generate(eng, s, batch, s.prompt, new_tokens, seed=seed)
     out["acceptance"] = (eng.stats.accepted_tokens - before[0]) / max(eng.stats.proposed_tokens - before[1], 1)
     return out
 
@@ -499,7 +500,8 @@ def sweep_rows(sweep: list[dict]):
         cells = ", ".join(f"{m} {by[(m, c)]['tok_s']:.1f}" + (f" ({by[(m, c)]['drafting_rounds']:.0%} drafting)"
                                                              if m == "adaptive" else "")
                           for m, _, _ in MTP_METHODS)
-        yield c, max(by[("none", c)]["tok_s"], by[("fixed", c)]["tok_s"]), by[("adaptive", c)]["tok_s"], cells + " tok/s"
+        best = max(by[("none", c)]["tok_s"], by[("fixed", c)]["tok_s"])
+        yield c, best, by[("adaptive", c)]["tok_s"], cells + " tok/s"
 
 
 def main(argv: list[str] | None = None) -> int:
