@@ -217,3 +217,15 @@ def test_unreachable_hub_is_retryable(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     code, _, err = fetch(capsys, "--repo", REPO, "--commit", "a" * 40, "--dest", tmp_path)
     assert code == ExitCode.HUB_UNAVAILABLE and err.startswith(f"cannot reach the hub at {url} (")
+
+
+def test_an_unforeseen_error_holding_the_token_is_masked(hub, capsys, tmp_path, monkeypatch):
+    def leaky(*args, **kwargs):
+        raise RuntimeError(f"request failed with headers {{'authorization': 'Bearer {TOKEN}'}}")
+
+    monkeypatch.setattr(fetch_cli, "fetch", leaky)
+    log = tmp_path / "log"
+    code, _, err = fetch(capsys, "--repo", REPO, "--commit", hub.commit, "--dest", tmp_path, "--termination-log", log)
+    assert code == ExitCode.INTERNAL_ERROR and "Traceback" in err and "Bearer ***" in err
+    expected = "internal error: RuntimeError: request failed with headers {'authorization': 'Bearer ***'}"
+    assert log.read_text() == expected

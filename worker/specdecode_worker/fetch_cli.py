@@ -24,7 +24,7 @@ from pathlib import Path
 from .contract import ExitCode
 from .errors import InputError
 from .flags import CommandParser, asks_for_help
-from .hub import HubClient, HubError, HubFile, partition
+from .hub import HubClient, HubError, HubFile, partition, redact
 
 PROGRESS_EVERY_S = 10.0
 
@@ -166,13 +166,13 @@ def main(argv: list[str] | None = None) -> int:
         part = _part_index(args.part, args.parts)
         count, size = fetch(HubClient(), args.repo, args.commit, Path(args.dest), args.parts, part)
     except InputError as exc:
-        message = " ".join(str(exc).split())
+        message = redact(" ".join(str(exc).split()))
         print(message, file=sys.stderr)
         _write_log(log_path, message)
         return ExitCode.HUB_UNAVAILABLE if isinstance(exc, HubError) and exc.retryable else ExitCode.BAD_INPUT
     except Exception as exc:  # a bug, not the user's input: keep the traceback for the report
-        traceback.print_exc()
-        _write_log(log_path, f"internal error: {type(exc).__name__}: {exc}")
+        print(redact(traceback.format_exc()), file=sys.stderr, end="")
+        _write_log(log_path, redact(f"internal error: {type(exc).__name__}: {exc}"))
         return ExitCode.INTERNAL_ERROR
     _write_log(log_path, f"fetched {args.repo}@{args.commit} part {part} of {args.parts}: {count} files, {size} bytes")
     return ExitCode.OK

@@ -121,6 +121,13 @@ def model_name(folder: str | Path) -> str:
     return path.parent.name if COMMIT.fullmatch(path.name) and path.parent.name else path.name
 
 
+def redact(text: str) -> str:
+    """``text`` with the hub token of the environment masked: for error output, where an unforeseen
+    exception could carry it. Our own messages never hold it."""
+    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+    return text.replace(token, "***") if token and len(token) >= 4 else text
+
+
 def endpoint_from_env() -> str:
     return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
 

@@ -24,7 +24,7 @@ from .devices import resolve_device_memory
 from .eagle_rule import aux_layer_ids
 from .errors import InputError
 from .flags import CommandParser, add_sizing_flags, asks_for_help
-from .hub import HubClient, HubError, model_name
+from .hub import HubClient, HubError, model_name, redact
 from .model_config import ModelShape, load_shape, read_config
 from .mtp_rule import check_mtp_draft, check_standalone_draft
 from .plan import (
@@ -360,13 +360,13 @@ def main(argv: list[str] | None = None) -> int:
         log_path = args.termination_log
         plan = plan_from_flags(args)
     except InputError as exc:
-        message = " ".join(str(exc).split())
+        message = redact(" ".join(str(exc).split()))
         print(message, file=sys.stderr)
         _write_log(log_path, message)
         return ExitCode.HUB_UNAVAILABLE if isinstance(exc, HubError) and exc.retryable else ExitCode.BAD_INPUT
     except Exception as exc:  # a bug, not the user's input: keep the traceback for the report
-        traceback.print_exc()
-        _write_log(log_path, f"internal error: {type(exc).__name__}: {exc}")
+        print(redact(traceback.format_exc()), file=sys.stderr, end="")
+        _write_log(log_path, redact(f"internal error: {type(exc).__name__}: {exc}"))
         return ExitCode.INTERNAL_ERROR
     compact = to_json(plan)
     _write_log(log_path, compact)
