@@ -54,18 +54,39 @@ def test_model_info_lists_files_with_sizes_and_the_commit(folder):
     assert next(s for s in info.siblings if s.rfilename == "model.safetensors").lfs is not None
 
 
-def test_client_downloads_byte_identical_files_and_the_server_counts_them(folder, tmp_path, cache):
+@pytest.fixture
+def small(tmp_path):
+    """A folder of real bytes: a 3 MB LFS-sized file, small files, and one in a subfolder."""
+    folder = tmp_path / "small" / "m"
+    (folder / "original").mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(os.urandom(3 << 20))
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0}}}))
+    (folder / "original" / "params.json").write_text("{}")
+    return folder
+
+
+def test_client_downloads_byte_identical_files_and_the_server_counts_them(small, tmp_path, cache):
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
     with HubServer() as hub:
-        commit = hub.add_repo(REPO, folder)
-        out = Path(snapshot_download(REPO, endpoint=hub.url, token=False, local_dir=tmp_path / "out", cache_dir=cache))
+        commit = hub.add_repo("org/m", small)
+        out = Path(snapshot_download("org/m", endpoint=hub.url, token=False, local_dir=tmp_path / "out",
+                                     cache_dir=cache))
         sent = hub.bytes_sent
-        per_file = {name: hub.bytes_for(REPO, name) for name in os.listdir(folder)}
-        config = hf_hub_download(REPO, "config.json", revision=commit, endpoint=hub.url, token=False, cache_dir=cache)
-    for src in folder.iterdir():
-        assert _digest(out / src.name) == _digest(src), src.name
-    assert per_file == {p.name: p.stat().st_size for p in folder.iterdir()}  # each file served once, whole
+        names = [p.relative_to(small).as_posix() for p in small.rglob("*") if p.is_file()]
+        per_file = {name: hub.bytes_for("org/m", name) for name in names}
+        config = hf_hub_download("org/m", "config.json", revision=commit, endpoint=hub.url, token=False,
+                                 cache_dir=cache)
+        meta = get_hf_file_metadata(hf_hub_url("org/m", "model.safetensors", endpoint=hub.url), token=False)
+    assert len(names) == 4
+    for name in names:
+        assert _digest(out / name) == _digest(small / name), name
+    assert per_file == {name: (small / name).stat().st_size for name in names}  # each file served once, whole
     assert sent >= sum(per_file.values())  # plus the API's JSON
-    assert json.loads(Path(config).read_text()) == json.loads((folder / "config.json").read_text())
+    assert Path(config).read_bytes() == (small / "config.json").read_bytes()
+    assert (meta.commit_hash, meta.size) == (commit, 3 << 20)
+    assert meta.xet_file_data is None  # plain HTTP downloads, never Xet
 
 
 def test_safetensors_metadata_through_range_reads(folder):
@@ -163,3 +184,23 @@ def test_process_form_serves_a_root_and_reports_stats(folder, tmp_path, cache):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_throttle_paces_all_bodies_together(monkeypatch):
+    from tests import hub_server
+
+    clock = [100.0]
+    slept = []
+
+    def sleep(seconds):
+        slept.append(seconds)
+        clock[0] += seconds
+
+    monkeypatch.setattr(hub_server.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(hub_server.time, "sleep", sleep)
+    throttle = hub_server.Throttle(1000)  # bytes per second
+    for n in (500, 1500, 1000):  # three bodies' chunks, 3000 bytes: 3 s of fake time
+        throttle.wait(n)
+    assert slept == [0.5, 1.5, 1.0] and clock[0] == 103.0
+    hub_server.Throttle(None).wait(10**9)  # no limit: no sleep
+    assert len(slept) == 3
