@@ -118,6 +118,23 @@ def test_a_failed_part_carries_the_latest_message_of_a_missing_index():
     assert (p.state, p.message) == (modelcache.FAILED, "Job has failed indexes")
 
 
+def test_retry_bookkeeping_counts_each_failed_job_once_and_backs_off():
+    t0 = 1767225660.0  # 2026-01-01T00:01:00Z, when the Job failed
+    failed = _job("", [("Failed", {"lastTransitionTime": "2026-01-01T00:01:00Z"})])
+    assert modelcache.next_retry({}, _job("0"), t0) == modelcache.Retry(0)
+    first = modelcache.next_retry({}, failed, t0 + 10)
+    assert (first.attempts, first.failed_job_uid, first.wait) == (1, "job-1", 20.0)  # 30 s after it failed
+    entry = first.as_status()
+    assert entry == {"attempts": 1, "failedJobUID": "job-1"}
+    assert modelcache.next_retry(entry, failed, t0 + 31).wait == -1.0  # the same Job: still attempt 1, due
+    again = dict(failed, metadata={"uid": "job-2"})
+    second = modelcache.next_retry(entry, again, t0)
+    assert (second.attempts, second.wait) == (2, 60.0)
+    # a Job that succeeds later keeps the count, so a status shows how often it failed
+    assert modelcache.next_retry(second.as_status(), _job("0", [("Complete", {})]), t0).as_status() == {"attempts": 2}
+    assert [modelcache.retry_delay(n) for n in (1, 2, 3, 6, 10)] == [30, 60, 120, 600, 600]
+
+
 def test_models_ready_verdicts_and_the_summary():
     def item(done, total, state, message=""):
         return modelcache.Progress(TARGET_REPO, TARGET_COMMIT, done, total, state, "j", message)

@@ -9,8 +9,10 @@ DynamicClient: those would add a discovery request per kind (DynamicClient) or o
 
 from __future__ import annotations
 
+import calendar
 import json
 import logging
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -92,6 +94,16 @@ class ApiError(Exception):
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def epoch(ts: str | None) -> float | None:
+    """Seconds since the epoch of an API timestamp (``2026-01-01T00:00:00Z``), or None."""
+    if not ts:
+        return None
+    try:
+        return float(calendar.timegm(time.strptime(ts[:19], "%Y-%m-%dT%H:%M:%S")))
+    except ValueError:
+        return None
 
 
 class Kube:

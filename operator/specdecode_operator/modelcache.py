@@ -24,6 +24,7 @@ from specdecode_worker.contract import GIB
 
 from . import conditions as c
 from . import labels, models, podsecurity
+from .kube import epoch
 from .spec import MODELS_MOUNT, SpecView
 
 ROLE_MODEL_CACHE = "model-cache"
@@ -255,6 +256,35 @@ def summary(items: list[Progress]) -> str:
     pct = 100 if total == 0 else (100 * done) // total
     scale, name = _unit(total)
     return f"{done / scale:.1f} / {total / scale:.1f} {name} ({pct}%)"
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Download Jobs that failed for good, and when the current failed one is replaced."""
+
+    attempts: int = 0
+    failed_job_uid: str | None = None
+    wait: float | None = None  # seconds until the failed Job is replaced (<= 0: now); None: it has not failed
+
+    def as_status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"attempts": self.attempts} if self.attempts else {}
+        if self.failed_job_uid:
+            out["failedJobUID"] = self.failed_job_uid
+        return out
+
+
+def next_retry(previous: dict[str, Any], job: dict[str, Any] | None, now: float) -> Retry:
+    """The retry bookkeeping of one model, from its previous status entry and its Job: each failed
+    Job counts once (by uid), and is replaced ``retry_delay(attempts)`` after it failed."""
+    attempts = int(previous.get("attempts", 0))
+    failed = job_failed(job) if job is not None else None
+    if failed is None:
+        return Retry(attempts)
+    uid = (job.get("metadata") or {}).get("uid")
+    if previous.get("failedJobUID") != uid:
+        attempts += 1
+    since = epoch(failed.get("lastTransitionTime")) or now
+    return Retry(attempts, uid, since + retry_delay(attempts) - now)
 
 
 def retry_delay(attempts: int) -> float:

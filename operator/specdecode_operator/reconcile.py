@@ -7,7 +7,6 @@ Every step is idempotent and reads the cluster rather than remembering, so a res
 
 from __future__ import annotations
 
-import calendar
 import copy
 import dataclasses
 import logging
@@ -21,7 +20,7 @@ from specdecode_worker.contract import GIB, PLAN_API_VERSION, PLAN_KIND
 from . import conditions as c
 from . import kube as k8s
 from . import group, labels, modelcache, models, observe, planner, refusals, workload
-from .kube import ApiError, Kube, now_iso
+from .kube import ApiError, Kube, epoch, now_iso
 from .spec import DEFAULT_WORKER_IMAGE, SpecView, parse_spec, plan_key, planner_pod_name
 
 log = logging.getLogger(__name__)
@@ -54,13 +53,6 @@ def _lock(namespace: str, name: str) -> threading.Lock:
         return _locks.setdefault((namespace, name), threading.Lock())
 
 
-def _epoch(ts: str | None) -> float | None:
-    if not ts:
-        return None
-    try:
-        return float(calendar.timegm(time.strptime(ts[:19], "%Y-%m-%dT%H:%M:%S")))
-    except ValueError:
-        return None
 
 
 class Reconciler:
@@ -248,7 +240,7 @@ class Reconciler:
             tracker["failedPodUID"] = uid
         attempts = tracker["attempts"]
         delay = planner.retry_delay(attempts)
-        finished = _epoch(outcome.finished_at) or _epoch((pod.get("metadata") or {}).get("creationTimestamp"))
+        finished = epoch(outcome.finished_at) or epoch((pod.get("metadata") or {}).get("creationTimestamp"))
         wait = (finished or self.clock()) + delay - self.clock()
         if wait <= 0:
             self.kube.delete(pod_ref)
@@ -329,30 +321,19 @@ class Reconciler:
             pods = [] if job is None or modelcache.job_complete(job) else self.kube.list(k8s.pods(view.namespace),
                                                                    f"{modelcache.JOB_NAME_LABEL}={name}")
             item = modelcache.progress(src, job, pods, name)
-            entry = item.as_status()
-            old = previous.get((src["repo"], src["commit"])) or {}
-            failed = modelcache.job_failed(job) if job is not None else None
-            if failed is not None:  # out of retries per part: after the backoff, a new Job
-                attempts, uid = int(old.get("attempts", 0)), job["metadata"].get("uid")
-                if old.get("failedJobUID") != uid:
-                    attempts += 1
-                entry.update(attempts=attempts, failedJobUID=uid)
-                since = _epoch(failed.get("lastTransitionTime")) or self.clock()
-                left = since + modelcache.retry_delay(attempts) - self.clock()
-                if left <= 0:
+            retry = modelcache.next_retry(previous.get((src["repo"], src["commit"])) or {}, job, self.clock())
+            if retry.wait is not None:  # out of retries per part: after the backoff, a new Job
+                if retry.wait <= 0:
                     self.kube.delete(ref)
                     log.info("%s/%s download Job %s failed %d time(s); created again", view.namespace, view.name,
-                             name, attempts)
-                    left, note = 1.0, "download Job restarted"
+                             name, retry.attempts)
+                    note = "download Job restarted"
                 else:
-                    note = f"retrying in {int(left + 0.999)}s"
-                item = dataclasses.replace(item, message=f"{item.message} (attempt {attempts} failed; {note})")
-                entry["message"] = item.message
-                wait = min(wait, max(left, 1.0))
-            elif old.get("attempts"):
-                entry["attempts"] = old["attempts"]
+                    note = f"retrying in {int(retry.wait + 0.999)}s"
+                item = dataclasses.replace(item, message=f"{item.message} (attempt {retry.attempts} failed; {note})")
+                wait = min(wait, max(retry.wait, 1.0))
             items.append(item)
-            entries.append(entry)
+            entries.append(item.as_status() | retry.as_status())
         status["models"] = entries
         ready = modelcache.verdict(items, claim_name)
         return ready, (None if ready.status == "True" else wait)
