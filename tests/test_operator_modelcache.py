@@ -200,6 +200,7 @@ def test_cache_is_created_then_filled_by_one_job_per_model_before_any_worker():
     ready = cond(sdd, c.MODELS_READY)
     assert (ready["status"], ready["reason"], ready["message"]) == ("False", "Downloading", "0.0 / 16.9 GB (0%)")
     assert sdd["status"]["phase"] == "Deploying" and cond(sdd, c.PROGRESSING)["reason"] == "Downloading"
+    assert sdd["status"]["gpusPerReplica"] == 1  # the plan's size shows while it downloads
     assert [m["state"] for m in sdd["status"]["models"]] == ["Downloading", "Downloading"]
 
     # two of the target's three parts done: 11.0 of 16.9 GB

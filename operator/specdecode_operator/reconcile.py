@@ -110,6 +110,9 @@ class Reconciler:
 
         if plan is not None and plan.get("fits"):
             self._cleanup_planners(view, key)
+            tp = int(plan["tensorParallelSize"])
+            nodes = group.nodes_per_replica(plan)
+            status["gpusPerReplica"] = tp
             if models.cache_claim(view):  # workers start only once every model is in the cache
                 ready, wait = self._models(view, plan, owner, status)
                 verdicts[c.MODELS_READY] = ready
@@ -119,9 +122,6 @@ class Reconciler:
                     return self._finish(sdd, view, status, old_status, verdicts, generation, refused, wait)
             else:
                 status.pop("models", None)
-            tp = int(plan["tensorParallelSize"])
-            nodes = group.nodes_per_replica(plan)
-            status["gpusPerReplica"] = tp
             if nodes > 1 and not self.kube.serves(group.LWS_API_VERSION, group.LWS_KIND):
                 # Nothing is applied: a ConfigMap and Service without their workload help no one.
                 return self._finish(sdd, view, status, old_status, self._multi_node_unavailable(
