@@ -1,15 +1,19 @@
 """CUDA graphs for uniform batches: static buffers per batch size, replayed with padding.
 
-A runner serves batches whose requests each bring the same number of new tokens: 1 for decode,
-k + 1 for chain verification. Buffers are sized by batch size only. With the Triton backend the
-kernels read ``seq_lens`` and ``req_to_token`` at replay and bound their loops by each request's
-length, so one graph per batch size serves every context length and the graph pool holds
-activations of ``bs x tokens`` rows, never ``bs x contextLength``. (The torch-native backend,
-forced on CUDA, still gathers a fixed ``[bs, contextLength]`` block: it is the reference, not the
-fast path.)
+A runner serves batches whose requests each bring the same number of new tokens: 1 for decode
+and draft steps, k + 1 for chain verification. Buffers are sized by batch size only. With the
+Triton backend the kernels read ``seq_lens`` and ``req_to_token`` at replay and bound their loops
+by each request's length, so one graph per batch size serves every context length and the graph
+pool holds activations of ``bs x tokens`` rows, never ``bs x contextLength``. (The torch-native
+backend, forced on CUDA, still gathers a fixed ``[bs, contextLength]`` block: it is the reference,
+not the fast path.)
 
-``GraphInputs`` (the buffers and how a batch is staged into them) holds no CUDA call, so it is
-tested on CPU; ``CudaGraphRunner`` adds capture and replay.
+``GraphRunner`` graphs any function of a static batch (and of static per-token inputs, such as an
+EAGLE head's features) returning tensors; ``CudaGraphRunner`` is it over a model's forward.
+``GraphInputs`` (the buffers and how a batch is staged into them) holds no CUDA call. With
+``eager=True`` a runner keeps the same buffers and the same staging but replays by calling the
+function again into its captured outputs (``EagerGraph``), so CPU tests check padding, staging
+and output slicing against an eager pass.
 """
 
 from __future__ import annotations
@@ -49,9 +53,16 @@ class GraphInputs:
         # it). It reads request 0's first positions and its output is discarded.
         self._pad_positions = torch.arange(tokens_per_req, device=device).repeat(max_bs)
         self.positions = self._pad_positions.clone()
+        self._batches: dict[int, ForwardBatch] = {}
 
     def batch(self, bs: int) -> ForwardBatch:
-        """The static batch of ``bs`` requests that a graph is captured with and replays."""
+        """The static batch of ``bs`` requests that a graph is captured with and replays (one object
+        per size: staging also refreshes its host-side lengths, which only eager replays read)."""
+        if bs not in self._batches:
+            self._batches[bs] = self._make_batch(bs)
+        return self._batches[bs]
+
+    def _make_batch(self, bs: int) -> ForwardBatch:
         n = self.tokens_per_req
         return ForwardBatch(
             input_ids=self.input_ids[: bs * n], positions=self.positions[: bs * n],
@@ -77,43 +88,107 @@ class GraphInputs:
         self.out_cache_loc[:t_real].copy_(fb.out_cache_loc)
         self.req_pool_indices[:real].copy_(fb.req_pool_indices)
         self.seq_lens[:real].copy_(fb.seq_lens)
+        if bs in self._batches:
+            self._batches[bs].seq_lens_cpu[:] = list(fb.seq_lens_cpu) + [n] * (bs - real)
 
 
-class CudaGraphRunner:
-    def __init__(self, model, backend, max_bs: int, context_len: int, device, tokens_per_req: int = 1, pool=None):
-        self.model, self.backend = model, backend
+class EagerGraph:
+    """Stands in for a captured CUDA graph where there is none (CPU tests): replay calls the
+    function again on the same static buffers and writes into the outputs taken at capture."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.outputs = fn()
+
+    def replay(self) -> None:
+        for out, new in zip(self.outputs, self.fn()):
+            out.copy_(new)
+
+
+def _as_tuple(x) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+class GraphRunner:
+    """Graphs ``fn(fb, rows, *extras) -> tensor(s)`` for every captured batch size.
+
+    ``extra_widths``: static per-token inputs besides the batch (``[tokens, width]`` each, staged
+    like the token ids, zero for padding rows). Outputs have one row per token, in order.
+    """
+
+    def __init__(self, fn, max_bs: int, device, tokens_per_req: int = 1, extra_widths: tuple[int, ...] = (),
+                 extra_dtype=None, pool=None, eager: bool = False, name: str = "model"):
+        self.fn, self.eager = fn, eager
         self.sizes = capture_sizes(max_bs)
         self.max_bs = max_bs
         self.inputs = GraphInputs(max_bs, tokens_per_req, device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        if hasattr(backend, "decode_ctx"):  # torch-native: a fixed gather width keeps shapes static
-            backend.decode_ctx = context_len
-            log.warning("CUDA graphs with the torch-native backend gather [batch, %d] K/V per layer; "
-                        "their memory grows with the context length", context_len)
-        # Runners may share one memory pool (decode and verify graphs never run at once); each
-        # replay's output is consumed before the next replay.
-        self.pool = pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        n_tok = max_bs * tokens_per_req
+        self.extras = [torch.zeros(n_tok, w, dtype=extra_dtype, device=device) for w in extra_widths]
+        self.graphs: dict = {}
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        # Runners may share one memory pool (their graphs never run at once); each replay's
+        # outputs are consumed before the next replay.
+        self.pool = None if eager else (torch.cuda.graph_pool_handle() if pool is None else pool)
         for bs in reversed(self.sizes):  # largest first so smaller graphs reuse its memory
             fb = self.inputs.batch(bs)
             rows = self.inputs.rows[: bs * tokens_per_req]
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compiles the Triton kernels for this shape before capture
-                    model(fb, backend, rows)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = model(fb, backend, rows)
+            extras = [e[: bs * tokens_per_req] for e in self.extras]
+
+            def call(fb=fb, rows=rows, extras=extras):
+                return _as_tuple(fn(fb, rows, *extras))
+
+            if eager:
+                graph = EagerGraph(call)
+                self.outputs[bs] = graph.outputs
+            else:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # compiles the Triton kernels for this shape before capture
+                        call()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.outputs[bs] = call()
             self.graphs[bs] = graph
-        log.info("captured CUDA graphs for batch sizes %s (%d token(s) per request)", self.sizes, tokens_per_req)
+        log.info("%s: %s graphs for batch sizes %s (%d token(s) per request)", name,
+                 "eager stand-in" if eager else "captured CUDA", self.sizes, tokens_per_req)
+
+    @property
+    def tokens_per_req(self) -> int:
+        return self.inputs.tokens_per_req
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return self.inputs.accepts(fb)
 
-    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+    def replay(self, fb: ForwardBatch, *extras: torch.Tensor) -> tuple[torch.Tensor, ...]:
         bs = padded_size(self.sizes, fb.batch_size)
         self.inputs.stage(fb, bs)
+        n, t_bs = fb.batch_size * self.tokens_per_req, bs * self.tokens_per_req
+        for static, x in zip(self.extras, extras):
+            static[:n].copy_(x)
+            static[n:t_bs].zero_()
         self.graphs[bs].replay()
-        return self.outputs[bs][: fb.batch_size * self.inputs.tokens_per_req]
+        return tuple(out[:n] for out in self.outputs[bs])
+
+
+class CudaGraphRunner(GraphRunner):
+    """A model's forward ``model(fb, backend, rows)`` graphed; ``replay`` returns its logits."""
+
+    def __init__(self, model, backend, max_bs: int, context_len: int, device, tokens_per_req: int = 1, pool=None,
+                 eager: bool = False):
+        if not eager:  # eager replays read each batch's own lengths
+            fix_gather_width(backend, context_len)
+        super().__init__(lambda fb, rows: model(fb, backend, rows), max_bs, device, tokens_per_req, pool=pool,
+                         eager=eager)
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        return super().replay(fb)[0]
+
+
+def fix_gather_width(backend, context_len: int) -> None:
+    """Torch-native decode gathers a fixed ``[bs, contextLength]`` block under a graph (static shapes)."""
+    if hasattr(backend, "decode_ctx"):
+        backend.decode_ctx = context_len
+        log.warning("CUDA graphs with the torch-native backend gather [batch, %d] K/V per layer; "
+                    "their memory grows with the context length", context_len)

@@ -35,6 +35,7 @@ from ..contract import EAGLE_ALGORITHMS
 from ..errors import InputError
 from ..model_config import load_shape
 from .attention import make_attn_backend
+from .cuda_graph import GraphRunner
 from .batch import Segment, alloc_positions, chunk_segments, free_positions, make_batch, with_cache_locs
 from ..model_config import read_config
 from .eagle_loader import head_config, load_eagle_head
@@ -155,6 +156,35 @@ class EagleSpeculator(Speculator):
         d2t = getattr(self.head, "d2t", None)
         self._draft_ids = None if d2t is None else torch.arange(d2t.numel(), device=d2t.device) + d2t
         self._features: dict[int, torch.Tensor] = {}  # rid -> target features not yet in the draft cache
+        self._graphs: dict[tuple[str, int], GraphRunner] = {}  # (model, tokens per request) -> graphs
+
+    def capture_graphs(self, max_bs: int, eager: bool = False) -> None:
+        """Graphs, by batch size up to ``max_bs``, for the chain's draft steps (one token per request
+        and the head's own features), the chain's verify pass (k + 1 tokens, target logits and
+        features) and the plain target step. Only over backends that read lengths at replay
+        (Triton), on one device; ``eager``: the CPU stand-in (``cuda_graph.EagerGraph``)."""
+        if self.tp.size > 1:
+            log.info("%s: draft and verify steps run eagerly under tensor parallelism", self.draft.name)
+            return
+        with torch.inference_mode():
+            self._capture(max_bs, eager)
+
+    def _capture(self, max_bs: int, eager: bool) -> None:
+        graphable = lambda backend: eager or not hasattr(backend, "decode_ctx")  # noqa: E731
+        pool = None if eager or self.target.cuda_graphs is None else self.target.cuda_graphs.pool
+        device = self.target.device
+        if graphable(self.target.backend):
+            widths = [1] if self.tree else [1, self.k + 1]  # a tree's verify pass has its own mask
+            for width in widths:
+                graph = GraphRunner(lambda fb, rows: self._target_pass(fb, self.target.backend, rows), max_bs,
+                                    device, width, pool=pool, eager=eager, name=f"target (+features) x{width}")
+                pool = graph.pool
+                self._graphs[("target", width)] = graph
+        if graphable(self.draft.backend) and not self.tree:
+            graph = GraphRunner(lambda fb, rows, hidden: self._draft_pass(fb, self.draft.backend, hidden, False, rows),
+                                max_bs, device, 1, extra_widths=(self.draft.shape.hidden_size,),
+                                extra_dtype=self.target.dtype, pool=pool, eager=eager, name="draft step")
+            self._graphs[("draft", 1)] = graph
 
     @property
     def slots_per_round(self) -> int:
@@ -192,18 +222,31 @@ class EagleSpeculator(Speculator):
     def _target(self, fb, backend: str, last_only: bool = False, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (every token's, or each request's last) and head features for every token."""
         require(self.target.phase, Phase.BACKENDS_READY, "run a forward pass", self.target.name)
-        capture = HiddenCapture(self.draft.aux_layers)
+        graph = self._graphs.get(("target", fb.extend_lens[0] if fb.extend_lens else 0))
+        if backend == "target" and rows is None and not last_only and graph is not None and graph.can_run(fb):
+            return graph.replay(fb)  # every row of the batch, as below
         rows = fb.logit_rows(last_only) if rows is None else rows
         self._announce("target", backend, fb, rows)
-        logits = self.target.model(fb, self._backend(backend), rows, capture)
+        return self._target_pass(fb, self._backend(backend), rows)
+
+    def _target_pass(self, fb, backend, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        capture = HiddenCapture(self.draft.aux_layers)
+        logits = self.target.model(fb, backend, rows, capture)
         return logits.float(), capture.features()
 
     @torch.inference_mode()
     def _draft(self, fb, backend: str, hidden, from_target: bool, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft logits over the target's vocabulary and next features, at ``rows``."""
         require(self.draft.phase, Phase.BACKENDS_READY, "run a forward pass", self.draft.name)
+        graph = self._graphs.get(("draft", 1))
+        if backend == "draft" and not from_target and graph is not None and graph.can_run(fb) \
+                and rows.numel() == fb.input_ids.numel():  # a chain's draft step: every row
+            return graph.replay(fb, hidden)
         self._announce("draft", backend, fb, rows, hidden, from_target)
-        normed, feature = self.head(self.embed(fb.input_ids), hidden, from_target, fb, self._backend(backend))
+        return self._draft_pass(fb, self._backend(backend), hidden, from_target, rows)
+
+    def _draft_pass(self, fb, backend, hidden, from_target: bool, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, feature = self.head(self.embed(fb.input_ids), hidden, from_target, fb, backend)
         normed = normed[rows]
         lm_head = getattr(self.head, "lm_head", None)
         if lm_head is None:
@@ -347,7 +390,7 @@ class EagleSpeculator(Speculator):
             last = r.kv_len
             r.kv_len = last + n + 1
             free_positions(pool, alloc, r.req_idx, r.kv_len, last + self.k + 1)
-            self._features[r.rid] = features[rows][: n + 1]
+            self._features[r.rid] = features[rows][: n + 1].clone()  # graph outputs are overwritten
             results.append(RoundResult(chain[:n] + [nxt], proposed=k, accepted=n))
         return results
 

@@ -162,6 +162,7 @@ class Engine:
         self._timed("alloc_memory_pool", self.init_memory_pools)  # phase 2
         self._timed("init_backends", self.init_backends)  # phase 3
         self.speculator = self._make_speculator()
+        self.dynamic_peak = self._warm_up()  # after every CUDA graph, the speculator's included
         self._timed("measure_step_cost", self._make_policy)  # the warm-up that seeds the policy's cost model
 
     def _timed(self, name: str, phase: Callable[[], None]) -> None:
@@ -260,7 +261,6 @@ class Engine:
                 runner.init_backends(args.cuda_graph_max_bs, verify_tokens=args.num_draft_tokens + 1)
             else:
                 runner.init_backends(args.cuda_graph_max_bs)
-        self.dynamic_peak = self._warm_up()
 
     def _warm_up(self) -> DynamicPeak:
         """The largest prefill chunk and the largest graph batch at the verify width, once each,
@@ -273,15 +273,23 @@ class Engine:
 
     def _make_speculator(self) -> Speculator:
         args = self.args
+        if args.algorithm in EAGLE_ALGORITHMS or args.algorithm == "MTP":
+            spec = self._make_eagle_speculator()
+            if self.device.type == "cuda" and args.cuda_graph_max_bs > 0:
+                spec.capture_graphs(min(args.cuda_graph_max_bs, args.max_running_requests))
+            return spec
+        return StandaloneSpeculator(args.algorithm, self.target_runner, self.draft_runner, args.num_draft_tokens,
+                                    args.ngram_max)
+
+    def _make_eagle_speculator(self) -> EagleSpeculator:
+        args = self.args
         if args.algorithm in EAGLE_ALGORITHMS:
             return EagleSpeculator(args.algorithm, self.target_runner, self.draft_runner,
                                    args.speculative_num_steps or args.num_draft_tokens, args.speculative_eagle_topk,
                                    args.num_draft_tokens, chunk_tokens=args.chunked_prefill_size)
-        if args.algorithm == "MTP":  # the NextN layer drafts chains from the target's hidden states, as EAGLE does
-            return EagleSpeculator(args.algorithm, self.target_runner, self.draft_runner, args.num_draft_tokens,
-                                   chunk_tokens=args.chunked_prefill_size)
-        return StandaloneSpeculator(args.algorithm, self.target_runner, self.draft_runner, args.num_draft_tokens,
-                                    args.ngram_max)
+        # MTP: the NextN layer drafts chains from the target's hidden states, as EAGLE does
+        return EagleSpeculator(args.algorithm, self.target_runner, self.draft_runner, args.num_draft_tokens,
+                               chunk_tokens=args.chunked_prefill_size)
 
     def _make_policy(self) -> None:
         args, spec = self.args, self.speculator
