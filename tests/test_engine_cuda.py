@@ -108,3 +108,105 @@ def test_worker_tokens_match_the_plan_made_with_nvml(tmp_path, capsys):
     # The worker charges the larger of the plan's runtime reserve and what it measures in use, so it
     # may hold slightly fewer tokens, never more.
     assert 0.98 * planned <= actual <= planned
+
+
+# ---- graphs for every algorithm, sampling on the device, start-up against the plan ------------------
+def _count_graph_replays(monkeypatch) -> list[int]:
+    from specdecode_worker.engine.cuda_graph import GraphRunner
+
+    seen, real = [], GraphRunner.replay
+
+    def replay(self, fb, *extras):
+        seen.append(fb.batch_size)
+        return real(self, fb, *extras)
+
+    monkeypatch.setattr(GraphRunner, "replay", replay)
+    return seen
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("case", ["NONE", "STANDALONE", "NGRAM", "EAGLE-chain", "EAGLE3-chain"])
+def test_greedy_output_through_cuda_graphs_equals_eager_output(models, monkeypatch, case, batch):
+    """Captured graphs (decode, verify, EAGLE draft steps and verify passes) against the same
+    engine without graphs, at batch 1 and at a batch of 32 (every captured size up to 32). Trees
+    run eagerly (their passes carry masks), as test_speculative_output_equals_plain_output_on_cuda
+    checks."""
+    algorithm, _, variant = case.partition("-")
+    if algorithm.startswith("EAGLE"):
+        target, draft, vocab = models["small"], models[algorithm.lower()], VOCAB
+        extra = dict(num_draft_tokens=6, speculative_num_steps=3, speculative_eagle_topk=3) if variant == "tree" \
+            else dict(num_draft_tokens=3)
+    else:
+        target, draft = models["target"], {"STANDALONE": models["draft"]}.get(algorithm)
+        vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+        extra = {} if algorithm == "NONE" else dict(num_draft_tokens=3)
+    sizes = dict(device="cuda", device_memory_bytes=None, max_total_tokens=8192, max_running_requests=32)
+    prompts = [[random.Random(i).randrange(3, vocab) for _ in range(3 + i % 11)] for i in range(batch)]
+
+    def outputs(graph_bs):
+        eng = engine(target, algorithm, draft, cuda_graph_max_bs=graph_bs, **sizes, **extra)
+        seen.clear()  # the warm-up's passes do not count
+        reqs = run_all(eng, [Request(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in prompts])
+        return [r.output_ids for r in reqs]
+
+    seen = _count_graph_replays(monkeypatch)
+    eager = outputs(0)
+    assert not seen
+    assert outputs(32) == eager
+    assert seen, "no pass replayed a graph"
+
+
+def test_sampling_and_acceptance_never_synchronise(models):
+    """Device sampling and chain acceptance queue work only: CUDA's sync debug mode raises on any
+    host synchronisation inside them; the one read-back is to_host."""
+    from specdecode_worker.engine.batch_sampling import choose_tokens, to_host, uniforms, verify_chains
+
+    gen = torch.Generator().manual_seed(0)
+    params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=20), SamplingParams(), SamplingParams(temperature=1.0)]
+    logits = torch.randn(3, 4, 1000, device="cuda")
+    draft = torch.randint(0, 1000, (3, 3), device="cuda")
+    draft_probs = torch.softmax(torch.randn(3, 3, 1000, device="cuda"), -1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        u = uniforms(params, [gen] * 3, [4, 3, 2], "cuda")
+        tokens, _ = choose_tokens(logits[:, 0], params, u[:, 0])
+        n, nxt = verify_chains(draft, draft_probs, logits, [3, 2, 1], params, u)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    n, nxt, tokens = to_host(n, nxt, tokens)
+    assert all(0 <= a <= k for a, k in zip(n, [3, 2, 1])) and all(0 <= t < 1000 for t in nxt + tokens)
+
+
+def test_example_sizes_start_at_context_8192_with_the_default_graph_batch_and_the_peak_within_plan(tmp_path, capsys):
+    """A 1 GB bf16 target with an EAGLE3 head, planned at contextLength 8192 with the planner's
+    defaults for this GPU (cudaGraphMaxBs, chunkedPrefillSize), starts, captures its graphs, and
+    phase 3's warm-up measures a dynamic peak at or below the plan's."""
+    from safetensors.torch import load_file, save_file
+
+    target = write_tiny_model(tmp_path / "big", "llama", seed=0, hidden_size=2048, intermediate_size=5632,
+                              num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)
+    weights = target / "model.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+    (target / "config.json").write_text(json.dumps(cfg))
+    head = write_eagle3_head(tmp_path / "head", target, draft_vocab=8000, seed=3)
+    argv = ["--target", str(target), "--draft", str(head), "--algorithm", "EAGLE3", "--context-length", "8192"]
+    assert plan_cli.main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    reserve = plan["reserve"]
+    assert reserve["cudaGraphMaxBs"] > 0
+    eng = engine(target, "EAGLE3", head, device="cuda", device_memory_bytes=None,
+                 mem_fraction_static=plan["memFractionStatic"], runtime_bytes=reserve["runtimeBytes"], context_len=8192,
+                 cuda_graph_max_bs=reserve["cudaGraphMaxBs"], max_running_requests=reserve["maxRunningRequests"],
+                 chunked_prefill_size=reserve["chunkedPrefillSize"], planned_dynamic_bytes=reserve["dynamicBytes"],
+                 planned_tokens=plan["kvCache"]["maxTotalNumTokens"], num_draft_tokens=3, dtype="bfloat16")
+    peak = eng.dynamic_peak
+    print(f"dynamic bytes planned {peak.planned}, measured {peak.measured} ({peak.note}); KV tokens planned "
+          f"{plan['kvCache']['maxTotalNumTokens']}, allocated {eng.memory_profile.max_total_num_tokens}")
+    assert peak.measured is not None and peak.measured <= peak.planned
+    assert peak.chunk_tokens == reserve["chunkedPrefillSize"]
+    assert eng.speculator._graphs, "the EAGLE3 chain's draft and verify graphs were captured"
+    out = eng.generate(list(range(3, 40)), SamplingParams(max_tokens=8, ignore_eos=True)).output_ids
+    assert len(out) == 8

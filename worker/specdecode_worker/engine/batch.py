@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, to_device
 from .pools import ReqToTokenPool, TokenToKVPoolAllocator
 
 
@@ -51,11 +51,11 @@ def make_batch(segments: list[Segment], device) -> ForwardBatch:
     req_idx = torch.tensor([s.req_idx for s in segments], dtype=torch.int64)
     seq_lens = [s.start + len(s.tokens) for s in segments]
     return ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(pos, dtype=torch.int64, device=device),
+        input_ids=to_device(ids, device, torch.int64),
+        positions=to_device(pos, device, torch.int64),
         out_cache_loc=torch.empty(0, dtype=torch.int64),
         req_pool_indices=req_idx.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        seq_lens=to_device(seq_lens, device, torch.int64),
         extend_lens=[len(s.tokens) for s in segments],
         seq_lens_cpu=seq_lens,
     )

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .forward_batch import to_device
 from .request import SamplingParams
 
 
@@ -49,23 +50,25 @@ def uniforms(params: Sequence[SamplingParams], generators: Sequence, counts: int
     width = max(counts)
     rows = [torch.zeros(width) if p.greedy else torch.cat([torch.rand(c, generator=g), torch.zeros(width - c)])
             for p, g, c in zip(params, generators, counts)]
-    return torch.stack(rows).to(device, non_blocking=True)
+    stacked = torch.stack(rows)
+    return stacked.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" \
+        else stacked.to(device)
 
 
 def batch_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Rows of ``[N, V]`` logits to the distributions row i samples from: its temperature, then its
     top-k, then its top-p (greedy rows come out at temperature 1e-5, never read)."""
     device, vocab = logits.device, logits.shape[-1]
-    temps = torch.tensor([max(p.temperature, 1e-5) for p in params], device=device)
+    temps = to_device([max(p.temperature, 1e-5) for p in params], device)
     logits = logits.float() / temps[:, None]
     top_k = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
     if any(top_k):
-        k = torch.tensor([k or vocab for k in top_k], device=device)
+        k = to_device([k or vocab for k in top_k], device)
         kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))  # ties with the k-th stay, as topk keeps them
     probs = torch.softmax(logits, dim=-1)
     if any(p.top_p < 1 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+        top_p = to_device([p.top_p for p in params], device)[:, None]
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p
         sorted_p = sorted_p.masked_fill((before >= top_p) & (top_p < 1), 0)
@@ -89,7 +92,7 @@ def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], u: tor
     if u is None:
         return best, None
     probs = batch_probs(logits, params)
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    greedy = to_device([p.greedy for p in params], logits.device)
     return torch.where(greedy, best, draw(probs, u)), probs
 
 
@@ -106,7 +109,7 @@ def verify_chains(draft: torch.Tensor, draft_probs: torch.Tensor | None, target_
     """
     batch, width = draft.shape
     device = draft.device
-    lengths_t = torch.tensor(list(lengths), device=device)
+    lengths_t = to_device(list(lengths), device)
     valid = torch.arange(width, device=device)[None] < lengths_t[:, None]
     best = torch.argmax(target_logits, dim=-1)  # [B, K + 1]
     n_greedy = ((draft == best[:, :width]) & valid).long().cumprod(1).sum(1)
@@ -138,7 +141,7 @@ def verify_chains(draft: torch.Tensor, draft_probs: torch.Tensor | None, target_
     else:
         residual = q_n
     next_sampled = draw(residual, u.gather(1, lengths_t[:, None]).squeeze(1))
-    greedy = torch.tensor([p.greedy for p in params], device=device)
+    greedy = to_device([p.greedy for p in params], device)
     return torch.where(greedy, n_greedy, n), torch.where(greedy, next_greedy, next_sampled)
 
 

@@ -36,6 +36,7 @@ from ..errors import InputError
 from ..model_config import load_shape
 from .attention import make_attn_backend
 from .cuda_graph import GraphRunner
+from .forward_batch import to_device
 from .batch import Segment, alloc_positions, chunk_segments, free_positions, make_batch, with_cache_locs
 from ..model_config import read_config
 from .eagle_loader import head_config, load_eagle_head
@@ -376,11 +377,11 @@ class EagleSpeculator(Speculator):
 
         self.last_draft_seconds = time.perf_counter() - start_time
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
-        chains = torch.cat([torch.tensor([[r.all_ids[-1]] for r in reqs], device=device), tokens], dim=1)
+        chains = torch.cat([to_device([[r.all_ids[-1]] for r in reqs], device), tokens], dim=1)
         flat = [i * (self.k + 1) + j for i, k in enumerate(ks) for j in range(k + 1)]
         segments = [Segment(r.req_idx, [0] * (k + 1), r.kv_len) for r, k in zip(reqs, ks)]
         fb = with_cache_locs(make_batch(segments, device), pool, segments)
-        fb.input_ids = chains.reshape(-1).index_select(0, torch.tensor(flat, device=device))
+        fb.input_ids = chains.reshape(-1).index_select(0, to_device(flat, device))
         target_logits, features = self._target(fb, "target")
         accepted, nexts, drafted = accept_chains(reqs, tokens, probs, target_logits, ks)
         results, start = [], 0

@@ -7,6 +7,15 @@ from dataclasses import dataclass, field
 import torch
 
 
+def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list as a tensor on ``device``. To CUDA through pinned memory without waiting: a
+    plain copy from pageable memory synchronises the stream, so the host could not run ahead."""
+    host = torch.tensor(data, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class ForwardBatch:
     """Tokens of several requests, concatenated.
@@ -37,5 +46,5 @@ class ForwardBatch:
         """Row indices of the flattened tokens whose logits are wanted."""
         if not last_only:
             return torch.arange(self.input_ids.numel(), device=self.input_ids.device)
-        ends = torch.tensor(self.extend_lens, device=self.input_ids.device).cumsum(0) - 1
+        ends = to_device(self.extend_lens, self.input_ids.device).cumsum(0) - 1
         return ends

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..contract import EAGLE_ALGORITHMS, SERVED_ALGORITHMS
+from .forward_batch import to_device
 from .batch import Segment, alloc_positions, chunk_segments, forward_segments, free_positions
 from .model_runner import ModelRunner
 from .request import Request
@@ -79,7 +80,7 @@ class Speculator(ABC):
         out: list[int | None] = [None] * len(reqs)
         if fresh:
             picked = [reqs[i] for i in fresh]
-            rows = logits.index_select(0, torch.tensor(fresh, device=logits.device))
+            rows = logits.index_select(0, to_device(fresh, logits.device))
             params = [r.params for r in picked]
             tokens, _ = choose_tokens(rows, params, first_uniforms(picked, 1, rows.device))
             for i, t in zip(fresh, to_host(tokens)[0]):
@@ -111,7 +112,7 @@ def accept_chains(reqs: list[Request], draft: torch.Tensor, draft_probs: torch.T
     width = max(ks, default=0)
     draft = draft[:, :width]
     draft_probs = None if draft_probs is None else draft_probs[:, :width]
-    rows = torch.tensor(chain_rows(ks), device=logits.device)
+    rows = to_device(chain_rows(ks), logits.device)
     target = logits.index_select(0, rows).view(len(reqs), width + 1, -1)
     params = [r.params for r in reqs]
     u = uniforms(params, [r.generator for r in reqs], [k + 1 for k in ks], logits.device)
@@ -169,9 +170,9 @@ class StandaloneSpeculator(Speculator):
         # The verify pass's tokens stay on the device: each request's last token, then its proposals.
         device = self.target.device
         width = draft.shape[1]
-        chains = torch.cat([torch.tensor([[r.all_ids[-1]] for r in reqs], device=device), draft], dim=1)
+        chains = torch.cat([to_device([[r.all_ids[-1]] for r in reqs], device), draft], dim=1)
         flat = [i * (width + 1) + j for i, k in enumerate(found) for j in range(k + 1)]
-        ids = chains.reshape(-1).index_select(0, torch.tensor(flat, device=device))
+        ids = chains.reshape(-1).index_select(0, to_device(flat, device))
         segments = [Segment(r.req_idx, [0] * (k + 1), r.kv_len) for r, k in zip(reqs, found)]
         logits = forward_segments(self.target, segments, last_only=False, input_ids=ids)
         accepted, nexts, drafted = accept_chains(reqs, draft, draft_probs, logits, found)
@@ -194,7 +195,7 @@ class StandaloneSpeculator(Speculator):
             found = [ngram_propose(r.all_ids, k, self.ngram_max) if k else [] for r, k in zip(reqs, ks)]
             width = max((len(f) for f in found), default=0)
             padded = [f + [0] * (width - len(f)) for f in found]
-            return (torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(reqs), width), None,
+            return (to_device(padded, device, torch.int64).reshape(len(reqs), width), None,
                     [len(f) for f in found])
         return self._draft_propose(reqs, ks)
 
@@ -210,7 +211,7 @@ class StandaloneSpeculator(Speculator):
         ids = None
         for step in range(width):
             drafting = [i for i, k in enumerate(ks) if k > step]
-            index = torch.tensor(drafting, device=device)
+            index = to_device(drafting, device)
             if step:
                 segments = [Segment(reqs[i].req_idx, [0], reqs[i].kv_len + step) for i in drafting]
                 ids = tokens[:, step - 1].index_select(0, index)
