@@ -11,8 +11,10 @@ contextLength 8192 and every other size at the planner's default for the GPU fou
 It reports
   - start-up of the example's settings (8B + EAGLE3, default cudaGraphMaxBs) without OOM;
   - planned against allocated KV tokens;
-  - planned against measured dynamic peak (caching allocator's peak reserved bytes minus weights
-    and pools, after a warm-up at the largest prefill chunk and the largest graph batch);
+  - planned against measured dynamic peak: phase 3's warm-up (one pass at the largest prefill
+    chunk, one at the largest graph batch x the verify width, after every CUDA graph is captured)
+    reads the allocator's peak of allocated bytes minus weights and pools; next to it the
+    caching allocator's reserved peak after the EAGLE3 runs, minus the same;
   - decode tok/s at batch 1, 8, 64 (1k-token prompts, 256 new tokens) against the roofline
     (weights + live KV bytes per step over the measured device-to-device copy bandwidth);
   - decode step time at batch 64 with live length 1k against 7k;
@@ -335,6 +337,7 @@ def startup_phase(s: Settings, models, res: dict) -> None:
     res["planned_kv_tokens"] = plan["kvCache"]["maxTotalNumTokens"]
     res["allocated_kv_tokens"] = eng.target_runner.token_to_kv_pool_allocator.size
     res["planned_dynamic_bytes"] = r["dynamicBytes"]
+    res["warmup"] = eng.dynamic_peak.as_dict()  # phase 3: allocated peak at the largest chunk and graph batch
     res["cuda_graph_max_bs"], res["chunked_prefill_size"] = r["cudaGraphMaxBs"], r["chunkedPrefillSize"]
     generate(eng, s, min(r["cudaGraphMaxBs"], r["maxRunningRequests"]), 16, 4)  # largest graph batch
     generate(eng, s, 1, min(s.chunk, s.context - 8), 2)  # largest prefill chunk
@@ -342,8 +345,8 @@ def startup_phase(s: Settings, models, res: dict) -> None:
     res["eagle3_b1"] = _strip(generate(eng, s, 1, s.prompt, s.new_tokens))
     rounds = eng.stats.verify_rounds - before[1]
     res["eagle3_b1"]["accept_len"] = (eng.stats.accepted_tokens - before[0]) / max(rounds, 1)
-    if s.device == "cuda":
-        res["measured_dynamic_bytes"] = torch.cuda.max_memory_reserved() - static_bytes(eng)
+    if s.device == "cuda":  # the allocator's reserved peak since the warm-up, serving included
+        res["serving_reserved_dynamic_bytes"] = torch.cuda.max_memory_reserved() - static_bytes(eng)
 
 
 def decode_phase(s: Settings, models, res: dict, bw: float) -> dict:
@@ -468,9 +471,15 @@ def table(res: dict) -> str:
     if res["startup"] == "ok":
         rows += [("KV tokens planned / allocated", f"{res['planned_kv_tokens']} / {res['allocated_kv_tokens']}"),
                  ("graph batch / prefill chunk", f"{res['cuda_graph_max_bs']} / {res['chunked_prefill_size']}")]
-        measured = res.get("measured_dynamic_bytes")
+        warm = res["warmup"]
+        measured = warm["measured"]
         rows.append(("dynamic bytes planned / measured", f"{res['planned_dynamic_bytes'] / gib:.2f} GiB / "
-                     + (f"{measured / gib:.2f} GiB" if measured is not None else "n/a (cpu)")))
+                     + (f"{measured / gib:.2f} GiB (warm-up: {warm['chunk_tokens']} prompt tokens, "
+                        f"{warm['batch']} x {warm['width']} tokens)" if measured is not None
+                        else f"not measured ({warm['note']})")))
+        reserved = res.get("serving_reserved_dynamic_bytes")
+        if reserved is not None:
+            rows.append(("reserved beyond static after serving", f"{reserved / gib:.2f} GiB"))
         e = res["eagle3_b1"]
         rows.append(("EAGLE3 (random head) batch 1", f"{e['tok_s']:.1f} tok/s, accept length {e['accept_len']:.2f}"))
         for d in res["decode"]:

@@ -32,6 +32,8 @@ def test_tiny_run_reports_every_row(tmp_path, capsys, monkeypatch):
     res = json.loads(out.read_text())
     assert res["startup"] == "ok" and 0 < res["allocated_kv_tokens"]
     assert 0 < res["planned_dynamic_bytes"] < 64 << 20
+    # Phase 3's warm-up: the plan's number next to no measurement on CPU (none is invented).
+    assert res["warmup"]["planned"] == res["planned_dynamic_bytes"] and res["warmup"]["measured"] is None
     assert [d["batch"] for d in res["decode"]] == list(bench.TINY.batches)
     assert all(d["decode_tokens"] > 0 and d["roofline_tok_s"] > 0 for d in res["decode"])
     spec_rows = {r["draft"]: r for r in res["spec"]}

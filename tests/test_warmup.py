@@ -107,3 +107,18 @@ def test_the_retraction_counter_is_exported(models):
     eng = engine(models["target"])
     eng.stats.retracted_requests = 3
     assert _metric(eng, "retractions_total") == 3
+
+
+def test_running_out_of_memory_in_the_warm_up_is_a_start_up_error_saying_what_to_change(models, monkeypatch):
+    from specdecode_worker.engine.engine import StartupError
+
+    _with_fake_peak(monkeypatch, 0)
+
+    def no_memory(runner, segments, last_only):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(warmup, "forward_segments", no_memory)
+    with pytest.raises(StartupError) as failed:
+        engine(models["target"], planned_dynamic_bytes=PLANNED, chunked_prefill_size=32)
+    message = str(failed.value)
+    assert "32 prompt tokens" in message and str(PLANNED) in message and "chunkedPrefillSize" in message

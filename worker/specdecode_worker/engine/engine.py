@@ -53,7 +53,7 @@ from .speculative import RoundResult, Speculator, StandaloneSpeculator
 from .step_cost import StepCost
 from .step_timing import draft_points, target_points
 from .vocab_map import DraftVocabulary
-from .warmup import DynamicPeak, warm_up
+from .warmup import DynamicPeak, WarmUpOutOfMemory, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -268,8 +268,11 @@ class Engine:
         args = self.args
         k = 0 if args.algorithm == "NONE" else args.num_draft_tokens
         runners = [self.target_runner] + ([self.draft_runner] if args.algorithm == "STANDALONE" else [])
-        return warm_up(runners, args.planned_dynamic_bytes, args.chunked_prefill_size or args.context_len,
-                       args.cuda_graph_max_bs or args.max_running_requests, k + 1)
+        try:
+            return warm_up(runners, args.planned_dynamic_bytes, args.chunked_prefill_size or args.context_len,
+                           args.cuda_graph_max_bs or args.max_running_requests, k + 1)
+        except WarmUpOutOfMemory as exc:
+            raise StartupError(str(exc)) from None
 
     def _make_speculator(self) -> Speculator:
         args = self.args

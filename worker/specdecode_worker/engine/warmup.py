@@ -24,6 +24,10 @@ from .batch import Segment, forward_segments
 log = logging.getLogger(__name__)
 
 
+class WarmUpOutOfMemory(RuntimeError):
+    """The largest planned pass does not fit beside the weights and pools."""
+
+
 @dataclass(frozen=True)
 class DynamicPeak:
     planned: int | None  # R_dynamic of the plan served (None: no plan gave one)
@@ -83,8 +87,15 @@ def warm_up(runners, planned: int | None, chunk_tokens: int, batch: int, width: 
     width = max(1, min(width, context))
     static = static_bytes(runners)
     reader.reset()
-    _run(runners, [chunk_tokens], last_only=True)
-    _run(runners, [width] * batch, last_only=False)
+    try:
+        _run(runners, [chunk_tokens], last_only=True)
+        _run(runners, [width] * batch, last_only=False)
+    except torch.OutOfMemoryError as exc:  # serving would run out at its first full chunk or batch
+        raise WarmUpOutOfMemory(
+            f"phase 3's warm-up ran out of device memory (a pass of {chunk_tokens} prompt tokens, then one of "
+            f"{batch} x {width} tokens), with {planned} bytes planned for activations and graphs "
+            f"(reserve.dynamicBytes): give a smaller chunkedPrefillSize or cudaGraphMaxBs, or a lower "
+            f"--mem-fraction-static ({exc})") from None
     measured = max(0, reader.peak() - static)
     peak = DynamicPeak(planned, measured, chunk_tokens, batch, width,
                        note=f"warm-up: one pass of {chunk_tokens} prompt tokens, one of {batch} x {width} tokens")
