@@ -115,11 +115,14 @@ def test_default_fraction_from_the_dynamic_reserve_by_hand():
     # H100 tiers: chunk 8192, graph bs 256 = max running; verify rows 256 x 4. Eager pass: the chunk's
     # activations, the verify batch's logits (bf16 + fp32), the chunk's three EAGLE3 feature hiddens.
     eager = 8192 * token + 1024 * 128_256 * (2 + 4) + 8192 * 3 * 4096 * 2
-    # decode graphs of the target up to batch 256: activations, logits, split-KV partials (16 splits)
-    graphs = 256 * token + 256 * 128_256 * 6 + 256 * 32 * 16 * 129 * 4
+    # The target's graphs up to batch 256, sized by the verify graphs (1024 rows: activations, logits,
+    # three feature hiddens per row), and the head's draft-step graphs (activations, logits over its
+    # 32,000-entry vocabulary, split-KV partials of 16 splits).
+    graphs = 1024 * token + 1024 * 128_256 * 6 + 1024 * 3 * 4096 * 2
+    graphs += 256 * token + 256 * 32_000 * 6 + 256 * 32 * 16 * 129 * 4
     dyn = math.ceil(1.25 * (eager + graphs))
-    assert plan["reserve"]["dynamicBytes"] == dyn == 2_951_577_600
-    assert plan["memFractionStatic"] == math.floor((1 - dyn / H100) * 1000) / 1000 == 0.965
+    assert plan["reserve"]["dynamicBytes"] == dyn == 3_951_001_600
+    assert plan["memFractionStatic"] == math.floor((1 - dyn / H100) * 1000) / 1000 == 0.953
     assert plan["tensorParallelSize"] == 1 and plan["minTensorParallelSize"] == 1
 
 
@@ -144,9 +147,10 @@ def test_serving_tiers_and_reserves():
     assert dynamic_reserve_bytes("STANDALONE", tiny, big, 1, 512, 8, 4, verify_tokens=5) == math.ceil(
         1.25 * (512 * big.token_bytes(1) + 20 * 1000 * 8 + tiny.verify_pool_bytes(8, 5, 1)
                 + big.graph_pool_bytes(8, 1)))
-    # EAGLE3 verifies eagerly: the target's pool holds decode graphs only
+    # EAGLE3: the target's verify graphs (returning 3 x hidden features per row) and the head's
+    # draft-step graphs
     assert dynamic_reserve_bytes("EAGLE3", tiny, tiny, 1, 512, 8, 4) == math.ceil(
-        1.25 * (512 * token + 16 * 1000 * 8 + 512 * 3 * 64 * 4 + decode_graph))
+        1.25 * (512 * token + 16 * 1000 * 8 + 512 * 3 * 64 * 4 + verify_graph + 32 * 3 * 64 * 4 + decode_graph))
     # tensor parallelism shards heads and the MLP, not the hidden stream
     assert LLAMA8B_GEOMETRY.token_bytes(8) == 2 * (3 * 4096 + 4 * 128 + 1 * 256 + 4 * 128 + 3 * 1792)
 

@@ -158,9 +158,11 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
     eager pass: the larger of a prefill chunk and a verify batch (max_running x verify_tokens
     tokens) through the larger model's layers, the verify batch's logits, and the features an EAGLE
     head takes from the target for a chunk. Graph pools: decode graphs up to ``cuda_graph_max_bs``
-    for the target and for a STANDALONE draft (an EAGLE head runs eagerly); for STANDALONE and
-    NGRAM the target's verify graphs (k + 1 rows per request) share its decode graphs' pool, which
-    is then the larger of the two.
+    for the target and for a STANDALONE draft; the target's verify graphs (k + 1 rows per request)
+    share its decode graphs' pool, which is then the larger of the two (STANDALONE, NGRAM, and
+    EAGLE/EAGLE3, whose target graphs also return the head's features, and whose head has a
+    graph pool of its own for the chain's draft steps). Each runner's sizes write into its largest
+    graph's outputs, so a pool holds one set of outputs.
     """
     verify_rows = max_running_requests * verify_tokens
     tokens = max(chunked_prefill_size, verify_rows)
@@ -170,8 +172,13 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
     features = tokens * FEATURE_HIDDENS.get(algorithm, 0) * target.hidden_size * target.dtype_bytes
     eager = tokens * per_token + target.logit_bytes(verify_rows) + features
     graphs = target.graph_pool_bytes(cuda_graph_max_bs, tp)
-    if algorithm in ("STANDALONE", "NGRAM"):
+    if algorithm in ("STANDALONE", "NGRAM", "EAGLE", "EAGLE3"):
         graphs = max(graphs, target.verify_pool_bytes(cuda_graph_max_bs, verify_tokens, tp))
+    if algorithm in ("EAGLE", "EAGLE3"):
+        rows = cuda_graph_max_bs * verify_tokens
+        graphs += rows * FEATURE_HIDDENS[algorithm] * target.hidden_size * target.dtype_bytes
+        if draft is not None:
+            graphs += draft.graph_pool_bytes(cuda_graph_max_bs, 1)
     if algorithm == "STANDALONE" and draft is not None:
         graphs += draft.graph_pool_bytes(cuda_graph_max_bs, 1)
     return math.ceil(ALLOCATOR_SLACK * (eager + graphs))

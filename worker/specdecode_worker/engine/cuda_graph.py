@@ -126,6 +126,9 @@ class GraphRunner:
         self.extras = [torch.zeros(n_tok, w, dtype=extra_dtype, device=device) for w in extra_widths]
         self.graphs: dict = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        # Every size writes its outputs into the largest graph's (a view of their first rows), so
+        # the pool holds one set of outputs, not one per captured size.
+        self._static_out: tuple[torch.Tensor, ...] | None = None
         # Runners may share one memory pool (their graphs never run at once); each replay's
         # outputs are consumed before the next replay.
         self.pool = None if eager else (torch.cuda.graph_pool_handle() if pool is None else pool)
@@ -135,7 +138,10 @@ class GraphRunner:
             extras = [e[: bs * tokens_per_req] for e in self.extras]
 
             def call(fb=fb, rows=rows, extras=extras):
-                return _as_tuple(fn(fb, rows, *extras))
+                out = _as_tuple(fn(fb, rows, *extras))
+                if self._static_out is None:
+                    return out
+                return tuple(static[: o.shape[0]].copy_(o) for static, o in zip(self._static_out, out))
 
             if eager:
                 graph = EagerGraph(call)
@@ -151,6 +157,8 @@ class GraphRunner:
                 with torch.cuda.graph(graph, pool=self.pool):
                     self.outputs[bs] = call()
             self.graphs[bs] = graph
+            if self._static_out is None:
+                self._static_out = self.outputs[bs]
         log.info("%s: %s graphs for batch sizes %s (%d token(s) per request)", name,
                  "eager stand-in" if eager else "captured CUDA", self.sizes, tokens_per_req)
 

@@ -113,7 +113,7 @@ class EagleRunner(ModelRunner):
         require(self.phase, Phase.POOLS_ALLOCATED, "initialise attention backends", self.name)
         self.backend = make_attn_backend(self.req_to_token_pool, self.token_to_kv_pool, None)
         self.tree_backend = make_tree_attn_backend(self.req_to_token_pool, self.token_to_kv_pool, None)
-        log.info("%s: EAGLE draft steps run eagerly (no CUDA graphs)", self.name)
+        log.info("%s: chain draft steps are graphed by the speculator where the backend allows", self.name)
         self.phase = Phase.BACKENDS_READY
 
     def replay(self, call: tuple) -> None:
@@ -172,14 +172,14 @@ class EagleSpeculator(Speculator):
 
     def _capture(self, max_bs: int, eager: bool) -> None:
         graphable = lambda backend: eager or not hasattr(backend, "decode_ctx")  # noqa: E731
-        pool = None if eager or self.target.cuda_graphs is None else self.target.cuda_graphs.pool
+        pool = None
         device = self.target.device
         if graphable(self.target.backend):
             widths = [1] if self.tree else [1, self.k + 1]  # a tree's verify pass has its own mask
             for width in widths:
                 graph = GraphRunner(lambda fb, rows: self._target_pass(fb, self.target.backend, rows), max_bs,
                                     device, width, pool=pool, eager=eager, name=f"target (+features) x{width}")
-                pool = graph.pool
+                pool = graph.pool  # one pool for every graph of the round (they never run at once)
                 self._graphs[("target", width)] = graph
         if graphable(self.draft.backend) and not self.tree:
             graph = GraphRunner(lambda fb, rows, hidden: self._draft_pass(fb, self.draft.backend, hidden, False, rows),

@@ -259,6 +259,8 @@ class Engine:
         for runner in self.model_runners():
             if runner is self.target_runner and args.algorithm in ("STANDALONE", "NGRAM"):
                 runner.init_backends(args.cuda_graph_max_bs, verify_tokens=args.num_draft_tokens + 1)
+            elif runner is self.target_runner and args.algorithm in (*EAGLE_ALGORITHMS, "MTP"):
+                runner.init_backends(0)  # its passes return features too: the speculator graphs them
             else:
                 runner.init_backends(args.cuda_graph_max_bs)
 
