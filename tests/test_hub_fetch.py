@@ -229,3 +229,21 @@ def test_an_unforeseen_error_holding_the_token_is_masked(hub, capsys, tmp_path, 
     assert code == ExitCode.INTERNAL_ERROR and "Traceback" in err and "Bearer ***" in err
     expected = "internal error: RuntimeError: request failed with headers {'authorization': 'Bearer ***'}"
     assert log.read_text() == expected
+
+
+def test_a_killed_downloads_leftover_is_removed_and_no_other(hub, capsys, tmp_path):
+    from huggingface_hub._local_folder import get_local_download_paths
+
+    dest = tmp_path / "d"
+
+    def leftover(name: str, etag: str) -> Path:  # where the client writes, with its per-attempt suffix
+        path = get_local_download_paths(dest, name).incomplete_path(etag)
+        path = path.with_name(f"{path.stem}.0123abcd.incomplete")
+        path.write_bytes(b"x" * 1000)
+        return path
+
+    stale = leftover("model.safetensors", "ab" * 32)
+    other = leftover("other.safetensors", "cd" * 32)  # not a file of this model: kept
+    code, _, err = fetch(capsys, "--repo", REPO, "--commit", hub.commit, "--dest", dest)
+    assert code == ExitCode.OK, err
+    assert not stale.exists() and other.exists()

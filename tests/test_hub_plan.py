@@ -198,10 +198,12 @@ def test_resolve_lists_the_files_a_worker_loads(tmp_path):
 
 
 def _http_error(status: int, url: str = "http://hub.test/org/m/resolve/main/config.json"):
-    import httpx2
-    from huggingface_hub.utils import hf_raise_for_status
+    import importlib
 
-    response = httpx2.Response(status, request=httpx2.Request("GET", url))
+    from huggingface_hub.utils import get_session, hf_raise_for_status
+
+    http = importlib.import_module(type(get_session()).__module__.split(".")[0])  # the client's HTTP library
+    response = http.Response(status, request=http.Request("GET", url))
     try:
         hf_raise_for_status(response)
     except Exception as exc:

@@ -13,7 +13,9 @@ says what); 4 the hub is unreachable or failing (retry); 1 internal error. With
 
 from __future__ import annotations
 
+import base64
 import errno
+import hashlib
 import os
 import shutil
 import sys
@@ -75,6 +77,22 @@ def _disk_full(dest: Path, needed: int, free: int) -> InputError:
                       "make the model cache larger (modelStore.hub.cache) or free space on it")
 
 
+def _drop_stale_partials(dest: Path, f: HubFile) -> None:
+    """Remove what a killed download of ``f`` left behind.
+
+    huggingface_hub downloads into ``.cache/huggingface/download/<hash>.<etag>.<8 hex>.incomplete``
+    (``<hash>``: urlsafe base64 of the SHA-1 of ``<file name>.metadata``) and removes it on any
+    failure it sees, but not after SIGKILL (an evicted pod), and a new attempt never reuses it.
+    """
+    folder = dest / ".cache" / "huggingface" / "download" / Path(f.path).parent
+    digest = hashlib.sha1(f"{Path(f.path).name}.metadata".encode()).digest()
+    prefix = base64.urlsafe_b64encode(digest).decode() + "."
+    if folder.is_dir():
+        for leftover in folder.iterdir():
+            if leftover.name.startswith(prefix) and leftover.name.endswith(".incomplete"):
+                leftover.unlink(missing_ok=True)
+
+
 def _complete(dest: Path, f: HubFile) -> bool:
     path = dest / f.path
     return path.is_file() and path.stat().st_size == f.size
@@ -119,6 +137,8 @@ def fetch(client: HubClient, repo: str, commit: str, dest: Path, parts: int, par
     print(f"fetch {label}: {len(files)} files, {_gb(sum(f.size for f in files))}; "
           f"{len(files) - len(missing)} complete already, {_gb(needed)} to download into {dest}", flush=True)
     dest.mkdir(parents=True, exist_ok=True)
+    for f in missing:
+        _drop_stale_partials(dest, f)
     free = free_bytes(dest)
     if needed > free:
         raise _disk_full(dest, needed, free)
