@@ -64,7 +64,7 @@ for _p in (ROOT, ROOT / "worker", ROOT / "operator"):
 from specdecode_worker import serve_cli  # noqa: E402
 from specdecode_worker.engine import model_runner, mtp_runner  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.engine import Engine  # noqa: E402
+from specdecode_worker.engine.engine import Engine, StartupError  # noqa: E402
 from tests.checkpoints import CONFIGS, _decoder_tensors, _deepseek_tensors, model_tensors, write_checkpoint  # noqa: E402,E501
 
 LLAMA_1B = {  # meta-llama/Llama-3.2-1B-Instruct
@@ -434,7 +434,7 @@ def run(s: Settings, root: Path, log=print) -> dict:
     log(f"device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s")
     try:
         startup_phase(s, models, res)
-    except torch.cuda.OutOfMemoryError as exc:
+    except (torch.cuda.OutOfMemoryError, StartupError) as exc:  # StartupError: phase 3's warm-up ran out
         res["startup"] = f"OOM: {exc}"
         log(res["startup"])
         return res
@@ -451,7 +451,12 @@ def run(s: Settings, root: Path, log=print) -> dict:
         release(s.device)
         for r in res["spec"][-len(s.spec_batches):]:
             log(f"STANDALONE {name} batch {r['batch']}: acceptance {r['acceptance']:.2f}, speedup {r['speedup']:.2f}x")
-    mtp_phase(s, models, res)
+    try:
+        mtp_phase(s, models, res)
+    except (torch.cuda.OutOfMemoryError, StartupError) as exc:  # the rows above stand; say why MTP has none
+        res["mtp_error"] = f"{type(exc).__name__}: {exc}"
+        log(res["mtp_error"])
+        return res
     m = res["mtp"]
     log(f"MTP batch 1: acceptance {m['acceptance']:.2f}, speedup {m['speedup']:.2f}x, same output {m['same_output']}")
     for r in res["mtp_sweep"]:
@@ -491,6 +496,8 @@ def table(res: dict) -> str:
             rows.append((f"STANDALONE {r['draft']} k=3 batch {r['batch']}",
                          f"acceptance {r['acceptance']:.2f}, {r['tok_s']:.1f} vs {r['baseline_tok_s']:.1f} tok/s = "
                          f"{r['speedup']:.2f}x, same output: {r['same_output']}"))
+        if "mtp" not in res:
+            return _render(rows + [("MTP (DeepSeek-V3 cut)", res.get("mtp_error", "not run"))])
         m = res["mtp"]
         rows.append((f"MTP (DeepSeek-V3 cut) k={m['k']} batch 1",
                      f"acceptance {m['acceptance']:.2f}, {m['tok_s']:.1f} vs {m['baseline_tok_s']:.1f} tok/s = "
@@ -498,6 +505,10 @@ def table(res: dict) -> str:
         for c, best, adaptive, cells in sweep_rows(res["mtp_sweep"]):
             rows.append((f"MTP k={m['k']} sweep, {c} requests", f"{cells}; adaptive / best of none, fixed = "
                          f"{adaptive / best:.2f}"))
+    return _render(rows)
+
+
+def _render(rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"| {k.ljust(width)} | {v} |" for k, v in rows)
 
