@@ -49,7 +49,8 @@ T = TypeVar("T")
 
 
 class HubError(InputError):
-    """A hub request failed; ``kind`` is auth, repo, revision, file, unreachable or hub."""
+    """A hub request failed; ``kind`` is auth, repo, revision, file, endpoint (not a hub), unreachable or
+    hub (a server error)."""
 
     def __init__(self, message: str, kind: str):
         super().__init__(message)
@@ -222,6 +223,9 @@ class HubClient:
             raise HubError(f"model '{repo}': a hub model is named owner/name", "repo")
         info = self.call(lambda: self._api.model_info(repo, revision=revision, files_metadata=True), repo, revision)
         commit = info.sha
+        if not commit or not COMMIT.fullmatch(commit):
+            raise HubError(f"the hub at {self.endpoint} names no commit for {repo}@{revision} (sha {commit!r}); "
+                           "HF_ENDPOINT must be a Hugging Face compatible hub", "endpoint")
         sizes = {s.rfilename: (s.lfs.size if s.lfs else s.size) for s in info.siblings or []}
         missing = [name for name, size in sizes.items() if size is None and is_model_file(name)]
         if missing:
