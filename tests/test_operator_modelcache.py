@@ -112,7 +112,11 @@ def test_a_failed_part_carries_the_latest_message_of_a_missing_index():
             _failed_pod(1, "404: revision not found", "2026-01-01T00:01:00Z"),
             _failed_pod(1, "404 again: revision not found", "2026-01-01T00:02:00Z")]
     p = modelcache.progress(src, _job("0"), pods, "j")
-    assert (p.state, p.bytes_done, p.message) == (modelcache.FAILED, 10, "404 again: revision not found")
+    assert (p.state, p.bytes_done, p.message) == (modelcache.FAILED, 10,
+                                                  "404 again: revision not found (the part is retried)")
+    # once the Job gave up, the message is the pod's alone (the operator adds its own retry note)
+    p = modelcache.progress(src, _job("0", [("Failed", {"message": "Job has failed indexes"})]), pods, "j")
+    assert p.message == "404 again: revision not found"
     # a Job that gave up without a pod message still fails, with the Job's own
     p = modelcache.progress(src, _job("", [("Failed", {"message": "Job has failed indexes"})]), [], "j")
     assert (p.state, p.message) == (modelcache.FAILED, "Job has failed indexes")

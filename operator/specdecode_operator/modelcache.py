@@ -230,9 +230,12 @@ def progress(src: dict[str, Any], job: dict[str, Any] | None, pods: list[dict[st
     if job_complete(job):
         return Progress(bytes_done=total, state=DOWNLOADED, **base)
     message = failure_message(pods, done_parts)
-    if message is not None or job_failed(job):
+    gave_up = job_failed(job)
+    if gave_up is not None:
         return Progress(bytes_done=done, state=FAILED,
-                        message=message or (job_failed(job) or {}).get("message", "the download Job failed"), **base)
+                        message=message or gave_up.get("message", "the download Job failed"), **base)
+    if message is not None:  # the Job controller runs the part again after its backoff
+        return Progress(bytes_done=done, state=FAILED, message=f"{message} (the part is retried)", **base)
     return Progress(bytes_done=done, state=DOWNLOADING, **base)
 
 
