@@ -236,3 +236,49 @@ def test_deleting_a_worker_pod_recreates_its_group(cluster, lws, namespace, oper
                     and s["status"].get("readyReplicas") == 1, "Ready again")
     after = {n: p["metadata"]["uid"] for n, p in _group_pods(cluster, namespace).items()}
     assert sorted(after) == [leader_name, worker_name] and all(after[n] != before[n] for n in after)
+
+
+A100 = "NVIDIA-A100-SXM4-80GB"
+A100_NODES = ("a100-node-1", "a100-node-2")
+
+
+@pytest.fixture
+def two_a100_nodes_of_4_gpus(cluster):
+    """Two 4-GPU A100 nodes; removed afterwards."""
+    base = next(n for n in yaml.safe_load_all(lws_mod.HERE.joinpath("nodes.yaml").read_text())
+                if n["metadata"]["name"] == "h100-node-1")
+    for name in A100_NODES:
+        node = json.loads(json.dumps(base))
+        node["metadata"]["name"] = name
+        node["metadata"]["labels"].update({"kubernetes.io/hostname": name, "nvidia.com/gpu.product": A100,
+                                           "nvidia.com/gpu.count": "4", "nvidia.com/gpu.memory": "81920"})
+        node["status"]["addresses"] = [{"type": "Hostname", "address": name}]
+        for amounts in (node["status"]["capacity"], node["status"]["allocatable"]):
+            amounts["nvidia.com/gpu"] = "4"
+        cluster.api.create("/api/v1/nodes", node)
+    wait_for(lambda: cluster.kubectl("wait", "--for=condition=Ready", *(f"node/{n}" for n in A100_NODES),
+                                     "--timeout=5s", check=False).returncode == 0, timeout=60, what="A100 nodes Ready")
+    yield
+    for name in A100_NODES:
+        cluster.kubectl("delete", "node", name, "--wait=false", check=False)
+
+
+def test_gpus_per_node_come_from_the_nodes_when_the_spec_does_not_say(cluster, lws, namespace,
+                                                                      two_a100_nodes_of_4_gpus, operator):
+    # 900k KV tokens of Llama-3.1-70B need t = 8 on A100-80GB; the nodes hold 4 GPUs each and the
+    # spec sets neither gpu.perNode nor gpu.maxPerReplica: one replica spans both nodes.
+    body = json.loads(json.dumps(SDD))
+    body["spec"]["gpu"] = {"product": A100}
+    body["spec"]["serving"]["minKVTokens"] = 900_000
+    _apply(cluster, namespace, body)
+    sdd = _wait_sdd(cluster, namespace, lambda s: s.get("status", {}).get("phase") == "Ready", "Ready")
+    plan, planner = sdd["status"]["plan"], sdd["status"]["planner"]
+    assert (plan["tensorParallelSize"], plan["nodesPerReplica"]) == (8, 2)
+    assert (planner["gpusPerNode"], planner["gpusPerNodeFrom"]) == (4, "nodes")
+    assert "GPUs per node: 4" in _cond(sdd, "Planned")["message"]
+    assert get_object(cluster, namespace, "deployment", NAME) is None
+    pods = _group_pods(cluster, namespace)
+    assert sorted(pods) == [f"{NAME}-group-0", f"{NAME}-group-0-1"]
+    assert {p["spec"]["nodeName"] for p in pods.values()} == set(A100_NODES)
+    for pod in pods.values():
+        assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"

@@ -25,7 +25,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="liveness endpoint URL; /metrics on the same port serves the SDDs' conditions; "
                         "'off' disables both")
     p.add_argument("--no-node-check", action="store_true",
-                   help="do not read nodes (namespaced RBAC); PlanExceedsNodeGPUs is then not reported")
+                   help="do not read nodes (namespaced RBAC): GPUs per node come from gpu.perNode or "
+                        "default to 8, and PlanExceedsNodeGPUs is not reported")
     p.add_argument("--log-format", choices=["json", "plain"], default=os.environ.get("SPECDECODE_LOG_FORMAT", "json"))
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)

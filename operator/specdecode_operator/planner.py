@@ -21,14 +21,18 @@ TERMINATION_LOG = "/dev/termination-log"
 ACTIVE_DEADLINE_SECONDS = 900
 
 
-def planner_args(view: SpecView) -> list[str]:
-    """``specdecode-worker plan`` arguments for this spec (the plan's inputs, nothing else)."""
+def planner_args(view: SpecView, gpus_per_node: int | None = None) -> list[str]:
+    """``specdecode-worker plan`` arguments for this spec (the plan's inputs, nothing else).
+
+    ``gpus_per_node``: what the nodes offer when the spec does not say (nodecapacity.py).
+    """
     s = view.serving
     args = ["plan", *_model_args(view), "--algorithm", view.algorithm, "--tp", "auto"]
     if view.planner_max_tp > DEFAULT_MAX_TP:
         args += ["--max-tp", str(view.planner_max_tp)]
-    if view.gpu_per_node is not None:
-        args += ["--gpus-per-node", str(view.gpu_per_node)]
+    per_node = view.gpu_per_node if view.gpu_per_node is not None else gpus_per_node
+    if per_node is not None:
+        args += ["--gpus-per-node", str(per_node)]
     if view.gpu_memory_gib is not None:
         args += ["--gpu-memory-gib", _num(view.gpu_memory_gib)]
     elif view.gpu_product and not view.planner_request_gpu:
@@ -66,7 +70,8 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
-def render_planner_pod(view: SpecView, key: str, owner: dict[str, Any]) -> dict[str, Any]:
+def render_planner_pod(view: SpecView, key: str, owner: dict[str, Any],
+                       gpus_per_node: int | None = None) -> dict[str, Any]:
     meta_labels = labels.common(view.name, labels.ROLE_PLANNER) | {labels.PLAN_KEY: key}
     resources: dict[str, Any] = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
     for k in ("cpu", "memory"):
@@ -88,7 +93,7 @@ def render_planner_pod(view: SpecView, key: str, owner: dict[str, Any]) -> dict[
             "image": view.planner_image,
             "imagePullPolicy": view.image_pull_policy,
             "command": ["specdecode-worker"],
-            "args": planner_args(view),
+            "args": planner_args(view, gpus_per_node),
             "resources": resources,
             # A hub store is read over HTTP (headers only): no model volume, only the hub's address and token.
             "volumeMounts": [] if view.hub else [models.mount()],

@@ -19,7 +19,7 @@ from specdecode_worker.contract import GIB, PLAN_API_VERSION, PLAN_KIND
 
 from . import conditions as c
 from . import kube as k8s
-from . import group, labels, modelcache, models, observe, planner, refusals, workload
+from . import group, labels, modelcache, models, nodecapacity, observe, planner, refusals, workload
 from .kube import ApiError, Kube, epoch, now_iso
 from .spec import DEFAULT_WORKER_IMAGE, SpecView, parse_spec, plan_key, planner_pod_name
 
@@ -106,7 +106,7 @@ class Reconciler:
             if verdicts[c.PLANNED].reason in REFUSAL_REASONS:
                 refused = verdicts[c.PLANNED]
         else:
-            verdicts[c.PLANNED] = _planned_verdict(plan)
+            verdicts[c.PLANNED] = _planned_verdict(plan, status.get("planner"))
 
         if plan is not None and plan.get("fits"):
             self._cleanup_planners(view, key)
@@ -207,11 +207,11 @@ class Reconciler:
         pod = self.kube.get(pod_ref)
         if pod is None:
             try:
-                self._create_planner(view, key, owner, pod_ref)
+                self._create_planner(view, key, owner, pod_ref, tracker)
             except ApiError as exc:
                 verdicts[c.PLANNED] = self._refusal(view, f"planner pod {name}", exc)
                 return None, None
-            verdicts[c.PLANNED] = c.Verdict("Unknown", c.PLANNING, f"planner pod {name} started")
+            verdicts[c.PLANNED] = c.Verdict("Unknown", c.PLANNING, _with_note(f"planner pod {name} started", tracker))
             return None, POLL_SECONDS
         outcome = planner.read_outcome(pod)
         if outcome.state == "fits" and view.hub:  # workers pin the commits the plan read
@@ -231,7 +231,7 @@ class Reconciler:
             status["plan"] = plan
             tracker["attempts"] = 0
             tracker.pop("failedPodUID", None)
-            verdicts[c.PLANNED] = _planned_verdict(plan)
+            verdicts[c.PLANNED] = _planned_verdict(plan, tracker)
             return plan, None
         # failed: count each failed pod once (by uid), back off, then run it again
         uid = (pod.get("metadata") or {}).get("uid")
@@ -245,7 +245,7 @@ class Reconciler:
         if wait <= 0:
             self.kube.delete(pod_ref)
             try:
-                self._create_planner(view, key, owner, pod_ref)
+                self._create_planner(view, key, owner, pod_ref, tracker)
             except ApiError as exc:
                 if exc.status != 409:  # 409: the old pod is still terminating, next time
                     verdicts[c.PLANNED] = self._refusal(view, f"planner pod {name}", exc)
@@ -257,8 +257,16 @@ class Reconciler:
         verdicts[c.PLANNED] = c.Verdict("False", c.PLANNER_FAILED, message)
         return None, max(wait, 1.0)
 
-    def _create_planner(self, view: SpecView, key: str, owner: dict[str, Any], pod_ref: k8s.Ref) -> dict[str, Any]:
-        body = planner.render_planner_pod(view, key, owner)
+    def _create_planner(self, view: SpecView, key: str, owner: dict[str, Any], pod_ref: k8s.Ref,
+                        tracker: dict[str, Any]) -> dict[str, Any]:
+        """The planner pod, told the GPUs per node (recorded in ``tracker``, i.e. status.planner)."""
+        per_node = self._gpus_per_node(view)
+        tracker.update(gpusPerNode=per_node.count, gpusPerNodeFrom=per_node.source)
+        if per_node.note:
+            tracker["gpusPerNodeMessage"] = per_node.note
+        else:
+            tracker.pop("gpusPerNodeMessage", None)
+        body = planner.render_planner_pod(view, key, owner, per_node.planner_flag)
         try:
             created = self.kube.create(body)
             log.info("%s/%s planner pod %s created for plan key %s", view.namespace, view.name,
@@ -396,7 +404,8 @@ class Reconciler:
             f"the plan spreads each replica's {tp} GPUs over {nodes} nodes, which runs as a LeaderWorkerSet "
             f"group, but the cluster does not serve {group.LWS_API_VERSION} (CRD {group.LWS_CRD}): "
             f"{group.INSTALL_HINT}; or keep replicas on one node (gpu.maxPerReplica 8 or less)"))
-        verdicts = {c.PLANNED: _planned_verdict(status["plan"]), **self._previous_workers(view, status, problem)}
+        verdicts = {c.PLANNED: _planned_verdict(status["plan"], status.get("planner")),
+                    **self._previous_workers(view, status, problem)}
         verdicts[c.DEGRADED] = c.Verdict("True", problem.reason, problem.message)
         verdicts[c.PROGRESSING] = c.Verdict("False", problem.reason, "the rollout is blocked: see Degraded")
         return verdicts
@@ -411,17 +420,30 @@ class Reconciler:
         return observe.observe(view.replicas, template_key == key, dep, pods, capacity)
 
     def _node_gpus(self, view: SpecView) -> int | None:
-        if not self.options.check_nodes or self._nodes_forbidden:
-            return None
-        try:
-            nodes = self._list_nodes()
-        except ApiError as exc:
-            if exc.status == 403:  # namespaced install without node access: the scheduler reports instead
-                log.info("nodes are not readable; PlanExceedsNodeGPUs is left to the scheduler's messages")
+        nodes, _ = self._readable_nodes()
+        return None if nodes is None else observe.max_node_gpus(nodes, view.gpu_product)
+
+    def _gpus_per_node(self, view: SpecView) -> nodecapacity.GpusPerNode:
+        if view.gpu_per_node is not None:  # no need to read nodes
+            return nodecapacity.gpus_per_node(view.gpu_per_node, view.gpu_product, None)
+        nodes, why_not = self._readable_nodes()
+        return nodecapacity.gpus_per_node(None, view.gpu_product, nodes, why_not)
+
+    def _readable_nodes(self) -> tuple[list[dict[str, Any]] | None, str]:
+        """The nodes, or None and why they are not read."""
+        if not self.options.check_nodes:
+            return None, "the operator runs with --no-node-check"
+        if not self._nodes_forbidden:
+            try:
+                return self._list_nodes(), ""
+            except ApiError as exc:
+                if exc.status != 403:
+                    raise
+                # A namespaced install without node access: the scheduler reports misfits instead.
+                log.info("nodes are not readable; GPUs per node come from gpu.perNode or the default, and "
+                         "PlanExceedsNodeGPUs is left to the scheduler's messages")
                 self._nodes_forbidden = True
-                return None
-            raise
-        return observe.max_node_gpus(nodes, view.gpu_product)
+        return None, "the operator may not list nodes: the chart's rbac.readNodes grants it"
 
     def _list_nodes(self) -> list[dict[str, Any]]:
         """Nodes change rarely; one list serves every SDD for a while."""
@@ -446,13 +468,21 @@ def _plan_body(plan: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": PLAN_API_VERSION, "kind": PLAN_KIND, **body}
 
 
-def _planned_verdict(plan: dict[str, Any]) -> c.Verdict:
+def _planned_verdict(plan: dict[str, Any], tracker: dict[str, Any] | None = None) -> c.Verdict:
+    """Planned from the stored plan, with where its GPUs per node came from (``status.planner``)."""
+    if (tracker or {}).get("key") != plan.get("key"):
+        tracker = None
     if plan.get("fits"):
-        return c.Verdict("True", c.PLAN_READY, plan.get("message", "plan ready"))
+        return c.Verdict("True", c.PLAN_READY, _with_note(plan.get("message", "plan ready"), tracker))
     short = plan.get("shortfallBytes", 0)
-    return c.Verdict("False", c.INSUFFICIENT_GPU_MEMORY,
-                     f"{in_spec_terms(plan.get('message', 'the models do not fit'))} (short by {short / GIB:.2f} GiB "
-                     f"= {short} bytes per GPU)")
+    return c.Verdict("False", c.INSUFFICIENT_GPU_MEMORY, _with_note(
+        f"{in_spec_terms(plan.get('message', 'the models do not fit'))} (short by {short / GIB:.2f} GiB "
+        f"= {short} bytes per GPU)", tracker))
+
+
+def _with_note(message: str, tracker: dict[str, Any] | None) -> str:
+    note = (tracker or {}).get("gpusPerNodeMessage")
+    return f"{message}; {note}" if note else message
 
 
 # The planner speaks in CLI flags; a user of the SDD changes spec fields.

@@ -57,7 +57,7 @@ Namespaced rules apply in the watched namespaces (Role) or everywhere (ClusterRo
 {{- end }}
 {{- end -}}
 
-{{/* Node GPU capacity, to report PlanExceedsNodeGPUs before pods sit Pending. */}}
+{{/* Node GPU capacity: GPUs per node for the planner, and PlanExceedsNodeGPUs before pods sit Pending. */}}
 {{- define "specdecode-operator.nodeRules" -}}
 - apiGroups: [""]
   resources: ["nodes"]
