@@ -112,3 +112,8 @@ def test_engine_starts_at_context_8192_with_the_planners_graph_batch(tmp_path):
           f"which the runtime reserve of {reserve['runtimeBytes']} covers)")
     # The allocator's peak stays inside what the plan leaves beyond weights and pools.
     assert measured <= reserve["dynamicBytes"] + reserve["runtimeBytes"]
+    # Phase 3's warm-up (largest chunk, largest graph batch) measured its own peak against the plan.
+    peak = eng.dynamic_peak
+    print(f"warm-up: planned {peak.planned}, measured {peak.measured} ({peak.note})")
+    assert peak.planned == reserve["dynamicBytes"] and peak.measured is not None
+    assert peak.measured <= peak.planned
