@@ -4,6 +4,7 @@ built from its pinned source (tests/cluster/lws.py) and its webhooks served on l
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 import yaml
@@ -173,6 +174,26 @@ def test_a_replica_needing_16_gpus_runs_as_a_group_over_two_nodes(cluster, lws, 
                                            f"kubernetes.io/service-name={NAME}", "-o", "json").stdout)["items"]
     targets = {e["targetRef"]["name"] for s in endpoints for e in s.get("endpoints") or []}
     assert targets <= {leader_name}
+
+
+def test_status_follows_a_change_of_the_group_itself(cluster, lws, namespace, operator):
+    """The LWS's own readiness reaches status through its watch, not the periodic resync (minutes
+    for a Ready SDD): with the LWS controller paused no pod changes, only the LWS status does."""
+    _apply(cluster, namespace, SDD)
+    _wait_sdd(cluster, namespace, lambda s: s.get("status", {}).get("phase") == "Ready"
+              and s["status"].get("readyReplicas") == 1, "Ready")
+    controller = cluster.components[lws_mod.COMPONENT]
+    controller.signal(signal.SIGSTOP)  # nothing rewrites the LWS status or touches the pods meanwhile
+    try:
+        cluster.kubectl("patch", "leaderworkerset", f"{NAME}-group", "-n", namespace, "--subresource=status",
+                        "--type=merge", "-p", json.dumps({"status": {"readyReplicas": 0}}))
+        sdd = _wait_sdd(cluster, namespace, lambda s: s["status"].get("readyReplicas") == 0,
+                        "status follows the LWS's readyReplicas", timeout=60)
+        assert sdd["status"]["phase"] != "Ready" and _cond(sdd, "Ready")["status"] == "False"
+    finally:
+        controller.signal(signal.SIGCONT)
+    _wait_sdd(cluster, namespace, lambda s: s.get("status", {}).get("phase") == "Ready"
+              and s["status"].get("readyReplicas") == 1, "Ready again once the LWS controller restores its status")
 
 
 EXTRA_NODES = ("h100-node-3", "h100-node-4")

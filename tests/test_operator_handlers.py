@@ -90,7 +90,8 @@ def test_child_events_reach_the_owner_by_label():
     try:
         handlers.pod_event(namespace="ns", meta={"labels": {"specdecode.io/name": "sdd-1"}})
         handlers.deployment_event(namespace="ns", meta={"labels": {}})
-        assert list(handlers.CONTROLLER.due) == [("ns", "sdd-1")]
+        handlers.leaderworkerset_event(namespace="ns2", meta={"labels": {"specdecode.io/name": "sdd-2"}})
+        assert list(handlers.CONTROLLER.due) == [("ns", "sdd-1"), ("ns2", "sdd-2")]
     finally:
         handlers.CONTROLLER = None
 

@@ -115,6 +115,19 @@ def test_a_replica_over_two_nodes_renders_a_leaderworkerset_group():
                                        "specdecode.io/group-role": "leader"}
 
 
+def test_the_rendered_group_is_one_the_lws_watch_selects():
+    import kopf
+
+    from specdecode_operator import group, handlers
+
+    view = parse_spec(_with_gpu(maxPerReplica=16))
+    lws = group.render_leaderworkerset(view, _group_plan(), "k1", OWNER)
+    lws_labels = lws["metadata"]["labels"]
+    for key, want in handlers.LWS_EVENT_LABELS.items():
+        assert key in lws_labels and (want is kopf.PRESENT or lws_labels[key] == want), key
+    assert lws_labels["specdecode.io/name"] == "llama-8b-eagle3"  # the owner the event reconciles
+
+
 def test_lws_status_reads_like_a_deployment():
     from specdecode_operator import group
 

@@ -2,8 +2,11 @@
 
 - create/update/resume of an SDD: reconcile now (resume covers objects that changed while the
   operator was down; update covers every spec change, so no field handler goes unpaired).
-- events of owned pods and Deployments (label ``specdecode.io/name``): reconcile the owner, so
-  status follows the children and a finished planner pod is picked up at once.
+- events of owned pods, Deployments and LeaderWorkerSets (label ``specdecode.io/name``): reconcile
+  the owner, so status follows the children and a finished planner pod is picked up at once. An
+  LWS's readiness changes after its pods' do, so its own events matter. kopf watches it only
+  while the cluster serves the LWS CRD (found at startup, and later through the CRD watch when
+  every namespace is watched); without it, nothing is watched and nothing is needed.
 - a requeue loop started at startup: reconciles an SDD again when it asked to be (a planner
   backoff) and every few minutes anyway. It is not a kopf timer, which would put a finalizer on
   every SDD and make them undeletable while the operator is down.
@@ -19,7 +22,7 @@ from typing import Any, Callable
 
 import kopf
 
-from . import health, labels
+from . import group, health, labels
 from .kube import Kube
 from .metrics import StatusBook
 from .reconcile import Options, Reconciler
@@ -175,4 +178,13 @@ def pod_event(namespace: str, meta: dict[str, Any], **_: Any) -> None:
 
 @kopf.on.event("apps", "v1", "deployments", labels={labels.NAME: kopf.PRESENT})
 def deployment_event(namespace: str, meta: dict[str, Any], **_: Any) -> None:
+    _owner_changed(namespace, meta)
+
+
+# Only the LWS the operator renders: it carries the owner's name and the operator as manager.
+LWS_EVENT_LABELS = {labels.NAME: kopf.PRESENT, labels.MANAGED_BY: labels.FIELD_MANAGER}
+
+
+@kopf.on.event(group.LWS_GROUP, group.LWS_VERSION, "leaderworkersets", labels=LWS_EVENT_LABELS)
+def leaderworkerset_event(namespace: str, meta: dict[str, Any], **_: Any) -> None:
     _owner_changed(namespace, meta)

@@ -11,6 +11,7 @@ GENERATION = "specdecode.io/generation"  # the SDD generation a Deployment was r
 ROLE_PLANNER = "planner"
 ROLE_WORKER = "worker"
 FIELD_MANAGER = "specdecode-operator"
+MANAGED_BY = "app.kubernetes.io/managed-by"
 
 
 def common(name: str, role: str) -> dict[str, str]:
@@ -19,7 +20,7 @@ def common(name: str, role: str) -> dict[str, str]:
         "app.kubernetes.io/name": "specdecode-worker",
         "app.kubernetes.io/instance": name,
         "app.kubernetes.io/component": role,
-        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+        MANAGED_BY: FIELD_MANAGER,
         NAME: name,
         ROLE: role,
     }

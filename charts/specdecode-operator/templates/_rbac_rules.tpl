@@ -23,11 +23,11 @@ Namespaced rules apply in the watched namespaces (Role) or everywhere (ClusterRo
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # A replica larger than one node: its LeaderWorkerSet, server-side applied, read for its groups'
-# progress, deleted when a new plan fits one node again. Whether the CRD is installed is asked
-# through discovery, which needs no rule.
+# progress, watched by kopf (so readiness reaches status at once), deleted when a new plan fits
+# one node again. Whether the CRD is installed is asked through discovery, which needs no rule.
 - apiGroups: ["leaderworkerset.x-k8s.io"]
   resources: ["leaderworkersets"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The plan ConfigMap and the Service: server-side applied only.
 - apiGroups: [""]
   resources: ["configmaps", "services"]
