@@ -239,3 +239,26 @@ def test_the_contract_checks_sources(folders, capsys):
             MemoryPlan.from_dict(plan | {"sources": {"target": source | broken}})
     with pytest.raises(ValueError, match="missing required key 'sources.target.revision'"):
         MemoryPlan.from_dict(plan | {"sources": {"target": {"repo": "o/n"}}})
+
+
+@pytest.mark.slow
+def test_a_163_shard_target_and_its_draft_in_32_parts_each_fit_the_termination_log(capsys, tmp_path, monkeypatch):
+    repo = "deepseek-ai/DeepSeek-V3"
+    folder = write_model(tmp_path / "hub" / repo, "deepseek-v3")
+    assert len(list(folder.glob("*.safetensors"))) == 163
+    with HubServer() as server:
+        server.add_repo(repo, folder)
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        # MTP naming its target as the draft: two sources of the same 163 shards
+        plan = hub_plan(capsys, tmp_path, "--algorithm", "MTP", "--target", repo, "--draft", repo,
+                        "--gpu-memory-gib", "141", "--tp", "8")  # hub_plan asserts the log's limit
+    assert plan["fits"]
+    for role in ("target", "draft"):
+        parts = plan["sources"][role]["partBytes"]
+        assert len(parts) == MAX_PARTS == 32 and sum(parts) == model_bytes(folder)
+    # Headroom: with every part 12 digits wide (parts up to 1 TB: models of 32 TB) it still fits.
+    size = len((tmp_path / "termination-log").read_bytes())
+    widest = size + sum(12 - len(str(b)) for role in ("target", "draft") for b in plan["sources"][role]["partBytes"])
+    print(f"termination log: {size} bytes; with 12-digit parts: {widest}")
+    assert widest < TERMINATION_LOG_LIMIT

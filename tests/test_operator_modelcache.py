@@ -83,6 +83,16 @@ def test_download_job_is_indexed_by_part_and_runs_fetch():
     assert {"name": "models", "mountPath": "/models"} in fetch["volumeMounts"]  # writable: it downloads
 
 
+def test_many_parts_run_a_few_at_a_time():
+    view = parse_spec(hub_body({"claimName": "shared"}))
+    parts = [4_400_000_000] * 32  # a 141 GB model in 32 parts
+    src = hub_sources(target_parts=parts)["target"]
+    spec = modelcache.render_job(view, "shared", src, {})["spec"]
+    assert (spec["completions"], spec["parallelism"]) == (32, modelcache.MAX_PARALLEL_DOWNLOADS) == (32, 8)
+    (fetch,) = spec["template"]["spec"]["containers"]
+    assert fetch["args"][fetch["args"].index("--parts") + 1] == "32"
+
+
 def _job(completed="", conditions=()):
     return {"metadata": {"name": "j", "uid": "job-1"},
             "status": {"completedIndexes": completed, "conditions": [dict(type=t, status="True", **kw)
@@ -104,6 +114,17 @@ def test_progress_is_the_bytes_of_the_completed_parts():
     assert (p.bytes_done, p.state) == (100, modelcache.DOWNLOADED)
     assert p.as_status() == {"repo": TARGET_REPO, "commit": TARGET_COMMIT, "bytesDone": 100, "bytesTotal": 100,
                              "state": "Downloaded", "job": "j"}
+
+
+def test_progress_of_a_job_with_another_split_counts_its_parts_as_equal_shares():
+    # a Job an older plan of the same commit made with 8 parts; this plan splits the files in 32
+    src = {"repo": TARGET_REPO, "commit": TARGET_COMMIT, "bytes": 3200, "partBytes": [100] * 32}
+    job = _job("0-1")
+    job["spec"] = {"completions": 8}
+    p = modelcache.progress(src, job, [], "j")
+    assert (p.bytes_done, p.state) == (800, modelcache.DOWNLOADING)  # 2 of 8 parts
+    job["spec"] = {"completions": 32}
+    assert modelcache.progress(src, job, [], "j").bytes_done == 200  # the same split: its own bytes
 
 
 def test_a_failed_part_carries_the_latest_message_of_a_missing_index():

@@ -33,7 +33,10 @@ from .checkpoint import MAX_HEADER_BYTES
 from .errors import InputError
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
-MAX_PARTS = 8
+# Download parts per model: one file each at most, so progress moves in steps of a shard or a few
+# (the download Job caps how many run at once). 32 parts of two sources keep the plan well under
+# the termination log's 4096 bytes.
+MAX_PARTS = 32
 HEADER_READERS = 8  # safetensors headers read at once
 INDEX_FILE = "model.safetensors.index.json"
 # Top-level files a served model needs: weights, configs, tokenizer and chat template files.
