@@ -190,13 +190,25 @@ def test_operator_killed_mid_plan_resumes_with_one_planner_pod(cluster, crd, nam
 
 
 def test_more_gpus_per_replica_than_any_node(cluster, namespace, store, operator):
-    # On L4s (one per node here) this model needs tensor parallelism 2.
+    # On L4s (one per node here) this model needs tensor parallelism 2. Read from the nodes, one GPU
+    # per node spreads a replica over two nodes, which needs LeaderWorkerSet (not installed here).
     apply(cluster, namespace, example(gpu={"product": "NVIDIA-L4"}))
     sdd = wait_sdd(cluster, namespace, NAME, phase_is("Degraded"), "Degraded")
-    assert sdd["status"]["plan"]["tensorParallelSize"] == 2
+    assert (sdd["status"]["plan"]["tensorParallelSize"], sdd["status"]["plan"]["nodesPerReplica"]) == (2, 2)
+    assert (sdd["status"]["planner"]["gpusPerNode"], sdd["status"]["planner"]["gpusPerNodeFrom"]) == (1, "nodes")
     degraded = condition(sdd, "Degraded")
-    assert degraded["reason"] == "PlanExceedsNodeGPUs", degraded
+    assert degraded["reason"] == "MultiNodeUnavailable", degraded
+    assert "nodes with 2 GPUs of gpu.product (planned for 1 GPUs per node, from nodes)" in degraded["message"]
+    # A gpu.perNode the nodes do not have keeps the replica in one pod, which no node can hold.
+    apply(cluster, namespace, example(gpu={"product": "NVIDIA-L4", "perNode": 8}))
+    sdd = wait_sdd(cluster, namespace, NAME, lambda s: (condition(s, "Degraded") or {}).get("reason")
+                   == "PlanExceedsNodeGPUs", "PlanExceedsNodeGPUs")
+    assert (sdd["status"]["plan"]["tensorParallelSize"], sdd["status"]["plan"]["nodesPerReplica"]) == (2, 1)
+    degraded = condition(sdd, "Degraded")
     assert "needs 2 GPUs per replica" in degraded["message"] and "NVIDIA-L4 offers is 1" in degraded["message"]
+    assert "set gpu.perNode to 1" in degraded["message"]
+    (pod,) = list_objects(cluster, namespace, "pods", "specdecode.io/name=llama-8b-eagle3,specdecode.io/role=worker")
+    assert not pod["spec"].get("nodeName")
     (pod,) = list_objects(cluster, namespace, "pods", "specdecode.io/name=llama-8b-eagle3,specdecode.io/role=worker")
     assert not pod["spec"].get("nodeName")
 

@@ -123,3 +123,21 @@ def test_unreadable_nodes_fall_back_to_the_default_and_say_so(check_nodes, why):
     planned = c.get(sdd["status"]["conditions"], c.PLANNED)
     assert planned["status"] == "True" and why in planned["message"] and "gpu.perNode" in planned["message"]
     assert any(why in message for _, message, _ in kube.events)  # the transition's Event says it too
+
+
+def test_without_lws_a_split_made_by_the_nodes_names_what_keeps_a_replica_on_one_node():
+    from specdecode_worker.contract import validate_plan
+
+    kube = FakeKube()
+    kube.serves = lambda api_version, kind: False  # no LeaderWorkerSet
+    kube.put_sdd(_sdd())
+    product = kube.sdd()["spec"]["gpu"]["product"]
+    kube.nodes = [node("a", product, 4)]
+    r = _reconciler(kube)
+    r.reconcile(NS, "llama-8b-eagle3")
+    kube.finish_planner(0, json.dumps(validate_plan({**make_plan(tp=8), "nodesPerReplica": 2})))
+    r.reconcile(NS, "llama-8b-eagle3")
+    degraded = c.get(kube.sdd()["status"]["conditions"], c.DEGRADED)
+    assert degraded["reason"] == c.MULTI_NODE_UNAVAILABLE
+    assert "nodes with 8 GPUs of gpu.product (planned for 4 GPUs per node, from nodes)" in degraded["message"]
+    assert "maxPerReplica" not in degraded["message"]  # t = 8 is not above it: no help there

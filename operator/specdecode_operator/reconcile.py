@@ -21,7 +21,7 @@ from . import conditions as c
 from . import kube as k8s
 from . import group, labels, modelcache, models, nodecapacity, observe, planner, refusals, workload
 from .kube import ApiError, Kube, epoch, now_iso
-from .spec import DEFAULT_WORKER_IMAGE, SpecView, parse_spec, plan_key, planner_pod_name
+from .spec import DEFAULT_MAX_TP, DEFAULT_WORKER_IMAGE, SpecView, parse_spec, plan_key, planner_pod_name
 
 log = logging.getLogger(__name__)
 # Status refresh while waiting on something no watch event reports (a planner backoff).
@@ -403,7 +403,7 @@ class Reconciler:
         problem = c.Verdict("False", c.MULTI_NODE_UNAVAILABLE, (
             f"the plan spreads each replica's {tp} GPUs over {nodes} nodes, which runs as a LeaderWorkerSet "
             f"group, but the cluster does not serve {group.LWS_API_VERSION} (CRD {group.LWS_CRD}): "
-            f"{group.INSTALL_HINT}; or keep replicas on one node (gpu.maxPerReplica 8 or less)"))
+            f"{group.INSTALL_HINT}; or keep replicas on one node: {_one_node_hint(tp, status.get('planner'))}"))
         verdicts = {c.PLANNED: _planned_verdict(status["plan"], status.get("planner")),
                     **self._previous_workers(view, status, problem)}
         verdicts[c.DEGRADED] = c.Verdict("True", problem.reason, problem.message)
@@ -451,6 +451,16 @@ class Reconciler:
         if self._nodes is None or now - self._nodes[0] > NODE_CACHE_SECONDS:
             self._nodes = (now, self.kube.list(k8s.NODES))
         return self._nodes[1]
+
+
+def _one_node_hint(tp: int, tracker: dict[str, Any] | None) -> str:
+    """What keeps a replica of ``tp`` GPUs on one node, given the GPUs per node it was planned for."""
+    if tp > DEFAULT_MAX_TP:
+        return f"gpu.maxPerReplica {DEFAULT_MAX_TP} or less"
+    per_node = (tracker or {}).get("gpusPerNode")
+    planned_for = f" (planned for {per_node} GPUs per node, from {(tracker or {}).get('gpusPerNodeFrom')})" \
+        if per_node else ""
+    return f"nodes with {tp} GPUs of gpu.product{planned_for}, or a gpu.product with more memory per GPU"
 
 
 REFUSAL_REASONS = frozenset({c.POD_SECURITY_REJECTED, c.QUOTA_EXCEEDED, c.CHILD_REJECTED})
