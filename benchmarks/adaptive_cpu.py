@@ -10,7 +10,9 @@ Each engine is built once and serves every point, as a worker would. On a shared
 moves speeds by a factor within minutes, so every point runs its methods back to back, in a
 rotating order, ``--repeats`` times, and each method keeps its best run. Every output of every run
 is checked token for token against an independent greedy reference: transformers' generate,
-without sampling, one prompt at a time. The adaptive engines also report the fraction of rounds
+without sampling, one prompt at a time. The measure is tokens per CPU second of the process
+(one torch thread by default): other processes stretch wall-clock time by a factor, the CPU time
+spent far less; the best wall-clock tok/s is reported too. The adaptive engines also report the fraction of rounds
 they drafted in and how far the cost model's predicted round times were from the measured ones.
 
 Run:  python benchmarks/adaptive_cpu.py [--quick] [--standalone] [--json out.json] [--plot out.png]
@@ -94,14 +96,14 @@ def run(s: Engine, prompts: list[list[int]], max_new: int):
     trace = s.policy.trace
     if trace is not None:
         trace.clear()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for r in reqs:
         s.submit(r)
     while not all(r.done.is_set() for r in reqs):
         s.step()
-    secs = time.perf_counter() - start
+    secs, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     steps = s.stats.decode_steps - before[0]
-    info = {"drafting_rounds": 1 - (s.stats.steps_without_speculation - before[1]) / max(steps, 1)}
+    info = {"cpu_seconds": cpu, "drafting_rounds": 1 - (s.stats.steps_without_speculation - before[1]) / max(steps, 1)}
     if trace:
         ratios = [t["predicted"] / t["seconds"] for t in trace]
         info["predicted_over_measured"] = statistics.median(ratios)
@@ -112,7 +114,7 @@ def run(s: Engine, prompts: list[list[int]], max_new: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (CPU time per token is the measure)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each method per point; the best counts")
     ap.add_argument("--standalone", action="store_true", help="also STANDALONE over an int8 copy, fixed and adaptive")
     ap.add_argument("--concurrency", type=int, nargs="*", default=list(CONCURRENCY))
@@ -160,23 +162,28 @@ def main(argv=None) -> int:
             prompts = workload_prompts(kind, c)
             best: dict[str, dict] = {}
             exact = {m: True for m in names}
+            wall: dict[str, float] = {}  # the best wall-clock tok/s of each method's runs
             for rep in range(args.repeats):
                 for j in range(len(names)):  # a rotating order: no method always runs first
                     method = names[(j + rep) % len(names)]
                     outs, secs, info = run(methods[method], [ids[p] for p in prompts], n)
                     exact[method] &= all(o == reference[p] for o, p in zip(outs, prompts))
                     tokens = sum(len(o) for o in outs)
-                    if method not in best or tokens / secs > best[method]["tok_per_s"]:
-                        best[method] = {"workload": kind, "concurrency": c, "method": method, "tokens": tokens,
-                                        "seconds": secs, "tok_per_s": tokens / secs, "runs": args.repeats, **info}
+                    row = {"workload": kind, "concurrency": c, "method": method, "tokens": tokens, "seconds": secs,
+                           "tok_per_s": tokens / secs, "tok_per_cpu_s": tokens / info["cpu_seconds"],
+                           "runs": args.repeats, **info}
+                    if method not in best or row[METRIC] > best[method][METRIC]:
+                        best[method] = row
+                    wall[method] = max(wall.get(method, 0.0), row["tok_per_s"])
                     loads.append(os.getloadavg()[0])
             for method in names:
-                best[method]["exact"] = exact[method]  # every run of the point, not only the best
-            for method in names:
                 r = best[method]
+                r["exact"] = exact[method]  # every run of the point, not only the best
+                r["best_wall_tok_per_s"] = wall[method]
                 rows.append(r)
                 extra = "".join(f" {k} {r[k]:.2f}" for k in ("drafting_rounds", "predicted_over_measured") if k in r)
-                print(f"  {kind} c={c} {method}: {r['tok_per_s']:.1f} tok/s exact={r['exact']}{extra}",
+                print(f"  {kind} c={c} {method}: {r[METRIC]:.1f} tok/CPU-s, {r['best_wall_tok_per_s']:.1f} tok/s "
+                      f"exact={r['exact']}{extra}",
                       file=sys.stderr, flush=True)
     meta = {"max_new_tokens": n, "repeats": args.repeats, "threads": args.threads,
             "minutes": (time.time() - started) / 60, "load_average": [min(loads), statistics.median(loads), max(loads)]}
@@ -191,12 +198,15 @@ def main(argv=None) -> int:
 
 
 FAMILIES = ("NGRAM", "STANDALONE int8")
+# Tokens per CPU second of the benchmark's one thread: what other processes on a shared machine
+# do to wall-clock time (a factor, within minutes) they do far less to the CPU time spent.
+METRIC = "tok_per_cpu_s"
 
 
-def verdicts(rows) -> list[dict]:
+def verdicts(rows, key: str = "tok_per_cpu_s") -> list[dict]:
     """Per point and family: adaptive over the better of none and fixed, and whether the goal holds
     (within 5% everywhere; strictly better than both on the mixed workload)."""
-    by = {(r["workload"], r["concurrency"], r["method"]): r["tok_per_s"] for r in rows}
+    by = {(r["workload"], r["concurrency"], r["method"]): r[key] for r in rows}
     out = []
     for (kind, c, method), adaptive in by.items():
         family = method.removesuffix(" adaptive")
@@ -210,19 +220,23 @@ def verdicts(rows) -> list[dict]:
 
 
 def print_table(rows) -> None:
-    """Markdown: tokens/s per method, and adaptive against the better of none and fixed."""
+    """Markdown: tokens per CPU second per method, and adaptive against the better of none and
+    fixed, by that measure and by wall-clock time."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
     by = {(r["workload"], r["concurrency"], r["method"]): r for r in rows}
     ratio = {(v["workload"], v["concurrency"], v["family"]): v for v in verdicts(rows)}
+    wall = {(v["workload"], v["concurrency"], v["family"]): v for v in verdicts(rows, "best_wall_tok_per_s")}
     families = [f for f in FAMILIES if f"{f} adaptive" in methods]
     print("| workload | c | " + " | ".join(methods) + " | " +
-          " | ".join(f"{f} adaptive / best" for f in families) + " | drafting rounds |")
+          " | ".join(f"{f} adaptive / best (wall)" for f in families) + " | adaptive drafting rounds |")
     print("|---|---:|" + "---:|" * (len(methods) + len(families)) + "---:|")
     for kind in dict.fromkeys(r["workload"] for r in rows):
         for c in sorted({r["concurrency"] for r in rows if r["workload"] == kind}):
-            cells = [f"{by[(kind, c, m)]['tok_per_s']:.1f}" for m in methods]
-            cells += [f"{ratio[(kind, c, f)]['ratio']:.2f}" + ("" if ratio[(kind, c, f)]["met"] else " (missed)")
-                      for f in families]
+            cells = [f"{by[(kind, c, m)][METRIC]:.1f}" for m in methods]
+            for f in families:
+                v = ratio[(kind, c, f)]
+                cells.append(f"{'' if v['met'] else '**'}{v['ratio']:.2f}{'' if v['met'] else '**'} "
+                             f"({wall[(kind, c, f)]['ratio']:.2f})")
             cells.append(", ".join(f"{by[(kind, c, f + ' adaptive')]['drafting_rounds']:.0%}" for f in families))
             print(f"| {kind} | {c} | " + " | ".join(cells) + " |")
 
@@ -238,7 +252,7 @@ def plot(rows, path: str) -> None:
     fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 3.6), sharey=True, squeeze=False)
     for ax, kind in zip(axes[0], kinds):
         for method in methods:
-            pts = sorted((r["concurrency"], r["tok_per_s"]) for r in rows
+            pts = sorted((r["concurrency"], r[METRIC]) for r in rows
                          if r["workload"] == kind and r["method"] == method)
             style = "-" if "adaptive" in method else "--" if "fixed" in method else ":"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=method)
@@ -248,7 +262,7 @@ def plot(rows, path: str) -> None:
         ax.set_title(f"{kind} prompts")
         ax.set_xlabel("concurrent requests")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("aggregate tokens/s")
+    axes[0][0].set_ylabel("tokens per CPU second (one thread)")
     axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

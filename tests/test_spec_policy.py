@@ -167,3 +167,9 @@ def test_cost_model_keeps_drafting_terms_non_negative():
     terms = model.coefficients()
     assert all(terms[t] >= 0 for t in ("switch", "switch_per_request", "per_draft_token"))
     assert model(16, 64) >= model(16, 0) - 1e-12
+
+
+def test_round_terms_add_up_to_the_model():
+    model = StepCost.linear(plain=(0.06, 0.01), per_draft_token=0.004, switch=(0.002, 0.005), draft_pass=(0.01, 0.003))
+    base, switch, per_token, per_pass, per_request = model.round_terms(8, 3)
+    assert base + switch + per_token * 20 + per_pass + per_request * 6 == pytest.approx(model(8, 20, 3, 6))

@@ -134,11 +134,13 @@ class SpecPolicy:
         order = sorted(((g, i, pos) for i, gs in enumerate(gains) for pos, g in enumerate(gs)),
                        key=lambda t: (-t[0], t[2]))
         n = len(gains)
+        base, switch, per_token, per_pass, per_pass_request = self.cost.round_terms(n, depth)
         tokens, best_m, best_rate, drafting = float(n), 0, n / self.cost(n, 0), set()
         for m, (g, i, _) in enumerate(order, start=1):
             tokens += g
             drafting.add(i)
-            rate = tokens / self.cost(n, m, depth, len(drafting))
+            seconds = base + switch + per_token * m + per_pass + per_pass_request * len(drafting)
+            rate = tokens / max(seconds, 1e-9)
             if rate > best_rate:
                 best_m, best_rate = m, rate
         ks = [0] * n

@@ -66,6 +66,13 @@ class StepCost:
     def __call__(self, requests: int, drafts: int, depth: int = 0, drafting: int = 0) -> float:
         return max(_dot(self.coef, features(requests, drafts, depth, drafting)), 1e-9)
 
+    def round_terms(self, requests: int, depth: int) -> tuple[float, float, float, float, float]:
+        """For rounds of ``requests`` requests and ``depth`` draft passes that draft at all: the
+        plain step, the switch, seconds per draft token, per round of passes, and per drafting request
+        (what the policy adds up for every width it tries, without building features each time)."""
+        c = self.coef
+        return (c[0] + c[1] * requests, c[2] + c[3] * requests, c[4], depth * c[5], depth * c[6])
+
     def coefficients(self) -> dict[str, float]:
         return dict(zip(FEATURES, self.coef))
 
