@@ -51,7 +51,7 @@ def acceptance_driven(eng, probe_every: int = 4):
     """Pin the cost model to 'each verify token costs half a step' so the lengths follow acceptance
     (measured timings would make the test depend on the machine)."""
     eng.policy.cost = StepCost.linear(plain=(0.5, 0.5), per_draft_token=0.5, draft_pass=(0.1, 0.0))
-    eng.policy.probe_every = probe_every
+    eng.policy.probe_every, eng.policy.probe_budget = probe_every, 1.0
     return eng
 
 

@@ -11,8 +11,9 @@ expected goodput, sum_r E[accepted_r + 1 | k_r] / step_time(round shape):
   largest gains, and the policy tries every width (and every draft depth) and keeps the best ratio;
 - step_time is ``step_cost.StepCost``: a linear model of the round's shape, seeded by the warm-up
   and refitted online over recent rounds, with machine load cancelled.
-A request drafting nothing gets no new observation, so every ``probe_every`` rounds the requests
-held at k = 0 draft one token each, together: that is how speculation comes back once acceptance does.
+A request drafting nothing gets no new observation, so now and then the requests held at k = 0
+draft one token each, together, spaced so that probing costs at most ``probe_budget`` of the time:
+that is how speculation comes back once acceptance does.
 
 The fixed policy drafts K tokens for every request (today's behaviour); both honour a request's
 own cap (``speculative: false`` is a cap of 0). Nothing here needs torch.
@@ -95,11 +96,12 @@ class SpecPolicy:
     cost: StepCost
     per_request: bool = True  # False: one k for the whole batch
     choices: tuple[int, ...] | None = None  # the k a uniform batch may take (None: 0..K)
-    probe_every: int = 8
+    probe_every: int = 8  # the fewest rounds between two probes
+    probe_budget: float = 0.02  # the share of round time that probing may cost
     trace: list | None = None  # a list to append each round's choice, prediction and measurement to
     algorithm_acceptance: Acceptance = field(init=False)
     _requests: dict[int, Acceptance] = field(init=False, default_factory=dict)
-    _rounds: int = field(init=False, default=0)
+    _since_probe: int = field(init=False, default=0)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -117,7 +119,7 @@ class SpecPolicy:
         caps = [max(0, min(c, self.max_draft)) for c in caps]
         if self.mode == FIXED or self.max_draft == 0:
             return caps
-        self._rounds += 1
+        self._since_probe += 1
         parent = self.algorithm_acceptance.rates(), self.algorithm_acceptance.overall()
         gains = [self.acceptance(rid).gains(c, parent) for rid, c in zip(rids, caps)]
         if not self.per_request:
@@ -161,12 +163,24 @@ class SpecPolicy:
         return [min(best_k, c) for c in caps]
 
     def _probe(self, caps: list[int], ks: list[int]) -> list[int]:
-        """Requests held at k = 0 by their estimates draft one token each every ``probe_every``
-        rounds, all in the same round: that is how speculation comes back once acceptance does,
-        and the round's switch to the verify path is paid once for all of them."""
-        if self._rounds % self.probe_every:
+        """Requests held at k = 0 by their estimates draft one token each, all in the same round:
+        that is how speculation comes back once acceptance does, and the round's switch to the
+        verify path is paid once for all of them. A probe round costs extra time (on a CPU a
+        verify round can cost twice a plain one), so probes are spaced to spend at most
+        ``probe_budget`` of the time: at least ``probe_every`` rounds apart, and further where a
+        probe round costs more."""
+        idle = [i for i, (k, c) in enumerate(zip(ks, caps)) if not k and c]
+        if not idle or self._since_probe < self.probe_every:
             return ks
-        return [1 if not k and c else k for k, c in zip(ks, caps)]
+        n, m = len(ks), sum(ks)
+        depth = max(ks) if m else 0
+        drafting = sum(1 for k in ks if k)
+        now = self.cost(n, m, depth, drafting)
+        extra = self.cost(n, m + len(idle), max(depth, 1), drafting + len(idle)) / now - 1
+        if self._since_probe * self.probe_budget < extra:
+            return ks
+        self._since_probe = 0
+        return [k or int(c > 0) for k, c in zip(ks, caps)]
 
     def record(self, rids: list[int], ks: list[int], proposed: list[int], accepted: list[int], seconds: float) -> None:
         """A finished round: acceptance per request and algorithm, and the measured step time."""
