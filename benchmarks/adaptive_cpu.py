@@ -244,7 +244,8 @@ def print_table(rows) -> None:
     wall = {(v["workload"], v["concurrency"], v["family"]): v for v in verdicts(rows, "best_wall_tok_per_s")}
     families = [f for f in FAMILIES if f"{f} adaptive" in methods]
     print("| workload | c | " + " | ".join(methods) + " | " +
-          " | ".join(f"{f} adaptive / best (wall)" for f in families) + f" | rounds drafted by adaptive ({', '.join(families)}) |")
+          " | ".join(f"{f} adaptive / best (wall)" for f in families) +
+          f" | rounds drafted by adaptive ({', '.join(families)}) |")
     print("|---|---:|" + "---:|" * (len(methods) + len(families)) + "---:|")
     for kind in dict.fromkeys(r["workload"] for r in rows):
         for c in sorted({r["concurrency"] for r in rows if r["workload"] == kind}):
