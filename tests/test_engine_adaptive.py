@@ -94,7 +94,7 @@ def test_eagle_skips_rounds_and_catches_up_exactly(eagle_models, tree):
     eng = engine(eagle_models["target"], "EAGLE", eagle_models["head"], spec_policy="adaptive", **kw)
     skips = iter(rng.random() < 0.4 for _ in range(10_000))
     # Lengths drawn at random per round and request, with whole rounds of none.
-    eng.policy.draft_lengths = lambda rids, caps: [0] * len(caps) if next(skips) else \
+    eng.policy.draft_lengths = lambda rids, caps, **_: [0] * len(caps) if next(skips) else \
         [rng.randrange(0, c + 1) for c in caps]
     assert greedy(eng, prompts) == plain
     assert eng.stats.steps_without_speculation > 0 and eng.stats.accepted_tokens > 0
@@ -106,9 +106,50 @@ def test_standalone_draft_cache_catches_up_after_rounds_without_drafting(models,
     token: with random lengths, 0 included, acceptance must stay exactly 1."""
     eng = engine(models["target"], "STANDALONE", models["copy"], spec_policy="adaptive")
     rng = random.Random(2)
-    eng.policy.draft_lengths = lambda rids, caps: [rng.choice([0, 0, c]) if c else 0 for c in caps]
+    eng.policy.draft_lengths = lambda rids, caps, **_: [rng.choice([0, 0, c]) if c else 0 for c in caps]
     assert greedy(eng) == reference
     assert eng.stats.draft_lengths[0] > 0 and eng.stats.draft_lengths[4] > 0
+    assert eng.stats.accepted_tokens == eng.stats.proposed_tokens > 0
+
+
+def test_a_standalone_request_that_never_drafts_costs_no_draft_prefill(models, reference):
+    """The draft model caches a prompt only when its request first drafts: requests with
+    ``speculative: false`` leave the draft's token count at 0, and next to a drafting request they
+    add nothing to what that request alone costs the draft."""
+    eng = engine(models["target"], "STANDALONE", models["copy"], spec_policy="fixed")
+    off = [Request(p, GREEDY, speculative=False) for p in PROMPTS]
+    run_all(eng, off)
+    assert [r.output_ids for r in off] == reference
+    assert eng.speculator.draft_tokens == 0 and eng.stats.proposed_tokens == 0
+
+    alone = engine(models["target"], "STANDALONE", models["copy"], spec_policy="fixed")
+    run_all(alone, [Request(PROMPTS[2], GREEDY)])
+    mixed = engine(models["target"], "STANDALONE", models["copy"], spec_policy="fixed")
+    reqs = [Request(PROMPTS[0], GREEDY, speculative=False), Request(PROMPTS[2], GREEDY),
+            Request(PROMPTS[3], GREEDY, speculative=False)]
+    run_all(mixed, reqs)
+    assert [r.output_ids for r in reqs] == [reference[0], reference[2], reference[3]]
+    assert mixed.speculator.draft_tokens == alone.speculator.draft_tokens > len(PROMPTS[2])
+
+
+def test_standalone_draft_catches_up_a_prompt_in_chunks(models, reference, monkeypatch):
+    """A request that first drafts after many rounds has its draft cache built in passes of at
+    most chunkedPrefillSize tokens, and the copy draft still accepts everything."""
+    from specdecode_worker.engine import speculative
+
+    eng = engine(models["target"], "STANDALONE", models["copy"], spec_policy="adaptive", chunked_prefill_size=8)
+    widths, forward = [], speculative.forward_segments
+
+    def counting(runner, segments, *a, **kw):
+        if runner is eng.draft_runner:
+            widths.append(sum(len(s.tokens) for s in segments))
+        return forward(runner, segments, *a, **kw)
+
+    monkeypatch.setattr(speculative, "forward_segments", counting)
+    rounds = iter(range(10_000))
+    eng.policy.draft_lengths = lambda rids, caps, **_: [c if next(rounds) >= 40 else 0 for c in caps]
+    assert greedy(eng) == reference
+    assert widths and max(widths) <= 8 and widths.count(8) >= 4, widths
     assert eng.stats.accepted_tokens == eng.stats.proposed_tokens > 0
 
 
@@ -137,7 +178,7 @@ def test_sampling_stays_exact_when_the_draft_length_changes(tmp_path):
     target, draft, prompt, exact, draft_marginal = second_token_case(tmp_path)
     eng = engine(target, "STANDALONE", draft, num_draft_tokens=3, max_running_requests=64, spec_policy="adaptive")
     rng = random.Random(1)
-    eng.policy.draft_lengths = lambda rids, caps: [rng.randrange(0, c + 1) for c in caps]
+    eng.policy.draft_lengths = lambda rids, caps, **_: [rng.randrange(0, c + 1) for c in caps]
     counts = second_token_counts(eng, prompt)
     assert set(eng.stats.draft_lengths) == {0, 1, 2, 3}
     assert 0 < eng.stats.accepted_tokens < eng.stats.proposed_tokens

@@ -70,6 +70,64 @@ def test_speculation_turns_off_when_acceptance_collapses_and_returns_when_it_com
     assert recovered[-1] == [4], recovered
 
 
+def test_a_new_copying_request_drafts_at_once_after_earlier_requests_collapsed_acceptance():
+    """Earlier requests rejected everything, so the algorithm's estimate is far below what pays;
+    a new request still expects the algorithm's prior: one that copies drafts in its first round
+    and keeps drafting, one that does not is back at 0 within a few rounds."""
+    policy = SpecPolicy("adaptive", "NGRAM", 4, overhead_bound(), probe_every=1000)
+    run(policy, [1, 2, 3, 4], 20, lambda rid, k: 0)
+    for rid in (1, 2, 3, 4):
+        policy.forget(rid)
+    assert policy.algorithm_acceptance.overall() < 0.2
+    # At the algorithm's estimate no draft token pays: 1 + 0.2 expected tokens for 1.2 the time.
+    assert policy.draft_lengths([0], [0]) == [0]  # (a request that may not draft, for the count)
+    copying = run(policy, [10], 6, lambda rid, k: k)
+    assert copying[0][0] > 0 and copying[-1] == [4], copying
+    other = run(policy, [11], 8, lambda rid, k: 0)
+    assert other[0][0] > 0, other
+    first_off = next(i for i, ks in enumerate(other) if ks == [0])
+    assert first_off <= 3 and all(ks == [0] for ks in other[first_off:]), other
+
+
+def test_catching_the_draft_up_is_charged_to_the_request_that_resumes():
+    """A draft model caching 1000 committed tokens (0.01 a token, ten plain steps) before a
+    request's first draft does not pay for a request with 4 tokens left; it does for one with
+    4000 left, and no catch-up drafts even with 4 left. A request already drafting pays nothing."""
+    cost = StepCost.linear(plain=(1.0, 0.02), per_draft_token=0.1, draft_pass=(0.1, 0.0), catch_up_per_token=0.01)
+
+    def first_choice(catch_up, remaining):
+        policy = SpecPolicy("adaptive", "STANDALONE", 4, cost, probe_every=1000)
+        return policy.draft_lengths([1], [4], catch_up=[catch_up], remaining=[remaining])[0]
+
+    assert first_choice(1000, 4) == 0
+    assert first_choice(1000, 4000) > 0
+    assert first_choice(0, 4) > 0
+    # In a batch, only the request that must catch up is held back.
+    policy = SpecPolicy("adaptive", "STANDALONE", 4, cost, probe_every=1000)
+    ks = policy.draft_lengths([1, 2], [4, 4], catch_up=[1000, 0], remaining=[4, 4])
+    assert ks[0] == 0 and ks[1] > 0, ks
+
+
+def test_probes_count_the_catch_up_of_the_requests_they_turn_on():
+    """A probe round costs 0.8 more than a plain one of 1.8: at a budget of 10% probes come every
+    5 rounds. When it must also cache 10 tokens in each of 8 draft models (0.8 more), every 9."""
+    cost = StepCost.linear((1.0, 0.1), 0.1, catch_up_per_token=0.01)
+    rids = list(range(8))
+
+    def probe_rounds(catch_up):
+        policy = SpecPolicy("adaptive", "STANDALONE", 4, cost, probe_every=1, probe_budget=0.1)
+        chosen = []
+        for _ in range(40):
+            ks = policy.draft_lengths(rids, [4] * 8, catch_up=[catch_up] * 8, remaining=[8] * 8)
+            policy.record(rids, ks, ks, [0] * 8, cost(8, sum(ks)))
+            chosen.append(ks)
+        return [i for i, ks in enumerate(chosen) if any(ks)][2:]  # past the new requests' first tries
+
+    cheap, dear = probe_rounds(0), probe_rounds(10)
+    assert {b - a for a, b in zip(cheap, cheap[1:])} == {5}, cheap
+    assert {b - a for a, b in zip(dear, dear[1:])} == {9}, dear
+
+
 def test_load_backs_speculation_off_when_verify_tokens_are_paid_for():
     """Acceptance about 0.5 per token pays at batch 1 (the weights are read anyway) but not at 16."""
     def accept(_rid, k):

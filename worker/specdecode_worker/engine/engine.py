@@ -284,7 +284,7 @@ class Engine:
                 spec.capture_graphs(min(args.cuda_graph_max_bs, args.max_running_requests))
             return spec
         return StandaloneSpeculator(args.algorithm, self.target_runner, self.draft_runner, args.num_draft_tokens,
-                                    args.ngram_max)
+                                    args.ngram_max, chunk_tokens=args.chunked_prefill_size)
 
     def _make_eagle_speculator(self) -> EagleSpeculator:
         args = self.args
@@ -308,6 +308,7 @@ class Engine:
         args = self.args
         if args.spec_policy == FIXED or k == 0:
             return StepCost({(1, 0): 1.0}, learn=False)
+        catch_up = 0.0  # seconds per token a draft model caches when a request resumes drafting
         batch = args.max_running_requests
         if self.target_runner.tp.size > 1:  # guess: verifying K per request at full batch doubles a plain step
             target = {(1, 0): 0.01, (batch, 0): 0.01, (1, k): 0.01 * (1 + 1 / batch),
@@ -319,14 +320,15 @@ class Engine:
             # A sharded draft cannot be timed alone either: its decode cost scales with its weight bytes.
             share = self.draft_runner.weight_bytes / max(self.target_runner.weight_bytes, 1)
             draft = {j: s * share for j, s in plain.items()}
+            catch_up = share * target[(1, k)] / (k + 1)
         elif args.algorithm == "STANDALONE":
-            draft = draft_points(self.draft_runner, batch, args.context_len)
+            draft, catch_up = draft_points(self.draft_runner, batch, args.context_len)
         elif args.algorithm == "NGRAM":
             draft = None
         else:  # an EAGLE head or NextN layer: one layer against the target's many
             layers = max(self.target_shape.num_hidden_layers, 1)
             draft = {j: s / layers for j, s in plain.items()}
-        return StepCost(target, draft)
+        return StepCost(target, draft, catch_up_per_token=catch_up)
 
     @property
     def ready(self) -> bool:
@@ -505,7 +507,10 @@ class Engine:
         reqs = [r for r in self._running if r.prefill_ids is None][:room]  # a just-prefilled one may wait a step
         if reqs:
             rids = [r.rid for r in reqs]
-            ks = self.policy.draft_lengths(rids, [self._draft_cap(r) for r in reqs])
+            catch_up = getattr(self.speculator, "catch_up_tokens", None)
+            ks = self.policy.draft_lengths(rids, [self._draft_cap(r) for r in reqs],
+                                           catch_up=[catch_up(r) for r in reqs] if catch_up else None,
+                                           remaining=[r.params.max_tokens - len(r.output_ids) for r in reqs])
             start = time.perf_counter()
             results = self.speculator.decode_round(reqs, ks)
             seconds = time.perf_counter() - start

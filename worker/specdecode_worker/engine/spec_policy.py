@@ -11,6 +11,11 @@ expected goodput, sum_r E[accepted_r + 1 | k_r] / step_time(round shape):
   largest gains, and the policy tries every width (and every draft depth) and keeps the best ratio;
 - step_time is ``step_cost.StepCost``: a linear model of the round's shape, seeded by the warm-up
   and refitted online over recent rounds, with machine load cancelled.
+A request about to draft after rounds without drafting (or for the first time) first has its
+draft model cache the tokens committed since (``StepCost.catch_up``); that once-off cost is spread
+over the rounds the request has left and added to any round that turns it on. A new request
+expects at least its algorithm's fixed prior, however earlier requests did, so that one that copies
+from its prompt drafts within its first rounds, and its own evidence soon overrules that.
 A request drafting nothing gets no new observation, so now and then the requests held at k = 0
 draft one token each, together, spaced so that probing costs at most ``probe_budget`` of the time:
 that is how speculation comes back once acceptance does.
@@ -41,15 +46,19 @@ class Acceptance:
     (the algorithm's estimate for a request; the algorithm's fixed prior for the algorithm)."""
 
     def __init__(self, positions: int, prior: "Acceptance | float", prior_weight: float = 1.0, decay: float = 0.8,
-                 position_weight: float = 1.0):
+                 position_weight: float = 1.0, floor: float = 0.0):
+        """``floor``: the least overall rate taken from the parent. A new request expects at least
+        its algorithm's fixed prior, however badly earlier requests did, so that one that copies
+        from its prompt is tried within its first rounds; its own evidence soon outweighs that."""
         self.prior, self.prior_weight, self.decay, self.position_weight = prior, prior_weight, decay, position_weight
+        self.floor = floor
         self.hits = [0.0] * positions
         self.seen = [0.0] * positions
 
     def overall(self) -> float:
         """Acceptance over all positions, leaning on the parent's."""
         parent = self.prior.overall() if isinstance(self.prior, Acceptance) else self.prior
-        return (self.prior_weight * parent + sum(self.hits)) / (self.prior_weight + sum(self.seen))
+        return (self.prior_weight * max(parent, self.floor) + sum(self.hits)) / (self.prior_weight + sum(self.seen))
 
     def rates(self, parent: tuple[list[float], float] | None = None) -> list[float]:
         """P(the draft token at position i (0-based) is accepted | all before it were), by position.
@@ -59,7 +68,8 @@ class Acceptance:
         if parent is None:
             overall = (self.prior_weight * self.prior + sum(self.hits)) / (self.prior_weight + sum(self.seen))
         else:
-            overall = (self.prior_weight * parent[1] + sum(self.hits)) / (self.prior_weight + sum(self.seen))
+            parent_overall = max(parent[1], self.floor)
+            overall = (self.prior_weight * parent_overall + sum(self.hits)) / (self.prior_weight + sum(self.seen))
         out = []
         for i in range(len(self.hits)):
             # A request's own overall rate, with the algorithm's profile over positions on top of it.
@@ -111,11 +121,15 @@ class SpecPolicy:
 
     def acceptance(self, rid: int) -> Acceptance:
         if rid not in self._requests:
-            self._requests[rid] = Acceptance(self.max_draft, self.algorithm_acceptance)
+            floor = ALGORITHM_PRIORS.get(self.algorithm, 0.5)
+            self._requests[rid] = Acceptance(self.max_draft, self.algorithm_acceptance, floor=floor)
         return self._requests[rid]
 
-    def draft_lengths(self, rids: list[int], caps: list[int]) -> list[int]:
-        """k per request; ``caps[i]`` is request i's own limit (0: no speculation)."""
+    def draft_lengths(self, rids: list[int], caps: list[int], catch_up: list[int] | None = None,
+                      remaining: list[int] | None = None) -> list[int]:
+        """k per request; ``caps[i]`` is request i's own limit (0: no speculation). ``catch_up[i]``:
+        committed tokens request i's draft model must cache before it drafts again (None: none);
+        ``remaining[i]``: the most tokens request i has left to generate (None: unknown, many)."""
         caps = [max(0, min(c, self.max_draft)) for c in caps]
         if self.mode == FIXED or self.max_draft == 0:
             return caps
@@ -124,24 +138,50 @@ class SpecPolicy:
         gains = [self.acceptance(rid).gains(c, parent) for rid, c in zip(rids, caps)]
         if not self.per_request:
             return self._uniform(gains, caps)
+        entry = self._entry_costs(gains, catch_up, remaining)
+        # Taking the largest gains first ignores what turning a request on costs: so also try the
+        # batch with the requests that would have to catch up left out.
+        candidates = [gains]
+        if any(entry):
+            candidates.append([[] if e else g for g, e in zip(gains, entry)])
         best, best_rate = [0] * len(rids), None
-        for depth in range(self.max_draft + 1):
-            ks, rate = self._best_for_depth([g[:depth] for g in gains], depth)
-            if best_rate is None or rate > best_rate:
-                best, best_rate = ks, rate
-        return self._probe(caps, best)
+        for candidate in candidates:
+            for depth in range(self.max_draft + 1):
+                ks, rate = self._best_for_depth([g[:depth] for g in candidate], depth, entry)
+                if best_rate is None or rate > best_rate:
+                    best, best_rate = ks, rate
+        return self._probe(caps, best, [self.cost.catch_up(t) for t in catch_up] if catch_up else None)
 
-    def _best_for_depth(self, gains: list[list[float]], depth: int) -> tuple[list[int], float]:
+    def _entry_costs(self, gains: list[list[float]], catch_up: list[int] | None,
+                     remaining: list[int] | None) -> list[float]:
+        """Seconds per round that drafting costs request i on top of the round's shape: its draft's
+        catch-up, paid once, spread over the rounds it can still draft in (its tokens left over the
+        tokens a round gives it at its estimate). A long prompt with few tokens to go thus stays
+        undrafted, and one with many to go pays for its catch-up."""
+        if catch_up is None:
+            return [0.0] * len(gains)
+        remaining = remaining or [None] * len(gains)
+        out = []
+        for g, tokens, left in zip(gains, catch_up, remaining):
+            rounds = 1e9 if left is None else max(1.0, left / (1.0 + sum(g)))
+            out.append(self.cost.catch_up(tokens) / rounds if tokens else 0.0)
+        return out
+
+    def _best_for_depth(self, gains: list[list[float]], depth: int,
+                        entry: list[float] | None = None) -> tuple[list[int], float]:
         """Largest gains first, every verify width tried: the best ks with at most ``depth`` drafts each."""
+        entry = entry or [0.0] * len(gains)
         order = sorted(((g, i, pos) for i, gs in enumerate(gains) for pos, g in enumerate(gs)),
-                       key=lambda t: (-t[0], t[2]))
+                       key=lambda t: (-t[0], entry[t[1]], t[2]))
         n = len(gains)
         base, switch, per_token, per_pass, per_pass_request = self.cost.round_terms(n, depth)
-        tokens, best_m, best_rate, drafting = float(n), 0, n / self.cost(n, 0), set()
+        tokens, best_m, best_rate, drafting, entering = float(n), 0, n / self.cost(n, 0), set(), 0.0
         for m, (g, i, _) in enumerate(order, start=1):
             tokens += g
-            drafting.add(i)
-            seconds = base + switch + per_token * m + per_pass + per_pass_request * len(drafting)
+            if i not in drafting:
+                drafting.add(i)
+                entering += entry[i]
+            seconds = base + switch + per_token * m + per_pass + per_pass_request * len(drafting) + entering
             rate = tokens / max(seconds, 1e-9)
             if rate > best_rate:
                 best_m, best_rate = m, rate
@@ -162,7 +202,7 @@ class SpecPolicy:
                 best_k, best_rate = k, rate
         return [min(best_k, c) for c in caps]
 
-    def _probe(self, caps: list[int], ks: list[int]) -> list[int]:
+    def _probe(self, caps: list[int], ks: list[int], catch_up: list[float] | None = None) -> list[int]:
         """Requests held at k = 0 by their estimates draft one token each, all in the same round:
         that is how speculation comes back once acceptance does, and the round's switch to the
         verify path is paid once for all of them. A probe round costs extra time (on a CPU a
@@ -176,7 +216,9 @@ class SpecPolicy:
         depth = max(ks) if m else 0
         drafting = sum(1 for k in ks if k)
         now = self.cost(n, m, depth, drafting)
-        extra = self.cost(n, m + len(idle), max(depth, 1), drafting + len(idle)) / now - 1
+        # A probe round pays in full for the catch-up of the draft caches it turns on.
+        catching_up = sum(catch_up[i] for i in idle) if catch_up else 0.0
+        extra = (self.cost(n, m + len(idle), max(depth, 1), drafting + len(idle)) + catching_up) / now - 1
         if self._since_probe * self.probe_budget < extra:
             return ks
         self._since_probe = 0

@@ -135,7 +135,7 @@ class StandaloneSpeculator(Speculator):
     """NONE, STANDALONE (a draft model with its own K/V) and NGRAM (prompt lookup)."""
 
     def __init__(self, algorithm: str, target_runner: ModelRunner, draft_runner: ModelRunner | None = None,
-                 num_draft_tokens: int = 4, ngram_max: int = 4):
+                 num_draft_tokens: int = 4, ngram_max: int = 4, chunk_tokens: int = 0):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm}")
         self.algorithm = algorithm
@@ -143,20 +143,25 @@ class StandaloneSpeculator(Speculator):
         self.draft = draft_runner
         self.k = 0 if algorithm == "NONE" else num_draft_tokens
         self.ngram_max = ngram_max
+        self.chunk_tokens = chunk_tokens  # most tokens of one draft catch-up pass (0: no cap)
+        self.draft_tokens = 0  # tokens the draft model has processed (catch-up and proposals)
+
+    def catch_up_tokens(self, r: Request) -> int:
+        """Committed tokens the draft must cache before ``r`` can draft, beyond the one every
+        drafting round feeds it anyway (the whole prompt for a request that never drafted)."""
+        if self.draft is None:
+            return 0
+        return max(0, len(r.all_ids) - r.draft_kv_len - 1)
 
     @property
     def slots_per_round(self) -> int:
         return self.k + 1
 
-    # prefill: each chunk goes through the target, and through the draft at the same slots, so the
-    # draft's first round catches up one token, not a whole prompt in one pass.
+    # prefill: the target only. The draft's cache of a request is built when the request first
+    # drafts (the catch-up of ``_draft_propose``, in chunks), so a request that never drafts costs
+    # no draft prefill.
     def prefill(self, reqs: list[Request], ends: list[int]) -> list[int | None]:
-        segments = chunk_segments(self.target, reqs, ends)
-        logits = forward_segments(self.target, segments, last_only=True)
-        if self.draft is not None:
-            forward_segments(self.draft, segments, last_only=True)
-        for r, end in zip(reqs, ends):
-            r.draft_kv_len = end if self.draft is not None else 0
+        logits = forward_segments(self.target, chunk_segments(self.target, reqs, ends), last_only=True)
         return self.first_tokens(reqs, ends, logits)
 
     def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None) -> list[RoundResult]:
@@ -200,16 +205,18 @@ class StandaloneSpeculator(Speculator):
         return self._draft_propose(reqs, ks)
 
     def _draft_propose(self, reqs: list[Request], ks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-        # Step 1 catches the draft's cache up to the last committed token (prompt, or every token
-        # committed since this request last drafted); steps 2..k feed back one proposal each, from
-        # the device (nothing is read back until the verify pass's results).
-        # A request drafting 0 tokens is left out: its draft cache catches up when it next drafts.
+        # Step 1 catches the draft's cache up to the last committed token (the prompt on a request's
+        # first drafting round, or every token committed since it last drafted); steps 2..k feed
+        # back one proposal each, from the device (nothing is read back until the verify pass's
+        # results). A request drafting 0 tokens is left out: its draft cache catches up when it next drafts.
         device, width = self.target.device, max(ks, default=0)
         tokens = torch.zeros(len(reqs), width, dtype=torch.int64, device=device)
         probs = None
+        self._catch_up([r for r, k in zip(reqs, ks) if k])
         segments = [Segment(r.req_idx, r.all_ids[r.draft_kv_len :], r.draft_kv_len) for r, k in zip(reqs, ks) if k]
         ids = None
         for step in range(width):
+            self.draft_tokens += sum(len(s.tokens) for s in segments)
             drafting = [i for i, k in enumerate(ks) if k > step]
             index = to_device(drafting, device)
             if step:
@@ -227,3 +234,22 @@ class StandaloneSpeculator(Speculator):
             if k:
                 r.draft_kv_len = r.kv_len + k  # positions up to L+k-1 now hold draft K/V
         return tokens, probs, ks
+
+    def _catch_up(self, reqs: list[Request]) -> None:
+        """Cache committed tokens in the draft, at most ``chunk_tokens`` per pass, until the first
+        proposal pass over what is left fits one chunk (each request keeps its last token for it)."""
+        budget = self.chunk_tokens
+        while budget:
+            pending = [len(r.all_ids) - r.draft_kv_len for r in reqs]
+            if sum(pending) <= budget or all(n <= 1 for n in pending):
+                return
+            segments, left = [], budget
+            for r, n in zip(reqs, pending):
+                take = min(left, n - 1)
+                if take > 0:
+                    ids = r.all_ids[r.draft_kv_len : r.draft_kv_len + take]
+                    segments.append(Segment(r.req_idx, ids, r.draft_kv_len))
+                    r.draft_kv_len += take
+                    left -= take
+            forward_segments(self.draft, segments, last_only=True)
+            self.draft_tokens += budget - left

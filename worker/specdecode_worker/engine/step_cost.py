@@ -8,6 +8,10 @@ passes over ``drafting`` requests each, costs (a linear model in these features)
   + the verify tokens                         c * drafts
   + the draft passes                          depth * (f + g * drafting)
 
+A request that resumes drafting also pays, once, for the committed tokens its draft model must
+cache first (``catch_up``: its whole prompt when it has never drafted); the policy spreads that
+over the rounds the request has left.
+
 The switch term is there because a round in which nobody drafts runs the cheaper decode path
 (one token per request: batched decode attention, a CUDA graph on a GPU) and any draft token moves
 the whole batch onto the verify path.
@@ -40,10 +44,13 @@ class StepCost:
     """Seconds of one round; ``record`` refines the model with what a round measured."""
 
     def __init__(self, target: dict[tuple[int, int], float], draft: dict[int, float] | None = None,
-                 window: int = 64, prior_weight: float = 0.5, refit_every: int = 4, learn: bool = True):
+                 window: int = 64, prior_weight: float = 0.5, refit_every: int = 4, learn: bool = True,
+                 catch_up_per_token: float = 0.0):
         """``target``: seconds of a target pass by (requests, draft tokens verified in all);
         ``draft``: seconds of one draft pass by the number of requests in it (None: no draft model,
-        the draft terms stay zero)."""
+        the draft terms stay zero); ``catch_up_per_token``: seconds per committed token a draft
+        model caches when a request resumes drafting (see ``catch_up``)."""
+        self.catch_up_per_token = catch_up_per_token
         self.prior = [(features(n, m), s) for (n, m), s in target.items()]
         self.prior += [((0.0,) * 5 + (1.0, float(j)), s) for j, s in (draft or {}).items()]
         self.terms = list(range(len(FEATURES) if draft else 5))
@@ -56,15 +63,21 @@ class StepCost:
 
     @classmethod
     def linear(cls, plain: tuple[float, float], per_draft_token: float, switch: tuple[float, float] = (0.0, 0.0),
-               draft_pass: tuple[float, float] = (0.0, 0.0), learn: bool = False) -> "StepCost":
+               draft_pass: tuple[float, float] = (0.0, 0.0), learn: bool = False,
+               catch_up_per_token: float = 0.0) -> "StepCost":
         """The model with the given terms (see the module doc), as if the warm-up had measured them."""
         coef = (*plain, *switch, per_draft_token, *draft_pass)
         target = {(n, m): _dot(coef, features(n, m)) for n, m in ((1, 0), (16, 0), (1, 4), (16, 16), (16, 64))}
         draft = {j: draft_pass[0] + draft_pass[1] * j for j in (1, 16)} if any(draft_pass) else None
-        return cls(target, draft, learn=learn)
+        return cls(target, draft, learn=learn, catch_up_per_token=catch_up_per_token)
 
     def __call__(self, requests: int, drafts: int, depth: int = 0, drafting: int = 0) -> float:
         return max(_dot(self.coef, features(requests, drafts, depth, drafting)), 1e-9)
+
+    def catch_up(self, tokens: int) -> float:
+        """Seconds the draft spends caching ``tokens`` committed tokens of one request, at today's
+        load: paid once, by the round in which that request resumes drafting."""
+        return self.catch_up_per_token * tokens * self.load
 
     def round_terms(self, requests: int, depth: int) -> tuple[float, float, float, float, float]:
         """For rounds of ``requests`` requests and ``depth`` draft passes that draft at all: the

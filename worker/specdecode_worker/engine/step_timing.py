@@ -55,6 +55,12 @@ def target_points(runner: ModelRunner, batch: int, k: int, context_len: int) -> 
     return {(b, b * (w - 1)): s for (b, w), s in timed.items()}
 
 
-def draft_points(runner: ModelRunner, batch: int, context_len: int) -> dict[int, float]:
-    """Seconds of one draft pass (one token per request) by the number of requests in it."""
-    return {b: s for (b, _), s in time_passes(runner, sorted({(1, 1), (batch, 1)}), context_len).items()}
+CATCH_UP_TOKENS = 32  # the width of the timed catch-up pass
+
+
+def draft_points(runner: ModelRunner, batch: int, context_len: int) -> tuple[dict[int, float], float]:
+    """Seconds of one draft pass (one token per request) by the number of requests in it, and
+    seconds per token of a catch-up pass (one request caching many committed tokens)."""
+    timed = time_passes(runner, sorted({(1, 1), (batch, 1), (1, CATCH_UP_TOKENS)}), context_len)
+    passes = {b: s for (b, w), s in timed.items() if w == 1}
+    return passes, timed[(1, CATCH_UP_TOKENS)] / CATCH_UP_TOKENS
