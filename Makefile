@@ -22,7 +22,7 @@ lint: setup
 # The whole suite: unit tests, then end-to-end tests on the local control plane
 # (built from Go modules on first use, cached under ~/.cache/specdecode/cluster).
 test: setup
-	$(PY) -m pytest -ra
+	$(PY) -m pytest -ra --durations=20
 
 test-unit: setup
 	$(PY) -m pytest -ra -m "not e2e"
