@@ -70,23 +70,39 @@ def test_speculation_turns_off_when_acceptance_collapses_and_returns_when_it_com
     assert recovered[-1] == [4], recovered
 
 
+def cpu_like() -> StepCost:
+    """A verify round costs about twice a plain one (the switch), as on a CPU: a draft token must be
+    kept well over half the time to pay."""
+    return StepCost.linear(plain=(1.0, 0.1), per_draft_token=0.1, switch=(1.0, 0.0))
+
+
 def test_a_new_copying_request_drafts_at_once_after_earlier_requests_collapsed_acceptance():
-    """Earlier requests rejected everything, so the algorithm's estimate is far below what pays;
-    a new request still expects the algorithm's prior: one that copies drafts in its first round
-    and keeps drafting, one that does not is back at 0 within a few rounds."""
-    policy = SpecPolicy("adaptive", "NGRAM", 4, overhead_bound(), probe_every=1000)
+    """Earlier requests rejected everything, so the algorithm's estimate is far below what pays.
+    A new request still drafts its full cap in its first round (its first probe): one that copies
+    keeps drafting, one that does not is back at 0 within a few rounds and stays there."""
+    policy = SpecPolicy("adaptive", "NGRAM", 4, cpu_like(), probe_every=1000)
     run(policy, [1, 2, 3, 4], 20, lambda rid, k: 0)
     for rid in (1, 2, 3, 4):
         policy.forget(rid)
     assert policy.algorithm_acceptance.overall() < 0.2
-    # At the algorithm's estimate no draft token pays: 1 + 0.2 expected tokens for 1.2 the time.
-    assert policy.draft_lengths([0], [0]) == [0]  # (a request that may not draft, for the count)
-    copying = run(policy, [10], 6, lambda rid, k: k)
-    assert copying[0][0] > 0 and copying[-1] == [4], copying
-    other = run(policy, [11], 8, lambda rid, k: 0)
-    assert other[0][0] > 0, other
-    first_off = next(i for i, ks in enumerate(other) if ks == [0])
-    assert first_off <= 3 and all(ks == [0] for ks in other[first_off:]), other
+
+    def rounds(rid, n, accept):
+        chosen = []
+        for _ in range(n):
+            ks = policy.draft_lengths([rid], [4], remaining=[32])
+            policy.record([rid], ks, ks, [accept(k) for k in ks], policy.cost(1, sum(ks)))
+            chosen.append(ks[0])
+        return chosen
+
+    copying = rounds(10, 6, lambda k: k)
+    assert copying == [4] * 6, copying
+    other = rounds(11, 8, lambda k: 0)
+    assert other[0] == 4 and other[-4:] == [0] * 4, other
+    # With 2 tokens to go the first probe (1.3 rounds more) is not worth a tenth of its rounds.
+    collapsed = SpecPolicy("adaptive", "NGRAM", 4, cpu_like(), probe_every=1000)
+    run(collapsed, [1], 20, lambda rid, k: 0)
+    assert collapsed.draft_lengths([12], [4], remaining=[2]) == [0]
+    assert collapsed.draft_lengths([13], [4], remaining=[32]) == [4]
 
 
 def test_catching_the_draft_up_is_charged_to_the_request_that_resumes():
@@ -171,8 +187,8 @@ def test_probes_of_idle_requests_share_one_round():
                         probe_budget=1.0)
     chosen = run(policy, list(range(8)), 16, lambda rid, k: 0)
     drafting = [i for i, ks in enumerate(chosen) if any(ks)]
-    assert drafting == [3, 7, 11, 15], chosen
-    assert all(ks == [1] * 8 for ks in (chosen[i] for i in drafting))
+    assert drafting == [0, 3, 7, 11, 15], chosen  # round 0: the new requests' first probe, of K each
+    assert chosen[0] == [4] * 8 and all(ks == [1] * 8 for ks in (chosen[i] for i in drafting[1:]))
 
 
 def test_probes_spend_at_most_their_budget_of_the_time():
@@ -181,7 +197,7 @@ def test_probes_spend_at_most_their_budget_of_the_time():
     cost = StepCost.linear((1.0, 0.1), 0.1, switch=(5.0, 0.0))
     policy = SpecPolicy("adaptive", "NGRAM", 4, cost, probe_every=4, probe_budget=0.1)
     chosen = run(policy, list(range(8)), 70, lambda rid, k: 0)
-    assert [i for i, ks in enumerate(chosen) if any(ks)] == [32, 65], chosen
+    assert [i for i, ks in enumerate(chosen) if any(ks)] == [0, 32, 65], chosen  # 0: their first probe
 
 
 def test_switching_to_the_verify_path_has_its_own_price():

@@ -108,10 +108,12 @@ class SpecPolicy:
     choices: tuple[int, ...] | None = None  # the k a uniform batch may take (None: 0..K)
     probe_every: int = 8  # the fewest rounds between two probes
     probe_budget: float = 0.02  # the share of round time that probing may cost
+    first_probe_budget: float = 0.1  # the share of a new request's expected rounds its first probe may cost
     trace: list | None = None  # a list to append each round's choice, prediction and measurement to
     algorithm_acceptance: Acceptance = field(init=False)
     _requests: dict[int, Acceptance] = field(init=False, default_factory=dict)
     _since_probe: int = field(init=False, default=0)
+    _tried: set = field(init=False, default_factory=set)  # requests that have had their first probe
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -150,7 +152,32 @@ class SpecPolicy:
                 ks, rate = self._best_for_depth([g[:depth] for g in candidate], depth, entry)
                 if best_rate is None or rate > best_rate:
                     best, best_rate = ks, rate
-        return self._probe(caps, best, [self.cost.catch_up(t) for t in catch_up] if catch_up else None)
+        catch_up_seconds = [self.cost.catch_up(t) for t in catch_up] if catch_up else None
+        best = self._first_probe(rids, caps, best, catch_up_seconds, gains, remaining)
+        return self._probe(caps, best, catch_up_seconds)
+
+    def _first_probe(self, rids: list[int], caps: list[int], ks: list[int], catch_up: list[float] | None,
+                     gains: list[list[float]], remaining: list[int] | None) -> list[int]:
+        """New requests the estimates hold at k = 0 draft their full cap once, together, early in
+        their life: a request that copies from its prompt is then found out within its first rounds,
+        whatever earlier requests did. The probe round may cost (its verify tokens, the switch, the
+        draft caches it must build) at most ``first_probe_budget`` of the new requests' expected rounds."""
+        fresh = [i for i, (rid, k, c) in enumerate(zip(rids, ks, caps)) if not k and c and rid not in self._tried]
+        if not fresh:
+            return ks
+        n, m = len(ks), sum(ks)
+        depth, drafting = (max(ks) if m else 0), sum(1 for k in ks if k)
+        probed = list(ks)
+        for i in fresh:
+            probed[i] = caps[i]
+        now = self.cost(n, m, depth, drafting)
+        extra = self.cost(n, sum(probed), max(probed), drafting + len(fresh)) - now
+        extra += sum(catch_up[i] for i in fresh) if catch_up else 0.0
+        left = [1e9 if remaining is None else max(1.0, remaining[i] / (1.0 + sum(gains[i]))) for i in fresh]
+        if extra / now > self.first_probe_budget * sum(left) / len(left):
+            return ks
+        self._tried.update(rids[i] for i in fresh)
+        return probed
 
     def _entry_costs(self, gains: list[list[float]], catch_up: list[int] | None,
                      remaining: list[int] | None) -> list[float]:
@@ -240,3 +267,4 @@ class SpecPolicy:
 
     def forget(self, rid: int) -> None:
         self._requests.pop(rid, None)
+        self._tried.discard(rid)
