@@ -190,10 +190,25 @@ def test_worker_network_policy_selects_the_operators_workers(cluster, namespace)
         spec = policy["spec"]
         selector = spec["podSelector"]["matchLabels"]
         assert selector.items() <= worker_labels.items()  # it selects the pods the operator renders
-        serving, ranks = spec["ingress"]
+        # Only the serving port: rank traffic is the operator's per-SDD policy (one SDD's pods
+        # must not reach another's NCCL ports, which a namespace-wide rule here would allow).
+        [serving] = spec["ingress"]
         assert serving["ports"] == [{"port": workload.HTTP_PORT, "protocol": "TCP"}] and serving["from"] == [peer]
-        assert ranks == {"from": [{"podSelector": {"matchLabels": selector}}]}
         assert spec["policyTypes"] == ["Ingress"]
+    [dep] = by_kind(docs, "Deployment")
+    assert "--worker-network-policy" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    policy_rule = {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
+                   "verbs": ["create", "patch", "delete"]}
+    roles = by_kind(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == sorted([namespace, "b"])
+    assert all(policy_rule in r["rules"] for r in roles)
+    cluster_docs = render(cluster, namespace, "--set", "workerNetworkPolicy.enabled=true")
+    [cluster_role] = [r for r in by_kind(cluster_docs, "ClusterRole") if r["metadata"]["name"] == "sdo-specdecode-operator"]
+    assert policy_rule in cluster_role["rules"]
+    off = render(cluster, namespace)  # off: neither the flag nor the grant
+    [dep] = by_kind(off, "Deployment")
+    assert "--worker-network-policy" not in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert all(r["apiGroups"] != ["networking.k8s.io"] for role in by_kind(off, "ClusterRole") for r in role["rules"])
     mine = next(p for p in policies if p["metadata"]["namespace"] == namespace)
     result = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(mine))
     assert "(server dry run)" in result.stdout

@@ -259,3 +259,77 @@ def test_installing_lws_later_replaces_the_previous_deployment():
     assert kube.get(group.leaderworkerset_ref("ns", "llama-8b-eagle3")) is not None
     assert kube.deployment() is None
     assert kube.sdd()["status"]["nodesPerReplica"] == 2
+
+
+# --- the rank NetworkPolicy (with the chart's worker NetworkPolicy on) ---------------------------
+
+def _matches(selector: dict, pod_labels: dict) -> bool:
+    """A LabelSelector with matchLabels only, as the API server reads it."""
+    assert set(selector) == {"matchLabels"}
+    return selector["matchLabels"].items() <= pod_labels.items()
+
+
+def test_the_rank_policy_admits_only_the_sdds_own_pods():
+    from specdecode_operator import group
+
+    view = parse_spec(_with_gpu(maxPerReplica=16))
+    plan = _group_plan()
+    cm, policy, lws, svc = group.render_children(view, plan, "k1", OWNER, rank_policy=True)
+    assert (policy["apiVersion"], policy["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
+    assert policy["metadata"]["name"] == "llama-8b-eagle3-ranks"
+    assert policy["metadata"]["namespace"] == view.namespace and policy["metadata"]["ownerReferences"] == [OWNER]
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    [rule] = spec["ingress"]
+    assert "ports" not in rule  # any port: NCCL and gloo pick theirs
+    [peer] = rule["from"]
+    assert set(peer) == {"podSelector"}  # no namespaceSelector: the policy's own namespace only
+
+    templates = lws["spec"]["leaderWorkerTemplate"]
+    own = [templates["leaderTemplate"]["metadata"]["labels"], templates["workerTemplate"]["metadata"]["labels"]]
+    other_view = parse_spec(_with_gpu(maxPerReplica=16) | {"metadata": {"name": "other", "namespace": view.namespace}})
+    other_lws = group.render_leaderworkerset(other_view, plan, "k1", OWNER | {"name": "other"})
+    other_templates = other_lws["spec"]["leaderWorkerTemplate"]
+    other = [other_templates["leaderTemplate"]["metadata"]["labels"],
+             other_templates["workerTemplate"]["metadata"]["labels"]]
+    for pod_labels in own:  # it selects this SDD's pods, and they may reach each other
+        assert _matches(spec["podSelector"], pod_labels) and _matches(peer["podSelector"], pod_labels)
+    for pod_labels in other:  # another SDD's pods are neither selected nor admitted
+        assert not _matches(spec["podSelector"], pod_labels) and not _matches(peer["podSelector"], pod_labels)
+    assert "specdecode.io/name" in spec["podSelector"]["matchLabels"]
+    assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/managed-by"] == "specdecode-operator"
+
+    # Off (the default) it is not rendered.
+    assert [c["kind"] for c in group.render_children(view, plan, "k1", OWNER)] == \
+        ["ConfigMap", "LeaderWorkerSet", "Service"]
+
+
+def test_reconcile_applies_the_rank_policy_for_a_group_and_deletes_it_for_one_pod():
+    from specdecode_operator import group
+    from specdecode_operator.reconcile import Options, Reconciler
+    from tests.operator_helpers import Clock, make_plan
+
+    kube = _kube(serves_lws=True)
+    r = Reconciler(kube, Options(default_image="img:1", rank_network_policy=True), clock=Clock())
+    r.reconcile("ns", "llama-8b-eagle3")
+    kube.finish_planner(0, json.dumps(_group_plan()))
+    r.reconcile("ns", "llama-8b-eagle3")
+    ref = group.rank_network_policy_ref("ns", "llama-8b-eagle3")
+    policy = kube.get(ref)
+    assert policy["spec"]["podSelector"]["matchLabels"]["specdecode.io/name"] == "llama-8b-eagle3"
+    kinds = [o["kind"] for o in kube.applied]
+    assert kinds.index("NetworkPolicy") < kinds.index("LeaderWorkerSet")  # before its pods start
+
+    body = kube.sdd()
+    body["spec"]["serving"]["minKVTokens"] = 1_600_000  # a new plan key, one node this time
+    kube.put_sdd(body)
+    r.reconcile("ns", "llama-8b-eagle3")
+    kube.finish_planner(0, json.dumps(make_plan(tp=8)))
+    r.reconcile("ns", "llama-8b-eagle3")
+    assert kube.deployment() is not None and kube.get(ref) is None
+
+
+def test_without_the_flag_no_rank_policy_is_applied():
+    kube = _kube(serves_lws=True)
+    _plan_and_reconcile(kube, _group_plan())
+    assert "NetworkPolicy" not in [o["kind"] for o in kube.applied]

@@ -20,7 +20,7 @@ from typing import Any
 
 from specdecode_worker.contract import GIB
 
-from . import workload
+from . import labels, workload
 from .kube import Ref
 
 LWS_GROUP = "leaderworkerset.x-k8s.io"
@@ -103,10 +103,48 @@ def render_leader_service(view, owner: dict[str, Any]) -> dict[str, Any]:
     return svc
 
 
+def rank_policy_name(name: str) -> str:
+    return f"{name}-ranks"
+
+
+def render_rank_network_policy(view, owner: dict[str, Any]) -> dict[str, Any]:
+    """Ingress on any port to this SDD's worker pods from this SDD's worker pods only.
+
+    The ranks of a group talk on ports torch.distributed picks (NCCL, gloo); the chart's worker
+    policy admits only the serving port, and NetworkPolicy cannot say "the same SDD as the
+    destination", so each SDD gets its own rule. Policies add up: the serving port stays open.
+    """
+    own_workers = {"matchLabels": labels.selector(view.name) | {labels.MANAGED_BY: labels.FIELD_MANAGER}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": rank_policy_name(view.name),
+            "namespace": view.namespace,
+            "labels": labels.common(view.name, labels.ROLE_WORKER),
+            "ownerReferences": [owner],
+        },
+        "spec": {
+            "podSelector": own_workers,
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": own_workers}]}],
+        },
+    }
+
+
+def rank_network_policy_ref(namespace: str, name: str) -> Ref:
+    return Ref("networking.k8s.io/v1", "NetworkPolicy", namespace, rank_policy_name(name))
+
+
 def render_children(view, plan: dict[str, Any], key: str, owner: dict[str, Any],
-                    generation: int = 0) -> list[dict[str, Any]]:
-    """In apply order, as ``workload.render_children`` for one node: ConfigMap, workload, Service."""
-    return [workload.render_configmap(view, plan, key, owner),
+                    generation: int = 0, rank_policy: bool = False) -> list[dict[str, Any]]:
+    """In apply order, as ``workload.render_children`` for one node: ConfigMap, workload, Service.
+
+    With ``rank_policy`` (the chart's worker NetworkPolicy is on), the group's rank policy comes
+    before the workload, so its pods can reach each other as soon as they start.
+    """
+    policy = [render_rank_network_policy(view, owner)] if rank_policy else []
+    return [workload.render_configmap(view, plan, key, owner), *policy,
             render_leaderworkerset(view, plan, key, owner, generation),
             render_leader_service(view, owner)]
 

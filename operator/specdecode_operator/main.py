@@ -27,6 +27,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-node-check", action="store_true",
                    help="do not read nodes (namespaced RBAC): GPUs per node come from gpu.perNode or "
                         "default to 8, and PlanExceedsNodeGPUs is not reported")
+    p.add_argument("--worker-network-policy", action="store_true",
+                   default=os.environ.get("SPECDECODE_WORKER_NETWORK_POLICY", "") == "true",
+                   help="the worker pods' NetworkPolicy admits only the serving port: give each SDD whose "
+                        "replicas span pods a NetworkPolicy <name>-ranks for traffic between its own pods "
+                        "(env SPECDECODE_WORKER_NETWORK_POLICY=true)")
     p.add_argument("--log-format", choices=["json", "plain"], default=os.environ.get("SPECDECODE_LOG_FORMAT", "json"))
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
@@ -48,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"specdecode-operator: {exc}", file=sys.stderr)
             return 2
-    handlers.configure(Options(default_image=args.worker_image, check_nodes=not args.no_node_check),
+    handlers.configure(Options(default_image=args.worker_image, check_nodes=not args.no_node_check,
+                               rank_network_policy=args.worker_network_policy),
                        scanning=not args.namespace, health_url=None if args.liveness == "off" else args.liveness)
     kwargs = {"namespaces": args.namespace} if args.namespace else {"clusterwide": True}
     kopf.run(standalone=True, **kwargs)

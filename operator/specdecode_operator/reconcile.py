@@ -42,6 +42,8 @@ class Result:
 class Options:
     default_image: str = DEFAULT_WORKER_IMAGE
     check_nodes: bool = True
+    # The chart's worker NetworkPolicy admits only the serving port: a group gets a rank policy.
+    rank_network_policy: bool = False
 
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
@@ -128,8 +130,12 @@ class Reconciler:
                     view, status, tp, nodes), generation, None, requeue=POLL_SECONDS)
             dep = self._workload(view, nodes)
             if force_apply or not _applied(dep, key, generation):
-                render = group.render_children if nodes > 1 else workload.render_children
-                for child in render(view, _plan_body(plan), key, owner, generation):
+                if nodes > 1:
+                    children = group.render_children(view, _plan_body(plan), key, owner, generation,
+                                                     rank_policy=self.options.rank_network_policy)
+                else:
+                    children = workload.render_children(view, _plan_body(plan), key, owner, generation)
+                for child in children:
                     try:
                         applied = self.kube.apply(child)
                     except ApiError as exc:
@@ -143,6 +149,8 @@ class Reconciler:
                     if old_status.get("nodesPerReplica", 1) != nodes:  # one node <-> several: the other kind goes
                         self.kube.delete(k8s.deployment(view.namespace, view.name) if nodes > 1
                                          else group.leaderworkerset_ref(view.namespace, view.name))
+                        if nodes == 1 and self.options.rank_network_policy:  # one pod has no rank traffic
+                            self.kube.delete(group.rank_network_policy_ref(view.namespace, view.name))
             if refused is None:  # recorded once its workload is applied: a switch deletes the other kind
                 status["nodesPerReplica"] = nodes
             obs = self._observe(view, key, tp, dep, nodes)

@@ -41,6 +41,13 @@ Namespaced rules apply in the watched namespaces (Role) or everywhere (ClusterRo
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "create", "delete"]
+{{- if .Values.workerNetworkPolicy.enabled }}
+# With the worker NetworkPolicy: a replica spanning pods gets its rank policy, server-side
+# applied, and deleted when a new plan fits one pod again.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["create", "patch", "delete"]
+{{- end }}
 # One Event per condition transition.
 - apiGroups: [""]
   resources: ["events"]
