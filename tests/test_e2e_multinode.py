@@ -176,6 +176,31 @@ def test_a_replica_needing_16_gpus_runs_as_a_group_over_two_nodes(cluster, lws, 
     assert targets <= {leader_name}
 
 
+@pytest.fixture
+def operator_with_rank_policy(cluster, crd, namespace, store):  # noqa: F811 - crd is the imported fixture
+    op = Operator(cluster, namespace, "--worker-network-policy").start()
+    yield op
+    cluster.kubectl("delete", "sdd", "--all", "-n", namespace, "--wait=true", timeout=120, check=False)
+    op.stop()
+    print(f"--- operator log (tail) ---\n{op.tail(80)}")
+
+
+def test_a_group_gets_a_rank_policy_for_its_own_pods(cluster, lws, namespace, operator_with_rank_policy):
+    """The API server accepts the rank policy and it selects the group's pods. This control plane
+    runs no network plugin, so nothing enforces it here: what it admits is tested on the rendering."""
+    _apply(cluster, namespace, SDD)
+    policy = wait_for(lambda: get_object(cluster, namespace, "networkpolicy", f"{NAME}-ranks"),
+                      timeout=180, interval=1.0, what=f"NetworkPolicy {NAME}-ranks")
+    sdd = get_object(cluster, namespace, "sdd", NAME)
+    [owner] = policy["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["uid"]) == ("SpecDecodeDeployment", NAME, sdd["metadata"]["uid"])
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": selector}}]}]
+    wait_for(lambda: len(_group_pods(cluster, namespace)) == 2, timeout=180, interval=1.0, what="the group's pods")
+    for pod in _group_pods(cluster, namespace).values():
+        assert selector.items() <= pod["metadata"]["labels"].items(), pod["metadata"]["name"]
+
+
 def test_status_follows_a_change_of_the_group_itself(cluster, lws, namespace, operator):
     """The LWS's own readiness reaches status through its watch, not the periodic resync (minutes
     for a Ready SDD): with the LWS controller paused no pod changes, only the LWS status does."""

@@ -271,12 +271,15 @@ def _matches(selector: dict, pod_labels: dict) -> bool:
 
 def test_the_rank_policy_admits_only_the_sdds_own_pods():
     from specdecode_operator import group
+    from specdecode_operator import kube as k8s
 
     view = parse_spec(_with_gpu(maxPerReplica=16))
     plan = _group_plan()
     cm, policy, lws, svc = group.render_children(view, plan, "k1", OWNER, rank_policy=True)
     assert (policy["apiVersion"], policy["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
     assert policy["metadata"]["name"] == "llama-8b-eagle3-ranks"
+    assert k8s.rest_path(k8s.Ref.of(policy)) == \
+        f"/apis/networking.k8s.io/v1/namespaces/{view.namespace}/networkpolicies/llama-8b-eagle3-ranks"
     assert policy["metadata"]["namespace"] == view.namespace and policy["metadata"]["ownerReferences"] == [OWNER]
     spec = policy["spec"]
     assert spec["policyTypes"] == ["Ingress"]

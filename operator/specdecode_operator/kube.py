@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 # Every kind the operator touches, with its plural (the resource name in REST paths).
 PLURALS = {"Pod": "pods", "ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments",
            "Event": "events", "Node": "nodes", KIND: PLURAL, "LeaderWorkerSet": "leaderworkersets",
-           "Job": "jobs", "PersistentVolumeClaim": "persistentvolumeclaims"}
+           "Job": "jobs", "PersistentVolumeClaim": "persistentvolumeclaims", "NetworkPolicy": "networkpolicies"}
 
 
 @dataclass(frozen=True)
