@@ -203,7 +203,8 @@ def test_worker_network_policy_selects_the_operators_workers(cluster, namespace)
     assert sorted(r["metadata"]["namespace"] for r in roles) == sorted([namespace, "b"])
     assert all(policy_rule in r["rules"] for r in roles)
     cluster_docs = render(cluster, namespace, "--set", "workerNetworkPolicy.enabled=true")
-    [cluster_role] = [r for r in by_kind(cluster_docs, "ClusterRole") if r["metadata"]["name"] == "sdo-specdecode-operator"]
+    [cluster_role] = [r for r in by_kind(cluster_docs, "ClusterRole")
+                      if r["metadata"]["name"] == "sdo-specdecode-operator"]
     assert policy_rule in cluster_role["rules"]
     off = render(cluster, namespace)  # off: neither the flag nor the grant
     [dep] = by_kind(off, "Deployment")
