@@ -20,13 +20,13 @@ import os
 import shutil
 import sys
 import time
-import traceback
 from pathlib import Path
 
 from .contract import ExitCode
 from .errors import InputError
+from . import termination
 from .flags import CommandParser, asks_for_help
-from .hub import HubClient, HubError, HubFile, partition, redact
+from .hub import HubClient, HubError, HubFile, partition
 
 PROGRESS_EVERY_S = 10.0
 
@@ -166,33 +166,19 @@ def fetch(client: HubClient, repo: str, commit: str, dest: Path, parts: int, par
     return len(missing), done
 
 
-def _write_log(path: str | None, text: str) -> None:
-    if path:
-        try:
-            Path(path).write_text(text)
-        except OSError as exc:
-            print(f"specdecode-worker fetch: cannot write --termination-log {path}: {exc.strerror}", file=sys.stderr)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if asks_for_help(argv):
         parser().print_help()
         return ExitCode.OK
-    log_path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--termination-log"), None)
+    log_path = termination.log_path_in(argv)
     try:
         args = parser().parse_args(argv)
         log_path = args.termination_log
         part = _part_index(args.part, args.parts)
         count, size = fetch(HubClient(), args.repo, args.commit, Path(args.dest), args.parts, part)
-    except InputError as exc:
-        message = redact(" ".join(str(exc).split()))
-        print(message, file=sys.stderr)
-        _write_log(log_path, message)
-        return ExitCode.HUB_UNAVAILABLE if isinstance(exc, HubError) and exc.retryable else ExitCode.BAD_INPUT
-    except Exception as exc:  # a bug, not the user's input: keep the traceback for the report
-        print(redact(traceback.format_exc()), file=sys.stderr, end="")
-        _write_log(log_path, redact(f"internal error: {type(exc).__name__}: {exc}"))
-        return ExitCode.INTERNAL_ERROR
-    _write_log(log_path, f"fetched {args.repo}@{args.commit} part {part} of {args.parts}: {count} files, {size} bytes")
+    except Exception as exc:
+        return termination.fail("fetch", exc, log_path)
+    termination.write("fetch", log_path,
+                      f"fetched {args.repo}@{args.commit} part {part} of {args.parts}: {count} files, {size} bytes")
     return ExitCode.OK

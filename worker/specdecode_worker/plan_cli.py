@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import sys
 import tempfile
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,9 @@ from .contract import FP8_KV_CACHE_DTYPES, GIB, PLANNED_ALGORITHMS, ExitCode, to
 from .devices import resolve_device_memory
 from .eagle_rule import aux_layer_ids
 from .errors import InputError
+from . import termination
 from .flags import CommandParser, add_sizing_flags, asks_for_help
-from .hub import HubClient, HubError, model_name, redact
+from .hub import HubClient, model_name
 from .model_config import ModelShape, load_shape, read_config
 from .mtp_rule import check_mtp_draft, check_standalone_draft
 from .plan import (
@@ -340,35 +340,19 @@ def render_table(plan: dict[str, Any]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def _write_log(path: str | None, text: str) -> None:
-    if path:
-        try:
-            Path(path).write_text(text)
-        except OSError as exc:
-            print(f"specdecode-worker plan: cannot write --termination-log {path}: {exc.strerror}", file=sys.stderr)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if asks_for_help(argv):
         parser().print_help()
         return ExitCode.OK
-    # Known before parsing, so that even a flag error reaches the termination log.
-    log_path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--termination-log"), None)
+    log_path = termination.log_path_in(argv)
     try:
         args = parser().parse_args(argv)
         log_path = args.termination_log
         plan = plan_from_flags(args)
-    except InputError as exc:
-        message = redact(" ".join(str(exc).split()))
-        print(message, file=sys.stderr)
-        _write_log(log_path, message)
-        return ExitCode.HUB_UNAVAILABLE if isinstance(exc, HubError) and exc.retryable else ExitCode.BAD_INPUT
-    except Exception as exc:  # a bug, not the user's input: keep the traceback for the report
-        print(redact(traceback.format_exc()), file=sys.stderr, end="")
-        _write_log(log_path, redact(f"internal error: {type(exc).__name__}: {exc}"))
-        return ExitCode.INTERNAL_ERROR
+    except Exception as exc:
+        return termination.fail("plan", exc, log_path)
     compact = to_json(plan)
-    _write_log(log_path, compact)
+    termination.write("plan", log_path, compact)
     print(render_table(plan) if args.output == "table" else compact, end="" if args.output == "table" else "\n")
     return ExitCode.OK if plan["fits"] else ExitCode.DOES_NOT_FIT
