@@ -39,6 +39,19 @@ def noisy_copy(target: Path, dest: Path, scale: float, seed: int = 0) -> Path:
     return dest
 
 
+def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """The model's own greedy continuation of each prompt, from transformers' generate: the
+    independent reference every speculative output must equal."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        ids = hf.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
 def engine(target, algorithm="NONE", draft=None, **kw) -> Engine:
     args = dict(device_memory_bytes=64 << 20, mem_fraction_static=0.9, runtime_bytes=0, context_len=256,
                 max_running_requests=8, num_draft_tokens=4)

@@ -17,7 +17,8 @@ from specdecode_worker.errors import InputError  # noqa: E402
 
 from tests.eagle_heads import write_copying_eagle_head  # noqa: E402
 from tests.engine_helpers import (  # noqa: E402
-    CHI2_CRIT, chi_square, engine, noisy_copy, run_all, second_token_case, second_token_counts, tiny_models,
+    CHI2_CRIT, chi_square, engine, hf_greedy, noisy_copy, run_all, second_token_case, second_token_counts,
+    tiny_models,
 )
 from tests.tiny_models import write_tiny_model  # noqa: E402
 
@@ -37,14 +38,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(models):
     """The target's own greedy continuation, from transformers' generate."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
-    out = []
-    for p in PROMPTS:
-        ids = hf.generate(torch.tensor([p]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
-        out.append(ids[0, len(p):].tolist())
-    return out
+    return hf_greedy(models["target"], PROMPTS, 40)
 
 
 def acceptance_driven(eng, probe_every: int = 4):

@@ -19,7 +19,7 @@ from specdecode_worker.plan import PlanArgs  # noqa: E402
 from specdecode_worker.plan_cli import make_plan  # noqa: E402
 
 from tests.checkpoints import write_tokenizer as write_other_tokenizer  # noqa: E402
-from tests.engine_helpers import engine, run_all  # noqa: E402
+from tests.engine_helpers import engine, hf_greedy, run_all  # noqa: E402
 from tests.tiny_models import VOCAB, write_tiny_model  # noqa: E402
 
 TOKENS = len(VOCAB)  # ids the shared tokenizer defines; every head has padding rows above it
@@ -42,14 +42,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(models):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
-    out = []
-    for p in PROMPTS:
-        ids = hf.generate(torch.tensor([p]), max_new_tokens=30, min_new_tokens=30, do_sample=False)
-        out.append(ids[0, len(p):].tolist())
-    return out
+    return hf_greedy(models["target"], PROMPTS, 30)
 
 
 def _plan(target, draft):

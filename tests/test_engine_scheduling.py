@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
 from tests.eagle_heads import write_eagle_head  # noqa: E402
-from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
+from tests.engine_helpers import engine, hf_greedy, run_all, tiny_models  # noqa: E402
 
 CHUNK = 16
 MAX_TOKENS = 24
@@ -45,14 +45,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(models):
     """The target's own greedy continuation of each prompt, from transformers' generate."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
-    out = {}
-    for p in LONG:
-        ids = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
-        out[tuple(p)] = ids[0, len(p):].tolist()
-    return out
+    return {tuple(p): out for p, out in zip(LONG, hf_greedy(models["target"], LONG, MAX_TOKENS))}
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E4
 from specdecode_worker.engine.speculative import ngram_propose  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 
-from tests.engine_helpers import engine, noisy_copy, run_all, tiny_models  # noqa: E402
+from tests.engine_helpers import engine, hf_greedy, noisy_copy, run_all, tiny_models  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [20, 21, 22], list(range(30, 60))]
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -25,14 +25,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(models):
     """The target's own greedy continuation, from transformers' generate."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
-    out = []
-    for p in PROMPTS:
-        ids = hf.generate(torch.tensor([p]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
-        out.append(ids[0, len(p):].tolist())
-    return out
+    return hf_greedy(models["target"], PROMPTS, 40)
 
 
 def _greedy(eng):
