@@ -83,18 +83,24 @@ def test_speculative_output_equals_plain_output_on_cuda(models, case, kv):
         assert free == size  # every slot came back
 
 
-def test_worker_tokens_match_the_plan_made_with_nvml(tmp_path, capsys):
-    """A 1 GB bf16 model: the planner reads NVML, the worker measures after loading; they agree."""
+def one_gb_bf16_model(folder):
+    """A 1 GB Llama-shaped model stored in bf16, as published checkpoints are: the planner prices
+    the header's dtype."""
     from safetensors.torch import load_file, save_file
 
-    target = write_tiny_model(tmp_path / "big", "llama", seed=0, hidden_size=2048, intermediate_size=5632,
+    target = write_tiny_model(folder, "llama", seed=0, hidden_size=2048, intermediate_size=5632,
                               num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)
-    # Store it in bf16, as published checkpoints are: the planner prices the header's dtype.
     weights = target / "model.safetensors"
     save_file({k: v.to(torch.bfloat16) for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
     cfg = json.loads((target / "config.json").read_text())
     cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
     (target / "config.json").write_text(json.dumps(cfg))
+    return target
+
+
+def test_worker_tokens_match_the_plan_made_with_nvml(tmp_path, capsys):
+    """A 1 GB bf16 model: the planner reads NVML, the worker measures after loading; they agree."""
+    target = one_gb_bf16_model(tmp_path / "big")
     argv = ["--target", str(target), "--algorithm", "NGRAM", "--context-length", "4096", "--mem-fraction-static", "0.5"]
     assert plan_cli.main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
@@ -182,15 +188,7 @@ def test_example_sizes_start_at_context_8192_with_the_default_graph_batch_and_th
     """A 1 GB bf16 target with an EAGLE3 head, planned at contextLength 8192 with the planner's
     defaults for this GPU (cudaGraphMaxBs, chunkedPrefillSize), starts, captures its graphs, and
     phase 3's warm-up measures a dynamic peak at or below the plan's."""
-    from safetensors.torch import load_file, save_file
-
-    target = write_tiny_model(tmp_path / "big", "llama", seed=0, hidden_size=2048, intermediate_size=5632,
-                              num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)
-    weights = target / "model.safetensors"
-    save_file({k: v.to(torch.bfloat16) for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
-    cfg = json.loads((target / "config.json").read_text())
-    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
-    (target / "config.json").write_text(json.dumps(cfg))
+    target = one_gb_bf16_model(tmp_path / "big")
     head = write_eagle3_head(tmp_path / "head", target, draft_vocab=8000, seed=3)
     argv = ["--target", str(target), "--draft", str(head), "--algorithm", "EAGLE3", "--context-length", "8192"]
     assert plan_cli.main(argv) == 0
