@@ -12,7 +12,7 @@ import yaml
 from tests.checkpoints import write_model
 from tests.cluster import lws as lws_mod
 from tests.cluster.wait import wait_for
-from tests.e2e_helpers import Operator
+from tests.e2e_helpers import Operator, get_object
 
 pytestmark = pytest.mark.timeout(420)
 TARGET = "meta-llama/Llama-3.1-70B-Instruct"
@@ -60,14 +60,6 @@ def operator(cluster, crd, namespace, store):  # noqa: F811 - crd is the importe
     cluster.kubectl("delete", "sdd", "--all", "-n", namespace, "--wait=true", timeout=120, check=False)
     op.stop()
     print(f"--- operator log (tail) ---\n{op.tail(80)}")
-
-
-def get_object(cluster, namespace, kind, name):
-    r = cluster.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
-    if r.returncode != 0:
-        assert "NotFound" in r.stderr, r.stderr
-        return None
-    return json.loads(r.stdout)
 
 
 def _cond(sdd, ctype):
@@ -221,25 +213,34 @@ def test_status_follows_a_change_of_the_group_itself(cluster, lws, namespace, op
               and s["status"].get("readyReplicas") == 1, "Ready again once the LWS controller restores its status")
 
 
+def _added_nodes(cluster, names, labels=None, gpus=None):
+    """Nodes copied from h100-node-1 under ``names`` (with ``labels`` and ``gpus`` allocatable GPUs
+    when given), Ready while the caller's test runs, deleted afterwards."""
+    base = next(n for n in yaml.safe_load_all(lws_mod.HERE.joinpath("nodes.yaml").read_text())
+                if n["metadata"]["name"] == "h100-node-1")
+    for name in names:
+        node = json.loads(json.dumps(base))
+        node["metadata"]["name"] = name
+        node["metadata"]["labels"].update({"kubernetes.io/hostname": name, **(labels or {})})
+        node["status"]["addresses"] = [{"type": "Hostname", "address": name}]
+        if gpus is not None:
+            for amounts in (node["status"]["capacity"], node["status"]["allocatable"]):
+                amounts["nvidia.com/gpu"] = str(gpus)
+        cluster.api.create("/api/v1/nodes", node)
+    wait_for(lambda: cluster.kubectl("wait", "--for=condition=Ready", *(f"node/{n}" for n in names),
+                                     "--timeout=5s", check=False).returncode == 0, timeout=60, what="added nodes Ready")
+    yield
+    for name in names:
+        cluster.kubectl("delete", "node", name, "--wait=false", check=False)
+
+
 EXTRA_NODES = ("h100-node-3", "h100-node-4")
 
 
 @pytest.fixture
 def two_more_h100_nodes(cluster):
     """Two more 8-GPU nodes, so that two 16-GPU groups fit; removed afterwards."""
-    base = next(n for n in yaml.safe_load_all(lws_mod.HERE.joinpath("nodes.yaml").read_text())
-                if n["metadata"]["name"] == "h100-node-1")
-    for name in EXTRA_NODES:
-        node = json.loads(json.dumps(base))
-        node["metadata"]["name"] = name
-        node["metadata"]["labels"]["kubernetes.io/hostname"] = name
-        node["status"]["addresses"] = [{"type": "Hostname", "address": name}]
-        cluster.api.create("/api/v1/nodes", node)
-    wait_for(lambda: cluster.kubectl("wait", "--for=condition=Ready", *(f"node/{n}" for n in EXTRA_NODES),
-                                     "--timeout=5s", check=False).returncode == 0, timeout=60, what="extra nodes Ready")
-    yield
-    for name in EXTRA_NODES:
-        cluster.kubectl("delete", "node", name, "--wait=false", check=False)
+    yield from _added_nodes(cluster, EXTRA_NODES)
 
 
 def test_scaling_to_two_replicas_makes_two_groups(cluster, lws, namespace, operator, two_more_h100_nodes):
@@ -291,22 +292,8 @@ A100_NODES = ("a100-node-1", "a100-node-2")
 @pytest.fixture
 def two_a100_nodes_of_4_gpus(cluster):
     """Two 4-GPU A100 nodes; removed afterwards."""
-    base = next(n for n in yaml.safe_load_all(lws_mod.HERE.joinpath("nodes.yaml").read_text())
-                if n["metadata"]["name"] == "h100-node-1")
-    for name in A100_NODES:
-        node = json.loads(json.dumps(base))
-        node["metadata"]["name"] = name
-        node["metadata"]["labels"].update({"kubernetes.io/hostname": name, "nvidia.com/gpu.product": A100,
-                                           "nvidia.com/gpu.count": "4", "nvidia.com/gpu.memory": "81920"})
-        node["status"]["addresses"] = [{"type": "Hostname", "address": name}]
-        for amounts in (node["status"]["capacity"], node["status"]["allocatable"]):
-            amounts["nvidia.com/gpu"] = "4"
-        cluster.api.create("/api/v1/nodes", node)
-    wait_for(lambda: cluster.kubectl("wait", "--for=condition=Ready", *(f"node/{n}" for n in A100_NODES),
-                                     "--timeout=5s", check=False).returncode == 0, timeout=60, what="A100 nodes Ready")
-    yield
-    for name in A100_NODES:
-        cluster.kubectl("delete", "node", name, "--wait=false", check=False)
+    labels = {"nvidia.com/gpu.product": A100, "nvidia.com/gpu.count": "4", "nvidia.com/gpu.memory": "81920"}
+    yield from _added_nodes(cluster, A100_NODES, labels, gpus=4)
 
 
 def test_gpus_per_node_come_from_the_nodes_when_the_spec_does_not_say(cluster, lws, namespace,
