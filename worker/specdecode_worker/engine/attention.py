@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from .forward_batch import ForwardBatch
+from .mla_pool import MLATokenToKVPool
 from .pools import MHATokenToKVPool, ReqToTokenPool
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,13 @@ def use_triton(req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool) -> 
 
 
 def make_attn_backend(req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, sliding_window: int | None):
-    """Decode and extend attention over these pools, on the backend chosen for their device."""
+    """Decode and extend attention over these pools, on the backend chosen for their device (an MLA
+    latent pool gets the MLA kernels; the torch-native path reads it as one shared KV head)."""
     if use_triton(req_to_token_pool, kv_pool):
+        if isinstance(kv_pool, MLATokenToKVPool):
+            from .triton_mla import TritonMLABackend
+
+            return TritonMLABackend(req_to_token_pool, kv_pool)
         from .triton_attention import TritonAttnBackend  # imports triton: only where it runs
 
         return TritonAttnBackend(req_to_token_pool, kv_pool, sliding_window)
