@@ -116,10 +116,13 @@ def test_greedy_output_through_graph_buffers_equals_eager(models, monkeypatch, a
 
 
 def test_mtp_greedy_output_through_graph_buffers_equals_eager(tmp_path, monkeypatch):
-    """On CUDA the NextN layer and DeepSeek's MLA run on the torch-native backend and stay eager;
-    the buffers are the same, and staging them changes nothing."""
+    """DeepSeek's target steps (1 and k + 1 tokens) and the NextN layer's chain steps through the
+    speculator's graph buffers, with MoE on the path a CUDA graph captures (every expert, weighted
+    by the routing), give the plain engine's greedy output (its MoE on the routed path)."""
     if not hasattr(transformers, "DeepseekV3ForCausalLM"):
         pytest.skip("this transformers has no DeepseekV3ForCausalLM")
+    from specdecode_worker.engine.models import deepseek_v3
+
     from tests.deepseek_models import write_tiny_deepseek
 
     model = write_tiny_deepseek(tmp_path / "ds", mtp=True)
@@ -127,6 +130,36 @@ def test_mtp_greedy_output_through_graph_buffers_equals_eager(tmp_path, monkeypa
     plain = _outputs(engine(model, "NONE", max_running_requests=MAX_BS, context_len=128), prompts)
     eng = engine(model, "MTP", max_running_requests=MAX_BS, context_len=128, num_draft_tokens=2)
     eng.speculator.capture_graphs(MAX_BS, eager=True)
+    assert set(eng.speculator._graphs) == {("target", 1), ("target", 3), ("draft", 1)}
+    static_moe = []
+    real = deepseek_v3.MoE.every_expert
+
+    def every_expert(self, *args):
+        static_moe.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(deepseek_v3, "graph_capturing", lambda: True)
+    monkeypatch.setattr(deepseek_v3.MoE, "every_expert", every_expert)
     seen = _count_replays(monkeypatch)
     assert _outputs(eng, prompts) == plain
-    assert {w for w, _ in seen} == {1, 3}
+    assert {w for w, _ in seen} == {1, 3} and static_moe
+
+
+def test_moe_every_expert_path_equals_the_routed_path():
+    """The static MoE path a CUDA graph captures gives the routed path's output."""
+    if not hasattr(transformers, "DeepseekV3Config"):
+        pytest.skip("this transformers has no DeepseekV3Config")
+    from specdecode_worker.engine.distributed import SINGLE
+    from specdecode_worker.engine.models.deepseek_v3 import Linears, MoE
+
+    from tests.deepseek_models import TINY
+
+    torch.manual_seed(0)
+    moe = MoE(transformers.DeepseekV3Config(**TINY), Linears(transformers.DeepseekV3Config(**TINY), SINGLE))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(7, TINY["hidden_size"])
+    experts, weights = moe.gate(x)
+    assert experts.unique().numel() > 1  # several experts chosen, several left out
+    routed = moe.routed(x, experts, weights)
+    torch.testing.assert_close(moe.every_expert(x, experts, weights), routed, atol=1e-5, rtol=1e-4)

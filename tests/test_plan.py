@@ -155,6 +155,26 @@ def test_serving_tiers_and_reserves():
     assert LLAMA8B_GEOMETRY.token_bytes(8) == 2 * (3 * 4096 + 4 * 128 + 1 * 256 + 4 * 128 + 3 * 1792)
 
 
+def test_mla_and_mtp_reserve_by_hand():
+    # DeepSeek-V3 at t = 8, bf16: 16 heads per GPU; absorbed MLA prices five latent-wide (512 + 64)
+    # tensors per head (q, rope part, absorbed query, its concatenation, attended latent), the
+    # lifted output (v_head_dim 128), the latent row twice; the dense MLP's 18,432 split 8 ways.
+    ds = ForwardGeometry(7168, 18_432, 128, 128, 56, 128, 129_280, 2, kv_lora_rank=512, qk_rope_head_dim=64)
+    assert ds.token_bytes(8) == 2 * (3 * 7168 + 16 * (5 * 576 + 128) + 2 * 576 + 3 * 2304) == 155_392
+    # split-KV partials hold the 512-wide latent (plus one log-sum-exp) per head and split
+    assert ds.decode_workspace_bytes(8, 8) == 8 * 16 * 16 * 513 * 4 == 4_202_496
+    # MTP: the target's decode and verify graphs share a pool (the larger), the verify graphs also
+    # return one hidden per row, and the NextN layer, sharded with the target, has draft-step graphs.
+    tiny = ForwardGeometry(64, 96, 4, 4, 16, 16, 160, 4, kv_lora_rank=16, qk_rope_head_dim=8)
+    token = 4 * (3 * 64 + 2 * (5 * 24 + 16) + 2 * 24 + 3 * 48)  # t = 2: two heads, MLP halves
+    assert tiny.token_bytes(2) == token == 2624
+    decode_graph = 8 * token + 8 * 160 * 8 + 8 * 2 * 16 * 17 * 4
+    verify_graph = 8 * 4 * token + 8 * 4 * 160 * 8
+    eager = 512 * token + 32 * 160 * 8 + 512 * 64 * 4  # the chunk, the verify logits, the chunk's hiddens
+    graphs = verify_graph + 32 * 64 * 4 + decode_graph
+    assert dynamic_reserve_bytes("MTP", tiny, tiny, 2, 512, 8, 8) == math.ceil(1.25 * (eager + graphs)) == 2_121_600
+
+
 def test_auto_tp_picks_the_smallest_size_that_holds_the_floor():
     # 70B on 80 GB GPUs: 141 GB of weights cannot fit on 1 or 2
     def cand(tp):

@@ -178,3 +178,46 @@ def test_the_backend_choice_gives_mla_pools_the_mla_kernels(monkeypatch):
     assert isinstance(make_attn_backend(req_pool, mha, None), TritonAttnBackend)
     monkeypatch.setenv(ATTENTION_BACKEND_ENV, "torch_native")
     assert isinstance(make_attn_backend(req_pool, kv, None), TorchNativeAttnBackend)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CUDA, reason="tests/test_engine_cuda.py runs the engine on a GPU")
+def test_deepseek_with_mtp_gives_the_same_greedy_output_on_both_backends(tmp_path, monkeypatch):
+    """The tiny DeepSeek-V3 target with its NextN layer drafting: prefill, MTP extend, chain steps and
+    k + 1 verification on the MLA kernels, through the speculator's graph buffers. The graphed
+    batches keep the host-side lengths they were captured with, as a replayed CUDA graph does, so
+    the output also shows that the Triton path reads lengths on the device only."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV3ForCausalLM"):
+        pytest.skip("this transformers has no DeepseekV3ForCausalLM")
+    from specdecode_worker.engine.attention import ATTENTION_BACKEND_ENV
+    from specdecode_worker.engine.cuda_graph import GraphInputs
+    from specdecode_worker.engine.models import deepseek_v3
+    from specdecode_worker.engine.request import Request, SamplingParams
+
+    from tests.deepseek_models import write_tiny_deepseek
+    from tests.engine_helpers import engine, run_all
+
+    model = write_tiny_deepseek(tmp_path / "ds", mtp=True)
+    prompts = [[5, 9, 40, 7, 7, 12, 3 + 60], [17, 4], [90, 91, 92, 11]]
+
+    def outputs(backend: str, graphs: bool = False):
+        monkeypatch.setenv(ATTENTION_BACKEND_ENV, backend)
+        eng = engine(model, "MTP", max_running_requests=4, context_len=64, num_draft_tokens=2)
+        kernels = {type(eng.target_runner.backend).__name__, type(eng.draft_runner.backend).__name__}
+        assert kernels == {"TritonMLABackend" if backend == "triton" else "TorchNativeAttnBackend"}
+        if graphs:
+            eng.speculator.capture_graphs(4, eager=True)
+        reqs = run_all(eng, [Request(p, SamplingParams(max_tokens=5, ignore_eos=True)) for p in prompts])
+        return [r.output_ids for r in reqs]
+
+    want = outputs("torch_native")
+    stage = GraphInputs.stage
+
+    def stage_keeping_captured_lengths(self, fb, bs):
+        stage(self, fb, bs)
+        self.batch(bs).seq_lens_cpu[:] = [self.tokens_per_req] * bs  # what the capture saw
+
+    monkeypatch.setattr(GraphInputs, "stage", stage_keeping_captured_lengths)
+    monkeypatch.setattr(deepseek_v3, "graph_capturing", lambda: True)  # MoE as captured
+    assert outputs("triton", graphs=True) == want

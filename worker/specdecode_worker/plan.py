@@ -85,24 +85,41 @@ class ForwardGeometry:
     v_head_dim: int
     vocab_size: int
     dtype_bytes: int
+    # MLA (DeepSeek-V2/V3): the latent width and the rope part; None for per-head K/V attention.
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
 
     @classmethod
     def of(cls, shape) -> "ForwardGeometry":
         """From a ``ModelShape``; a config without ``intermediate_size`` is priced at 4 x hidden."""
         return cls(shape.hidden_size, shape.intermediate_size or 4 * shape.hidden_size, shape.num_attention_heads,
-                   shape.num_kv_heads, shape.head_dim, shape.v_head_dim, shape.vocab_size, shape.dtype_bytes)
+                   shape.num_kv_heads, shape.head_dim, shape.v_head_dim, shape.vocab_size, shape.dtype_bytes,
+                   shape.kv_lora_rank, shape.qk_rope_head_dim)
+
+    @property
+    def attention_value_dim(self) -> int:
+        """Values per head the attention kernel writes: the latent under MLA (lifted afterwards)."""
+        return self.v_head_dim if self.kv_lora_rank is None else self.kv_lora_rank
 
     def token_bytes(self, tp: int) -> int:
         """Bytes live per token at a decoder layer's peak, on one of ``tp`` GPUs.
 
-        Residual stream, normed input and layer output (3 x hidden); q, k and v; the attention
-        output; the MLP's gate, up and their product (3 x intermediate / t). Attention and MLP
-        temporaries are not live together, so summing both is an upper bound.
+        Residual stream, normed input and layer output (3 x hidden); the attention's tensors; the
+        MLP's gate, up and their product (3 x intermediate / t). Attention and MLP temporaries are
+        not live together, so summing both is an upper bound. Attention: q, k and v and the output;
+        under MLA (absorbed queries, latent width w = kv_lora_rank + rope) per head q, its rotated
+        rope part, the absorbed query and its concatenation with the rope part (each at most w
+        wide when qk_nope + rope <= w, as in DeepSeek), the attended latent (at most w) and the
+        lifted output (v_head_dim); and the token's latent row twice (projection and cell).
         """
         heads = math.ceil(self.num_heads / tp)
-        kv_heads = max(1, self.num_kv_heads // tp)
-        qkv = heads * self.head_dim + kv_heads * (self.head_dim + self.v_head_dim)
-        per_token = 3 * self.hidden_size + qkv + heads * self.v_head_dim + 3 * math.ceil(self.intermediate_size / tp)
+        if self.kv_lora_rank is None:
+            kv_heads = max(1, self.num_kv_heads // tp)
+            attention = heads * (self.head_dim + self.v_head_dim) + kv_heads * (self.head_dim + self.v_head_dim)
+        else:
+            width = self.kv_lora_rank + self.qk_rope_head_dim
+            attention = heads * (5 * width + self.v_head_dim) + 2 * width
+        per_token = 3 * self.hidden_size + attention + 3 * math.ceil(self.intermediate_size / tp)
         return per_token * self.dtype_bytes
 
     def logit_bytes(self, rows: int) -> int:
@@ -110,7 +127,8 @@ class ForwardGeometry:
 
     def decode_workspace_bytes(self, batch: int, tp: int) -> int:
         """Split-KV partials of one decode step (each layer reuses the same size)."""
-        return batch * math.ceil(self.num_heads / tp) * DECODE_MAX_KV_SPLITS * (self.v_head_dim + 1) * PARTIAL_BYTES
+        return (batch * math.ceil(self.num_heads / tp) * DECODE_MAX_KV_SPLITS * (self.attention_value_dim + 1)
+                * PARTIAL_BYTES)
 
     def graph_pool_bytes(self, batch: int, tp: int) -> int:
         """A CUDA graph pool for decode batches up to ``batch``: the largest graph's activations,
@@ -160,25 +178,29 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
     head takes from the target for a chunk. Graph pools: decode graphs up to ``cuda_graph_max_bs``
     for the target and for a STANDALONE draft; the target's verify graphs (k + 1 rows per request)
     share its decode graphs' pool, which is then the larger of the two (STANDALONE, NGRAM, and
-    EAGLE/EAGLE3, whose target graphs also return the head's features, and whose head has a
-    graph pool of its own for the chain's draft steps). Each runner's sizes write into its largest
-    graph's outputs, so a pool holds one set of outputs.
+    EAGLE/EAGLE3/MTP, whose target graphs also return the head's features, and whose head or
+    NextN layer has a graph pool of its own for the chain's draft steps). Each runner's sizes write
+    into its largest graph's outputs, so a pool holds one set of outputs. MLA models (DeepSeek)
+    price their absorbed queries and latent split-KV partials (``ForwardGeometry``).
     """
     verify_rows = max_running_requests * verify_tokens
     tokens = max(chunked_prefill_size, verify_rows)
+    # A draft is priced unsharded (exact for a replicated draft, an upper bound for a sharded EAGLE
+    # head), except MTP's NextN layer, which always shards with the target.
+    draft_tp = tp if algorithm == "MTP" else 1
     per_token = target.token_bytes(tp)
-    if draft is not None:  # priced unsharded: exact for a replicated draft, an upper bound for a sharded head
-        per_token = max(per_token, draft.token_bytes(1))
+    if draft is not None:
+        per_token = max(per_token, draft.token_bytes(draft_tp))
     features = tokens * FEATURE_HIDDENS.get(algorithm, 0) * target.hidden_size * target.dtype_bytes
     eager = tokens * per_token + target.logit_bytes(verify_rows) + features
     graphs = target.graph_pool_bytes(cuda_graph_max_bs, tp)
-    if algorithm in ("STANDALONE", "NGRAM", "EAGLE", "EAGLE3"):
+    if algorithm in ("STANDALONE", "NGRAM", "EAGLE", "EAGLE3", "MTP"):
         graphs = max(graphs, target.verify_pool_bytes(cuda_graph_max_bs, verify_tokens, tp))
-    if algorithm in ("EAGLE", "EAGLE3"):
+    if algorithm in ("EAGLE", "EAGLE3", "MTP"):
         rows = cuda_graph_max_bs * verify_tokens
         graphs += rows * FEATURE_HIDDENS[algorithm] * target.hidden_size * target.dtype_bytes
         if draft is not None:
-            graphs += draft.graph_pool_bytes(cuda_graph_max_bs, 1)
+            graphs += draft.graph_pool_bytes(cuda_graph_max_bs, draft_tp)
     if algorithm == "STANDALONE" and draft is not None:
         graphs += draft.graph_pool_bytes(cuda_graph_max_bs, 1)
     return math.ceil(ALLOCATOR_SLACK * (eager + graphs))

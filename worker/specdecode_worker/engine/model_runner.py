@@ -159,12 +159,8 @@ class ModelRunner:
         """Attention backend, then CUDA graphs for decode batches and, with ``verify_tokens`` > 1
         and a backend that reads lengths at replay (Triton), for verify batches of that width."""
         require(self.phase, Phase.POOLS_ALLOCATED, "initialise attention backends", self.name)
-        torch_native = getattr(self.model, "torch_native_attention", False)  # MLA: reference backend, eager
-        if torch_native:
-            self.backend = TorchNativeAttnBackend(self.req_to_token_pool, self.token_to_kv_pool, None)
-        else:
-            self.backend = make_attn_backend(self.req_to_token_pool, self.token_to_kv_pool, self.model.sliding_window)
-        if self.device.type == "cuda" and cuda_graph_max_bs > 0 and not torch_native:
+        self.backend = make_attn_backend(self.req_to_token_pool, self.token_to_kv_pool, self.model.sliding_window)
+        if self.device.type == "cuda" and cuda_graph_max_bs > 0:
             from .cuda_graph import CudaGraphRunner
 
             self.cuda_graphs = CudaGraphRunner(self.model, self.backend, cuda_graph_max_bs,

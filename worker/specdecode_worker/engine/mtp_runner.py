@@ -5,7 +5,8 @@
   checkpoint's copies of the embedding and lm_head are skipped, the target's serve.
 - phase 2 ``alloc_memory_pool`` (ModelRunner's): a one-layer latent pool of the target's slots,
   adopting the target's req_to_token pool and allocator.
-- phase 3 ``init_backends``: torch-native attention over that pool, eagerly.
+- phase 3 ``init_backends``: attention over that pool on the backend chosen for its device (the
+  MLA Triton kernels on CUDA); the speculator graphs the chain's NextN steps (``capture_graphs``).
 
 Under tensor parallelism the layer shards with the target, as the planner prices it per GPU
 (``checkpoint.per_gpu_bytes``): the decoder block like a target layer (MLA heads split, latent
@@ -29,7 +30,7 @@ import torch
 from ..errors import InputError
 from ..model_config import load_shape
 from ..mtp_rule import check_mtp_draft
-from .attention import TorchNativeAttnBackend
+from .attention import make_attn_backend
 from .loader import load_safetensors, tensor_bytes
 from .model_runner import ModelRunner
 from .models.deepseek_mtp import DeepseekMTP
@@ -73,8 +74,9 @@ class MTPRunner(ModelRunner):
 
     def init_backends(self, cuda_graph_max_bs: int = 0, verify_tokens: int = 0) -> None:
         require(self.phase, Phase.POOLS_ALLOCATED, "initialise attention backends", self.name)
-        self.backend = TorchNativeAttnBackend(self.req_to_token_pool, self.token_to_kv_pool, None)
-        log.info("%s: MTP draft steps run eagerly on the torch-native backend", self.name)
+        self.backend = make_attn_backend(self.req_to_token_pool, self.token_to_kv_pool, None)
+        log.info("%s: NextN attention on %s; chain steps are graphed by the speculator where it can",
+                 self.name, type(self.backend).__name__)
         self.phase = Phase.BACKENDS_READY
 
     def replay(self, call: tuple) -> None:

@@ -67,7 +67,6 @@ class _Layers(nn.Module):
 
 class DeepseekMTP(nn.Module):
     sliding_window = None
-    torch_native_attention = True
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()

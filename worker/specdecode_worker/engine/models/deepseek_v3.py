@@ -8,7 +8,11 @@
   the interleaved pair layout of the published weights (``rope_interleave``, default true).
 - MoE layers (from ``first_k_dense_replace`` on): sigmoid scores, ``e_score_correction_bias`` for the
   choice only, top-2 sum per group, ``topk_group`` groups kept, top-k experts, ``norm_topk_prob``,
-  ``routed_scaling_factor``; plus shared experts. Earlier layers have a dense MLP.
+  ``routed_scaling_factor``; plus shared experts. Earlier layers have a dense MLP. Eagerly each
+  chosen expert runs over its tokens; under CUDA-graph capture every expert runs, weighted by the
+  routing (static shapes, no host read).
+- Attention runs on the backend chosen for the pool (``attention.make_attn_backend``): the MLA
+  Triton kernels on CUDA, the torch-native reference on CPU.
 - Tensor parallelism: attention heads are split (``q_b_proj``/``kv_b_proj`` by head rows, ``o_proj``
   by columns); the latent projections and the router are replicated; every expert and the dense MLP
   are split by the intermediate dimension, and one all-reduce joins each MLP or MoE block.
@@ -196,14 +200,35 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.gate(x)
+        out = self.every_expert(x, experts, weights) if graph_capturing() else self.routed(x, experts, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
+
+    def routed(self, x, experts, weights) -> torch.Tensor:
+        """Each chosen expert over its own tokens (reads the chosen experts back to the host)."""
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():  # every rank routes alike: same experts, same order
             tokens, slot = torch.where(experts == e)
             y = self.experts[e](x[tokens]) * weights[tokens, slot, None].to(x.dtype)
             out.index_add_(0, tokens, y)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return self.tp.all_reduce(out) if self.tp.size > 1 else out
+        return out
+
+    def every_expert(self, x, experts, weights) -> torch.Tensor:
+        """Every expert over every token, weighted by the routing (zero where not chosen): static
+        shapes and no host read, so a CUDA graph can hold it. The sum runs in the routed path's
+        expert order; the price is every expert's weights read each step."""
+        dense = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
+        dense.scatter_(1, experts, weights.to(x.dtype))
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out += expert(x) * dense[:, e, None]
+        return out
+
+
+def graph_capturing() -> bool:
+    """A CUDA graph is being captured on this stream: MoE takes its static path."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class DecoderLayer(nn.Module):
@@ -250,8 +275,6 @@ class DeepseekV3ForCausalLM(nn.Module):
     """The target model. ``forward`` matches LlamaForCausalLM's (an MTP draft reads ``capture``)."""
 
     sliding_window = None
-    # Attention runs on the torch-native backend over the latent pool, eagerly (no CUDA graphs).
-    torch_native_attention = True
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
