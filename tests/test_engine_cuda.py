@@ -208,3 +208,36 @@ def test_example_sizes_start_at_context_8192_with_the_default_graph_batch_and_th
     assert eng.speculator._graphs, "the EAGLE3 chain's draft and verify graphs were captured"
     out = eng.generate(list(range(3, 40)), SamplingParams(max_tokens=8, ignore_eos=True)).output_ids
     assert len(out) == 8
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+def test_mtp_greedy_output_through_cuda_graphs_equals_eager_and_plain(tmp_path, monkeypatch, batch):
+    """The tiny DeepSeek-V3 with its NextN layer drafting on the MLA Triton kernels: target steps,
+    verify passes (k + 1 tokens) and NextN chain steps replay captured graphs (MoE on its static
+    path), and the output equals the same engine without graphs and the target's plain decoding."""
+    if not hasattr(transformers, "DeepseekV3ForCausalLM"):
+        pytest.skip("this transformers has no DeepseekV3ForCausalLM")
+    from tests.deepseek_models import write_tiny_deepseek
+
+    model = write_tiny_deepseek(tmp_path / "ds", mtp=True)
+    sizes = dict(device="cuda", device_memory_bytes=None, max_total_tokens=8192, max_running_requests=32,
+                 context_len=256)
+    prompts = [[random.Random(i).randrange(4, 150) for _ in range(3 + i % 11)] for i in range(batch)]
+
+    def outputs(algorithm, graph_bs):
+        eng = engine(model, algorithm, cuda_graph_max_bs=graph_bs, **sizes,
+                     **({"num_draft_tokens": 3} if algorithm == "MTP" else {}))
+        if algorithm == "MTP" and graph_bs:
+            assert set(eng.speculator._graphs) == {("target", 1), ("target", 4), ("draft", 1)}
+            assert type(eng.draft_runner.backend).__name__ == "TritonMLABackend"
+        seen.clear()  # the warm-up's passes do not count
+        reqs = run_all(eng, [Request(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in prompts])
+        return [r.output_ids for r in reqs]
+
+    seen = _count_graph_replays(monkeypatch)
+    plain = outputs("NONE", 0)
+    eager = outputs("MTP", 0)
+    assert not seen
+    assert eager == plain
+    assert outputs("MTP", 32) == eager
+    assert seen, "no pass replayed a graph"

@@ -1,5 +1,6 @@
 """The Triton backend on a real GPU: bf16 at real head sizes, CUDA-graph capture and replay at
-other context lengths, and start-up at contextLength 8192 with the planner's graph batch.
+other context lengths, and start-up at contextLength 8192 with the planner's graph batch; the MLA
+kernels at DeepSeek-V3's sizes (latent 512 + rope 64, 128 heads, bf16 and fp8 latent cache).
 
 Skipped where no CUDA device is visible (CI has none); run on a GPU machine with
 `python -m pytest tests/test_triton_cuda.py`.
@@ -117,3 +118,74 @@ def test_engine_starts_at_context_8192_with_the_planners_graph_batch(tmp_path):
     print(f"warm-up: planned {peak.planned}, measured {peak.measured} ({peak.note})")
     assert peak.planned == reserve["dynamicBytes"] and peak.measured is not None
     assert peak.measured <= peak.planned
+
+
+# ---- MLA (DeepSeek-V3's absorbed attention over the latent pool) at its real sizes -------------------
+MLA_RANK, MLA_ROPE, MLA_HEADS = 512, 64, 128
+
+
+def _mla_setup(seq_lens: list[int], extend_lens: list[int], kv_dtype=torch.bfloat16, seed: int = 0):
+    from specdecode_worker.engine.mla_pool import MLATokenToKVPool
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pool = 3 * CTX
+    req_pool = ReqToTokenPool(len(seq_lens) + 1, CTX, "cuda")
+    kv = MLATokenToKVPool(pool, 1, MLA_RANK, MLA_ROPE, kv_dtype, "cuda")
+    kv.k_buffer[0].copy_(torch.randn(pool + 1, 1, MLA_RANK + MLA_ROPE, device="cuda", generator=g).to(kv_dtype))
+    slots = torch.randperm(pool, device="cuda", generator=g) + 1
+    positions, locs = [], []
+    for r, (s, n) in enumerate(zip(seq_lens, extend_lens), start=1):
+        start = (r * CTX) % (pool - CTX)
+        req_pool.req_to_token[r] = slots[start : start + CTX]
+        positions += list(range(s - n, s))
+        locs.append(req_pool.req_to_token[r, s - n : s])
+    b, n = len(seq_lens), sum(extend_lens)
+    fb = ForwardBatch(input_ids=torch.zeros(n, dtype=torch.int64, device="cuda"),
+                      positions=torch.tensor(positions, device="cuda"), out_cache_loc=torch.cat(locs),
+                      req_pool_indices=torch.arange(1, b + 1, device="cuda"),
+                      seq_lens=torch.tensor(seq_lens, device="cuda"), extend_lens=extend_lens, seq_lens_cpu=seq_lens)
+    q = torch.randn(n, MLA_HEADS, MLA_RANK + MLA_ROPE, device="cuda", generator=g).to(torch.bfloat16)
+    latent = torch.randn(n, 1, MLA_RANK + MLA_ROPE, device="cuda", generator=g).to(torch.bfloat16)
+    return req_pool, kv, fb, q, latent
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("extend", [False, True])
+def test_mla_kernels_at_deepseek_sizes_match_torch_native(kv_dtype, extend):
+    from specdecode_worker.engine.triton_mla import TritonMLABackend
+
+    if kv_dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton has no e4m3 before sm_89")
+    seq_lens = [1, 100, 1000, 4097, 8192] if not extend else [300, 2048, 8192, 17]
+    extend_lens = [1] * 5 if not extend else [300, 1000, 4, 4]  # a prompt, a prompt over a prefix, verify
+    req_pool, kv, fb, q, latent = _mla_setup(seq_lens, extend_lens, kv_dtype)
+    scale = 0.1352
+    want = TorchNativeAttnBackend(req_pool, kv, None).forward(q, latent, latent[..., :MLA_RANK], 0, fb, scale)
+    got = TritonMLABackend(req_pool, kv).forward(q, latent, latent[..., :MLA_RANK], 0, fb, scale)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_one_captured_mla_graph_serves_every_context_length():
+    """Decode captured at length 16, replayed at lengths up to 8192 (seq_lens read at replay)."""
+    from specdecode_worker.engine.triton_mla import TritonMLABackend
+
+    req_pool, kv, fb, q, latent = _mla_setup([16] * 4, [1] * 4)
+    backend = TritonMLABackend(req_pool, kv)
+    fb.out_cache_loc.zero_()  # the new rows go to the padding slot: the pool stays as set up
+    latent.zero_()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(q, latent, latent[..., :MLA_RANK], 0, fb, 0.1)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, latent, latent[..., :MLA_RANK], 0, fb, 0.1)
+    reference = TorchNativeAttnBackend(req_pool, kv, None)
+    for lengths in ([16] * 4, [1, 300, 5000, 8192], [8192] * 4):
+        fb.seq_lens.copy_(torch.tensor(lengths, device="cuda"))
+        fb.positions.copy_(fb.seq_lens - 1)
+        graph.replay()
+        fb.seq_lens_cpu = lengths
+        want = reference._decode(q, kv.k_buffer[0], kv.v_buffer[0], fb, 0.1)
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)

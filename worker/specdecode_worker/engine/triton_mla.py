@@ -142,6 +142,12 @@ def _block_n(kv_lora_rank: int) -> int:
     return 32 if kv_lora_rank >= 256 else 64
 
 
+def _launch(kv_lora_rank: int) -> dict:
+    """Warps and pipeline stages: a wide latent spreads its accumulator over more warps and keeps
+    fewer key blocks in flight (shared memory). Ignored by the interpreter."""
+    return dict(num_warps=8, num_stages=2) if kv_lora_rank >= 256 else {}
+
+
 def head_blocks(num_heads: int) -> int:
     return triton.cdiv(num_heads, DECODE_BLOCK_H)
 
@@ -165,7 +171,7 @@ def mla_decode(q, kv_buf, kv_lora_rank: int, req_to_token, req_pool_indices, seq
         q.stride(0), q.stride(1), kv_buf.stride(0), req_to_token.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1), scaling,
         H=H, C=C, R=R, BLOCK_C=_p2(C), BLOCK_R=_p2(R), BLOCK_H=DECODE_BLOCK_H, BLOCK_N=_block_n(C),
-        NUM_SPLITS=num_splits, PRECISION=_precision(q),
+        NUM_SPLITS=num_splits, PRECISION=_precision(q), **_launch(C),
     )
     _decode_reduce_kernel[(B, H)](
         part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
@@ -186,13 +192,13 @@ def mla_extend(q, kv_buf, kv_lora_rank: int, req_to_token, req_pool_indices, q_s
     if N == 0:
         return out
     rows = max_q_len * H
-    block_m = 64 if rows > 32 else (32 if rows > 16 else 16)
+    block_m = 64 if rows > 32 and C < 256 else (32 if rows > 16 else 16)
     B = req_pool_indices.shape[0]
     _mla_extend_kernel[(B, triton.cdiv(rows, block_m))](
         q, kv_buf, out, req_to_token, req_pool_indices, q_start, q_lens, seq_lens, positions,
         q.stride(0), q.stride(1), kv_buf.stride(0), out.stride(0), out.stride(1), req_to_token.stride(0), scaling,
         H=H, C=C, R=W - C, BLOCK_C=_p2(C), BLOCK_R=_p2(W - C), BLOCK_M=block_m, BLOCK_N=_block_n(C),
-        PRECISION=_precision(q),
+        PRECISION=_precision(q), **_launch(C),
     )
     return out
 
