@@ -163,3 +163,135 @@ def test_moe_every_expert_path_equals_the_routed_path():
     assert experts.unique().numel() > 1  # several experts chosen, several left out
     routed = moe.routed(x, experts, weights)
     torch.testing.assert_close(moe.every_expert(x, experts, weights), routed, atol=1e-5, rtol=1e-4)
+
+
+# ---- ragged verify batches: every mix of draft lengths through the one verify graph ----------------
+def test_padded_chain_batch_lays_out_every_request_at_the_graph_width():
+    from specdecode_worker.engine.batch import PAD_SLOT, padded_chain_batch
+    from specdecode_worker.engine.pools import ReqToTokenPool
+
+    pool = ReqToTokenPool(4, 32, "cpu")
+    pool.req_to_token[:] = torch.arange(4 * 32).view(4, 32) + 1000
+    chains = torch.tensor([[7, 8, 9], [4, 0, 0]])
+    fb, padded = padded_chain_batch(pool, [2, 1], [5, 9], chains, [3, 1], width=4)
+    assert fb.extend_lens == [4, 4] and padded.width == 4 and padded.lengths.tolist() == [3, 1]
+    assert fb.input_ids.tolist() == [7, 8, 9, 0, 4, 0, 0, 0]
+    # Padding rows repeat the last real position (causal masking hides them) and write the pad slot.
+    assert fb.positions.tolist() == [5, 6, 7, 7, 9, 9, 9, 9]
+    assert fb.out_cache_loc.tolist() == [1069, 1070, 1071, PAD_SLOT, 1041, PAD_SLOT, PAD_SLOT, PAD_SLOT]
+    assert fb.seq_lens.tolist() == fb.seq_lens_cpu == [8, 10] and fb.req_pool_indices.tolist() == [2, 1]
+
+
+RAGGED = {name: CASES[name] for name in ("STANDALONE", "NGRAM", "EAGLE", "EAGLE3")}
+K = 3
+
+
+def _copying_prompts(batch: int, vocab: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a phrase (n-gram hits) and ones that do not (misses)."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(batch):
+        phrase = [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 7))]
+        prompts.append(phrase * 3 if i % 2 == 0 else phrase + [rng.randrange(3, vocab) for _ in range(4)])
+    return prompts
+
+
+def _ragged_engine(models, algorithm: str, graph_bs: int):
+    """An adaptive engine whose policy picks each request's length at random within its cap
+    (seeded), with the eager stand-ins of every graph it would capture on a GPU."""
+    target, draft, _ = RAGGED[algorithm]
+    eng = engine(models[target], algorithm, models[draft] if draft else None, max_running_requests=MAX_BS,
+                 num_draft_tokens=K, spec_policy="adaptive")
+    rng = random.Random(7)
+    eng.policy.draft_lengths = lambda rids, caps, **_: [rng.randrange(0, c + 1) for c in caps]
+    if algorithm.startswith("EAGLE"):
+        eng.speculator.capture_graphs(graph_bs, eager=True)
+    else:
+        _graph_runner(eng, K)
+    return eng
+
+
+def _record_rounds(eng) -> list[list[int]]:
+    """Each round's verified draft lengths, request by request."""
+    rounds, real = [], eng.speculator.decode_round
+
+    def decode_round(reqs, draft_lengths=None):
+        results = real(reqs, draft_lengths)
+        rounds.append([x.proposed for x in results])
+        return results
+
+    eng.speculator.decode_round = decode_round
+    return rounds
+
+
+def _requests(prompts, mixed: bool) -> list[Request]:
+    """With ``mixed``: one request that never drafts, one capped at one draft token, the rest free."""
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    fields = [dict(speculative=False), dict(max_draft_tokens=1)] if mixed else []
+    return [Request(p, greedy, **(fields[i] if i < len(fields) else {})) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("algorithm", list(RAGGED))
+def test_ragged_rounds_replay_the_verify_graph_and_keep_greedy_output(models, monkeypatch, algorithm, batch):
+    """Per-request draft lengths (0 included: a one-row chain), requests that do not draft, a cap of
+    one and n-gram misses in one batch: every round where anybody verifies a proposal replays the
+    verify graph of width K + 1 (none runs eagerly), a round where nobody does replays the decode
+    graph, the greedy output is the target's own, and every KV slot goes back to the allocator."""
+    from specdecode_worker.engine import batch_sampling
+
+    target, _, _ = RAGGED[algorithm]
+    vocab = VOCAB if target == "small" else VOCAB_SIZE
+    prompts = _copying_prompts(batch, vocab, seed=batch)
+    plain = [r.output_ids for r in run_all(engine(models[target], "NONE", max_running_requests=MAX_BS),
+                                           _requests(prompts, mixed=False))]
+    eng = _ragged_engine(models, algorithm, MAX_BS)
+    rounds = _record_rounds(eng)
+    seen = _count_replays(monkeypatch)
+    reqs = [eng.submit(r) for r in _requests(prompts, mixed=batch > 1)]
+    while not all(r.done.is_set() for r in reqs):
+        before = (batch_sampling.to_host.count, len(rounds), sum(bool(r.output_ids) for r in reqs))
+        eng.step()
+        prefilled = sum(bool(r.output_ids) for r in reqs) - before[2]
+        assert batch_sampling.to_host.count - before[0] == len(rounds) - before[1] + (prefilled > 0)
+    assert [r.output_ids for r in reqs] == plain
+
+    drafting = [ks for ks in rounds if any(ks)]
+    verify_replays = [bs for width, bs in seen if width == K + 1]
+    assert len(verify_replays) == len(drafting) > 0  # every verify pass went through the graph
+    assert any(0 < max(ks) < K for ks in drafting), rounds  # rounds narrower than the graph
+    if batch > 1:
+        assert any(len(set(ks)) > 1 for ks in drafting), rounds  # mixed lengths in one round
+        assert reqs[0].proposed_draft_tokens == 0  # the per-request fields held
+        assert reqs[1].proposed_draft_tokens <= reqs[1].verify_rounds
+    if algorithm != "EAGLE" and algorithm != "EAGLE3":
+        # A round where nobody verifies anything is a plain decode step through the decode graph.
+        assert len([w for w, _ in seen if w == 1]) >= len(rounds) - len(drafting)
+    allocator = eng.target_runner.token_to_kv_pool_allocator
+    assert allocator.available_size() == allocator.size
+
+
+@pytest.mark.slow
+def test_sampling_stays_exact_through_the_verify_graph_when_the_draft_length_changes(tmp_path, monkeypatch):
+    """The chi-square check of the adaptive tests (second sampled token against transformers' exact
+    marginal, draft lengths drawn at random per request and round), with every verify pass padded
+    into the verify graph's width."""
+    from tests.engine_helpers import CHI2_CRIT, chi_square, second_token_case, second_token_counts
+
+    target, draft, prompt, exact, draft_marginal = second_token_case(tmp_path)
+    eng = engine(target, "STANDALONE", draft, num_draft_tokens=3, max_running_requests=64, spec_policy="adaptive")
+    rng = random.Random(1)
+    eng.policy.draft_lengths = lambda rids, caps, **_: [rng.randrange(0, c + 1) for c in caps]
+    for runner in eng.model_runners():
+        ctx = runner.memory_pool_config.context_len
+        runner.cuda_graphs = CudaGraphRunner(runner.model, runner.backend, 64, ctx, "cpu", eager=True)
+    eng.target_runner.verify_graphs = CudaGraphRunner(eng.target_runner.model, eng.target_runner.backend, 64,
+                                                      eng.target_runner.memory_pool_config.context_len, "cpu", 4,
+                                                      eager=True)
+    seen = _count_replays(monkeypatch)
+    counts = second_token_counts(eng, prompt)
+    assert set(eng.stats.draft_lengths) == {0, 1, 2, 3}
+    assert 0 < eng.stats.accepted_tokens < eng.stats.proposed_tokens
+    assert any(width == 4 for width, _ in seen)
+    assert chi_square(counts, exact) < CHI2_CRIT[7]
+    assert chi_square(counts, draft_marginal) > CHI2_CRIT[7]

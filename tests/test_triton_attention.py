@@ -305,6 +305,37 @@ def test_padded_graph_batch_gives_the_eager_rows(tokens_per_req):
     assert changed == [0]  # the real rows rewrote the same values; padding went to slot 0
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_padded_chain_batch_gives_the_ragged_rows_on_both_backends(window):
+    """A verify batch of mixed lengths (1 to 4 rows) padded to width 5, as the verify graphs replay
+    it: its real rows equal the ragged batch's on the torch-native reference and on the kernel, and
+    its padding rows write K/V only to the pad slot."""
+    from specdecode_worker.engine.batch import PAD_SLOT, padded_chain_batch
+
+    req_pool, kv, g = _pools(kv_heads=2, seed=7)
+    starts, lengths, reqs, width = [9, 70, 33, 50], [1, 4, 2, 3], [2, 4, 6, 1], 5
+    ragged = _batch(req_pool, [s + n for s, n in zip(starts, lengths)], lengths, reqs)
+    n = sum(lengths)
+    q, k, v = _randn(n, 8, D, g=g), _randn(n, 2, D, g=g), _randn(n, 2, D, g=g)
+    want = _run(TorchNativeAttnBackend, req_pool, kv, window, q, k, v, ragged)
+    chains = torch.zeros(len(reqs), width, dtype=torch.int64, device=DEVICE)
+    fb, _ = padded_chain_batch(req_pool, reqs, starts, chains, lengths, width)
+    real = torch.tensor([i * width + j for i, m in enumerate(lengths) for j in range(m)], device=DEVICE)
+
+    def spread(x):  # the real rows at their places, other values in the padding rows
+        out = _randn(len(reqs) * width, *x.shape[1:], g=g)
+        out[real] = x
+        return out
+
+    before = kv.k_buffer[0].clone()
+    q_p, k_p, v_p = spread(q), spread(k), spread(v)
+    for backend in (TorchNativeAttnBackend, ta.TritonAttnBackend):
+        got = _run(backend, req_pool, kv, window, q_p, k_p, v_p, fb)
+        torch.testing.assert_close(got[real], want, atol=2e-5, rtol=2e-5)
+    changed = (kv.k_buffer[0] != before).any(dim=(1, 2)).nonzero().flatten().tolist()
+    assert changed == [PAD_SLOT]  # the real rows rewrote the same values
+
+
 def test_verify_batches_replay_verify_graphs_and_nothing_else(tmp_path):
     """ModelRunner.forward hands uniform k + 1 verify batches (all rows wanted) to the verify
     graphs; prefill and last-row-only batches run eagerly. A recorder stands in for the graphs."""
@@ -327,6 +358,7 @@ def test_verify_batches_replay_verify_graphs_and_nothing_else(tmp_path):
 
     class Recorder:
         inputs = GraphInputs(8, 4, "cpu")
+        max_bs, tokens_per_req = 8, 4
 
         def can_run(self, fb):
             return self.inputs.accepts(fb)

@@ -68,6 +68,46 @@ def with_cache_locs(fb: ForwardBatch, req_pool: ReqToTokenPool, segments: list[S
     return fb
 
 
+PAD_SLOT = 0  # the KV slot padding writes to: the allocator never hands it out, no request reads it
+
+
+@dataclass(frozen=True)
+class PaddedChains:
+    """How a padded verify batch lays out its chains: ``width`` rows per request, the first
+    ``lengths[i]`` (a device tensor) request i's own."""
+
+    width: int
+    lengths: torch.Tensor
+
+
+def padded_chain_batch(req_pool: ReqToTokenPool, req_indices: list[int], starts: list[int], chains: torch.Tensor,
+                       lengths: list[int], width: int) -> tuple[ForwardBatch, PaddedChains]:
+    """A chain verify batch of ``width`` rows per request, whatever each request verifies, so one
+    graph of that width serves every mix of draft lengths (the adaptive policy's, short n-gram
+    lookups, requests that do not draft this round).
+
+    ``chains``: ``[B, <= width]`` tokens on the device, row i's first ``lengths[i]`` request i's
+    (its last committed token, then its proposals). They are its rows at positions ``starts[i]..``, written to its
+    own slots; the padding rows repeat its last position and write their K/V to ``PAD_SLOT``.
+    Attention reads keys by position through ``req_to_token`` (never the pad slot) up to
+    ``seq_lens``, the real length, so no valid row sees a padding row and the layout is the same
+    for the Triton kernels and the torch-native reference. Returns the batch and its layout.
+    """
+    device = chains.device
+    req_idx, start, lens = to_device([req_indices, starts, lengths], device, torch.int64).unbind(0)  # one copy
+    offsets = torch.arange(width, device=device)
+    positions = start[:, None] + torch.minimum(offsets[None], lens[:, None] - 1)
+    slots = req_pool.req_to_token[req_idx[:, None], positions]
+    slots = torch.where(offsets[None] < lens[:, None], slots, PAD_SLOT)
+    seq_lens = [s + n for s, n in zip(starts, lengths)]
+    fb = ForwardBatch(
+        input_ids=torch.nn.functional.pad(chains, (0, width - chains.shape[1])).reshape(-1),
+        positions=positions.reshape(-1), out_cache_loc=slots.reshape(-1), req_pool_indices=req_idx,
+        seq_lens=start + lens, extend_lens=[width] * len(starts), seq_lens_cpu=seq_lens,
+    )
+    return fb, PaddedChains(width, lens)
+
+
 def forward_segments(runner, segments: list[Segment], last_only: bool,
                      input_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``runner`` over segments whose positions already have slots; returns float32 logits.

@@ -97,7 +97,7 @@ def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], u: tor
 
 
 def verify_chains(draft: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
-                  lengths: Sequence[int], params: Sequence[SamplingParams], u: torch.Tensor | None
+                  lengths: Sequence[int] | torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept a prefix of each request's chain; returns (accepted counts ``[B]``, next tokens ``[B]``).
 
@@ -105,11 +105,13 @@ def verify_chains(draft: torch.Tensor, draft_probs: torch.Tensor | None, target_
     ``[B, K + 1, V]``, row j scoring the token after proposal j - 1. ``draft_probs``: ``[B, K, V]``
     distributions the proposals were drawn from, None for point masses (n-gram lookup, greedy
     drafts). ``u``: ``[B, K + 1]`` uniforms, request i's ``lengths[i] + 1`` first (None when every
-    request is greedy): one per proposal, then the one the next token is drawn with.
+    request is greedy): one per proposal, then the one the next token is drawn with. ``lengths``
+    may already be on the device (a padded verify batch's): nothing past a request's length is
+    accepted or drawn from, whatever the rows beyond it hold.
     """
     batch, width = draft.shape
     device = draft.device
-    lengths_t = to_device(list(lengths), device)
+    lengths_t = lengths.to(device) if isinstance(lengths, torch.Tensor) else to_device(list(lengths), device)
     valid = torch.arange(width, device=device)[None] < lengths_t[:, None]
     best = torch.argmax(target_logits, dim=-1)  # [B, K + 1]
     n_greedy = ((draft == best[:, :width]) & valid).long().cumprod(1).sum(1)

@@ -37,7 +37,8 @@ from ..model_config import load_shape
 from .attention import make_attn_backend
 from .cuda_graph import GraphRunner
 from .forward_batch import to_device
-from .batch import Segment, alloc_positions, chunk_segments, free_positions, make_batch, with_cache_locs
+from .batch import (Segment, alloc_positions, chunk_segments, free_positions, make_batch, padded_chain_batch,
+                    with_cache_locs)
 from ..model_config import read_config
 from .eagle_loader import head_config, load_eagle_head
 from .loader import tensor_bytes
@@ -46,7 +47,8 @@ from .parallel_layers import check_splits, parallel_logits
 from .phases import Phase, PhaseError, require
 from .request import Request
 from .batch_sampling import choose_tokens, to_host
-from .speculative import RoundResult, Speculator, accept_chains, first_uniforms
+from .speculative import (RoundResult, Speculator, accept_chains, chain_segments, first_uniforms, graph_width,
+                          ragged_ids)
 from .tree import DraftTree, accept_path, ancestor_mask, select_tree
 from .tree_attention import TreeForwardBatch, make_tree_attn_backend
 
@@ -378,16 +380,20 @@ class EagleSpeculator(Speculator):
         self.last_draft_seconds = time.perf_counter() - start_time
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
         chains = torch.cat([to_device([[r.all_ids[-1]] for r in reqs], device), tokens], dim=1)
-        flat = [i * (self.k + 1) + j for i, k in enumerate(ks) for j in range(k + 1)]
-        segments = [Segment(r.req_idx, [0] * (k + 1), r.kv_len) for r, k in zip(reqs, ks)]
-        fb = with_cache_locs(make_batch(segments, device), pool, segments)
-        fb.input_ids = chains.reshape(-1).index_select(0, to_device(flat, device))
+        width = graph_width(self._graphs.get(("target", self.k + 1)), len(reqs), max(ks))
+        if width:  # one graph for any mix of lengths, requests that do not draft as one valid row
+            fb, padded = padded_chain_batch(pool, [r.req_idx for r in reqs], [r.kv_len for r in reqs], chains,
+                                            [k + 1 for k in ks], width)
+        else:
+            padded, segments = None, chain_segments(reqs, ks)
+            fb = with_cache_locs(make_batch(segments, device), pool, segments)
+            fb.input_ids = ragged_ids(chains, ks)
         target_logits, features = self._target(fb, "target")
-        accepted, nexts, drafted = accept_chains(reqs, tokens, probs, target_logits, ks)
+        accepted, nexts, drafted = accept_chains(reqs, tokens, probs, target_logits, ks, padded)
         results, start = [], 0
         for r, k, n, nxt, chain in zip(reqs, ks, accepted, nexts, drafted):
             rows = slice(start, start + k + 1)
-            start += k + 1
+            start += k + 1 if padded is None else padded.width
             last = r.kv_len
             r.kv_len = last + n + 1
             free_positions(pool, alloc, r.req_idx, r.kv_len, last + self.k + 1)

@@ -22,7 +22,8 @@ import torch
 
 from ..contract import EAGLE_ALGORITHMS, SERVED_ALGORITHMS
 from .forward_batch import to_device
-from .batch import Segment, alloc_positions, chunk_segments, forward_segments, free_positions
+from .batch import (PaddedChains, Segment, alloc_positions, chunk_segments, forward_segments, free_positions,
+                    padded_chain_batch)
 from .model_runner import ModelRunner
 from .request import Request
 from .batch_sampling import chain_rows, choose_tokens, to_host, uniforms, verify_chains
@@ -106,19 +107,47 @@ def first_uniforms(reqs: list[Request], counts, device) -> torch.Tensor | None:
 
 
 def accept_chains(reqs: list[Request], draft: torch.Tensor, draft_probs: torch.Tensor | None,
-                  logits: torch.Tensor, ks: list[int]) -> tuple[list[int], list[int], list[list[int]]]:
+                  logits: torch.Tensor, ks: list[int], padded: PaddedChains | None = None
+                  ) -> tuple[list[int], list[int], list[list[int]]]:
     """Verify every request's chain on the device and read the results back once: accepted counts,
-    next tokens and the proposals. ``logits``: the verify pass's rows, ``ks[i] + 1`` per request."""
+    next tokens and the proposals. ``logits``: the verify pass's rows, ``ks[i] + 1`` per request,
+    or ``padded.width`` per request (its first ``ks[i] + 1`` real) for a padded batch."""
     width = max(ks, default=0)
     draft = draft[:, :width]
     draft_probs = None if draft_probs is None else draft_probs[:, :width]
-    rows = to_device(chain_rows(ks), logits.device)
-    target = logits.index_select(0, rows).view(len(reqs), width + 1, -1)
+    if padded is None:
+        rows = to_device(chain_rows(ks), logits.device)
+        target = logits.index_select(0, rows).view(len(reqs), width + 1, -1)
+        lengths = ks
+    else:  # rows already laid out per request; the lengths are on the device with the batch
+        target = logits.view(len(reqs), padded.width, -1)[:, : width + 1]
+        lengths = padded.lengths - 1
     params = [r.params for r in reqs]
     u = uniforms(params, [r.generator for r in reqs], [k + 1 for k in ks], logits.device)
-    n, nxt = verify_chains(draft, draft_probs, target, ks, params, u)
+    n, nxt = verify_chains(draft, draft_probs, target, lengths, params, u)
     n, nxt, drafted = to_host(n, nxt, draft)
     return n, nxt, drafted
+
+
+def graph_width(graphs, batch_size: int, longest: int) -> int:
+    """The row width a round's chains are padded to for the verify graphs (``graphs``: a
+    ``GraphRunner`` of one width, or None), or 0 to run them as they are: without graphs, above the
+    largest graph batch, or when nobody drafts (a plain decode step, which the decode graphs take)."""
+    if graphs is None or not longest or batch_size > graphs.max_bs or longest + 1 > graphs.tokens_per_req:
+        return 0
+    return graphs.tokens_per_req
+
+
+def chain_segments(reqs: list[Request], ks: list[int]) -> list[Segment]:
+    """A ragged verify batch: request i's last token and ``ks[i]`` proposals (ids set on the device)."""
+    return [Segment(r.req_idx, [0] * (k + 1), r.kv_len) for r, k in zip(reqs, ks)]
+
+
+def ragged_ids(chains: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """The first ``ks[i] + 1`` tokens of each row of ``chains``, concatenated."""
+    width = chains.shape[1]
+    flat = [i * width + j for i, k in enumerate(ks) for j in range(k + 1)]
+    return chains.reshape(-1).index_select(0, to_device(flat, chains.device))
 
 
 def ngram_propose(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
@@ -173,14 +202,17 @@ class StandaloneSpeculator(Speculator):
         draft, draft_probs, found = self._propose(reqs, ks)
         self.last_draft_seconds = time.perf_counter() - start_time
         # The verify pass's tokens stay on the device: each request's last token, then its proposals.
-        device = self.target.device
-        width = draft.shape[1]
-        chains = torch.cat([to_device([[r.all_ids[-1]] for r in reqs], device), draft], dim=1)
-        flat = [i * (width + 1) + j for i, k in enumerate(found) for j in range(k + 1)]
-        ids = chains.reshape(-1).index_select(0, to_device(flat, device))
-        segments = [Segment(r.req_idx, [0] * (k + 1), r.kv_len) for r, k in zip(reqs, found)]
-        logits = forward_segments(self.target, segments, last_only=False, input_ids=ids)
-        accepted, nexts, drafted = accept_chains(reqs, draft, draft_probs, logits, found)
+        chains = torch.cat([to_device([[r.all_ids[-1]] for r in reqs], self.target.device), draft], dim=1)
+        width = graph_width(self.target.verify_graphs, len(reqs), max(found, default=0))
+        if width:  # one graph for any mix of lengths
+            fb, padded = padded_chain_batch(pool, [r.req_idx for r in reqs], [r.kv_len for r in reqs], chains,
+                                            [k + 1 for k in found], width)
+            logits = self.target.forward(fb, last_only=False)
+        else:  # the ragged batch as it is (no graph takes it), or a plain decode step when nobody drafts
+            padded = None
+            logits = forward_segments(self.target, chain_segments(reqs, found), last_only=False,
+                                      input_ids=ragged_ids(chains, found))
+        accepted, nexts, drafted = accept_chains(reqs, draft, draft_probs, logits, found, padded)
         results = []
         for r, k, f, n, nxt, tokens in zip(reqs, ks, found, accepted, nexts, drafted):
             last = r.kv_len
