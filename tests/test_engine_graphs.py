@@ -295,3 +295,20 @@ def test_sampling_stays_exact_through_the_verify_graph_when_the_draft_length_cha
     assert any(width == 4 for width, _ in seen)
     assert chi_square(counts, exact) < CHI2_CRIT[7]
     assert chi_square(counts, draft_marginal) > CHI2_CRIT[7]
+
+
+def test_the_policy_warm_up_times_verify_passes_as_rounds_run_them(models, monkeypatch):
+    """The cost model's seed: a pass verifying one token per request is timed padded into the
+    verify graph, as a round with those lengths runs, not as an eager pass no round runs."""
+    from specdecode_worker.engine.step_timing import target_points
+
+    eng = engine(models["target"], "NGRAM", max_running_requests=MAX_BS, num_draft_tokens=K)
+    _graph_runner(eng, K)
+    allocator = eng.target_runner.token_to_kv_pool_allocator
+    free = allocator.available_size()
+    seen = _count_replays(monkeypatch)
+    points = target_points(eng.target_runner, MAX_BS, K, 256)
+    assert set(points) == {(1, 0), (MAX_BS, 0), (1, K), (MAX_BS, MAX_BS), (MAX_BS, MAX_BS * K)}
+    assert sorted(set(seen)) == [(1, 1), (1, MAX_BS), (K + 1, 1), (K + 1, MAX_BS)]
+    assert seen.count((K + 1, MAX_BS)) == 2 * seen.count((1, MAX_BS))  # widths 2 and K + 1 both padded
+    assert allocator.available_size() == free

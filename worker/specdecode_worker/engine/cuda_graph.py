@@ -1,7 +1,9 @@
 """CUDA graphs for uniform batches: static buffers per batch size, replayed with padding.
 
 A runner serves batches whose requests each bring the same number of new tokens: 1 for decode
-and draft steps, k + 1 for chain verification. Buffers are sized by batch size only. With the
+and draft steps, K + 1 for chain verification (every verify batch padded to K + 1 rows per request,
+whatever each request drafts, so the adaptive policy's mixed lengths replay the same graph:
+``chain_graph_width``, ``batch.padded_chain_batch``). Buffers are sized by batch size only. With the
 Triton backend the kernels read ``seq_lens`` and ``req_to_token`` at replay and bound their loops
 by each request's length, so one graph per batch size serves every context length and the graph
 pool holds activations of ``bs x tokens`` rows, never ``bs x contextLength``. (The torch-native
@@ -35,6 +37,17 @@ def capture_sizes(max_bs: int) -> list[int]:
 def padded_size(sizes: list[int], n: int) -> int:
     """The smallest captured batch size that holds ``n`` requests."""
     return next(s for s in sizes if s >= n)
+
+
+def chain_graph_width(graphs, batch_size: int, longest: int) -> int:
+    """The rows per request a verify pass of chains is padded to for ``graphs`` (a runner of one
+    width, or None), or 0 to run it as it is: without graphs, above their largest batch, chains
+    longer than they take, or nobody drafting (a plain decode step, which the decode graphs take).
+    Padding a request (``batch.padded_chain_batch``) costs rows but never a second graph: any mix
+    of draft lengths, 0 included, replays the one graph of width K + 1."""
+    if graphs is None or not longest or batch_size > graphs.max_bs or longest + 1 > graphs.tokens_per_req:
+        return 0
+    return graphs.tokens_per_req
 
 
 class GraphInputs:

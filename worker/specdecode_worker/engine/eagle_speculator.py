@@ -35,7 +35,7 @@ from ..contract import EAGLE_ALGORITHMS
 from ..errors import InputError
 from ..model_config import load_shape
 from .attention import make_attn_backend
-from .cuda_graph import GraphRunner
+from .cuda_graph import GraphRunner, chain_graph_width
 from .forward_batch import to_device
 from .batch import (Segment, alloc_positions, chunk_segments, free_positions, make_batch, padded_chain_batch,
                     with_cache_locs)
@@ -47,8 +47,7 @@ from .parallel_layers import check_splits, parallel_logits
 from .phases import Phase, PhaseError, require
 from .request import Request
 from .batch_sampling import choose_tokens, to_host
-from .speculative import (RoundResult, Speculator, accept_chains, chain_segments, first_uniforms, graph_width,
-                          ragged_ids)
+from .speculative import RoundResult, Speculator, accept_chains, chain_segments, first_uniforms, ragged_ids
 from .tree import DraftTree, accept_path, ancestor_mask, select_tree
 from .tree_attention import TreeForwardBatch, make_tree_attn_backend
 
@@ -380,7 +379,7 @@ class EagleSpeculator(Speculator):
         self.last_draft_seconds = time.perf_counter() - start_time
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
         chains = torch.cat([to_device([[r.all_ids[-1]] for r in reqs], device), tokens], dim=1)
-        width = graph_width(self._graphs.get(("target", self.k + 1)), len(reqs), max(ks))
+        width = chain_graph_width(self._graphs.get(("target", self.k + 1)), len(reqs), max(ks))
         if width:  # one graph for any mix of lengths, requests that do not draft as one valid row
             fb, padded = padded_chain_batch(pool, [r.req_idx for r in reqs], [r.kv_len for r in reqs], chains,
                                             [k + 1 for k in ks], width)

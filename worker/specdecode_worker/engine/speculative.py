@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..contract import EAGLE_ALGORITHMS, SERVED_ALGORITHMS
+from .cuda_graph import chain_graph_width
 from .forward_batch import to_device
 from .batch import (PaddedChains, Segment, alloc_positions, chunk_segments, forward_segments, free_positions,
                     padded_chain_batch)
@@ -129,15 +130,6 @@ def accept_chains(reqs: list[Request], draft: torch.Tensor, draft_probs: torch.T
     return n, nxt, drafted
 
 
-def graph_width(graphs, batch_size: int, longest: int) -> int:
-    """The row width a round's chains are padded to for the verify graphs (``graphs``: a
-    ``GraphRunner`` of one width, or None), or 0 to run them as they are: without graphs, above the
-    largest graph batch, or when nobody drafts (a plain decode step, which the decode graphs take)."""
-    if graphs is None or not longest or batch_size > graphs.max_bs or longest + 1 > graphs.tokens_per_req:
-        return 0
-    return graphs.tokens_per_req
-
-
 def chain_segments(reqs: list[Request], ks: list[int]) -> list[Segment]:
     """A ragged verify batch: request i's last token and ``ks[i]`` proposals (ids set on the device)."""
     return [Segment(r.req_idx, [0] * (k + 1), r.kv_len) for r, k in zip(reqs, ks)]
@@ -203,7 +195,7 @@ class StandaloneSpeculator(Speculator):
         self.last_draft_seconds = time.perf_counter() - start_time
         # The verify pass's tokens stay on the device: each request's last token, then its proposals.
         chains = torch.cat([to_device([[r.all_ids[-1]] for r in reqs], self.target.device), draft], dim=1)
-        width = graph_width(self.target.verify_graphs, len(reqs), max(found, default=0))
+        width = chain_graph_width(self.target.verify_graphs, len(reqs), max(found, default=0))
         if width:  # one graph for any mix of lengths
             fb, padded = padded_chain_batch(pool, [r.req_idx for r in reqs], [r.kv_len for r in reqs], chains,
                                             [k + 1 for k in found], width)

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import time
 
-from .batch import Segment, alloc_positions, forward_segments, free_positions
+import torch
+
+from .batch import Segment, alloc_positions, forward_segments, free_positions, padded_chain_batch
+from .cuda_graph import chain_graph_width
 from .model_runner import ModelRunner
 
 PREFIX_TOKENS = 128  # context each request has cached in the warm-up (less when the pool is small)
@@ -33,9 +36,8 @@ def time_passes(runner: ModelRunner, shapes: list[tuple[int, int]], context_len:
         best = {}
         for repeat in range(repeats + 1):  # the first round is untimed: it warms every shape up
             for b, w in shapes:
-                segments = [Segment(idx, [0] * w, prefix) for idx in rows[:b]]
                 start = time.perf_counter()
-                forward_segments(runner, segments, last_only=False)
+                _verify_pass(runner, rows[:b], prefix, w)
                 seconds = time.perf_counter() - start
                 if repeat:
                     best[(b, w)] = min(seconds, best.get((b, w), seconds))
@@ -44,6 +46,19 @@ def time_passes(runner: ModelRunner, shapes: list[tuple[int, int]], context_len:
         for idx in rows:
             free_positions(pool, alloc, idx, 0, prefix + widest)
             pool.free(idx)
+
+
+def _verify_pass(runner: ModelRunner, rows: list[int], prefix: int, width: int) -> None:
+    """``width`` new tokens per request, run as a round runs them: a verify pass that the verify
+    graphs take is padded to their width (its cost does not grow with the draft length)."""
+    padded_width = chain_graph_width(getattr(runner, "verify_graphs", None), len(rows), width - 1)
+    if padded_width:
+        chains = torch.zeros(len(rows), width, dtype=torch.int64, device=runner.device)
+        fb, _ = padded_chain_batch(runner.req_to_token_pool, rows, [prefix] * len(rows), chains,
+                                   [width] * len(rows), padded_width)
+        runner.forward(fb, last_only=False)
+    else:
+        forward_segments(runner, [Segment(idx, [0] * width, prefix) for idx in rows], last_only=False)
 
 
 def target_points(runner: ModelRunner, batch: int, k: int, context_len: int) -> dict[tuple[int, int], float]:
