@@ -221,3 +221,27 @@ def test_deepseek_with_mtp_gives_the_same_greedy_output_on_both_backends(tmp_pat
     monkeypatch.setattr(GraphInputs, "stage", stage_keeping_captured_lengths)
     monkeypatch.setattr(deepseek_v3, "graph_capturing", lambda: True)  # MoE as captured
     assert outputs("triton", graphs=True) == want
+
+
+def test_padded_chain_batch_gives_the_ragged_rows():
+    """A verify batch of mixed lengths padded to one width (what the verify graphs replay,
+    batch.padded_chain_batch): its real rows equal the ragged batch's on both backends, and its
+    padding rows write only the pad slot."""
+    from specdecode_worker.engine.batch import PAD_SLOT, padded_chain_batch
+
+    req_pool, kv, g = _pools(seed=4)
+    starts, lengths, reqs, width = [7, 60, 30], [1, 4, 2], [1, 3, 5], 4
+    ragged = _batch(req_pool, [s + n for s, n in zip(starts, lengths)], lengths, reqs)
+    q, k, v = _inputs(sum(lengths), 16, g)
+    want = TorchNativeAttnBackend(req_pool, kv, None).forward(q, k, v, 0, ragged, SCALE)
+    fb, _ = padded_chain_batch(req_pool, reqs, starts, torch.zeros(3, width, dtype=torch.int64, device=DEVICE),
+                               lengths, width)
+    real = torch.tensor([i * width + j for i, m in enumerate(lengths) for j in range(m)], device=DEVICE)
+    q_p, k_p = _inputs(len(reqs) * width, 16, g)[:2]
+    q_p[real], k_p[real] = q, k
+    before = kv.k_buffer[0].clone()
+    for backend in (TorchNativeAttnBackend(req_pool, kv, None), tm.TritonMLABackend(req_pool, kv)):
+        got = backend.forward(q_p, k_p, k_p[..., :RANK], 0, fb, SCALE)
+        torch.testing.assert_close(got[real], want, atol=2e-5, rtol=2e-5)
+    changed = (kv.k_buffer[0] != before).any(dim=(1, 2)).nonzero().flatten().tolist()
+    assert changed == [PAD_SLOT]

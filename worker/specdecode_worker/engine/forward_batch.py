@@ -24,6 +24,11 @@ class ForwardBatch:
     ``seq_lens[i] - extend_lens[i] .. seq_lens[i] - 1``; earlier positions are already in the KV
     pool. ``out_cache_loc`` is the KV slot of each new token (already written into
     ``req_to_token`` for its request).
+
+    A padded verify batch (``batch.padded_chain_batch``) gives every request the same number of
+    rows; those past its chain repeat its last position and write the pad slot, so its real rows
+    still end at ``seq_lens[i] - 1``. Attention reads positions and ``seq_lens``, never the
+    arithmetic above, so both layouts give the real rows the same result.
     """
 
     input_ids: torch.Tensor  # [N] int64
