@@ -162,6 +162,65 @@ def test_greedy_output_through_cuda_graphs_equals_eager_output(models, monkeypat
     assert seen, "no pass replayed a graph"
 
 
+@pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "NGRAM", "EAGLE", "EAGLE3"])
+def test_ragged_verify_rounds_replay_the_captured_verify_graph(models, monkeypatch, algorithm, batch):
+    """Draft lengths drawn per request and round (0 to K, seeded; at batch 32 one request never
+    drafts and one is capped at 1): greedy output through captured graphs equals the engine without
+    graphs, every round where anybody verifies a proposal replays the verify graph of width K + 1,
+    and every KV slot goes back to the allocator."""
+    from specdecode_worker.engine.cuda_graph import GraphRunner
+
+    k = 3
+    if algorithm.startswith("EAGLE"):
+        target, draft, vocab = models["small"], models[algorithm.lower()], VOCAB
+    else:
+        target, draft = models["target"], {"STANDALONE": models["draft"]}.get(algorithm)
+        vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    rng = random.Random(batch)
+    phrases = [[rng.randrange(3, vocab) for _ in range(rng.randrange(3, 7))] for _ in range(batch)]
+    prompts = [p * 3 if i % 2 == 0 else p + [rng.randrange(3, vocab) for _ in range(4)] for i, p in enumerate(phrases)]
+    fields = [dict(speculative=False), dict(max_draft_tokens=1)] if batch > 1 else []
+    sizes = dict(device="cuda", device_memory_bytes=None, max_total_tokens=8192, max_running_requests=32)
+    seen, real = [], GraphRunner.replay
+
+    def replay(self, fb, *extras):
+        seen.append(self.tokens_per_req)
+        return real(self, fb, *extras)
+
+    monkeypatch.setattr(GraphRunner, "replay", replay)
+
+    def outputs(graph_bs):
+        eng = engine(target, algorithm, draft, cuda_graph_max_bs=graph_bs, num_draft_tokens=k,
+                     spec_policy="adaptive", **sizes)
+        lengths = random.Random(5)
+        eng.policy.draft_lengths = lambda rids, caps, **_: [lengths.randrange(0, c + 1) for c in caps]
+        rounds, decode_round = [], eng.speculator.decode_round
+
+        def recorded(reqs, draft_lengths=None):
+            results = decode_round(reqs, draft_lengths)
+            rounds.append([x.proposed for x in results])
+            return results
+
+        eng.speculator.decode_round = recorded
+        seen.clear()  # the warm-up's passes do not count
+        params = SamplingParams(max_tokens=16, ignore_eos=True)
+        reqs = run_all(eng, [Request(p, params, **(fields[i] if i < len(fields) else {}))
+                             for i, p in enumerate(prompts)])
+        allocator = eng.target_runner.token_to_kv_pool_allocator
+        assert allocator.available_size() == allocator.size
+        return [r.output_ids for r in reqs], [ks for ks in rounds if any(ks)]
+
+    eager, _ = outputs(0)
+    assert not seen
+    graphed, drafting = outputs(32)
+    assert graphed == eager
+    assert seen.count(k + 1) == len(drafting) > 0
+    assert any(0 < max(ks) < k for ks in drafting)
+    if batch > 1:
+        assert any(len(set(ks)) > 1 for ks in drafting)
+
+
 def test_sampling_and_acceptance_never_synchronise(models):
     """Device sampling and chain acceptance queue work only: CUDA's sync debug mode raises on any
     host synchronisation inside them; the one read-back is to_host."""
