@@ -145,6 +145,26 @@ def test_mtp_greedy_output_through_graph_buffers_equals_eager(tmp_path, monkeypa
     assert {w for w, _ in seen} == {1, 3} and static_moe
 
 
+@pytest.mark.slow
+def test_deepseek_decode_through_graph_buffers_equals_eager(tmp_path, monkeypatch):
+    """Without speculation a DeepSeek target's decode steps replay the runner's decode graphs."""
+    if not hasattr(transformers, "DeepseekV3ForCausalLM"):
+        pytest.skip("this transformers has no DeepseekV3ForCausalLM")
+    from specdecode_worker.engine.models import deepseek_v3
+
+    from tests.deepseek_models import write_tiny_deepseek
+
+    model = write_tiny_deepseek(tmp_path / "ds")
+    prompts = _prompts(3, 100, seed=5)
+    plain = _outputs(engine(model, "NONE", max_running_requests=MAX_BS, context_len=128), prompts)
+    eng = engine(model, "NONE", max_running_requests=MAX_BS, context_len=128)
+    _graph_runner(eng, 0)
+    monkeypatch.setattr(deepseek_v3, "graph_capturing", lambda: True)  # MoE as captured
+    seen = _count_replays(monkeypatch)
+    assert _outputs(eng, prompts) == plain
+    assert {w for w, _ in seen} == {1}
+
+
 def test_moe_every_expert_path_equals_the_routed_path():
     """The static MoE path a CUDA graph captures gives the routed path's output."""
     if not hasattr(transformers, "DeepseekV3Config"):
