@@ -32,11 +32,11 @@ It reports
     eh_proj is [I | 0] (the NextN step reads the next token's embedding, not the hidden state).
     Such a near-bigram model's greedy chain soon cycles, so acceptance is high (RESIDUAL_SCALE 1
     gives about 0: a random NextN layer, the row then measures the draft's cost only).
-    Target steps, verify passes and NextN steps replay CUDA graphs on the MLA Triton kernels; under
-    a graph MoE runs all 64 experts (static shapes), so a step reads about 11 GB instead of the
-    ~6.5 GB an eager step with only the chosen experts reads. Estimated cost: start-up, graph
-    capture and random init about a minute per engine (three engines), 2 x 256 decode steps, and
-    the sweep's 3 x 4 x 64 rounds, about two to three minutes;
+    Target steps, verify passes and NextN steps replay CUDA graphs on the MLA Triton kernels; in a
+    graph MoE reads only the chosen experts below 64 (token, expert) pairs (the Triton expert
+    kernel: batch 1 and its k + 1 verify pass), all 64 experts above. Estimated cost: start-up,
+    graph capture and random init about a minute per engine (three engines), 2 x 256 decode steps
+    of a ~6.5 GB step (weights read), and the sweep's 3 x 4 x 64 rounds, about two to three minutes;
 and prints a table (``--json`` writes the numbers too).
 
 Run on a GPU box:  PYTHONPATH=worker:operator:. python benchmarks/gpu_serving.py [--json out.json]

@@ -165,24 +165,34 @@ def test_deepseek_decode_through_graph_buffers_equals_eager(tmp_path, monkeypatc
     assert {w for w, _ in seen} == {1}
 
 
-def test_moe_every_expert_path_equals_the_routed_path():
-    """The static MoE path a CUDA graph captures gives the routed path's output."""
+def test_moe_graph_paths_equal_the_routed_path():
+    """The static MoE paths a CUDA graph captures give the routed path's output: every expert
+    weighted by the routing, and (after stacking the experts' weights, which changes neither the
+    parameters nor their bytes) the Triton kernel over the chosen (token, expert) pairs."""
     if not hasattr(transformers, "DeepseekV3Config"):
         pytest.skip("this transformers has no DeepseekV3Config")
     from specdecode_worker.engine.distributed import SINGLE
+    from specdecode_worker.engine.loader import tensor_bytes
     from specdecode_worker.engine.models.deepseek_v3 import Linears, MoE
 
     from tests.deepseek_models import TINY
 
     torch.manual_seed(0)
-    moe = MoE(transformers.DeepseekV3Config(**TINY), Linears(transformers.DeepseekV3Config(**TINY), SINGLE))
+    config = transformers.DeepseekV3Config(**TINY)
+    moe = MoE(config, Linears(config, SINGLE))
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    x = torch.randn(7, TINY["hidden_size"])
+    x = torch.randn(3, TINY["hidden_size"])
     experts, weights = moe.gate(x)
     assert experts.unique().numel() > 1  # several experts chosen, several left out
     routed = moe.routed(x, experts, weights)
     torch.testing.assert_close(moe.every_expert(x, experts, weights), routed, atol=1e-5, rtol=1e-4)
+    params, nbytes = {n: p.clone() for n, p in moe.named_parameters()}, tensor_bytes(moe)
+    assert moe.stack_experts()
+    assert tensor_bytes(moe) == nbytes and all(p.equal(params[n]) for n, p in moe.named_parameters())
+    assert moe.experts[5].up_proj.weight.data_ptr() == moe.gate_up_stack[5, TINY["moe_intermediate_size"]:].data_ptr()
+    torch.testing.assert_close(moe.routed(x, experts, weights), routed)
+    torch.testing.assert_close(moe.chosen_experts(x, experts, weights), routed, atol=1e-5, rtol=1e-4)
 
 
 # ---- ragged verify batches: every mix of draft lengths through the one verify graph ----------------

@@ -189,3 +189,29 @@ def test_one_captured_mla_graph_serves_every_context_length():
         fb.seq_lens_cpu = lengths
         want = reference._decode(q, kv.k_buffer[0], kv.v_buffer[0], fb, 0.1)
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_expert_kernel_at_deepseek_sizes_matches_the_routed_moe():
+    """The graphs' MoE paths at the benchmark's DeepSeek-V3 cut (hidden 7168, 64 experts of 2048,
+    8 per token, bf16): the expert kernel over stacked weights (8 and 56 pairs) and every expert."""
+    transformers = pytest.importorskip("transformers")
+    from specdecode_worker.engine.distributed import SINGLE
+    from specdecode_worker.engine.models.deepseek_v3 import Linears, MoE
+
+    from tests.deepseek_models import TINY
+
+    config = transformers.DeepseekV3Config(**{**TINY, "hidden_size": 7168, "moe_intermediate_size": 2048,
+                                              "n_routed_experts": 64, "num_experts_per_tok": 8, "n_group": 8,
+                                              "topk_group": 4})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        moe = MoE(config, Linears(config, SINGLE)).to(torch.bfloat16)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    assert moe.stack_experts()
+    for tokens in (1, 7):
+        x = torch.randn(tokens, 7168, device="cuda", dtype=torch.bfloat16)
+        experts, weights = moe.gate(x)
+        routed = moe.routed(x, experts, weights).float()
+        for got in (moe.chosen_experts(x, experts, weights), moe.every_expert(x, experts, weights)):
+            torch.testing.assert_close(got.float(), routed, atol=2e-2, rtol=2e-2)

@@ -184,7 +184,8 @@ def test_the_backend_choice_gives_mla_pools_the_mla_kernels(monkeypatch):
 @pytest.mark.skipif(CUDA, reason="tests/test_engine_cuda.py runs the engine on a GPU")
 def test_deepseek_with_mtp_gives_the_same_greedy_output_on_both_backends(tmp_path, monkeypatch):
     """The tiny DeepSeek-V3 target with its NextN layer drafting: prefill, MTP extend, chain steps and
-    k + 1 verification on the MLA kernels, through the speculator's graph buffers. The graphed
+    k + 1 verification on the MLA kernels, through the speculator's graph buffers, MoE on the
+    paths a graph captures (the expert kernel over stacked weights, every expert). The graphed
     batches keep the host-side lengths they were captured with, as a replayed CUDA graph does, so
     the output also shows that the Triton path reads lengths on the device only."""
     transformers = pytest.importorskip("transformers")
@@ -220,7 +221,20 @@ def test_deepseek_with_mtp_gives_the_same_greedy_output_on_both_backends(tmp_pat
 
     monkeypatch.setattr(GraphInputs, "stage", stage_keeping_captured_lengths)
     monkeypatch.setattr(deepseek_v3, "graph_capturing", lambda: True)  # MoE as captured
+    paths = []
+
+    def recorded(path):
+        real = getattr(deepseek_v3.MoE, path)
+
+        def run(self, *args):
+            paths.append(path)
+            return real(self, *args)
+        return run
+
+    for path in ("chosen_experts", "every_expert"):  # few (token, expert) pairs, and many
+        monkeypatch.setattr(deepseek_v3.MoE, path, recorded(path))
     assert outputs("triton", graphs=True) == want
+    assert set(paths) == {"chosen_experts", "every_expert"}
 
 
 def test_padded_chain_batch_gives_the_ragged_rows():

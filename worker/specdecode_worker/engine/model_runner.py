@@ -14,7 +14,7 @@ import torch
 
 from ..errors import InputError
 from ..model_config import load_shape
-from .attention import TorchNativeAttnBackend, make_attn_backend
+from .attention import TorchNativeAttnBackend, attention_backend_name, make_attn_backend
 from .distributed import announce_forward
 from .forward_batch import ForwardBatch
 from .loader import load_safetensors, tensor_bytes
@@ -95,6 +95,8 @@ class ModelRunner:
             model = self.model_cls(self.config, **({"tp": self.tp} if self.tp.size > 1 else {}))
         load_safetensors(model, self.model_dir, self.device, self.dtype)
         model.rotary.reset(self.device)
+        if hasattr(model, "stack_experts") and attention_backend_name(self.device) == "triton":
+            model.stack_experts()  # MoE in CUDA graphs reads only the chosen experts at small batches
         if self.quantization == "int8":
             # Dynamic int8 linear layers in the decoder (a cheap CPU draft); the tied head stays.
             model.model.layers = torch.ao.quantization.quantize_dynamic(model.model.layers, {torch.nn.Linear},

@@ -30,7 +30,7 @@ import torch
 from ..errors import InputError
 from ..model_config import load_shape
 from ..mtp_rule import check_mtp_draft
-from .attention import make_attn_backend
+from .attention import attention_backend_name, make_attn_backend
 from .loader import load_safetensors, tensor_bytes
 from .model_runner import ModelRunner
 from .models.deepseek_mtp import DeepseekMTP
@@ -60,6 +60,8 @@ class MTPRunner(ModelRunner):
             model = DeepseekMTP(self.config, self.tp)
         load_safetensors(model, self.model_dir, self.device, self.dtype)
         model.rotary.reset(self.device)
+        if hasattr(model, "stack_experts") and attention_backend_name(self.device) == "triton":
+            model.stack_experts()  # MoE in CUDA graphs reads only the chosen experts at small batches
         self.model = model.eval().requires_grad_(False)
         self.weight_bytes = tensor_bytes(model)  # the embedding and lm_head stay the target's
         self.phase = Phase.WEIGHTS_LOADED

@@ -10,7 +10,9 @@
   choice only, top-2 sum per group, ``topk_group`` groups kept, top-k experts, ``norm_topk_prob``,
   ``routed_scaling_factor``; plus shared experts. Earlier layers have a dense MLP. Eagerly each
   chosen expert runs over its tokens; under CUDA-graph capture every expert runs, weighted by the
-  routing (static shapes, no host read).
+  routing (static shapes, no host read); with few (token, expert) pairs, a Triton kernel runs
+  each pair over stacked expert weights instead (``MoE.stack_experts``, ``triton_moe.py``), so
+  only the chosen experts' weights are read.
 - Attention runs on the backend chosen for the pool (``attention.make_attn_backend``): the MLA
   Triton kernels on CUDA, the torch-native reference on CPU.
 - Tensor parallelism: attention heads are split (``q_b_proj``/``kv_b_proj`` by head rows, ``o_proj``
@@ -197,10 +199,19 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(MLP(h, m, linears, reduce=False) for _ in range(config.n_routed_experts))
         shared = getattr(config, "n_shared_experts", None) or 0
         self.shared_experts = MLP(h, m * shared, linears, reduce=False) if shared else None
+        # The experts' weights stacked ([E, 2m, h] gate and up, [E, h, m] down), their parameters
+        # views into them (``stack_experts``); None: graphs run every expert.
+        self.gate_up_stack: torch.Tensor | None = None
+        self.down_stack: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.gate(x)
-        out = self.every_expert(x, experts, weights) if graph_capturing() else self.routed(x, experts, weights)
+        if not graph_capturing():
+            out = self.routed(x, experts, weights)
+        elif self.gate_up_stack is not None and experts.numel() < len(self.experts):
+            out = self.chosen_experts(x, experts, weights)
+        else:
+            out = self.every_expert(x, experts, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
@@ -224,6 +235,40 @@ class MoE(nn.Module):
         for e, expert in enumerate(self.experts):
             out += expert(x) * dense[:, e, None]
         return out
+
+    def chosen_experts(self, x, experts, weights) -> torch.Tensor:
+        """Each (token, chosen expert) pair on the Triton expert kernel over the stacked weights:
+        static shapes, and only the chosen experts' weights are read (fewer pairs than experts)."""
+        from ..triton_moe import expert_gemv  # imports triton: only where graphs run
+
+        n, k = experts.shape
+        ids = experts.reshape(-1)
+        gate, up = expert_gemv(x, self.gate_up_stack, ids, k).chunk(2, dim=-1)
+        y = expert_gemv(F.silu(gate) * up, self.down_stack, ids, 1)
+        return (y.view(n, k, -1) * weights.to(x.dtype)[..., None]).sum(1)
+
+    @torch.no_grad()
+    def stack_experts(self) -> bool:
+        """Move dense experts' weights into stacked tensors, each expert's parameters becoming views
+        (same bytes; while a layer is moved its experts are held twice, in phase 1, before any KV
+        pool exists). Not for fp8 block-quantized or tensor-parallel experts: False."""
+        first = self.experts[0]
+        linears = (first.gate_proj, first.up_proj, first.down_proj)
+        if self.tp.size > 1 or any(type(linear) is not nn.Linear for linear in linears):
+            return False
+        m, h = first.gate_proj.weight.shape
+        like = first.gate_proj.weight
+        gate_up = torch.empty(len(self.experts), 2 * m, h, dtype=like.dtype, device=like.device)
+        down = torch.empty(len(self.experts), h, m, dtype=like.dtype, device=like.device)
+        for e, mlp in enumerate(self.experts):
+            gate_up[e, :m].copy_(mlp.gate_proj.weight)
+            gate_up[e, m:].copy_(mlp.up_proj.weight)
+            down[e].copy_(mlp.down_proj.weight)
+            mlp.gate_proj.weight = nn.Parameter(gate_up[e, :m], requires_grad=False)
+            mlp.up_proj.weight = nn.Parameter(gate_up[e, m:], requires_grad=False)
+            mlp.down_proj.weight = nn.Parameter(down[e], requires_grad=False)
+        self.gate_up_stack, self.down_stack = gate_up, down
+        return True
 
 
 def graph_capturing() -> bool:
@@ -291,6 +336,12 @@ class DeepseekV3ForCausalLM(nn.Module):
     @property
     def num_kv_layers(self) -> int:
         return len(self.model.layers)
+
+    def stack_experts(self) -> None:
+        """After loading: stacked expert weights for the Triton expert kernel in CUDA graphs."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.stack_experts()
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         """MTP layers (index >= num_hidden_layers) belong to the draft, not the target."""

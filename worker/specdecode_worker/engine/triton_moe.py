@@ -1,0 +1,52 @@
+"""A Triton kernel for MoE at small batches inside CUDA graphs: each (token, chosen expert) pair
+multiplies by that expert's weight, read from the experts' stacked weights by an expert id held on
+the device.
+
+Eager MoE runs each chosen expert over its tokens after reading the routing back to the host; a
+graph cannot read it back. With few tokens, ``tokens x top_k`` matrix-vector products read only
+the chosen experts' weights (once per pair), where running every expert reads them all. The grid
+depends on the number of pairs only, so a graph captured for a batch size replays for any routing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _expert_gemv_kernel(
+    X, W, Experts, Y, K, OUT, stride_x, stride_we, stride_wo, stride_y,
+    ROWS_PER_X: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Grid (pairs, output blocks): Y[p] = W[Experts[p]] @ X[p // ROWS_PER_X], accumulated in fp32."""
+    p = tl.program_id(0)
+    oblk = tl.program_id(1)
+    e = tl.load(Experts + p)
+    offs_o = oblk * BLOCK_O + tl.arange(0, BLOCK_O)
+    omask = offs_o < OUT
+    acc = tl.zeros([BLOCK_O], tl.float32)
+    x_row = X + (p // ROWS_PER_X) * stride_x
+    w_rows = W + e * stride_we + offs_o[:, None] * stride_wo
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        x = tl.load(x_row + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + offs_k[None, :], mask=omask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], 1)
+    tl.store(Y + p * stride_y + offs_o, acc.to(Y.dtype.element_ty), mask=omask)
+
+
+def expert_gemv(x: torch.Tensor, stacked: torch.Tensor, experts: torch.Tensor, rows_per_x: int) -> torch.Tensor:
+    """x: [P / rows_per_x, K]; stacked: [E, OUT, K]; experts: [P] expert ids. Returns [P, OUT] where
+    row p is ``stacked[experts[p]] @ x[p // rows_per_x]``."""
+    pairs = experts.numel()
+    _, out_features, K = stacked.shape
+    y = torch.empty((pairs, out_features), dtype=x.dtype, device=x.device)
+    block_o, block_k = 32, min(128, triton.next_power_of_2(K))
+    _expert_gemv_kernel[(pairs, triton.cdiv(out_features, block_o))](
+        x, stacked, experts, y, K, out_features, x.stride(0), stacked.stride(0), stacked.stride(1), y.stride(0),
+        ROWS_PER_X=rows_per_x, BLOCK_O=block_o, BLOCK_K=block_k,
+    )
+    return y
