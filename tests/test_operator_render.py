@@ -7,7 +7,7 @@ import json
 import pytest
 
 from specdecode_operator import labels, planner, workload
-from specdecode_operator.spec import parse_spec, plan_key
+from specdecode_operator.spec import parse_spec, plan_key, planner_inputs
 from specdecode_worker.contract import GIB
 from tests.operator_helpers import DRAFT_COMMIT, OWNER, TARGET_COMMIT, example, hub_sources, make_plan
 
@@ -38,6 +38,35 @@ def test_planner_args_overrides_and_ngram():
     assert _flag(args, "--gpu-memory-gib") == "20" and _flag(args, "--mem-fraction-static") == "0.85"
     assert _flag(args, "--cuda-graph-max-bs") == "32" and _flag(args, "--chunked-prefill-size") == "4096"
     assert _flag(args, "--algorithm") == "NGRAM"
+
+
+def test_the_planner_prices_the_verify_width_the_worker_serves():
+    """The worker's verify batches (and their CUDA graphs) take proposals + 1 rows per request;
+    the planner is told that width when it is not its default, and the plan key records it, so a
+    plan that fits is a worker that starts at any numDraftTokens."""
+    from specdecode_worker import plan_cli
+    from specdecode_worker.plan import ForwardGeometry, dynamic_reserve_bytes
+
+    def widths(view):
+        planner_width = plan_cli.plan_args(plan_cli.parser().parse_args(planner.planner_args(view)[1:])).verify_tokens
+        return planner_width, int(_flag(workload.worker_args(view, make_plan()), "--num-draft-tokens")) + 1
+
+    ngram = parse_spec(example("ngram.yaml"))  # numDraftTokens 8
+    assert widths(ngram) == (9, 9)
+    eagle3 = parse_spec(example())  # a chain of 3 steps: the planner's default width, no flag
+    assert widths(eagle3) == (4, 4) and "--num-draft-tokens" not in planner.planner_args(eagle3)
+    body = example("ngram.yaml")
+    body["spec"]["draft"]["numDraftTokens"] = 5
+    assert widths(parse_spec(body)) == (6, 6) and plan_key(parse_spec(body)) != plan_key(ngram)
+    body["spec"]["draft"]["numDraftTokens"] = 3
+    assert "verifyWidth" not in planner_inputs(parse_spec(body))  # the default width: keys stay as they were
+    assert planner_inputs(ngram)["verifyWidth"] == 9
+    # By hand, NGRAM at width 9 (8 requests, graph batch 8, chunk 16; hidden 64, intermediate 128,
+    # 4 heads, 2 KV heads, head 16, vocabulary 1000, 2 bytes): per token 2 x (3 x 64 + 4 x 32 + 2 x 32
+    # + 3 x 128) = 1536 B, a logit row 1000 x (2 + 4) = 6000 B; the eager verify pass and the verify
+    # graphs (larger than the decode graphs' 95,104 B) are 72 rows each: 72 x 7536 = 542,592 B.
+    small = ForwardGeometry(64, 128, 4, 2, 16, 16, 1000, 2)
+    assert dynamic_reserve_bytes("NGRAM", small, None, 1, 16, 8, 8, verify_tokens=9) == 1.25 * 2 * 542_592
 
 
 def test_planner_pod_shape():

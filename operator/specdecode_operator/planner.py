@@ -14,7 +14,7 @@ from specdecode_worker.contract import ExitCode
 
 from . import labels, models, podsecurity
 from .plan_result import explains_misfit, read_plan
-from .spec import DEFAULT_MAX_TP, SpecView, planner_pod_name
+from .spec import DEFAULT_MAX_TP, DEFAULT_VERIFY_WIDTH, SpecView, draft_proposals, planner_pod_name, verify_width
 
 TERMINATION_LOG = "/dev/termination-log"
 # A planner that reads a few headers finishes in seconds; a hung one must not block forever.
@@ -28,6 +28,8 @@ def planner_args(view: SpecView, gpus_per_node: int | None = None) -> list[str]:
     """
     s = view.serving
     args = ["plan", *_model_args(view), "--algorithm", view.algorithm, "--tp", "auto"]
+    if verify_width(view) != DEFAULT_VERIFY_WIDTH:  # the worker's verify graphs are priced at its width
+        args += ["--num-draft-tokens", str(draft_proposals(view))]
     if view.planner_max_tp > DEFAULT_MAX_TP:
         args += ["--max-tp", str(view.planner_max_tp)]
     per_node = view.gpu_per_node if view.gpu_per_node is not None else gpus_per_node

@@ -11,6 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from specdecode_worker.plan import VERIFY_TOKENS
+
 GROUP = "specdecode.io"
 VERSION = "v1alpha1"
 PLURAL = "specdecodedeployments"
@@ -20,6 +22,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 MODELS_MOUNT = "/models"
 DEFAULT_WORKER_IMAGE = "ghcr.io/specdecode/worker:0.1.0"
 NGRAM_DEFAULT_DRAFT_TOKENS = 8
+DEFAULT_VERIFY_WIDTH = VERIFY_TOKENS  # the width the planner assumes when it is not told one
 DEFAULT_MAX_TP = 8  # the planner's own limit for auto t: one 8-GPU node
 
 
@@ -210,7 +213,28 @@ def planner_inputs(view: SpecView) -> dict[str, Any]:
         "store": {"pvc": view.pvc_claim, "hub": (view.hub or {}).get("endpoint") if view.hub else None,
                   **({"hubPlanning": "headers"} if view.hub else {})},
         "plannerImage": view.planner_image,
+        # Only a width other than the planner's default, so existing plans keep their keys.
+        **({"verifyWidth": verify_width(view)} if verify_width(view) != DEFAULT_VERIFY_WIDTH else {}),
     }
+
+
+def draft_proposals(view: SpecView) -> int:
+    """Tokens the worker proposes per verify round.
+
+    The spec's numDraftTokens counts the verified root as well (numSteps + 1 for a chain); the
+    worker counts proposals only: numSteps for a chain, the tree's nodes below the root for an
+    EAGLE tree, numDraftTokens for NGRAM (it has no root of its own).
+    """
+    if view.algorithm == "NGRAM":
+        return view.num_draft_tokens
+    if view.top_k > 1:
+        return view.num_draft_tokens - 1
+    return view.num_steps
+
+
+def verify_width(view: SpecView) -> int:
+    """Rows per request of the worker's verify batches (and of their CUDA graphs): proposals + 1."""
+    return draft_proposals(view) + 1
 
 
 def plan_key(view: SpecView) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 from specdecode_worker.contract import EAGLE_ALGORITHMS, GIB, MIB
 
 from . import labels, models, podsecurity
-from .spec import SpecView
+from .spec import SpecView, draft_proposals
 
 HTTP_PORT = 8000
 PLAN_DIR = "/etc/specdecode"
@@ -79,20 +79,6 @@ def worker_args(view: SpecView, plan: dict[str, Any]) -> list[str]:
     if view.algorithm in EAGLE_ALGORITHMS:
         args += ["--speculative-num-steps", str(view.num_steps), "--speculative-eagle-topk", str(view.top_k)]
     return args
-
-
-def draft_proposals(view: SpecView) -> int:
-    """Tokens the worker proposes per verify round.
-
-    The spec's numDraftTokens counts the verified root as well (numSteps + 1 for a chain); the
-    worker counts proposals only: numSteps for a chain, the tree's nodes below the root for an
-    EAGLE tree, numDraftTokens for NGRAM (it has no root of its own).
-    """
-    if view.algorithm == "NGRAM":
-        return view.num_draft_tokens
-    if view.top_k > 1:
-        return view.num_draft_tokens - 1
-    return view.num_steps
 
 
 def host_memory_request(view: SpecView, plan: dict[str, Any]) -> str:

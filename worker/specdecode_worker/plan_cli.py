@@ -57,6 +57,9 @@ def parser() -> argparse.ArgumentParser:
                        help=f"with --model-source hub: branch, tag or commit of the {role} (default main)")
     p.add_argument("--algorithm", required=True, choices=PLANNED_ALGORITHMS)
     add_sizing_flags(p, serving=False)
+    p.add_argument("--num-draft-tokens", type=int, default=VERIFY_TOKENS - 1,
+                   help="proposals per verify round, as the worker serves them: verify batches and their CUDA "
+                        f"graphs take this + 1 rows per request (default {VERIFY_TOKENS - 1})")
     p.add_argument("--max-tp", type=int, default=DEFAULT_MAX_TP,
                    help="largest tensor-parallel size auto may choose: 1, 2, 4, 8, 16 or 32 (default 8)")
     p.add_argument("--gpus-per-node", type=int, default=DEFAULT_GPUS_PER_NODE,
@@ -99,7 +102,7 @@ def plan_args(flags: argparse.Namespace) -> PlanArgs:
         kv_cache_memory_gib=flags.kv_cache_memory_gib,
         max_tp=_given(flags, "max_tp", DEFAULT_MAX_TP),
         gpus_per_node=_given(flags, "gpus_per_node", DEFAULT_GPUS_PER_NODE),
-        # serve knows its proposals per round; the planner alone assumes the default width
+        # both commands know the proposals per round (the operator passes the worker's to the planner)
         verify_tokens=flags.num_draft_tokens + 1 if getattr(flags, "num_draft_tokens", None) else VERIFY_TOKENS,
     )
 
