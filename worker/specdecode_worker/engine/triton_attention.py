@@ -278,6 +278,7 @@ class TritonAttnBackend:
         self.num_sms = _sm_count(self.req_to_token.device)
         self._meta_fb = None  # the batch whose per-request metadata is cached (every layer reuses it)
         self._meta = None
+        self._meta_capturing = False
 
     def num_splits(self, batch_size: int) -> int:
         return decode_num_splits(batch_size, self.kv_pool.k_buffer[0].shape[1], self.num_sms)
@@ -290,9 +291,12 @@ class TritonAttnBackend:
         if fb.is_decode and not tree:
             return decode_attention(q, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, fb.seq_lens, scaling,
                                     self.sliding_window, self.num_splits(fb.batch_size))
-        if self._meta_fb is not fb:
+        # Computed once per batch, every layer reuses it; again while a graph is captured, so the
+        # graph computes it itself rather than reading tensors made at warm-up, which could be freed.
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self._meta_fb is not fb or self._meta_capturing != capturing:
             self._meta = self._tree_meta(fb, q.device) if tree else self._extend_meta(fb, q.device)
-            self._meta_fb = fb
+            self._meta_fb, self._meta_capturing = fb, capturing
         q_start, q_lens, linear_lens, max_q_len, extra = self._meta
         return extend_attention(q, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, q_start, q_lens,
                                 linear_lens, fb.positions, max_q_len, scaling, self.sliding_window, extra)
