@@ -90,13 +90,18 @@ def models(tmp_path_factory):
     return found
 
 
-@pytest.mark.parametrize("algorithm", ["NONE", "STANDALONE", "NGRAM", "EAGLE"])
+@pytest.mark.parametrize("algorithm", ["NONE", "STANDALONE", "NGRAM", "EAGLE", "EAGLE-tree"])
 def test_one_host_transfer_per_pass(models, algorithm):
-    """Every decode round reads its results back once (the draft's proposals stay on the device
-    until the verify pass's transfer), and a prefill pass that finishes prompts once."""
+    """Every decode round reads its results back once (the draft's proposals, or its tree's
+    candidates, scores and parents, stay on the device until the verify pass's transfer), and a
+    prefill pass that finishes prompts once."""
+    tree = algorithm == "EAGLE-tree"
+    algorithm = algorithm.removesuffix("-tree")
     target, draft = (models["small"], models["eagle"]) if algorithm == "EAGLE" else \
         (models["target"], models["draft"] if algorithm == "STANDALONE" else None)
-    eng = engine(target, algorithm, draft, num_draft_tokens=3)
+    kw = dict(num_draft_tokens=6, speculative_num_steps=3, speculative_eagle_topk=3) if tree \
+        else dict(num_draft_tokens=3)
+    eng = engine(target, algorithm, draft, **kw)
     params = [SamplingParams(max_tokens=9, ignore_eos=True), SamplingParams(max_tokens=9, temperature=1.0, seed=3,
                                                                             ignore_eos=True)]
     reqs = [eng.submit(Request([5, 6, 7, 5, 6, 7, 5][: 4 + i], p)) for i, p in enumerate(params * 2)]

@@ -5,6 +5,7 @@ padded up to a captured size. (Captured CUDA graphs: tests/test_engine_cuda.py.)
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -16,7 +17,9 @@ from specdecode_worker.engine.cuda_graph import CudaGraphRunner, GraphRunner  # 
 from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
-from tests.eagle_heads import write_eagle3_head, write_eagle_head  # noqa: E402
+from tests.eagle_heads import (  # noqa: E402
+    make_repeating, write_copying_eagle_head, write_eagle3_head, write_eagle_head,
+)
 from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE, write_tiny_model  # noqa: E402
 
@@ -59,8 +62,8 @@ def _prompts(n, vocab, seed=0):
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(3, 12))] for _ in range(n)]
 
 
-def _outputs(eng, prompts):
-    reqs = run_all(eng, [Request(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in prompts])
+def _outputs(eng, prompts, max_tokens=10):
+    reqs = run_all(eng, [Request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts])
     return [r.output_ids for r in reqs]
 
 
@@ -85,12 +88,16 @@ def _graph_runner(eng, k: int) -> None:
                                                    eager=True)
 
 
+# top-3 trees 3 deep, 6 nodes verified: draft-tree steps of 3 tokens, verify passes of 7
+TREE = dict(num_draft_tokens=6, speculative_num_steps=3, speculative_eagle_topk=3)
 CASES = {
     "NONE": ("target", None, {}),
     "STANDALONE": ("target", "draft", dict(num_draft_tokens=3)),
     "NGRAM": ("target", None, dict(num_draft_tokens=3)),
     "EAGLE": ("small", "eagle", dict(num_draft_tokens=3)),
     "EAGLE3": ("small", "eagle3", dict(num_draft_tokens=3)),
+    "EAGLE-tree": ("small", "eagle", TREE),
+    "EAGLE3-tree": ("small", "eagle3", TREE),
 }
 
 
@@ -98,6 +105,7 @@ CASES = {
 @pytest.mark.parametrize("algorithm", list(CASES))
 def test_greedy_output_through_graph_buffers_equals_eager(models, monkeypatch, algorithm, batch):
     target, draft, kw = CASES[algorithm]
+    algorithm = algorithm.removesuffix("-tree")
     target, draft = models[target], models[draft] if draft else None
     vocab = VOCAB if target == models["small"] else VOCAB_SIZE
     prompts = _prompts(batch, vocab, seed=batch)
@@ -105,14 +113,65 @@ def test_greedy_output_through_graph_buffers_equals_eager(models, monkeypatch, a
     eng = engine(target, algorithm, draft, max_running_requests=MAX_BS, **kw)
     if algorithm.startswith("EAGLE"):
         eng.speculator.capture_graphs(MAX_BS, eager=True)
-        assert {key[0] for key in eng.speculator._graphs} == {"target", "draft"}
+        tree = "speculative_eagle_topk" in kw
+        assert {key[0] for key in eng.speculator._graphs} == ({"target", "target_tree", "draft_tree"} if tree
+                                                               else {"target", "draft"})
     else:
         _graph_runner(eng, kw.get("num_draft_tokens", 0) if algorithm != "NONE" else 0)
     seen = _count_replays(monkeypatch)
     assert _outputs(eng, prompts) == plain
     assert seen, "no pass went through the graph buffers"
     if algorithm.startswith("EAGLE"):
-        assert {w for w, _ in seen} == {1, 4}  # draft steps (and plain steps) and the k + 1 verify pass
+        # chain: draft steps (and plain steps) and the k + 1 verify pass; tree: top-k draft steps
+        # and the root + nodes verify pass (and plain steps, if a round drafts nothing)
+        assert {w for w, _ in seen} - {1} == ({3, 7} if tree else {4})
+        if batch > 1:  # (at batch 1 these random heads happen to have every proposal rejected)
+            assert eng.stats.accepted_tokens > 0  # accepted drafts were committed from the graphs' outputs
+    kv = eng.target_runner.token_to_kv_pool_allocator
+    assert kv.available_size() == kv.size  # every slot (verify, rejected, tree scratch) came back
+
+
+def test_deep_tree_paths_through_graph_buffers_keep_the_target_greedy_output(tmp_path, monkeypatch):
+    """A head that proposes "repeat the last token" on a target that mostly repeats: 3-deep tree
+    paths are accepted through the graphs (the accepted nodes' slots and features are taken
+    from the graph outputs), and partly accepted rounds too."""
+    target = make_repeating(write_tiny_model(tmp_path / "t", "llama", seed=0, weight_scale=3.0, vocab_size=16,
+                                             num_hidden_layers=4), layer_scale=1.0)
+    head = write_copying_eagle_head(tmp_path / "h", target)
+    prompts = _prompts(3, 16, seed=2)
+    plain = _outputs(engine(target, "NONE", max_running_requests=MAX_BS), prompts)
+    eng = engine(target, "EAGLE", head, max_running_requests=MAX_BS, **TREE)
+    eng.speculator.capture_graphs(MAX_BS, eager=True)
+    seen = _count_replays(monkeypatch)
+    assert _outputs(eng, prompts) == plain
+    assert {w for w, _ in seen} - {1} == {3, 7}
+    lengths = eng.stats.accept_lengths
+    assert max(lengths) == 3 and min(lengths) < 3, lengths
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("algorithm", ["EAGLE-tree", "EAGLE3-tree"])
+def test_tree_greedy_output_through_graph_buffers_on_triton(models, monkeypatch, algorithm, batch):
+    """The same through the Triton backend (its interpreter on CPU): its tree-masked extend kernel
+    reads the masks, slots and prefix lengths from the graphs' staged buffers."""
+    from specdecode_worker.engine.attention import ATTENTION_BACKEND_ENV
+    from specdecode_worker.engine.triton_attention import TritonAttnBackend
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py)")
+    target, draft, kw = CASES[algorithm]
+    prompts = _prompts(batch, VOCAB, seed=batch)
+    plain = _outputs(engine(models[target], "NONE", max_running_requests=MAX_BS), prompts)
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "triton")
+    eng = engine(models[target], algorithm.removesuffix("-tree"), models[draft], max_running_requests=MAX_BS, **kw)
+    assert isinstance(eng.speculator.target_tree_backend, TritonAttnBackend)
+    eng.speculator.capture_graphs(MAX_BS, eager=True)
+    seen = _count_replays(monkeypatch)
+    assert _outputs(eng, prompts, max_tokens=6) == [o[:6] for o in plain]
+    assert {w for w, _ in seen} - {1} == {3, 7}
+    kv = eng.target_runner.token_to_kv_pool_allocator
+    assert kv.available_size() == kv.size
 
 
 def test_mtp_greedy_output_through_graph_buffers_equals_eager(tmp_path, monkeypatch):

@@ -157,39 +157,43 @@ def test_sliding_window(window):
     _compare(kv_heads=2, group=2, seq_lens=[30, 90, 12], extend_lens=[30, 5, 4], window=window)
 
 
-def _tree_batch(req_pool, prefix_lens, trees, g):
-    """Verification of one draft tree per request: nodes at positions prefix + depth, in spare slots."""
-    ids, pos, locs, slots, key_pos, masks = [], [], [], [], [], []
+def _tree_batch(req_pool, prefix_lens, trees, queries=None):
+    """One draft tree per request (all of one size) in spare slots at positions prefix + depth; the
+    last ``queries`` nodes (default: all, as verification) are the new tokens and every node is a
+    key under the ancestor mask, as a draft-tree step reads its expanded nodes."""
     used = set(req_pool.req_to_token[1 : len(trees) + 1].flatten().tolist())
     spare = [s for s in range(1, POOL + 1) if s not in used]
+    width = len(trees[0])
+    n = queries or width
+    slots, key_pos, masks = [], [], []
     for p, parents in zip(prefix_lens, trees):
         depth = [0] * len(parents)
         for i, par in enumerate(parents):
             depth[i] = 0 if par < 0 else depth[par] + 1
-        s = torch.tensor(spare[:len(parents)], device=DEVICE)
-        spare = spare[len(parents):]
-        ids += [0] * len(parents)
-        pos += [p + d for d in depth]
-        locs.append(s)
-        slots.append(s)
-        key_pos.append(torch.tensor([p + d for d in depth], device=DEVICE))
-        masks.append(ancestor_mask(parents, DEVICE))
-    seq = [p + max(k.tolist()) - p + 1 for p, k in zip(prefix_lens, key_pos)]
+        slots.append(spare[:width])
+        spare = spare[width:]
+        key_pos.append([p + d for d in depth])
+        masks.append(ancestor_mask(parents)[-n:])
+    slots, key_pos = torch.tensor(slots, device=DEVICE), torch.tensor(key_pos, device=DEVICE)
+    seq = [p + width for p in prefix_lens]
     return TreeForwardBatch(
-        input_ids=torch.tensor(ids, device=DEVICE), positions=torch.tensor(pos, device=DEVICE),
-        out_cache_loc=torch.cat(locs), req_pool_indices=torch.arange(1, len(trees) + 1, device=DEVICE),
-        seq_lens=torch.tensor(seq, device=DEVICE),
-        extend_lens=[len(t) for t in trees], seq_lens_cpu=seq, prefix_lens=prefix_lens,
-        key_slots=slots, key_positions=key_pos, masks=masks,
+        input_ids=torch.zeros(len(trees) * n, dtype=torch.int64, device=DEVICE),
+        positions=key_pos[:, -n:].reshape(-1), out_cache_loc=slots[:, -n:].reshape(-1),
+        req_pool_indices=torch.arange(1, len(trees) + 1, device=DEVICE), seq_lens=torch.tensor(seq, device=DEVICE),
+        extend_lens=[n] * len(trees), seq_lens_cpu=seq, prefix_lens=torch.tensor(prefix_lens, device=DEVICE),
+        prefix_lens_cpu=prefix_lens, key_slots=slots, key_positions=key_pos,
+        mask=torch.stack(masks).to(DEVICE, torch.int8),
     )
 
 
+@pytest.mark.parametrize("queries", [None, 3])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("group", [1, 4])
-def test_tree_masked_verification(group, window):
+def test_tree_masked_attention(group, window, queries):
+    """Verification (every node a query) and a draft-tree step (the last nodes query all of them)."""
     req_pool, kv, g = _pools(kv_heads=2, seed=3)
-    trees = [[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2], [-1, 0, 0, 0, 1, 2, 3, 4, 4]]
-    fb = _tree_batch(req_pool, [5, 66, 1], trees, g)
+    trees = [[-1, 0, 0, 1, 1, 2, 3], [-1, 0, 1, 2, 3, 4, 5], [-1, 0, 0, 0, 1, 2, 4]]
+    fb = _tree_batch(req_pool, [5, 66, 1], trees, queries)
     n = sum(fb.extend_lens)
     q = _randn(n, 2 * group, D, g=g)
     k = _randn(n, 2, D, g=g)
@@ -202,11 +206,11 @@ def test_tree_masked_verification(group, window):
 def test_tree_mask_changes_the_answer():
     # The same nodes under a chain mask instead of the tree's give other outputs: the mask is read.
     req_pool, kv, g = _pools(kv_heads=1, seed=4)
-    fb = _tree_batch(req_pool, [10], [[-1, 0, 0, 0]], g)
+    fb = _tree_batch(req_pool, [10], [[-1, 0, 0, 0]])
     q, k, v = (_randn(4, 1, D, g=g) for _ in range(3))
     backend = ta.TritonAttnBackend(req_pool, kv, None)
     tree_out = backend.forward(q, k, v, 0, fb, SCALE)
-    fb.masks = [ancestor_mask([-1, 0, 1, 2], DEVICE)]
+    fb.mask = ancestor_mask([-1, 0, 1, 2])[None].to(DEVICE, torch.int8)
     chain_out = ta.TritonAttnBackend(req_pool, kv, None).forward(q, k, v, 0, fb, SCALE)
     torch.testing.assert_close(tree_out[:2], chain_out[:2])  # root and first child see the same keys
     assert not torch.allclose(tree_out[2:], chain_out[2:])

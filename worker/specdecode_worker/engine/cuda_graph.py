@@ -84,7 +84,7 @@ class GraphInputs:
         )
 
     def accepts(self, fb: ForwardBatch) -> bool:
-        return (not hasattr(fb, "masks") and fb.batch_size <= self.max_bs
+        return (not hasattr(fb, "mask") and fb.batch_size <= self.max_bs
                 and all(e == self.tokens_per_req for e in fb.extend_lens))
 
     def stage(self, fb: ForwardBatch, bs: int) -> None:
@@ -130,11 +130,12 @@ class GraphRunner:
     """
 
     def __init__(self, fn, max_bs: int, device, tokens_per_req: int = 1, extra_widths: tuple[int, ...] = (),
-                 extra_dtype=None, pool=None, eager: bool = False, name: str = "model"):
+                 extra_dtype=None, pool=None, eager: bool = False, name: str = "model",
+                 inputs: GraphInputs | None = None):
         self.fn, self.eager = fn, eager
         self.sizes = capture_sizes(max_bs)
         self.max_bs = max_bs
-        self.inputs = GraphInputs(max_bs, tokens_per_req, device)
+        self.inputs = inputs or GraphInputs(max_bs, tokens_per_req, device)  # a subclass stages more
         n_tok = max_bs * tokens_per_req
         self.extras = [torch.zeros(n_tok, w, dtype=extra_dtype, device=device) for w in extra_widths]
         self.graphs: dict = {}

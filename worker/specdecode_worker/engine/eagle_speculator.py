@@ -46,10 +46,11 @@ from .model_runner import ModelRunner
 from .parallel_layers import check_splits, parallel_logits
 from .phases import Phase, PhaseError, require
 from .request import Request
-from .batch_sampling import choose_tokens, to_host
+from .batch_sampling import choose_tokens, to_host, uniforms
 from .speculative import RoundResult, Speculator, accept_chains, chain_segments, first_uniforms, ragged_ids
-from .tree import DraftTree, accept_path, ancestor_mask, select_tree
+from .tree import DeviceTrees, TreeDrafter, TreeShape, accept_trees
 from .tree_attention import TreeForwardBatch, make_tree_attn_backend
+from .tree_graph import TreeGraphInputs
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ class EagleSpeculator(Speculator):
         self.head = draft_runner.model
         self.num_steps, self.topk, self.k = num_steps, topk, num_draft_tokens
         self.tree = topk > 1
+        self.tree_shape = TreeShape(topk, num_steps, num_draft_tokens)
         self.target_tree_backend = make_tree_attn_backend(target_runner.req_to_token_pool,
                                                           target_runner.token_to_kv_pool,
                                                           target_runner.model.sliding_window)
@@ -161,10 +163,12 @@ class EagleSpeculator(Speculator):
         self._graphs: dict[tuple[str, int], GraphRunner] = {}  # (model, tokens per request) -> graphs
 
     def capture_graphs(self, max_bs: int, eager: bool = False) -> None:
-        """Graphs, by batch size up to ``max_bs``, for the chain's draft steps (one token per request
-        and the head's own features), the chain's verify pass (k + 1 tokens, target logits and
-        features) and the plain target step. Only over backends that read lengths at replay
-        (Triton), on one device; ``eager``: the CPU stand-in (``cuda_graph.EagerGraph``)."""
+        """Graphs, by batch size up to ``max_bs``, for the plain target step and, for a chain, its
+        draft steps (one token per request and the head's own features) and its verify pass (k + 1
+        tokens, target logits and features); for a tree, its draft steps (top-k nodes per request,
+        the expanded nodes under a mask) and its verify pass (the root and the nodes under the
+        tree's mask). Only over backends that read lengths at replay (Triton), on one device;
+        ``eager``: the CPU stand-in (``cuda_graph.EagerGraph``)."""
         if self.tp.size > 1:
             log.info("%s: draft and verify steps run eagerly under tensor parallelism", self.draft.name)
             return
@@ -173,20 +177,35 @@ class EagleSpeculator(Speculator):
 
     def _capture(self, max_bs: int, eager: bool) -> None:
         graphable = lambda backend: eager or not hasattr(backend, "decode_ctx")  # noqa: E731
+        device, shape = self.target.device, self.tree_shape
+        hidden = dict(extra_widths=(self.draft.shape.hidden_size,), extra_dtype=self.target.dtype)
+        graphs = {}  # every graph of a round shares one pool: they never run at once
         pool = None
-        device = self.target.device
+
+        def add(key, fn, width, inputs=None, **kw):
+            nonlocal pool
+            graph = GraphRunner(fn, max_bs, device, width, pool=pool, eager=eager, inputs=inputs, **kw)
+            pool = graph.pool
+            graphs[key] = graph
+
         if graphable(self.target.backend):
-            widths = [1] if self.tree else [1, self.k + 1]  # a tree's verify pass has its own mask
-            for width in widths:
-                graph = GraphRunner(lambda fb, rows: self._target_pass(fb, self.target.backend, rows), max_bs,
-                                    device, width, pool=pool, eager=eager, name=f"target (+features) x{width}")
-                pool = graph.pool  # one pool for every graph of the round (they never run at once)
-                self._graphs[("target", width)] = graph
-        if graphable(self.draft.backend) and not self.tree:
-            graph = GraphRunner(lambda fb, rows, hidden: self._draft_pass(fb, self.draft.backend, hidden, False, rows),
-                                max_bs, device, 1, extra_widths=(self.draft.shape.hidden_size,),
-                                extra_dtype=self.target.dtype, pool=pool, eager=eager, name="draft step")
-            self._graphs[("draft", 1)] = graph
+            target = lambda backend: lambda fb, rows: self._target_pass(fb, backend, rows)  # noqa: E731
+            add(("target", 1), target(self.target.backend), 1, name="target (+features) x1")
+            if self.tree:
+                add(("target_tree", shape.width), target(self.target_tree_backend), shape.width,
+                    TreeGraphInputs(max_bs, shape.width, shape.width, device),
+                    name=f"tree verify (+features) x{shape.width}")
+            else:
+                add(("target", self.k + 1), target(self.target.backend), self.k + 1,
+                    name=f"target (+features) x{self.k + 1}")
+        if graphable(self.draft.backend):
+            draft = lambda backend: lambda fb, rows, h: self._draft_pass(fb, backend, h, False, rows)  # noqa: E731
+            if not self.tree:
+                add(("draft", 1), draft(self.draft.backend), 1, name="draft step", **hidden)
+            elif shape.steps > 1:
+                add(("draft_tree", shape.topk), draft(self.draft.tree_backend), shape.topk,
+                    TreeGraphInputs(max_bs, shape.topk, shape.scratch, device), name="draft tree step", **hidden)
+        self._graphs.update(graphs)
 
     @property
     def slots_per_round(self) -> int:
@@ -224,8 +243,8 @@ class EagleSpeculator(Speculator):
     def _target(self, fb, backend: str, last_only: bool = False, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (every token's, or each request's last) and head features for every token."""
         require(self.target.phase, Phase.BACKENDS_READY, "run a forward pass", self.target.name)
-        graph = self._graphs.get(("target", fb.extend_lens[0] if fb.extend_lens else 0))
-        if backend == "target" and rows is None and not last_only and graph is not None and graph.can_run(fb):
+        graph = self._graphs.get((backend, fb.extend_lens[0] if fb.extend_lens else 0))
+        if rows is None and not last_only and graph is not None and graph.can_run(fb):
             return graph.replay(fb)  # every row of the batch, as below
         rows = fb.logit_rows(last_only) if rows is None else rows
         self._announce("target", backend, fb, rows)
@@ -240,9 +259,9 @@ class EagleSpeculator(Speculator):
     def _draft(self, fb, backend: str, hidden, from_target: bool, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft logits over the target's vocabulary and next features, at ``rows``."""
         require(self.draft.phase, Phase.BACKENDS_READY, "run a forward pass", self.draft.name)
-        graph = self._graphs.get(("draft", 1))
-        if backend == "draft" and not from_target and graph is not None and graph.can_run(fb) \
-                and rows.numel() == fb.input_ids.numel():  # a chain's draft step: every row
+        graph = self._graphs.get((backend, fb.extend_lens[0] if fb.extend_lens else 0))
+        if not from_target and graph is not None and graph.can_run(fb) \
+                and rows.numel() == fb.input_ids.numel():  # a draft step (chain or tree): every row
             return graph.replay(fb, hidden)
         self._announce("draft", backend, fb, rows, hidden, from_target)
         return self._draft_pass(fb, self._backend(backend), hidden, from_target, rows)
@@ -297,9 +316,7 @@ class EagleSpeculator(Speculator):
         start = time.perf_counter()
         logits, hidden = self._draft_extend(reqs)
         if self.tree:
-            trees = self._draft_trees(reqs, logits, hidden, ks)
-            self.last_draft_seconds = time.perf_counter() - start
-            return self._verify_trees(reqs, trees)
+            return self._tree_round(reqs, logits, hidden, ks, start)
         return self._chain_round(reqs, logits, hidden, ks, start)
 
     def _plain_round(self, reqs) -> list[RoundResult]:
@@ -400,119 +417,87 @@ class EagleSpeculator(Speculator):
             results.append(RoundResult(chain[:n] + [nxt], proposed=k, accepted=n))
         return results
 
-    def _draft_trees(self, reqs, logits, hidden, ks) -> list[DraftTree]:
-        k = self.topk
+    def _tree_round(self, reqs, logits, hidden, ks, start_time) -> list[RoundResult]:
+        """Draft, verify and accept a tree per request on the device; one read-back at the end."""
+        shape, device = self.tree_shape, self.target.device
+        k, batch = shape.topk, len(reqs)
         alloc = self.target.token_to_kv_pool_allocator
-        # Candidates per request: token, parent candidate (-1: root), score, depth.
-        cands = [dict(tok=[], par=[], score=[], depth=[]) for _ in reqs]
-        logp = torch.log_softmax(logits, dim=-1)
-        top = torch.topk(logp, k, dim=-1)
-        frontier = []  # per request: candidate ids being expanded this step
-        for i in range(len(reqs)):
-            cand = cands[i]
-            cand["tok"] += top.indices[i].tolist()
-            cand["score"] += top.values[i].tolist()
-            cand["par"] += [-1] * k
-            cand["depth"] += [1] * k
-            frontier.append(list(range(k)))
-        front_hidden = hidden.repeat_interleave(k, dim=0)  # [requests x k, H]: every root child's parent feature
-        scratch = [alloc.alloc(k * (self.num_steps - 1)) for _ in reqs]
-        expanded = [[] for _ in reqs]  # candidate ids whose draft K/V sit in scratch, in slot order
+        kv = to_device([r.kv_len for r in reqs], device)
+        req_idx = to_device([r.req_idx for r in reqs], device)
+        drafter = TreeDrafter(shape, logits)
+        front_hidden = hidden.repeat_interleave(k, dim=0)  # [B x k, H]: every root child's parent feature
+        scratch = [alloc.alloc(shape.scratch) for _ in reqs]
         try:
-            for step in range(1, self.num_steps):
-                fb = self._tree_step_batch(reqs, cands, frontier, expanded, scratch, step)
-                step_logits, step_hidden = self._draft(fb, "draft_tree", front_hidden, False,
-                                                       fb.logit_rows(False))
-                top = torch.topk(torch.log_softmax(step_logits, dim=-1), k, dim=-1)
-                new_frontier, rows = [], []
-                for i in range(len(reqs)):
-                    cand = cands[i]
-                    base = len(cand["tok"])
-                    for j, parent in enumerate(frontier[i]):
-                        row = i * k + j
-                        cand["tok"] += top.indices[row].tolist()
-                        cand["score"] += [cand["score"][parent] + v for v in top.values[row].tolist()]
-                        cand["par"] += [parent] * k
-                        cand["depth"] += [step + 1] * k
-                    new = list(range(base, len(cand["tok"])))
-                    best = sorted(new, key=lambda x: (-cand["score"][x], x))[:k]
-                    new_frontier.append(best)
-                    rows += [i * k + (x - base) // k for x in best]
-                frontier = new_frontier
-                front_hidden = step_hidden[torch.tensor(rows, device=step_hidden.device)]
-            return [select_tree(r.all_ids[-1], cand["tok"], cand["par"], cand["score"], cand["depth"], k)
-                    for r, cand, k in zip(reqs, cands, ks)]
+            slots = torch.stack(scratch).to(device) if shape.scratch else None
+            for step in range(1, shape.steps):
+                fb = self._tree_step_batch(reqs, drafter, kv, req_idx, slots, step)
+                step_logits, step_hidden = self._draft(fb, "draft_tree", front_hidden, False, fb.logit_rows(False))
+                came_from = drafter.expand(step_logits)
+                width = step_hidden.shape[-1]
+                front_hidden = step_hidden.view(batch, k, width).gather(
+                    1, came_from[..., None].expand(batch, k, width)).reshape(batch * k, width)
+            trees = drafter.select(to_device([r.all_ids[-1] for r in reqs], device))
         finally:
             for s in scratch:
                 alloc.free(s)
+        self.last_draft_seconds = time.perf_counter() - start_time
+        return self._verify_trees(reqs, trees, ks, kv, req_idx)
 
-    def _tree_step_batch(self, reqs, cands, frontier, expanded, scratch, step) -> TreeForwardBatch:
-        """Draft inputs for expanding ``frontier``: each node reads the prefix and its ancestors."""
-        k, device = self.topk, self.draft.device
-        ids, pos, locs, key_slots, key_pos, masks = [], [], [], [], [], []
-        for i, r in enumerate(reqs):
-            cand = cands[i]
-            new_slots = scratch[i][(step - 1) * k : step * k]
-            expanded[i] += frontier[i]
-            parents = [cand["par"][x] for x in expanded[i]]
-            index = {x: j for j, x in enumerate(expanded[i])}
-            mask = ancestor_mask([index[p] if p >= 0 else -1 for p in parents])[-k:]
-            ids += [cand["tok"][x] for x in frontier[i]]
-            # A node at depth d is the draft's input at position L + d - 1 (it predicts depth d + 1).
-            pos += [r.kv_len + cand["depth"][x] - 1 for x in frontier[i]]
-            locs.append(new_slots)
-            key_slots.append(scratch[i][: step * k].to(device))
-            key_pos.append(torch.tensor([r.kv_len + cand["depth"][x] - 1 for x in expanded[i]], device=device))
-            masks.append(mask.to(device))
+    def _tree_step_batch(self, reqs, drafter: TreeDrafter, kv, req_idx, slots, step) -> TreeForwardBatch:
+        """Draft inputs for expanding the frontier at ``step``: each node reads the prefix and its
+        expanded ancestors (every scratch slot is a key; the mask hides those not yet written)."""
+        k, batch = self.topk, len(reqs)
+        scratch = self.tree_shape.scratch
+        # A node at depth d is the draft's input at position L + d - 1 (it predicts depth d + 1);
+        # scratch slot j holds a node of depth j // k + 1.
+        depth_of_slot = torch.div(torch.arange(scratch, device=kv.device), k, rounding_mode="floor")
         return TreeForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(pos, dtype=torch.int64, device=device),
-            out_cache_loc=torch.cat(locs).to(device),
-            req_pool_indices=torch.tensor([r.req_idx for r in reqs], dtype=torch.int64, device=device),
-            seq_lens=torch.tensor([r.kv_len + step for r in reqs], dtype=torch.int64, device=device),
-            extend_lens=[k] * len(reqs),
+            input_ids=drafter.frontier_tokens().reshape(-1),
+            positions=(kv + step - 1).repeat_interleave(k),
+            out_cache_loc=slots[:, (step - 1) * k : step * k].reshape(-1),
+            req_pool_indices=req_idx,
+            seq_lens=kv + step,
+            extend_lens=[k] * batch,
             seq_lens_cpu=[r.kv_len + step for r in reqs],
-            prefix_lens=[r.kv_len for r in reqs],
-            key_slots=key_slots, key_positions=key_pos, masks=masks,
+            prefix_lens=kv, key_slots=slots, key_positions=kv[:, None] + depth_of_slot[None, :],
+            mask=drafter.step_mask(step), prefix_lens_cpu=[r.kv_len for r in reqs],
         )
 
-    def _verify_trees(self, reqs, trees: list[DraftTree]) -> list[RoundResult]:
+    def _verify_trees(self, reqs, trees: DeviceTrees, ks, kv, req_idx) -> list[RoundResult]:
+        shape, device = self.tree_shape, self.target.device
+        n, batch = shape.width, len(reqs)
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
-        device = self.target.device
         rows_of = pool.req_to_token
-        slots = [rows_of[r.req_idx, r.kv_len : r.kv_len + t.size].clone() for r, t in zip(reqs, trees)]
+        # Every node, the first ks[i] proposals and the rest alike, is verified (static shapes); the
+        # rest are left out of acceptance below.
+        slots = rows_of[req_idx[:, None], kv[:, None] + torch.arange(n, device=device)]  # [B, n]
+        positions = kv[:, None] + trees.depths
         fb = TreeForwardBatch(
-            input_ids=torch.tensor([x for t in trees for x in t.tokens], dtype=torch.int64, device=device),
-            positions=torch.tensor([r.kv_len + d for r, t in zip(reqs, trees) for d in t.depths], dtype=torch.int64,
-                                   device=device),
-            out_cache_loc=torch.cat(slots),
-            req_pool_indices=torch.tensor([r.req_idx for r in reqs], dtype=torch.int64, device=device),
-            seq_lens=torch.tensor([r.kv_len + max(t.depths) + 1 for r, t in zip(reqs, trees)], dtype=torch.int64,
-                                  device=device),
-            extend_lens=[t.size for t in trees],
-            seq_lens_cpu=[r.kv_len + max(t.depths) + 1 for r, t in zip(reqs, trees)],
-            prefix_lens=[r.kv_len for r in reqs],
-            key_slots=slots,
-            key_positions=[torch.tensor([r.kv_len + d for d in t.depths], device=device) for r, t in zip(reqs, trees)],
-            masks=[t.mask(device) for t in trees],
+            input_ids=trees.tokens.reshape(-1), positions=positions.reshape(-1), out_cache_loc=slots.reshape(-1),
+            req_pool_indices=req_idx, seq_lens=kv + n, extend_lens=[n] * batch,
+            seq_lens_cpu=[r.kv_len + n for r in reqs], prefix_lens=kv, key_slots=slots, key_positions=positions,
+            mask=trees.mask.to(torch.int8), prefix_lens_cpu=[r.kv_len for r in reqs],
         )
         logits, features = self._target(fb, "target_tree")
-        results, start = [], 0
-        for r, t, s in zip(reqs, trees, slots):
-            rows = slice(start, start + t.size)
-            start += t.size
-            path, nxt = accept_path(t, logits[rows], r.params, r.generator)
-            keep = [0] + path
+        valid = torch.arange(n, device=device)[None, :] <= to_device(ks, device)[:, None]
+        params = [r.params for r in reqs]
+        u = uniforms(params, [r.generator for r in reqs], shape.steps * shape.topk + 1, device)
+        count, nxt, path = accept_trees(trees, shape, valid, logits, params, u)
+        count, nxt, path, tokens, slot_ids = to_host(count, nxt, path, trees.tokens, slots)
+        features = features.view(batch, n, -1)
+        results, rejected = [], []
+        for i, r in enumerate(reqs):
+            keep = path[i][: count[i] + 1]
             last = r.kv_len
-            free_positions(pool, alloc, r.req_idx, last + t.size, last + self.k + 1)  # a tree cut short
-            # The accepted nodes' K/V become positions last..last+len(path); the rest are freed.
-            rows_of[r.req_idx, last : last + len(keep)] = s[keep]
-            rejected = torch.ones(t.size, dtype=torch.bool)
-            rejected[keep] = False
-            alloc.free(s[rejected.to(s.device)])
+            # The accepted nodes' K/V become positions last..last+count; the other nodes' slots are freed.
+            rows_of[r.req_idx, last : last + len(keep)] = to_device([slot_ids[i][x] for x in keep], rows_of.device)
+            kept = set(keep)
+            rejected += [s for x, s in enumerate(slot_ids[i]) if x not in kept]
             r.kv_len = last + len(keep)
-            self._features[r.rid] = features[rows][torch.tensor(keep, device=features.device)]
-            results.append(RoundResult([t.tokens[x] for x in path] + [nxt], proposed=t.size - 1, accepted=len(path)))
+            self._features[r.rid] = features[i].index_select(0, to_device(keep, features.device))
+            results.append(RoundResult([tokens[i][x] for x in keep[1:]] + [nxt[i]], proposed=ks[i],
+                                       accepted=count[i]))
+        alloc.free(torch.tensor(rejected, dtype=torch.int64))
         return results
 
 

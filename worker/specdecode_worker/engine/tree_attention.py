@@ -1,9 +1,13 @@
 """Attention with an explicit mask over paged pools, for draft trees.
 
 Each request's new tokens see its committed prefix (positions ``0 .. prefix_len - 1`` read through
-``req_to_token``) and a list of extra KV slots (tree nodes, including the new tokens themselves)
-under a boolean mask. Tree nodes live in slots outside the request's linear position map until a
-path is accepted, so several branches can share a depth.
+``req_to_token``) and a row of extra KV slots (tree nodes, including the new tokens themselves)
+under a mask. Tree nodes live in slots outside the request's linear position map until a path is
+accepted, so several branches can share a depth.
+
+A deployment's tree has one shape, so every request of a batch brings the same number of new
+tokens and of extra slots: the batch's tree fields are ``[B, ...]`` device tensors that a CUDA
+graph's static buffers hold as they are (``tree_graph.TreeGraphInputs``).
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ from .pools import MHATokenToKVPool, ReqToTokenPool
 
 @dataclass
 class TreeForwardBatch(ForwardBatch):
-    prefix_lens: list[int] = field(default_factory=list)
-    key_slots: list[torch.Tensor] = field(default_factory=list)  # [E_i] KV slots beyond the prefix
-    key_positions: list[torch.Tensor] = field(default_factory=list)  # [E_i] their positions
-    masks: list[torch.Tensor] = field(default_factory=list)  # [n_i, E_i] bool
+    """``extend_lens`` are all n; E extra slots per request."""
+
+    prefix_lens: torch.Tensor | None = None  # [B] committed positions each request sees causally
+    key_slots: torch.Tensor | None = None  # [B, E] KV slots beyond the prefix
+    key_positions: torch.Tensor | None = None  # [B, E] their positions
+    mask: torch.Tensor | None = None  # [B, n, E] int8, nonzero: the token sees the slot
+    prefix_lens_cpu: list[int] = field(default_factory=list)  # for the torch-native loop
 
 
 class TreeAttnBackend:
@@ -37,9 +44,9 @@ class TreeAttnBackend:
         out = torch.empty(q.shape[0], q.shape[1], v_buf.shape[-1], dtype=q.dtype, device=q.device)
         start = 0
         for i, n in enumerate(fb.extend_lens):
-            p = fb.prefix_lens[i]
+            p = fb.prefix_lens_cpu[i]
             slots = torch.cat([self.req_to_token[fb.req_pool_indices[i], :p], fb.key_slots[i]])
-            mask = torch.cat([torch.ones((n, p), dtype=torch.bool, device=q.device), fb.masks[i]], dim=1)
+            mask = torch.cat([torch.ones((n, p), dtype=torch.bool, device=q.device), fb.mask[i] != 0], dim=1)
             if self.sliding_window is not None:
                 k_pos = torch.cat([torch.arange(p, device=q.device), fb.key_positions[i]])
                 q_pos = fb.positions[start : start + n]

@@ -287,7 +287,7 @@ class TritonAttnBackend:
         """q: [N, H, D], k/v: [N, Hkv, D] for the new tokens; returns [N, H, Dv]."""
         self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
-        tree = hasattr(fb, "masks")
+        tree = hasattr(fb, "mask")
         if fb.is_decode and not tree:
             return decode_attention(q, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, fb.seq_lens, scaling,
                                     self.sliding_window, self.num_splits(fb.batch_size))
@@ -315,13 +315,10 @@ class TritonAttnBackend:
         return q_start, q_lens, fb.seq_lens, max(fb.extend_lens), None
 
     def _tree_meta(self, fb, device):
+        # Views of the batch's own tensors (a graph's static buffers), and constants of its shape.
+        batch, n, width = fb.mask.shape
         q_start, q_lens = self._starts(fb.extend_lens, device)
-        prefix = torch.tensor(fb.prefix_lens, dtype=torch.int64, device=device)
-        e_lens = [int(s.numel()) for s in fb.key_slots]
-        e_start = torch.tensor([0] + e_lens, dtype=torch.int64).cumsum(0).to(device)
-        m_sizes = [n * e for n, e in zip(fb.extend_lens, e_lens)]
-        m_start = (torch.tensor([0] + m_sizes[:-1], dtype=torch.int64).cumsum(0)).to(device)
-        slots = torch.cat([s.to(device, torch.int64) for s in fb.key_slots])
-        pos = torch.cat([p.to(device, torch.int64) for p in fb.key_positions])
-        mask = torch.cat([m.to(device).reshape(-1) for m in fb.masks]).to(torch.int8)
-        return q_start, q_lens, prefix, max(fb.extend_lens), (e_start, slots, pos, m_start, mask)
+        e_start = torch.arange(batch + 1, dtype=torch.int64, device=device) * width
+        m_start = torch.arange(batch, dtype=torch.int64, device=device) * (n * width)
+        extra = (e_start, fb.key_slots.reshape(-1), fb.key_positions.reshape(-1), m_start, fb.mask.reshape(-1))
+        return q_start, q_lens, fb.prefix_lens, n, extra
