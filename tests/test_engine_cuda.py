@@ -131,12 +131,12 @@ def _count_graph_replays(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("batch", [1, 32])
-@pytest.mark.parametrize("case", ["NONE", "STANDALONE", "NGRAM", "EAGLE-chain", "EAGLE3-chain"])
+@pytest.mark.parametrize("case", ["NONE", "STANDALONE", "NGRAM", "EAGLE-chain", "EAGLE3-chain", "EAGLE-tree",
+                                  "EAGLE3-tree"])
 def test_greedy_output_through_cuda_graphs_equals_eager_output(models, monkeypatch, case, batch):
-    """Captured graphs (decode, verify, EAGLE draft steps and verify passes) against the same
-    engine without graphs, at batch 1 and at a batch of 32 (every captured size up to 32). Trees
-    run eagerly (their passes carry masks), as test_speculative_output_equals_plain_output_on_cuda
-    checks."""
+    """Captured graphs (decode, verify, EAGLE draft steps and verify passes, chains' and trees')
+    against the same engine without graphs, at batch 1 and at a batch of 32 (every captured size up
+    to 32)."""
     algorithm, _, variant = case.partition("-")
     if algorithm.startswith("EAGLE"):
         target, draft, vocab = models["small"], models[algorithm.lower()], VOCAB
@@ -241,6 +241,36 @@ def test_sampling_and_acceptance_never_synchronise(models):
         torch.cuda.set_sync_debug_mode("default")
     n, nxt, tokens = to_host(n, nxt, tokens)
     assert all(0 <= a <= k for a, k in zip(n, [3, 2, 1])) and all(0 <= t < 1000 for t in nxt + tokens)
+
+
+def test_tree_drafting_and_acceptance_never_synchronise():
+    """Tree expansion, selection, masks and acceptance (greedy and sampled rows) queue work only;
+    the one read-back is to_host."""
+    from specdecode_worker.engine.batch_sampling import to_host, uniforms
+    from specdecode_worker.engine.tree import TreeDrafter, TreeShape, accept_trees
+
+    shape, batch, vocab = TreeShape(3, 3, 6), 4, 1000
+    params = [SamplingParams(), SamplingParams(temperature=0.8), SamplingParams(), SamplingParams(temperature=1.0)]
+    gen = torch.Generator().manual_seed(0)
+    first = torch.randn(batch, vocab, device="cuda")
+    steps = [torch.randn(batch * 3, vocab, device="cuda") for _ in range(shape.steps - 1)]
+    target = torch.randn(batch * shape.width, vocab, device="cuda")
+    roots = torch.arange(batch, device="cuda")
+    valid = torch.ones(batch, shape.width, dtype=torch.bool, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        drafter = TreeDrafter(shape, first)
+        for step, logits in enumerate(steps, start=1):
+            drafter.step_mask(step)
+            drafter.expand(logits)
+        trees = drafter.select(roots)
+        u = uniforms(params, [gen] * batch, shape.steps * shape.topk + 1, "cuda")
+        count, nxt, path = accept_trees(trees, shape, valid, target, params, u)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    count, nxt, path = to_host(count, nxt, path)
+    assert all(0 <= c <= shape.steps for c in count) and all(0 <= t < vocab for t in nxt)
 
 
 def test_example_sizes_start_at_context_8192_with_the_default_graph_batch_and_the_peak_within_plan(tmp_path, capsys):

@@ -313,10 +313,17 @@ class EagleSpeculator(Speculator):
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
         for r in reqs:
             alloc_positions(pool, alloc, r.req_idx, r.kv_len, r.kv_len + self.k + 1)
+        # A tree's draft K/V scratch is taken before any work is queued: taking slots copies them
+        # to the device, which waits for the stream.
+        scratch = [alloc.alloc(self.tree_shape.scratch) for _ in reqs] if self.tree else []
         start = time.perf_counter()
-        logits, hidden = self._draft_extend(reqs)
-        if self.tree:
-            return self._tree_round(reqs, logits, hidden, ks, start)
+        try:
+            logits, hidden = self._draft_extend(reqs)
+            if self.tree:
+                return self._tree_round(reqs, logits, hidden, ks, scratch, start)
+        finally:
+            for s in scratch:
+                alloc.free(s)
         return self._chain_round(reqs, logits, hidden, ks, start)
 
     def _plain_round(self, reqs) -> list[RoundResult]:
@@ -417,29 +424,24 @@ class EagleSpeculator(Speculator):
             results.append(RoundResult(chain[:n] + [nxt], proposed=k, accepted=n))
         return results
 
-    def _tree_round(self, reqs, logits, hidden, ks, start_time) -> list[RoundResult]:
-        """Draft, verify and accept a tree per request on the device; one read-back at the end."""
+    def _tree_round(self, reqs, logits, hidden, ks, scratch, start_time) -> list[RoundResult]:
+        """Draft, verify and accept a tree per request on the device; one read-back at the end.
+        ``scratch``: each request's draft K/V slots for the expanded nodes (freed by the caller)."""
         shape, device = self.tree_shape, self.target.device
         k, batch = shape.topk, len(reqs)
-        alloc = self.target.token_to_kv_pool_allocator
         kv = to_device([r.kv_len for r in reqs], device)
         req_idx = to_device([r.req_idx for r in reqs], device)
         drafter = TreeDrafter(shape, logits)
         front_hidden = hidden.repeat_interleave(k, dim=0)  # [B x k, H]: every root child's parent feature
-        scratch = [alloc.alloc(shape.scratch) for _ in reqs]
-        try:
-            slots = torch.stack(scratch).to(device) if shape.scratch else None
-            for step in range(1, shape.steps):
-                fb = self._tree_step_batch(reqs, drafter, kv, req_idx, slots, step)
-                step_logits, step_hidden = self._draft(fb, "draft_tree", front_hidden, False, fb.logit_rows(False))
-                came_from = drafter.expand(step_logits)
-                width = step_hidden.shape[-1]
-                front_hidden = step_hidden.view(batch, k, width).gather(
-                    1, came_from[..., None].expand(batch, k, width)).reshape(batch * k, width)
-            trees = drafter.select(to_device([r.all_ids[-1] for r in reqs], device))
-        finally:
-            for s in scratch:
-                alloc.free(s)
+        slots = torch.stack(scratch).to(device)
+        for step in range(1, shape.steps):
+            fb = self._tree_step_batch(reqs, drafter, kv, req_idx, slots, step)
+            step_logits, step_hidden = self._draft(fb, "draft_tree", front_hidden, False, fb.logit_rows(False))
+            came_from = drafter.expand(step_logits)
+            width = step_hidden.shape[-1]
+            front_hidden = step_hidden.view(batch, k, width).gather(
+                1, came_from[..., None].expand(batch, k, width)).reshape(batch * k, width)
+        trees = drafter.select(to_device([r.all_ids[-1] for r in reqs], device))
         self.last_draft_seconds = time.perf_counter() - start_time
         return self._verify_trees(reqs, trees, ks, kv, req_idx)
 
