@@ -51,3 +51,41 @@ def test_serve_prices_its_own_verify_width(tmp_path):
     argv = ["--target", str(tmp_path), "--algorithm", "NGRAM", "--device", "cpu", "--device-memory-gib", "2"]
     assert plan_args(serve_cli.parser().parse_args(argv)).verify_tokens == 5  # the default 4 proposals + 1
     assert plan_args(serve_cli.parser().parse_args(argv + ["--num-draft-tokens", "7"])).verify_tokens == 8
+
+
+def test_eagle_tree_graphs_are_priced_by_hand():
+    """A top-3 tree 3 steps deep verifying 7 nodes, graph batch 8, on a tiny geometry (hidden 64,
+    intermediate 128, 4 heads of 16, 2 KV heads, vocabulary 1000, 2-byte dtype), counted by hand."""
+    from specdecode_worker.plan import draft_tree_step_bytes, tree_inputs_bytes
+
+    geo = ForwardGeometry(64, 128, 4, 2, 16, 16, 1000, 2)
+    # a token at a layer's peak: 3 x 64 + (4 x 16 + 2 x 32) + 4 x 16 + 3 x 128 = 768 values, 1536 bytes
+    assert geo.token_bytes(1) == 1536
+    rows = 8 * 3
+    hand = (rows * 1536  # the draft step's activations
+            + rows * 1000 * (2 + 4)  # its logits, and their fp32 copy
+            + 2 * rows * 1000 * 4  # fp32 logits over the target's vocabulary, and their log-softmax
+            + rows * 64 * 2  # the head's features staged per row
+            + 8 * (3 * 6 + 2 * 8 * 6 + 8))  # a [3, 6] int8 mask, 6 key slots and positions, the prefix
+    assert draft_tree_step_bytes(geo, geo, 8, 3, 3) == hand == 376_912
+    assert tree_inputs_bytes(8, 7, 7) == 8 * (7 * 7 + 2 * 8 * 7 + 8)
+    chain = dynamic_reserve_bytes("EAGLE", geo, geo, 1, 2048, 8, 8, verify_tokens=7)
+    tree = dynamic_reserve_bytes("EAGLE", geo, geo, 1, 2048, 8, 8, verify_tokens=7, tree_topk=3, tree_steps=3)
+    # the tree's graphs replace the chain's draft-step pool (8 x 1536 + 8 x 1000 x 6 + split-KV partials
+    # of 8 requests x 4 heads x 16 splits x 17 fp32) and add the verify pass's staged mask
+    chain_draft = 8 * 1536 + 8 * 1000 * 6 + 8 * 4 * 16 * 17 * 4
+    assert abs(tree - chain - 1.25 * (hand + tree_inputs_bytes(8, 7, 7) - chain_draft)) <= 1
+
+
+def test_serve_and_the_planner_price_the_tree_they_run(tmp_path):
+    from specdecode_worker import plan_cli
+    from specdecode_worker.plan_cli import plan_args
+
+    argv = ["--target", str(tmp_path), "--algorithm", "EAGLE3", "--device", "cpu", "--num-draft-tokens", "6",
+            "--speculative-num-steps", "3", "--speculative-eagle-topk", "4"]
+    args = plan_args(serve_cli.parser().parse_args(argv))
+    assert (args.verify_tokens, args.tree_topk, args.tree_steps) == (7, 4, 3)
+    chain = plan_args(serve_cli.parser().parse_args(argv[:6] + ["--num-draft-tokens", "3"]))
+    assert (chain.verify_tokens, chain.tree_topk) == (4, 1)
+    planned = plan_args(plan_cli.parser().parse_args(["--target", "t", "--algorithm", "EAGLE3"] + argv[6:]))
+    assert (planned.verify_tokens, planned.tree_topk, planned.tree_steps) == (7, 4, 3)

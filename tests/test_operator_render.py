@@ -69,6 +69,21 @@ def test_the_planner_prices_the_verify_width_the_worker_serves():
     assert dynamic_reserve_bytes("NGRAM", small, None, 1, 16, 8, 8, verify_tokens=9) == 1.25 * 2 * 542_592
 
 
+def test_planner_args_price_an_eagle_tree_as_the_worker_runs_it():
+    body = example()
+    body["spec"]["draft"].update(topK=4, numSteps=3, numDraftTokens=8)
+    view = parse_spec(body)
+    args = planner.planner_args(view)
+    worker = workload.worker_args(view, make_plan())
+    for flag in ("--num-draft-tokens", "--speculative-num-steps", "--speculative-eagle-topk"):
+        assert _flag(args, flag) == _flag(worker, flag)
+    assert _flag(args, "--num-draft-tokens") == "7" and _flag(args, "--speculative-eagle-topk") == "4"
+    from specdecode_worker import plan_cli
+
+    planned = plan_cli.plan_args(plan_cli.parser().parse_args(args[1:]))
+    assert (planned.verify_tokens, planned.tree_topk, planned.tree_steps) == (8, 4, 3)
+
+
 def test_planner_pod_shape():
     view = parse_spec(example())
     key = plan_key(view)

@@ -68,6 +68,9 @@ PARTIAL_BYTES = 4
 # Hidden states an EAGLE head takes from the target per token, in units of hidden_size, held from
 # the target's pass until the head's: EAGLE3 concatenates three layers, EAGLE-1/2 and MTP one.
 FEATURE_HIDDENS = {"EAGLE3": 3, "EAGLE": 1, "MTP": 1}
+# EAGLE tree graphs stage, per request, an int8 mask over the pass's extra keys and the keys' int64
+# KV slots and positions (plus the request's int64 prefix length).
+TREE_INDEX_BYTES = 8
 # PyTorch's caching allocator rounds blocks up (512 B, 2 MiB segments for large ones) and cannot
 # always reuse a freed block for a differently sized one: a quarter on top of the live bytes.
 ALLOCATOR_SLACK = 1.25
@@ -141,6 +144,25 @@ class ForwardGeometry:
         return rows * self.token_bytes(tp) + self.logit_bytes(rows)
 
 
+def tree_inputs_bytes(batch: int, tokens: int, keys: int) -> int:
+    """A tree graph's static inputs beyond a plain batch's (engine/tree_graph.py): per request a
+    ``[tokens, keys]`` int8 mask, its keys' slots and positions, and its prefix length."""
+    return batch * (tokens * keys + 2 * TREE_INDEX_BYTES * keys + TREE_INDEX_BYTES)
+
+
+def draft_tree_step_bytes(target: ForwardGeometry, draft: ForwardGeometry, batch: int, topk: int,
+                          steps: int) -> int:
+    """The head's draft-tree-step graphs up to ``batch`` requests, ``topk`` rows each: the
+    activations and logits of those rows, their logits over the target's vocabulary in fp32 (an
+    EAGLE3 head scatters its own vocabulary there) and the log-softmax the expansion ranks, the
+    head features staged per row, and the mask over the ``topk x (steps - 1)`` expanded nodes."""
+    rows = batch * topk
+    return (rows * draft.token_bytes(1) + draft.logit_bytes(rows)
+            + 2 * rows * target.vocab_size * LOGIT_FP32_BYTES
+            + rows * draft.hidden_size * target.dtype_bytes
+            + tree_inputs_bytes(batch, topk, topk * (steps - 1)))
+
+
 def runtime_reserve_bytes(tp: int, nodes: int = 1) -> int:
     """CUDA context, workspaces and allocator slack, plus NCCL buffers when t > 1 (more across nodes)."""
     return (RUNTIME_BASE_BYTES + (tp * NCCL_BYTES_PER_RANK if tp > 1 else 0)
@@ -168,7 +190,7 @@ def default_serving_limits(total_bytes: int, tp: int) -> tuple[int, int]:
 
 def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: ForwardGeometry | None, tp: int,
                           chunked_prefill_size: int, cuda_graph_max_bs: int, max_running_requests: int,
-                          verify_tokens: int = VERIFY_TOKENS) -> int:
+                          verify_tokens: int = VERIFY_TOKENS, tree_topk: int = 1, tree_steps: int = 1) -> int:
     """Memory outside the weights and KV pools at the engine's peak, on one GPU:
 
         ALLOCATOR_SLACK x (eager pass + CUDA graph pools)
@@ -179,9 +201,12 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
     for the target and for a STANDALONE draft; the target's verify graphs (k + 1 rows per request)
     share its decode graphs' pool, which is then the larger of the two (STANDALONE, NGRAM, and
     EAGLE/EAGLE3/MTP, whose target graphs also return the head's features, and whose head or
-    NextN layer has a graph pool of its own for the chain's draft steps). Each runner's sizes write
-    into its largest graph's outputs, so a pool holds one set of outputs. MLA models (DeepSeek)
-    price their absorbed queries and latent split-KV partials (``ForwardGeometry``).
+    NextN layer has a graph pool of its own for the chain's draft steps). An EAGLE tree
+    (``tree_topk`` > 1, over ``tree_steps`` steps) verifies ``verify_tokens`` nodes under a mask
+    staged with the batch, and its head's graphs are draft-tree steps of ``tree_topk`` rows per
+    request (``draft_tree_step_bytes``) instead of the chain's. Each runner's sizes write into its
+    largest graph's outputs, so a pool holds one set of outputs. MLA models (DeepSeek) price their
+    absorbed queries and latent split-KV partials (``ForwardGeometry``).
     """
     verify_rows = max_running_requests * verify_tokens
     tokens = max(chunked_prefill_size, verify_rows)
@@ -199,7 +224,11 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
     if algorithm in ("EAGLE", "EAGLE3", "MTP"):
         rows = cuda_graph_max_bs * verify_tokens
         graphs += rows * FEATURE_HIDDENS[algorithm] * target.hidden_size * target.dtype_bytes
-        if draft is not None:
+        if tree_topk > 1:
+            graphs += tree_inputs_bytes(cuda_graph_max_bs, verify_tokens, verify_tokens)
+            if draft is not None:
+                graphs += draft_tree_step_bytes(target, draft, cuda_graph_max_bs, tree_topk, tree_steps)
+        elif draft is not None:
             graphs += draft.graph_pool_bytes(cuda_graph_max_bs, draft_tp)
     if algorithm == "STANDALONE" and draft is not None:
         graphs += draft.graph_pool_bytes(cuda_graph_max_bs, 1)
@@ -247,6 +276,8 @@ class PlanArgs:
     cuda_graph_max_bs: int | None = None
     chunked_prefill_size: int | None = None
     verify_tokens: int = VERIFY_TOKENS  # tokens verified per request per step (proposals + 1)
+    tree_topk: int = 1  # EAGLE: branches per draft step (1: a chain)
+    tree_steps: int = 1  # EAGLE: draft steps per round (a tree's depth)
     max_total_tokens: int | None = None
     kv_cache_memory_gib: float | None = None
     max_tp: int = DEFAULT_MAX_TP  # the largest t auto may choose (gpu.maxPerReplica)
@@ -280,6 +311,8 @@ class PlanRequest:
     target_geometry: ForwardGeometry | None = None  # required to size the dynamic reserve
     draft_geometry: ForwardGeometry | None = None
     verify_tokens: int = VERIFY_TOKENS
+    tree_topk: int = 1
+    tree_steps: int = 1
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE
 
 
@@ -308,7 +341,7 @@ def _size(req: PlanRequest, c: Candidate) -> _Sizing:
     if req.target_geometry is None:
         raise ValueError("PlanRequest.target_geometry is needed to size the dynamic reserve")
     dynamic = dynamic_reserve_bytes(req.algorithm, req.target_geometry, req.draft_geometry, c.tp, chunk, graph_bs,
-                                    max_running, req.verify_tokens)
+                                    max_running, req.verify_tokens, req.tree_topk, req.tree_steps)
     cell = c.target_bytes_per_token + c.draft_bytes_per_token
     static_fixed = c.target_weight_bytes + c.draft_weight_bytes + runtime
     f_cap = max(0.001, _floor3(1 - dynamic / g))  # a GPU smaller than the dynamic reserve fits nothing

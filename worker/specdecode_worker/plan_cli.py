@@ -64,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
                    help="largest tensor-parallel size auto may choose: 1, 2, 4, 8, 16 or 32 (default 8)")
     p.add_argument("--gpus-per-node", type=int, default=DEFAULT_GPUS_PER_NODE,
                    help="GPUs one node offers a replica; a larger t spans nodes (default 8)")
+    p.add_argument("--speculative-num-steps", type=int, help="EAGLE draft steps per round, as serve takes them")
+    p.add_argument("--speculative-eagle-topk", type=int,
+                   help="EAGLE branches per draft step, as serve takes them: a tree's graphs are priced from it")
     p.add_argument("--output", default="json", choices=("json", "table"))
     p.add_argument("--termination-log", help="also write the compact plan JSON to this file")
     return p
@@ -104,7 +107,15 @@ def plan_args(flags: argparse.Namespace) -> PlanArgs:
         gpus_per_node=_given(flags, "gpus_per_node", DEFAULT_GPUS_PER_NODE),
         # both commands know the proposals per round (the operator passes the worker's to the planner)
         verify_tokens=flags.num_draft_tokens + 1 if getattr(flags, "num_draft_tokens", None) else VERIFY_TOKENS,
+        **_tree_size(flags),
     )
+
+
+def _tree_size(flags: argparse.Namespace) -> dict[str, int]:
+    """An EAGLE tree's top-k and depth from the flags that set them (chains price as top-k 1)."""
+    topk = getattr(flags, "speculative_eagle_topk", None) or 1
+    steps = getattr(flags, "speculative_num_steps", None) or getattr(flags, "num_draft_tokens", None) or 1
+    return dict(tree_topk=topk, tree_steps=steps) if topk > 1 else {}
 
 
 def _given(flags: argparse.Namespace, name: str, default: int) -> int:
@@ -251,6 +262,8 @@ def make_plan(args: PlanArgs) -> dict[str, Any]:
         target_geometry=ForwardGeometry.of(target),
         draft_geometry=None if draft is None else ForwardGeometry.of(draft),
         verify_tokens=args.verify_tokens,
+        tree_topk=args.tree_topk,
+        tree_steps=args.tree_steps,
         gpus_per_node=args.gpus_per_node,
     )
     return build_plan(req, candidate, valid or [tp_req])
