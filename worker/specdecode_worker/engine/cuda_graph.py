@@ -20,6 +20,7 @@ and output slicing against an eager pass.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -27,6 +28,25 @@ import torch
 from .forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
+
+
+_graph_passes = 0  # > 0 while a runner's function runs: its warm-up, its capture, an eager replay
+
+
+@contextlib.contextmanager
+def graph_pass():
+    global _graph_passes
+    _graph_passes += 1
+    try:
+        yield
+    finally:
+        _graph_passes -= 1
+
+
+def in_graph_pass() -> bool:
+    """A graph runner's function is running (and the pre-capture warm-up compiles what the capture
+    records): code with a host-dependent eager path (MoE's routing) takes its static one."""
+    return _graph_passes > 0
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -152,7 +172,8 @@ class GraphRunner:
             extras = [e[: bs * tokens_per_req] for e in self.extras]
 
             def call(fb=fb, rows=rows, extras=extras):
-                out = _as_tuple(fn(fb, rows, *extras))
+                with graph_pass():
+                    out = _as_tuple(fn(fb, rows, *extras))
                 if self._static_out is None:
                     return out
                 return tuple(static[: o.shape[0]].copy_(o) for static, o in zip(self._static_out, out))

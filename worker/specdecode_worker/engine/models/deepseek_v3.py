@@ -9,8 +9,8 @@
 - MoE layers (from ``first_k_dense_replace`` on): sigmoid scores, ``e_score_correction_bias`` for the
   choice only, top-2 sum per group, ``topk_group`` groups kept, top-k experts, ``norm_topk_prob``,
   ``routed_scaling_factor``; plus shared experts. Earlier layers have a dense MLP. Eagerly each
-  chosen expert runs over its tokens; under CUDA-graph capture every expert runs, weighted by the
-  routing (static shapes, no host read); with few (token, expert) pairs, a Triton kernel runs
+  chosen expert runs over its tokens; in a graph runner's passes every expert runs, weighted by
+  the routing (static shapes, no host read); with few (token, expert) pairs, a Triton kernel runs
   each pair over stacked expert weights instead (``MoE.stack_experts``, ``triton_moe.py``), so
   only the chosen experts' weights are read.
 - Attention runs on the backend chosen for the pool (``attention.make_attn_backend``): the MLA
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import InputError
+from ..cuda_graph import in_graph_pass
 from ..distributed import SINGLE, TPGroup
 from ..forward_batch import ForwardBatch
 from ..fp8_linear import Fp8BlockLinear, dense_weight, fp8_block_size
@@ -272,8 +273,9 @@ class MoE(nn.Module):
 
 
 def graph_capturing() -> bool:
-    """A CUDA graph is being captured on this stream: MoE takes its static path."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """A graph runner's pass (its warm-up, so the kernels are compiled before capture, the capture,
+    an eager replay) or any capture on this stream: MoE takes its static path."""
+    return in_graph_pass() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 class DecoderLayer(nn.Module):
