@@ -241,13 +241,15 @@ def sync(device: str) -> None:
 
 
 def engine(s: Settings, models, target: str, algorithm: str = "NONE", draft: str | None = None,
-           policy: str = "fixed"):
-    """An engine planned in-process with the planner's defaults, as `serve` would be."""
+           policy: str = "fixed", extra: tuple[str, ...] = ()):
+    """An engine planned in-process with the planner's defaults, as `serve` would be (``extra``:
+    more serve flags, later ones winning)."""
     # fixed (unless asked): every round drafts k, so the rows measure speculation at a controlled acceptance
     argv = ["--target", str(models[target]), "--algorithm", algorithm, "--device", s.device,
             "--context-length", str(s.context), "--num-draft-tokens", str(s.k), "--spec-policy", policy]
     if draft:
         argv += ["--draft", str(models[draft])]
+    argv += list(extra)
     if s.cpu_budget_gib:
         argv += ["--device-memory-gib", str(s.cpu_budget_gib)]
     engine_args, plan = serve_cli.resolve(serve_cli.parser().parse_args(argv))
@@ -383,6 +385,28 @@ def spec_phase(s: Settings, models, res: dict, name: str, base: dict) -> None:
                             "same_output": out["outputs"] == base[b]["outputs"]})
 
 
+# The EAGLE3 tree row: top-3 expansions over 3 steps, 6 nodes verified per round.
+TREE = ("--speculative-eagle-topk", "3", "--speculative-num-steps", "3", "--num-draft-tokens", "6")
+
+
+def tree_phase(s: Settings, models, res: dict, base: dict) -> None:
+    """EAGLE3 drafting trees with the random head against the plain engine, on the same prompts, at
+    the first speculative batch: on a GPU its draft-tree steps and tree verify passes replay graphs
+    (the graph batch sizes the plan priced for the tree)."""
+    eng, plan = engine(s, models, "target", "EAGLE3", "eagle3", extra=TREE)
+    randomise_head(eng.draft_runner.model, 7)
+    b = s.spec_batches[0]
+    before = (eng.stats.accepted_tokens, eng.stats.verify_rounds)
+    out = generate(eng, s, b, s.prompt, s.new_tokens, seed=5)
+    rounds = eng.stats.verify_rounds - before[1]
+    res["eagle3_tree"] = {"batch": b, "accept_len": (eng.stats.accepted_tokens - before[0]) / max(rounds, 1),
+                          "tok_s": out["tok_s"], "baseline_tok_s": base[b]["tok_s"],
+                          "speedup": out["tok_s"] / base[b]["tok_s"],
+                          "same_output": out["outputs"] == base[b]["outputs"],
+                          "graphs": sorted(f"{name} x{width}" for name, width in eng.speculator._graphs),
+                          "planned_dynamic_bytes": plan["reserve"]["dynamicBytes"]}
+
+
 MTP_METHODS = (("none", "NONE", "fixed"), ("fixed", "MTP", "fixed"), ("adaptive", "MTP", "adaptive"))
 
 
@@ -447,6 +471,15 @@ def run(s: Settings, root: Path, log=print) -> dict:
     for d in res["decode"]:
         log(f"decode batch {d['batch']}: {d['tok_s']:.0f} tok/s, {100 * d['of_roofline']:.0f}% of roofline")
     log(f"batch {s.step_batch} step ms by live length: {res['step_ms']}")
+    try:
+        tree_phase(s, models, res, base)
+    except (torch.cuda.OutOfMemoryError, StartupError) as exc:  # the other rows still run
+        res["eagle3_tree_error"] = f"{type(exc).__name__}: {exc}"
+    release(s.device)
+    t = res.get("eagle3_tree")
+    log(res["eagle3_tree_error"] if t is None else
+        f"EAGLE3 tree batch {t['batch']}: accept length {t['accept_len']:.2f}, {t['tok_s']:.1f} tok/s, same output "
+        f"{t['same_output']}, graphs {t['graphs']}")
     res["spec"] = []
     for name in ("copy", "perturbed", "draft1b"):
         spec_phase(s, models, res, name, base)
@@ -489,6 +522,11 @@ def table(res: dict) -> str:
             rows.append(("reserved beyond static after serving", f"{reserved / gib:.2f} GiB"))
         e = res["eagle3_b1"]
         rows.append(("EAGLE3 (random head) batch 1", f"{e['tok_s']:.1f} tok/s, accept length {e['accept_len']:.2f}"))
+        t = res.get("eagle3_tree")
+        rows.append(("EAGLE3 tree top-3, 3 steps, 6 nodes" + (f" batch {t['batch']}" if t else ""),
+                     res.get("eagle3_tree_error", "not run") if t is None else
+                     f"{t['tok_s']:.1f} vs {t['baseline_tok_s']:.1f} tok/s = {t['speedup']:.2f}x, accept length "
+                     f"{t['accept_len']:.2f}, same output: {t['same_output']}, graphs: {len(t['graphs'])}"))
         for d in res["decode"]:
             rows.append((f"decode batch {d['batch']}", f"{d['tok_s']:.1f} tok/s = {100 * d['of_roofline']:.0f}% of "
                          f"roofline {d['roofline_tok_s']:.1f} tok/s"))

@@ -36,6 +36,9 @@ def test_tiny_run_reports_every_row(tmp_path, capsys, monkeypatch):
     assert res["warmup"]["planned"] == res["planned_dynamic_bytes"] and res["warmup"]["measured"] is None
     assert [d["batch"] for d in res["decode"]] == list(bench.TINY.batches)
     assert all(d["decode_tokens"] > 0 and d["roofline_tok_s"] > 0 for d in res["decode"])
+    # EAGLE3 drafting trees: the greedy output is the plain engine's on the same prompts.
+    tree = res["eagle3_tree"]
+    assert tree["same_output"] and tree["batch"] == bench.TINY.spec_batches[0] and tree["tok_s"] > 0
     spec_rows = {r["draft"]: r for r in res["spec"]}
     # A copy of the target proposes exactly what the target picks: every draft token is accepted,
     # and the output is the plain engine's.
@@ -56,6 +59,7 @@ def test_tiny_run_reports_every_row(tmp_path, capsys, monkeypatch):
     assert all(r["drafting_rounds"] == 1.0 for r in sweep if r["method"] == "fixed")
     table = capsys.readouterr().out
     for label in ("KV tokens planned / allocated", "dynamic bytes planned / measured", "decode batch 1",
-                  "step time at live length", "STANDALONE perturbed k=3 batch 2",
+                  "step time at live length", "EAGLE3 tree top-3, 3 steps, 6 nodes batch 2",
+                  "STANDALONE perturbed k=3 batch 2",
                   "MTP (DeepSeek-V3 cut) k=3 batch 1", "MTP k=3 sweep, 2 requests"):
         assert label in table
