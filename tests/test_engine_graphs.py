@@ -395,18 +395,52 @@ def test_sampling_stays_exact_through_the_verify_graph_when_the_draft_length_cha
     assert chi_square(counts, draft_marginal) > CHI2_CRIT[7]
 
 
-def test_the_policy_warm_up_times_verify_passes_as_rounds_run_them(models, monkeypatch):
+@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE"])
+def test_the_policy_warm_up_times_verify_passes_as_rounds_run_them(models, monkeypatch, algorithm):
     """The cost model's seed: a pass verifying one token per request is timed padded into the
-    verify graph, as a round with those lengths runs, not as an eager pass no round runs."""
+    verify graph, as a round with those lengths runs, not as an eager pass no round runs; an EAGLE
+    target's passes replay the speculator's graphs, as its rounds do."""
     from specdecode_worker.engine.step_timing import target_points
 
-    eng = engine(models["target"], "NGRAM", max_running_requests=MAX_BS, num_draft_tokens=K)
-    _graph_runner(eng, K)
+    target, draft, _ = RAGGED[algorithm]
+    eng = engine(models[target], algorithm, models[draft] if draft else None, max_running_requests=MAX_BS,
+                 num_draft_tokens=K)
+    if draft:
+        eng.speculator.capture_graphs(MAX_BS, eager=True)
+    else:
+        _graph_runner(eng, K)
     allocator = eng.target_runner.token_to_kv_pool_allocator
     free = allocator.available_size()
     seen = _count_replays(monkeypatch)
-    points = target_points(eng.target_runner, MAX_BS, K, 256)
+    points = target_points(eng.target_runner, MAX_BS, K, 256, eng.speculator)
     assert set(points) == {(1, 0), (MAX_BS, 0), (1, K), (MAX_BS, MAX_BS), (MAX_BS, MAX_BS * K)}
     assert sorted(set(seen)) == [(1, 1), (1, MAX_BS), (K + 1, 1), (K + 1, MAX_BS)]
     assert seen.count((K + 1, MAX_BS)) == 2 * seen.count((1, MAX_BS))  # widths 2 and K + 1 both padded
     assert allocator.available_size() == free
+
+
+def test_mtp_ragged_rounds_replay_the_verify_graph_and_keep_greedy_output(tmp_path, monkeypatch):
+    """MTP's chain (DeepSeek-V3 and its NextN layer) under per-request draft lengths, a request
+    that never drafts and one capped at 1: the same checks as for the other chains."""
+    if not hasattr(transformers, "DeepseekV3ForCausalLM"):
+        pytest.skip("this transformers has no DeepseekV3ForCausalLM")
+    from tests.deepseek_models import write_tiny_deepseek
+
+    model, k = write_tiny_deepseek(tmp_path / "ds", mtp=True), 2
+    prompts = _copying_prompts(3, 100, seed=5)
+    plain = [r.output_ids for r in run_all(engine(model, "NONE", max_running_requests=MAX_BS, context_len=128),
+                                           _requests(prompts, mixed=False))]
+    eng = engine(model, "MTP", max_running_requests=MAX_BS, context_len=128, num_draft_tokens=k,
+                 spec_policy="adaptive")
+    rng = random.Random(3)
+    eng.policy.draft_lengths = lambda rids, caps, **_: [rng.randrange(0, c + 1) for c in caps]
+    eng.speculator.capture_graphs(MAX_BS, eager=True)
+    rounds = _record_rounds(eng)
+    seen = _count_replays(monkeypatch)
+    reqs = run_all(eng, _requests(prompts, mixed=True))
+    assert [r.output_ids for r in reqs] == plain
+    drafting = [ks for ks in rounds if any(ks)]
+    assert len([w for w, _ in seen if w == k + 1]) == len(drafting) > 0
+    assert any(len(set(ks)) > 1 for ks in drafting) and reqs[0].proposed_draft_tokens == 0
+    allocator = eng.target_runner.token_to_kv_pool_allocator
+    assert allocator.available_size() == allocator.size

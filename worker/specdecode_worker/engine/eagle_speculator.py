@@ -208,6 +208,13 @@ class EagleSpeculator(Speculator):
         self._graphs.update(graphs)
 
     @property
+    def chain_verify_graphs(self):
+        return self._graphs.get(("target", self.k + 1))
+
+    def target_pass(self, fb) -> None:
+        self._target(fb, "target")  # the speculator's graphs, as a round's target pass
+
+    @property
     def slots_per_round(self) -> int:
         """Verify slots (last token + proposals), plus the tree's scratch slots for draft K/V."""
         scratch = self.topk * (self.num_steps - 1) if self.tree else 0
@@ -403,7 +410,7 @@ class EagleSpeculator(Speculator):
         self.last_draft_seconds = time.perf_counter() - start_time
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
         chains = torch.cat([to_device([[r.all_ids[-1]] for r in reqs], device), tokens], dim=1)
-        width = chain_graph_width(self._graphs.get(("target", self.k + 1)), len(reqs), max(ks))
+        width = chain_graph_width(self.chain_verify_graphs, len(reqs), max(ks))
         if width:  # one graph for any mix of lengths, requests that do not draft as one valid row
             fb, padded = padded_chain_batch(pool, [r.req_idx for r in reqs], [r.kv_len for r in reqs], chains,
                                             [k + 1 for k in ks], width)

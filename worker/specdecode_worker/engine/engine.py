@@ -314,7 +314,7 @@ class Engine:
             target = {(1, 0): 0.01, (batch, 0): 0.01, (1, k): 0.01 * (1 + 1 / batch),
                       (batch, batch): 0.01 * (1 + 1 / k), (batch, batch * k): 0.02}
         else:
-            target = target_points(self.target_runner, batch, k, args.context_len)
+            target = target_points(self.target_runner, batch, k, args.context_len, self.speculator)
         plain = {1: target[(1, 0)], batch: target[(batch, 0)]}
         if args.algorithm == "STANDALONE" and self.draft_runner.tp.size > 1:
             # A sharded draft cannot be timed alone either: its decode cost scales with its weight bytes.

@@ -89,6 +89,15 @@ class Speculator(ABC):
                 out[i] = t
         return out
 
+    @property
+    def chain_verify_graphs(self):
+        """The graphs that take this speculator's chain verify passes (None: they run eagerly)."""
+        return self.target.verify_graphs
+
+    def target_pass(self, fb) -> None:
+        """One target pass over every row of ``fb``, as a round runs it (the policy's warm-up times it)."""
+        self.target.forward(fb, last_only=False)
+
     # Whether requests of one round may draft different lengths (else the policy picks one k).
     per_request_draft_lengths: bool = True
     # The draft lengths a round may take when one k serves the whole batch (None: 0..K).
@@ -195,7 +204,7 @@ class StandaloneSpeculator(Speculator):
         self.last_draft_seconds = time.perf_counter() - start_time
         # The verify pass's tokens stay on the device: each request's last token, then its proposals.
         chains = torch.cat([to_device([[r.all_ids[-1]] for r in reqs], self.target.device), draft], dim=1)
-        width = chain_graph_width(self.target.verify_graphs, len(reqs), max(found, default=0))
+        width = chain_graph_width(self.chain_verify_graphs, len(reqs), max(found, default=0))
         if width:  # one graph for any mix of lengths
             fb, padded = padded_chain_batch(pool, [r.req_idx for r in reqs], [r.kv_len for r in reqs], chains,
                                             [k + 1 for k in found], width)

@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from .batch import Segment, alloc_positions, forward_segments, free_positions, padded_chain_batch
+from .batch import (Segment, alloc_positions, forward_segments, free_positions, make_batch, padded_chain_batch,
+                    with_cache_locs)
 from .cuda_graph import chain_graph_width
 from .model_runner import ModelRunner
 
@@ -20,9 +21,10 @@ PREFIX_TOKENS = 128  # context each request has cached in the warm-up (less when
 
 
 def time_passes(runner: ModelRunner, shapes: list[tuple[int, int]], context_len: int,
-                repeats: int = 3) -> dict[tuple[int, int], float]:
+                repeats: int = 3, speculator=None) -> dict[tuple[int, int], float]:
     """Fastest seconds of one pass over ``batch`` requests of ``width`` new tokens each after a
-    cached prefix, by (batch, width); the shapes interleaved ``repeats`` times."""
+    cached prefix, by (batch, width); the shapes interleaved ``repeats`` times. ``speculator``: run
+    the target's passes as its rounds do (an EAGLE or MTP target replays the speculator's graphs)."""
     pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
     batch = max(b for b, _ in shapes)
     widest = max(w for _, w in shapes)
@@ -36,8 +38,10 @@ def time_passes(runner: ModelRunner, shapes: list[tuple[int, int]], context_len:
         best = {}
         for repeat in range(repeats + 1):  # the first round is untimed: it warms every shape up
             for b, w in shapes:
+                _wait_for(runner.device)
                 start = time.perf_counter()
-                _verify_pass(runner, rows[:b], prefix, w)
+                _verify_pass(runner, speculator, rows[:b], prefix, w)
+                _wait_for(runner.device)  # a GPU pass is queued, not done, when the call returns
                 seconds = time.perf_counter() - start
                 if repeat:
                     best[(b, w)] = min(seconds, best.get((b, w), seconds))
@@ -48,25 +52,36 @@ def time_passes(runner: ModelRunner, shapes: list[tuple[int, int]], context_len:
             pool.free(idx)
 
 
-def _verify_pass(runner: ModelRunner, rows: list[int], prefix: int, width: int) -> None:
+def _wait_for(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _verify_pass(runner: ModelRunner, speculator, rows: list[int], prefix: int, width: int) -> None:
     """``width`` new tokens per request, run as a round runs them: a verify pass that the verify
     graphs take is padded to their width (its cost does not grow with the draft length)."""
-    padded_width = chain_graph_width(getattr(runner, "verify_graphs", None), len(rows), width - 1)
+    graphs = getattr(runner, "verify_graphs", None) if speculator is None else speculator.chain_verify_graphs
+    padded_width = chain_graph_width(graphs, len(rows), width - 1)
     if padded_width:
         chains = torch.zeros(len(rows), width, dtype=torch.int64, device=runner.device)
         fb, _ = padded_chain_batch(runner.req_to_token_pool, rows, [prefix] * len(rows), chains,
                                    [width] * len(rows), padded_width)
+    else:
+        segments = [Segment(idx, [0] * width, prefix) for idx in rows]
+        fb = with_cache_locs(make_batch(segments, runner.device), runner.req_to_token_pool, segments)
+    if speculator is None:
         runner.forward(fb, last_only=False)
     else:
-        forward_segments(runner, [Segment(idx, [0] * width, prefix) for idx in rows], last_only=False)
+        speculator.target_pass(fb)
 
 
-def target_points(runner: ModelRunner, batch: int, k: int, context_len: int) -> dict[tuple[int, int], float]:
+def target_points(runner: ModelRunner, batch: int, k: int, context_len: int,
+                  speculator=None) -> dict[tuple[int, int], float]:
     """Seconds of a target pass by (requests, draft tokens verified in all): plain decode at batch
     1 and ``batch``, and verify passes of k at batch 1, and of 1 and k per request at ``batch``
     (what separates the switch to the verify path from the cost of each verified token)."""
     shapes = [(1, 1), (batch, 1), (1, k + 1), (batch, 2), (batch, k + 1)]
-    timed = time_passes(runner, sorted(set(shapes)), context_len)
+    timed = time_passes(runner, sorted(set(shapes)), context_len, speculator=speculator)
     return {(b, b * (w - 1)): s for (b, w), s in timed.items()}
 
 
