@@ -190,3 +190,26 @@ def test_device_sampled_acceptance_emits_the_target_distribution():
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 16.3, (counts, chi2)  # p = 0.001 at 3 degrees of freedom
     assert set(count.tolist()) == {0, 1}  # both outcomes occur
+
+
+def test_device_sampled_acceptance_follows_the_target_below_an_accepted_node():
+    """Two levels: after the root's child 1 is accepted, the next token (node 1's children tried,
+    or the residual drawn) follows node 1's own q; after child 2 (no children), node 2's q."""
+    n = 40000
+    q = torch.tensor([[0.1, 0.3, 0.4, 0.2], [0.25, 0.15, 0.2, 0.4], [0.4, 0.3, 0.2, 0.1], [0.25] * 4, [0.25] * 4])
+    shape = TreeShape(2, 2, 4)
+    parents = torch.tensor([[0, 0, 0, 1, 1]]).repeat(n, 1)  # the root proposes 1, 2; node 1 proposes 3, 0
+    trees = DeviceTrees(torch.tensor([[0, 1, 2, 3, 0]]).repeat(n, 1), parents,
+                        torch.tensor([[0, 1, 1, 2, 2]]).repeat(n, 1), tree_masks(parents, 2))
+    u = torch.rand(n, shape.steps * shape.topk + 1, generator=torch.Generator().manual_seed(2))
+    count, nxt, path = accept_trees(trees, shape, torch.ones(n, 5, dtype=torch.bool), q.log().repeat(n, 1),
+                                    [SamplingParams(temperature=1.0)] * n, u)
+    tokens = trees.tokens.gather(1, path[:, 1:3])
+    first = torch.where(count > 0, tokens[:, 0], nxt)
+    second = torch.where(count > 1, tokens[:, 1], nxt)
+    for node, token in ((1, 1), (2, 2)):
+        after = second[(count > 0) & (first == token)]
+        counts = torch.bincount(after, minlength=4).float()
+        expected = q[node] * after.numel()
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 16.3, (node, counts, chi2)
