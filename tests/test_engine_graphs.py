@@ -233,10 +233,12 @@ def test_deepseek_decode_through_graph_buffers_equals_eager(tmp_path, monkeypatc
     assert {w for w, _ in seen} == {1} and len(static_moe) >= len(seen)
 
 
-def test_moe_graph_paths_equal_the_routed_path():
-    """The static MoE paths a CUDA graph captures give the routed path's output: every expert
-    weighted by the routing, and (after stacking the experts' weights, which changes neither the
-    parameters nor their bytes) the Triton kernel over the chosen (token, expert) pairs."""
+@pytest.mark.parametrize("fp8", [False, True])
+def test_moe_graph_paths_equal_the_routed_path(fp8):
+    """The static MoE paths a graph pass takes give the routed path's output: every expert
+    weighted by the routing, and (after stacking the experts' weights, fp8 ones with their block
+    scales, which changes neither the parameters nor their bytes) the Triton kernel over the
+    chosen (token, expert) pairs."""
     if not hasattr(transformers, "DeepseekV3Config"):
         pytest.skip("this transformers has no DeepseekV3Config")
     from specdecode_worker.engine.distributed import SINGLE
@@ -246,17 +248,23 @@ def test_moe_graph_paths_equal_the_routed_path():
     from tests.deepseek_models import TINY
 
     torch.manual_seed(0)
-    config = transformers.DeepseekV3Config(**TINY)
+    quant = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 32]}}
+    config = transformers.DeepseekV3Config(**TINY, **(quant if fp8 else {}))
     moe = MoE(config, Linears(config, SINGLE))
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=0.2)
+    for name, p in moe.named_parameters():
+        if p.dtype == torch.float8_e4m3fn:
+            p.copy_(torch.randn(p.shape).to(p.dtype))
+        elif name.endswith("weight_scale_inv"):
+            p.copy_(torch.rand(p.shape) * 0.2 + 0.1)  # a different scale per block
+        else:
+            torch.nn.init.normal_(p, std=0.2)
     x = torch.randn(3, TINY["hidden_size"])
     experts, weights = moe.gate(x)
     assert experts.unique().numel() > 1  # several experts chosen, several left out
     routed = moe.routed(x, experts, weights)
     torch.testing.assert_close(moe.every_expert(x, experts, weights), routed, atol=1e-5, rtol=1e-4)
     params, nbytes = {n: p.clone() for n, p in moe.named_parameters()}, tensor_bytes(moe)
-    assert moe.stack_experts()
+    assert moe.stack_experts() and (moe.gate_up_scales is not None) == fp8
     assert tensor_bytes(moe) == nbytes and all(p.equal(params[n]) for n, p in moe.named_parameters())
     assert moe.experts[5].up_proj.weight.data_ptr() == moe.gate_up_stack[5, TINY["moe_intermediate_size"]:].data_ptr()
     torch.testing.assert_close(moe.routed(x, experts, weights), routed)

@@ -191,23 +191,31 @@ def test_one_captured_mla_graph_serves_every_context_length():
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_expert_kernel_at_deepseek_sizes_matches_the_routed_moe():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_expert_kernel_at_deepseek_sizes_matches_the_routed_moe(fp8):
     """The graphs' MoE paths at the benchmark's DeepSeek-V3 cut (hidden 7168, 64 experts of 2048,
-    8 per token, bf16): the expert kernel over stacked weights (8 and 56 pairs) and every expert."""
+    8 per token, bf16 compute; bf16 or the release's fp8 128 x 128 block-quantized weights): the
+    expert kernel over stacked weights (8 and 56 pairs) and every expert."""
     transformers = pytest.importorskip("transformers")
     from specdecode_worker.engine.distributed import SINGLE
     from specdecode_worker.engine.models.deepseek_v3 import Linears, MoE
 
     from tests.deepseek_models import TINY
 
+    quant = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
     config = transformers.DeepseekV3Config(**{**TINY, "hidden_size": 7168, "moe_intermediate_size": 2048,
                                               "n_routed_experts": 64, "num_experts_per_tok": 8, "n_group": 8,
-                                              "topk_group": 4})
+                                              "topk_group": 4, **(quant if fp8 else {})})
     torch.manual_seed(0)
     with torch.device("cuda"):
-        moe = MoE(config, Linears(config, SINGLE)).to(torch.bfloat16)
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=0.02)
+        moe = MoE(config, Linears(config, SINGLE))
+    for name, p in moe.named_parameters():
+        if p.dtype == torch.float8_e4m3fn:
+            p.copy_(torch.randn(p.shape, device="cuda").to(p.dtype))
+        elif name.endswith("weight_scale_inv"):
+            p.copy_(torch.rand(p.shape, device="cuda") * 0.02 + 0.01)
+        else:
+            p.data = torch.randn(p.shape, device="cuda", dtype=torch.bfloat16) * 0.02
     assert moe.stack_experts()
     for tokens in (1, 7):
         x = torch.randn(tokens, 7168, device="cuda", dtype=torch.bfloat16)

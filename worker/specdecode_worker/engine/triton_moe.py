@@ -17,10 +17,12 @@ import triton.language as tl
 
 @triton.jit
 def _expert_gemv_kernel(
-    X, W, Experts, Y, K, OUT, stride_x, stride_we, stride_wo, stride_y,
+    X, W, Scale, Experts, Y, K, OUT, stride_x, stride_we, stride_wo, stride_se, stride_so, stride_y,
     ROWS_PER_X: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
 ):
-    """Grid (pairs, output blocks): Y[p] = W[Experts[p]] @ X[p // ROWS_PER_X], accumulated in fp32."""
+    """Grid (pairs, output blocks): Y[p] = W[Experts[p]] @ X[p // ROWS_PER_X], accumulated in fp32;
+    with ``HAS_SCALE`` each weight is multiplied by its block's scale (fp8 block quantization)."""
     p = tl.program_id(0)
     oblk = tl.program_id(1)
     e = tl.load(Experts + p)
@@ -33,20 +35,30 @@ def _expert_gemv_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
         x = tl.load(x_row + offs_k, mask=kmask, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + offs_k[None, :], mask=omask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        wmask = omask[:, None] & kmask[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=wmask, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            w *= tl.load(Scale + e * stride_se + (offs_o // SCALE_ROWS)[:, None] * stride_so
+                         + (offs_k // SCALE_COLS)[None, :], mask=wmask, other=0.0)
         acc += tl.sum(w * x[None, :], 1)
     tl.store(Y + p * stride_y + offs_o, acc.to(Y.dtype.element_ty), mask=omask)
 
 
-def expert_gemv(x: torch.Tensor, stacked: torch.Tensor, experts: torch.Tensor, rows_per_x: int) -> torch.Tensor:
+def expert_gemv(x: torch.Tensor, stacked: torch.Tensor, experts: torch.Tensor, rows_per_x: int,
+                scales: torch.Tensor | None = None, block: tuple[int, int] = (1, 1)) -> torch.Tensor:
     """x: [P / rows_per_x, K]; stacked: [E, OUT, K]; experts: [P] expert ids. Returns [P, OUT] where
-    row p is ``stacked[experts[p]] @ x[p // rows_per_x]``."""
+    row p is ``stacked[experts[p]] @ x[p // rows_per_x]``. ``scales`` [E, OUT / rows, K / cols]: the
+    fp8 block scales of ``block`` (rows, cols), applied to the weights as they are loaded."""
     pairs = experts.numel()
     _, out_features, K = stacked.shape
     y = torch.empty((pairs, out_features), dtype=x.dtype, device=x.device)
     block_o, block_k = 32, min(128, triton.next_power_of_2(K))
+    has_scale = scales is not None
+    scale = scales if has_scale else stacked  # unread placeholder
     _expert_gemv_kernel[(pairs, triton.cdiv(out_features, block_o))](
-        x, stacked, experts, y, K, out_features, x.stride(0), stacked.stride(0), stacked.stride(1), y.stride(0),
-        ROWS_PER_X=rows_per_x, BLOCK_O=block_o, BLOCK_K=block_k,
+        x, stacked, scale, experts, y, K, out_features, x.stride(0), stacked.stride(0), stacked.stride(1),
+        scale.stride(0), scale.stride(1), y.stride(0),
+        ROWS_PER_X=rows_per_x, BLOCK_O=block_o, BLOCK_K=block_k, HAS_SCALE=has_scale, SCALE_ROWS=block[0],
+        SCALE_COLS=block[1],
     )
     return y

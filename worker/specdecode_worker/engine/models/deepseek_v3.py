@@ -12,7 +12,7 @@
   chosen expert runs over its tokens; in a graph runner's passes every expert runs, weighted by
   the routing (static shapes, no host read); with few (token, expert) pairs, a Triton kernel runs
   each pair over stacked expert weights instead (``MoE.stack_experts``, ``triton_moe.py``), so
-  only the chosen experts' weights are read.
+  only the chosen experts' weights are read (fp8 ones scaled by their blocks as they load).
 - Attention runs on the backend chosen for the pool (``attention.make_attn_backend``): the MLA
   Triton kernels on CUDA, the torch-native reference on CPU.
 - Tensor parallelism: attention heads are split (``q_b_proj``/``kv_b_proj`` by head rows, ``o_proj``
@@ -204,6 +204,10 @@ class MoE(nn.Module):
         # views into them (``stack_experts``); None: graphs run every expert.
         self.gate_up_stack: torch.Tensor | None = None
         self.down_stack: torch.Tensor | None = None
+        # fp8 experts: their stacked block scales and the block (rows, columns).
+        self.gate_up_scales: torch.Tensor | None = None
+        self.down_scales: torch.Tensor | None = None
+        self.scale_block = (1, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.gate(x)
@@ -244,32 +248,46 @@ class MoE(nn.Module):
 
         n, k = experts.shape
         ids = experts.reshape(-1)
-        gate, up = expert_gemv(x, self.gate_up_stack, ids, k).chunk(2, dim=-1)
-        y = expert_gemv(F.silu(gate) * up, self.down_stack, ids, 1)
+        gate, up = expert_gemv(x, self.gate_up_stack, ids, k, self.gate_up_scales, self.scale_block).chunk(2, dim=-1)
+        y = expert_gemv(F.silu(gate) * up, self.down_stack, ids, 1, self.down_scales, self.scale_block)
         return (y.view(n, k, -1) * weights.to(x.dtype)[..., None]).sum(1)
 
     @torch.no_grad()
     def stack_experts(self) -> bool:
-        """Move dense experts' weights into stacked tensors, each expert's parameters becoming views
-        (same bytes; while a layer is moved its experts are held twice, in phase 1, before any KV
-        pool exists). Not for fp8 block-quantized or tensor-parallel experts: False."""
+        """Move the experts' weights (fp8 ones with their block scales) into stacked tensors, each
+        expert's parameters becoming views (same bytes; while a layer is moved its experts are held
+        twice, in phase 1, before any KV pool exists). Under tensor parallelism the stacks hold this
+        rank's shards. False, and nothing moved, where the up rows would not start an fp8 block."""
         first = self.experts[0]
-        linears = (first.gate_proj, first.up_proj, first.down_proj)
-        if self.tp.size > 1 or any(type(linear) is not nn.Linear for linear in linears):
+        fp8 = isinstance(first.gate_proj, Fp8BlockLinear)
+        if fp8 and first.gate_proj.weight.shape[0] % first.gate_proj.block[0]:
             return False
-        m, h = first.gate_proj.weight.shape
-        like = first.gate_proj.weight
-        gate_up = torch.empty(len(self.experts), 2 * m, h, dtype=like.dtype, device=like.device)
-        down = torch.empty(len(self.experts), h, m, dtype=like.dtype, device=like.device)
-        for e, mlp in enumerate(self.experts):
-            gate_up[e, :m].copy_(mlp.gate_proj.weight)
-            gate_up[e, m:].copy_(mlp.up_proj.weight)
-            down[e].copy_(mlp.down_proj.weight)
-            mlp.gate_proj.weight = nn.Parameter(gate_up[e, :m], requires_grad=False)
-            mlp.up_proj.weight = nn.Parameter(gate_up[e, m:], requires_grad=False)
-            mlp.down_proj.weight = nn.Parameter(down[e], requires_grad=False)
-        self.gate_up_stack, self.down_stack = gate_up, down
+        attrs = ("weight", "weight_scale_inv") if fp8 else ("weight",)
+        gate_up = {a: _stack_rows(self.experts, ("gate_proj", "up_proj"), a) for a in attrs}
+        down = {a: _stack_rows(self.experts, ("down_proj",), a) for a in attrs}
+        self.gate_up_stack, self.down_stack = gate_up["weight"], down["weight"]
+        if fp8:
+            self.gate_up_scales, self.down_scales = gate_up["weight_scale_inv"], down["weight_scale_inv"]
+            self.scale_block = first.gate_proj.block
         return True
+
+
+def _stack_rows(experts, names: tuple[str, ...], attr: str) -> torch.Tensor:
+    """[E, rows, ...]: each expert's ``attr`` of the linears ``names``, their rows one after another;
+    every expert's tensors become views into it."""
+    first = [getattr(getattr(experts[0], n), attr) for n in names]
+    rows = sum(t.shape[0] for t in first)
+    stack = torch.empty(len(experts), rows, *first[0].shape[1:], dtype=first[0].dtype, device=first[0].device)
+    for e, mlp in enumerate(experts):
+        start = 0
+        for name in names:
+            linear = getattr(mlp, name)
+            t = getattr(linear, attr)
+            view = stack[e, start : start + t.shape[0]]
+            view.copy_(t)
+            setattr(linear, attr, nn.Parameter(view, requires_grad=False))
+            start += t.shape[0]
+    return stack
 
 
 def graph_capturing() -> bool:
