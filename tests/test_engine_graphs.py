@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from specdecode_worker.engine import batch_sampling  # noqa: E402
 from specdecode_worker.engine.cuda_graph import CudaGraphRunner, GraphRunner  # noqa: E402
 from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
@@ -134,7 +135,7 @@ def test_greedy_output_through_graph_buffers_equals_eager(models, monkeypatch, a
 def test_deep_tree_paths_through_graph_buffers_keep_the_target_greedy_output(tmp_path, monkeypatch):
     """A head that proposes "repeat the last token" on a target that mostly repeats: 3-deep tree
     paths are accepted through the graphs (the accepted nodes' slots and features are taken
-    from the graph outputs), and partly accepted rounds too."""
+    from the graph outputs), and partly accepted rounds too; each round reads back once."""
     target = make_repeating(write_tiny_model(tmp_path / "t", "llama", seed=0, weight_scale=3.0, vocab_size=16,
                                              num_hidden_layers=4), layer_scale=1.0)
     head = write_copying_eagle_head(tmp_path / "h", target)
@@ -143,10 +144,19 @@ def test_deep_tree_paths_through_graph_buffers_keep_the_target_greedy_output(tmp
     eng = engine(target, "EAGLE", head, max_running_requests=MAX_BS, **TREE)
     eng.speculator.capture_graphs(MAX_BS, eager=True)
     seen = _count_replays(monkeypatch)
-    assert _outputs(eng, prompts) == plain
+    reqs = [eng.submit(Request(p, SamplingParams(max_tokens=10, ignore_eos=True))) for p in prompts]
+    while not all(r.done.is_set() for r in reqs):  # one read-back per round, one per prefill that samples
+        before = (batch_sampling.to_host.count, eng.stats.decode_steps, sum(bool(r.output_ids) for r in reqs))
+        eng.step()
+        rounds = eng.stats.decode_steps - before[1]
+        prefilled = sum(bool(r.output_ids) for r in reqs) > before[2]
+        assert batch_sampling.to_host.count - before[0] == rounds + prefilled
+    assert [r.output_ids for r in reqs] == plain
     assert {w for w, _ in seen} - {1} == {3, 7}
     lengths = eng.stats.accept_lengths
     assert max(lengths) == 3 and min(lengths) < 3, lengths
+    kv = eng.target_runner.token_to_kv_pool_allocator
+    assert kv.available_size() == kv.size
 
 
 @pytest.mark.slow
