@@ -77,6 +77,33 @@ def test_greedy_chains_accept_the_prefix_equal_to_the_argmax():
     assert n.tolist() == [2, 2, 0] and nxt.tolist() == [4, 2, 2]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_past_a_chains_length_are_never_read(temperature):
+    """A padded verify batch's rows beyond each request's chain (here: scores that would accept
+    every proposal, and proposals past the length equal to them) change nothing, with the lengths
+    given on the device."""
+    gen = torch.Generator().manual_seed(1)
+    lengths, vocab = [0, 2, 3, 1], 6
+    logits = torch.randn(4, 4, vocab, generator=gen)
+    draft = torch.randint(0, vocab, (4, 3), generator=gen)
+    draft_probs = torch.softmax(torch.randn(4, 3, vocab, generator=gen), -1)
+    params = [SamplingParams(temperature=temperature)] * 4
+    u = batch_sampling.uniforms(params, [torch.Generator().manual_seed(i) for i in range(4)], [k + 1 for k in lengths],
+                                "cpu")
+    want = verify_chains(draft, draft_probs, logits, lengths, params, u)
+    padded_logits, padded_draft, padded_probs = logits.clone(), draft.clone(), draft_probs.clone()
+    for i, k in enumerate(lengths):
+        padded_logits[i, k + 1 :] = -50.0
+        padded_logits[i, k + 1 :, 0] = 50.0  # a certain token 0...
+        padded_draft[i, k:] = 0  # ...proposed there with certainty,
+        if k < 3:  # and the proposal after the chain is the last real row's best
+            padded_draft[i, k] = logits[i, k].argmax()
+        padded_probs[i, k:] = torch.nn.functional.one_hot(padded_draft[i, k:], vocab).float()
+    got = verify_chains(padded_draft, padded_probs, padded_logits, torch.tensor(lengths), params, u)
+    assert [t.tolist() for t in got] == [t.tolist() for t in want]
+    assert all(n <= k for n, k in zip(got[0].tolist(), lengths))
+
+
 def test_chain_rows_lay_out_uneven_chains():
     assert chain_rows([2, 0, 1]) == [0, 1, 2, 3, 3, 3, 4, 5, 5]
 
