@@ -25,7 +25,7 @@ from ...errors import InputError
 from ..distributed import SINGLE, TPGroup
 from ..forward_batch import ForwardBatch
 from ..mla_pool import MLATokenToKVPool
-from .deepseek_v3 import DecoderLayer, Linears, MLARotary, MoE, check_moe_splits
+from .deepseek_v3 import DecoderLayer, Linears, MLARotary, MoE, check_moe_splits, stack_layer_experts
 from .llama import RMSNorm
 
 # Tensors of the NextN layer that duplicate the target's (served by the target, loaded once).
@@ -93,7 +93,7 @@ class DeepseekMTP(nn.Module):
     def stack_experts(self) -> None:
         """After loading: stacked expert weights for the Triton expert kernel in CUDA graphs."""
         if isinstance(self.layer.mlp, MoE):
-            self.layer.mlp.stack_experts()
+            stack_layer_experts(self.layer.mlp)
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         """Everything but the NextN layer is the target's; so are the layer's embedding and head copies."""

@@ -272,6 +272,14 @@ class MoE(nn.Module):
         return True
 
 
+def stack_layer_experts(moe: MoE) -> None:
+    """Stack one layer's experts, then hand the originals' memory back to the device: phase 2 counts
+    memory the caching allocator holds as in use, which would cost KV tokens."""
+    moe.stack_experts()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _stack_rows(experts, names: tuple[str, ...], attr: str) -> torch.Tensor:
     """[E, rows, ...]: each expert's ``attr`` of the linears ``names``, their rows one after another;
     every expert's tensors become views into it."""
@@ -361,7 +369,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         """After loading: stacked expert weights for the Triton expert kernel in CUDA graphs."""
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoE):
-                layer.mlp.stack_experts()
+                stack_layer_experts(layer.mlp)
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         """MTP layers (index >= num_hidden_layers) belong to the draft, not the target."""
