@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from specdecode_worker.engine.spec_policy import Acceptance, SpecPolicy
@@ -78,8 +80,9 @@ def cpu_like() -> StepCost:
 
 def test_a_new_copying_request_drafts_at_once_after_earlier_requests_collapsed_acceptance():
     """Earlier requests rejected everything, so the algorithm's estimate is far below what pays.
-    A new request still drafts its full cap in its first round (its first probe): one that copies
-    keeps drafting, one that does not is back at 0 within a few rounds and stays there."""
+    A new request still drafts in its first round (its first probe, at the length whose round
+    costs least net of what it is expected to give: here one token): one that copies drafts its
+    full cap from then on, one that does not is back at 0 within a few rounds and stays there."""
     policy = SpecPolicy("adaptive", "NGRAM", 4, cpu_like(), probe_every=1000)
     run(policy, [1, 2, 3, 4], 20, lambda rid, k: 0)
     for rid in (1, 2, 3, 4):
@@ -95,14 +98,14 @@ def test_a_new_copying_request_drafts_at_once_after_earlier_requests_collapsed_a
         return chosen
 
     copying = rounds(10, 6, lambda k: k)
-    assert copying == [4] * 6, copying
+    assert copying[0] >= 1 and copying[1:] == [4] * 5, copying
     other = rounds(11, 8, lambda k: 0)
-    assert other[0] == 4 and other[-4:] == [0] * 4, other
-    # With 2 tokens to go the first probe (1.3 rounds more) is not worth a tenth of its rounds.
+    assert other[0] >= 1 and other[-4:] == [0] * 4, other
+    # With 2 tokens to go the first probe is not worth its budget of the request's rounds.
     collapsed = SpecPolicy("adaptive", "NGRAM", 4, cpu_like(), probe_every=1000)
     run(collapsed, [1], 20, lambda rid, k: 0)
     assert collapsed.draft_lengths([12], [4], remaining=[2]) == [0]
-    assert collapsed.draft_lengths([13], [4], remaining=[32]) == [4]
+    assert collapsed.draft_lengths([13], [4], remaining=[32]) != [0]
 
 
 def test_catching_the_draft_up_is_charged_to_the_request_that_resumes():
@@ -187,8 +190,9 @@ def test_probes_of_idle_requests_share_one_round():
                         probe_budget=1.0)
     chosen = run(policy, list(range(8)), 16, lambda rid, k: 0)
     drafting = [i for i, ks in enumerate(chosen) if any(ks)]
-    assert drafting == [0, 3, 7, 11, 15], chosen  # round 0: the new requests' first probe, of K each
-    assert chosen[0] == [4] * 8 and all(ks == [1] * 8 for ks in (chosen[i] for i in drafting[1:]))
+    assert drafting == [0, 3, 7, 11, 15], chosen  # round 0: the new requests' first probe
+    assert len(set(chosen[0])) == 1 and chosen[0][0] >= 1
+    assert all(ks == [1] * 8 for ks in (chosen[i] for i in drafting[1:]))
 
 
 def test_probes_spend_at_most_their_budget_of_the_time():
@@ -257,3 +261,54 @@ def test_round_terms_add_up_to_the_model():
     model = StepCost.linear(plain=(0.06, 0.01), per_draft_token=0.004, switch=(0.002, 0.005), draft_pass=(0.01, 0.003))
     base, switch, per_token, per_pass, per_request = model.round_terms(8, 3)
     assert base + switch + per_token * 20 + per_pass + per_request * 6 == pytest.approx(model(8, 20, 3, 6))
+
+
+def test_the_batched_estimates_are_the_per_request_estimates():
+    """The policy keeps every request's estimate as rows of arrays; they must equal the
+    ``Acceptance`` of each request (parent: the algorithm's, floored at its prior), round after
+    round, and the algorithm's batched update must equal its updates one by one."""
+    rng = random.Random(3)
+    policy = SpecPolicy("adaptive", "STANDALONE", 4, overhead_bound())
+    algorithm = Acceptance(4, 0.7, prior_weight=2.0, decay=0.95)
+    own = {rid: Acceptance(4, algorithm, floor=0.7) for rid in range(6)}
+    for _ in range(30):
+        rids = rng.sample(range(6), rng.randrange(1, 7))
+        proposed = [rng.randrange(0, 5) for _ in rids]
+        accepted = [rng.randrange(0, p + 1) for p in proposed]
+        policy.record(rids, proposed, proposed, accepted, 1.0)
+        for rid, p, a in zip(rids, proposed, accepted):
+            if p:
+                own[rid].observe(p, a)
+                algorithm.observe(p, a)
+        assert policy.algorithm_acceptance.rates() == pytest.approx(algorithm.rates(), abs=1e-12)
+        for rid in range(6):
+            assert policy.acceptance(rid) == pytest.approx(own[rid].rates(), abs=1e-12)
+
+
+def test_a_request_the_others_outlast_drafts_only_if_leaving_early_saves_time():
+    """No request waits, so the batch lasts as long as its slowest requests. Two copy and two open
+    requests, 32 tokens each: the copying ones would finish in a few rounds and the batch would
+    still run its 32. Where a plain round of 2 requests costs what one of 4 does (the weights set
+    it, as on a CPU), their drafting buys nothing and they do not draft; where every request adds
+    its share, or where requests wait for their place (an early finish lets the next one in), they do."""
+    def copy_two(plain_curve, waiting):
+        cost = StepCost({(1, 0): 1.0, (4, 0): 1.3, (1, 4): 1.4, (4, 4): 1.6, (4, 16): 1.9}, plain=plain_curve,
+                        learn=False)
+        policy = SpecPolicy("adaptive", "NGRAM", 4, cost, probe_every=1000)
+        rids = [0, 1, 2, 3]
+        for left in range(32, 20, -1):
+            ks = policy.draft_lengths(rids, [4] * 4, remaining=[left] * 4, waiting=waiting)
+            policy.record(rids, ks, ks, [k if rid % 2 == 0 else 0 for rid, k in zip(rids, ks)], 1.0)
+        return ks
+
+    flat = {1: 1.0, 2: 1.3, 4: 1.3}
+    assert copy_two(flat, waiting=0) == [0, 0, 0, 0]
+    assert copy_two(flat, waiting=3) == [4, 0, 4, 0]
+    assert copy_two({1: 0.4, 2: 0.7, 4: 1.3}, waiting=0) == [4, 0, 4, 0]
+
+
+def test_the_plain_round_follows_the_measured_curve():
+    cost = StepCost({(1, 0): 0.06, (16, 0): 0.16, (1, 4): 0.09, (16, 16): 0.2, (16, 64): 0.4},
+                    plain={1: 0.06, 2: 0.09, 4: 0.09, 8: 0.11, 16: 0.16}, learn=False)
+    assert cost.plain(3) == pytest.approx(0.09) and cost.plain(12) == pytest.approx(0.135)
+    assert cost.plain(16) == pytest.approx(0.16) and cost.plain(32) > 0.16

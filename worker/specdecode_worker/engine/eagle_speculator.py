@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 import torch
 
@@ -315,7 +314,6 @@ class EagleSpeculator(Speculator):
         for the whole batch; a round where no request drafts is a plain target step."""
         ks = [self.k] * len(reqs) if draft_lengths is None else [min(k, self.k) for k in draft_lengths]
         if not any(ks):
-            self.last_draft_seconds = 0.0
             return self._plain_round(reqs)
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
         for r in reqs:
@@ -323,15 +321,14 @@ class EagleSpeculator(Speculator):
         # A tree's draft K/V scratch is taken before any work is queued: taking slots copies them
         # to the device, which waits for the stream.
         scratch = [alloc.alloc(self.tree_shape.scratch) for _ in reqs] if self.tree else []
-        start = time.perf_counter()
         try:
             logits, hidden = self._draft_extend(reqs)
             if self.tree:
-                return self._tree_round(reqs, logits, hidden, ks, scratch, start)
+                return self._tree_round(reqs, logits, hidden, ks, scratch)
         finally:
             for s in scratch:
                 alloc.free(s)
-        return self._chain_round(reqs, logits, hidden, ks, start)
+        return self._chain_round(reqs, logits, hidden, ks)
 
     def _plain_round(self, reqs) -> list[RoundResult]:
         """One target step per request; its features join those the head has not read yet, so
@@ -389,7 +386,7 @@ class EagleSpeculator(Speculator):
                 r.draft_kv_len += n
                 self._features[r.rid] = self._features[r.rid][n:]
 
-    def _chain_round(self, reqs, logits, hidden, ks, start_time) -> list[RoundResult]:
+    def _chain_round(self, reqs, logits, hidden, ks) -> list[RoundResult]:
         # Proposals stay on the device through the chain and the verify pass; one transfer at the end.
         device, params = self.target.device, [r.params for r in reqs]
         tokens = torch.zeros(len(reqs), self.k, dtype=torch.int64, device=device)
@@ -407,7 +404,6 @@ class EagleSpeculator(Speculator):
                 fb.input_ids = token
                 logits, hidden = self._draft(fb, "draft", hidden, False, fb.logit_rows(False))
 
-        self.last_draft_seconds = time.perf_counter() - start_time
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
         chains = torch.cat([to_device([[r.all_ids[-1]] for r in reqs], device), tokens], dim=1)
         width = chain_graph_width(self.chain_verify_graphs, len(reqs), max(ks))
@@ -431,7 +427,7 @@ class EagleSpeculator(Speculator):
             results.append(RoundResult(chain[:n] + [nxt], proposed=k, accepted=n))
         return results
 
-    def _tree_round(self, reqs, logits, hidden, ks, scratch, start_time) -> list[RoundResult]:
+    def _tree_round(self, reqs, logits, hidden, ks, scratch) -> list[RoundResult]:
         """Draft, verify and accept a tree per request on the device; one read-back at the end.
         ``scratch``: each request's draft K/V slots for the expanded nodes (freed by the caller)."""
         shape, device = self.tree_shape, self.target.device
@@ -449,7 +445,6 @@ class EagleSpeculator(Speculator):
             front_hidden = step_hidden.view(batch, k, width).gather(
                 1, came_from[..., None].expand(batch, k, width)).reshape(batch * k, width)
         trees = drafter.select(to_device([r.all_ids[-1] for r in reqs], device))
-        self.last_draft_seconds = time.perf_counter() - start_time
         return self._verify_trees(reqs, trees, ks, kv, req_idx)
 
     def _tree_step_batch(self, reqs, drafter: TreeDrafter, kv, req_idx, slots, step) -> TreeForwardBatch:

@@ -310,11 +310,12 @@ class Engine:
             return StepCost({(1, 0): 1.0}, learn=False)
         catch_up = 0.0  # seconds per token a draft model caches when a request resumes drafting
         batch = args.max_running_requests
+        curve = None  # plain rounds by batch size (None: the target's plain points)
         if self.target_runner.tp.size > 1:  # guess: verifying K per request at full batch doubles a plain step
             target = {(1, 0): 0.01, (batch, 0): 0.01, (1, k): 0.01 * (1 + 1 / batch),
                       (batch, batch): 0.01 * (1 + 1 / k), (batch, batch * k): 0.02}
         else:
-            target = target_points(self.target_runner, batch, k, args.context_len, self.speculator)
+            target, curve = target_points(self.target_runner, batch, k, args.context_len, self.speculator)
         plain = {1: target[(1, 0)], batch: target[(batch, 0)]}
         if args.algorithm == "STANDALONE" and self.draft_runner.tp.size > 1:
             # A sharded draft cannot be timed alone either: its decode cost scales with its weight bytes.
@@ -328,7 +329,7 @@ class Engine:
         else:  # an EAGLE head or NextN layer: one layer against the target's many
             layers = max(self.target_shape.num_hidden_layers, 1)
             draft = {j: s / layers for j, s in plain.items()}
-        return StepCost(target, draft, catch_up_per_token=catch_up)
+        return StepCost(target, draft, catch_up_per_token=catch_up, plain=curve)
 
     @property
     def ready(self) -> bool:
@@ -510,7 +511,8 @@ class Engine:
             catch_up = getattr(self.speculator, "catch_up_tokens", None)
             ks = self.policy.draft_lengths(rids, [self._draft_cap(r) for r in reqs],
                                            catch_up=[catch_up(r) for r in reqs] if catch_up else None,
-                                           remaining=[r.params.max_tokens - len(r.output_ids) for r in reqs])
+                                           remaining=[r.params.max_tokens - len(r.output_ids) for r in reqs],
+                                           waiting=self.num_waiting)
             start = time.perf_counter()
             results = self.speculator.decode_round(reqs, ks)
             seconds = time.perf_counter() - start

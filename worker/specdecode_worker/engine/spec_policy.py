@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .step_cost import StepCost
 
 ADAPTIVE, FIXED = "adaptive", "fixed"
@@ -87,6 +89,18 @@ class Acceptance:
             self.seen[i] = self.decay * self.seen[i] + 1
             self.hits[i] = self.decay * self.hits[i] + (1.0 if i < accepted else 0.0)
 
+    def observe_many(self, proposed: np.ndarray, accepted: np.ndarray) -> None:
+        """Several verified rounds at once, as ``observe`` on each in turn (their order kept)."""
+        counted = np.arange(len(self.hits))[None, :] < np.minimum(proposed, accepted + 1)[:, None]  # [n, K]
+        if not counted.any():
+            return
+        kept = counted & (np.arange(len(self.hits))[None, :] < accepted[:, None])
+        later = counted[::-1].cumsum(0)[::-1] - 1  # counted rounds after this one, per position
+        weight = np.where(counted, self.decay ** later, 0.0)
+        keep = self.decay ** counted.sum(0)
+        self.seen = (keep * np.array(self.seen) + weight.sum(0)).tolist()
+        self.hits = (keep * np.array(self.hits) + (weight * kept).sum(0)).tolist()
+
     def gains(self, k: int, parent: tuple[list[float], float] | None = None) -> list[float]:
         """Expected extra tokens from the 1st..k-th draft token: prod_{j<=i} a_j."""
         out, p = [], 1.0
@@ -94,6 +108,59 @@ class Acceptance:
             p *= a
             out.append(p)
         return out
+
+
+class RequestEstimates:
+    """Every request's ``Acceptance`` (parent: the algorithm's, floored at ``floor``) as rows of
+    two arrays, so that a round's estimates cost a few array operations, whatever the batch."""
+
+    def __init__(self, positions: int, floor: float, prior_weight: float = 1.0, decay: float = 0.8,
+                 position_weight: float = 1.0):
+        self.positions, self.floor = positions, floor
+        self.prior_weight, self.decay, self.position_weight = prior_weight, decay, position_weight
+        self.hits = np.zeros((8, positions))
+        self.seen = np.zeros((8, positions))
+        self._row: dict[int, int] = {}
+        self._free = list(range(7, -1, -1))
+
+    def rows(self, rids: list[int]) -> np.ndarray:
+        """Each request's row; a new request gets a fresh one (no evidence yet)."""
+        for rid in rids:
+            if rid not in self._row:
+                if not self._free:
+                    size = len(self.hits)
+                    self.hits = np.vstack([self.hits, np.zeros_like(self.hits)])
+                    self.seen = np.vstack([self.seen, np.zeros_like(self.seen)])
+                    self._free = list(range(2 * size - 1, size - 1, -1))
+                row = self._row[rid] = self._free.pop()
+                self.hits[row] = self.seen[row] = 0.0
+        return np.fromiter((self._row[rid] for rid in rids), dtype=np.int64, count=len(rids))
+
+    def rates(self, rows: np.ndarray, parent: Acceptance) -> np.ndarray:
+        """[requests, positions]: as ``Acceptance.rates`` of each request."""
+        parent_rates, parent_overall = np.array(parent.rates()), parent.overall()
+        hits, seen = self.hits[rows], self.seen[rows]
+        overall = ((self.prior_weight * max(parent_overall, self.floor) + hits.sum(1))
+                   / (self.prior_weight + seen.sum(1)))
+        centre = np.minimum(overall[:, None] * parent_rates[None, :] / max(parent_overall, 1e-9), 1.0)
+        return (self.position_weight * centre + hits) / (self.position_weight + seen)
+
+    def gains(self, rows: np.ndarray, caps: np.ndarray, parent: Acceptance) -> np.ndarray:
+        """[requests, positions]: the expected extra tokens of each draft position, 0 past the cap."""
+        g = np.cumprod(self.rates(rows, parent), axis=1)
+        return np.where(np.arange(self.positions)[None, :] < caps[:, None], g, 0.0)
+
+    def observe(self, rows: np.ndarray, proposed: np.ndarray, accepted: np.ndarray) -> None:
+        pos = np.arange(self.positions)[None, :]
+        counted = pos < np.minimum(proposed, accepted + 1)[:, None]
+        kept = (pos < accepted[:, None]).astype(float)
+        self.seen[rows] = np.where(counted, self.decay * self.seen[rows] + 1.0, self.seen[rows])
+        self.hits[rows] = np.where(counted, self.decay * self.hits[rows] + kept, self.hits[rows])
+
+    def forget(self, rid: int) -> None:
+        row = self._row.pop(rid, None)
+        if row is not None:
+            self._free.append(row)
 
 
 @dataclass
@@ -108,10 +175,10 @@ class SpecPolicy:
     choices: tuple[int, ...] | None = None  # the k a uniform batch may take (None: 0..K)
     probe_every: int = 8  # the fewest rounds between two probes
     probe_budget: float = 0.02  # the share of round time that probing may cost
-    first_probe_budget: float = 0.1  # the share of a new request's expected rounds its first probe may cost
+    first_probe_budget: float = 0.05  # the share of a new request's expected time its first probe may cost, net
     trace: list | None = None  # a list to append each round's choice, prediction and measurement to
     algorithm_acceptance: Acceptance = field(init=False)
-    _requests: dict[int, Acceptance] = field(init=False, default_factory=dict)
+    requests: RequestEstimates = field(init=False)
     _since_probe: int = field(init=False, default=0)
     _tried: set = field(init=False, default_factory=set)  # requests that have had their first probe
 
@@ -120,151 +187,181 @@ class SpecPolicy:
             raise ValueError(f"unknown speculation policy {self.mode!r}; use one of {', '.join(MODES)}")
         prior = ALGORITHM_PRIORS.get(self.algorithm, 0.5)
         self.algorithm_acceptance = Acceptance(self.max_draft, prior, prior_weight=2.0, decay=0.95)
+        self.requests = RequestEstimates(self.max_draft, floor=prior)
 
-    def acceptance(self, rid: int) -> Acceptance:
-        if rid not in self._requests:
-            floor = ALGORITHM_PRIORS.get(self.algorithm, 0.5)
-            self._requests[rid] = Acceptance(self.max_draft, self.algorithm_acceptance, floor=floor)
-        return self._requests[rid]
+    def acceptance(self, rid: int) -> list[float]:
+        """Request ``rid``'s acceptance by draft position, as the policy now estimates it."""
+        return self.requests.rates(self.requests.rows([rid]), self.algorithm_acceptance)[0].tolist()
 
     def draft_lengths(self, rids: list[int], caps: list[int], catch_up: list[int] | None = None,
-                      remaining: list[int] | None = None) -> list[int]:
+                      remaining: list[int] | None = None, waiting: int = 0) -> list[int]:
         """k per request; ``caps[i]`` is request i's own limit (0: no speculation). ``catch_up[i]``:
         committed tokens request i's draft model must cache before it drafts again (None: none);
-        ``remaining[i]``: the most tokens request i has left to generate (None: unknown, many)."""
+        ``remaining[i]``: the most tokens request i has left to generate (None: unknown, many);
+        ``waiting``: requests queued for a place in the batch."""
         caps = [max(0, min(c, self.max_draft)) for c in caps]
-        if self.mode == FIXED or self.max_draft == 0:
+        if self.mode == FIXED or self.max_draft == 0 or not rids:
             return caps
         self._since_probe += 1
-        parent = self.algorithm_acceptance.rates(), self.algorithm_acceptance.overall()
-        gains = [self.acceptance(rid).gains(c, parent) for rid, c in zip(rids, caps)]
+        cap = np.array(caps, dtype=np.int64)
+        gains = self.requests.gains(self.requests.rows(rids), cap, self.algorithm_acceptance)
         if not self.per_request:
             return self._uniform(gains, caps)
+        value = self._token_values(gains, remaining, waiting)
+        weighted = gains * value[:, None]
         entry = self._entry_costs(gains, catch_up, remaining)
         # Taking the largest gains first ignores what turning a request on costs: so also try the
         # batch with the requests that would have to catch up left out.
-        candidates = [gains]
-        if any(entry):
-            candidates.append([[] if e else g for g, e in zip(gains, entry)])
-        best, best_rate = [0] * len(rids), None
+        candidates = [weighted]
+        if entry.any():
+            candidates.append(np.where(entry[:, None] > 0, 0.0, weighted))
+        best, best_rate = np.zeros(len(rids), dtype=np.int64), None
         for candidate in candidates:
             for depth in range(self.max_draft + 1):
-                ks, rate = self._best_for_depth([g[:depth] for g in candidate], depth, entry)
+                ks, rate = self._best_for_depth(candidate, min(cap.max(), depth), entry)
                 if best_rate is None or rate > best_rate:
                     best, best_rate = ks, rate
-        catch_up_seconds = [self.cost.catch_up(t) for t in catch_up] if catch_up else None
-        best = self._first_probe(rids, caps, best, catch_up_seconds, gains, remaining)
-        return self._probe(caps, best, catch_up_seconds)
+        catch_up_seconds = (np.array([self.cost.catch_up(t) for t in catch_up]) if catch_up
+                            else np.zeros(len(rids)))
+        best = self._first_probe(rids, cap, best, catch_up_seconds, weighted, remaining)
+        return self._probe(cap, best, catch_up_seconds, value).tolist()
 
-    def _first_probe(self, rids: list[int], caps: list[int], ks: list[int], catch_up: list[float] | None,
-                     gains: list[list[float]], remaining: list[int] | None) -> list[int]:
-        """New requests the estimates hold at k = 0 draft their full cap once, together, early in
-        their life: a request that copies from its prompt is then found out within its first rounds,
-        whatever earlier requests did. The probe round may cost (its verify tokens, the switch, the
-        draft caches it must build) at most ``first_probe_budget`` of the new requests' expected rounds."""
-        fresh = [i for i, (rid, k, c) in enumerate(zip(rids, ks, caps)) if not k and c and rid not in self._tried]
-        if not fresh:
-            return ks
-        n, m = len(ks), sum(ks)
-        depth, drafting = (max(ks) if m else 0), sum(1 for k in ks if k)
-        probed = list(ks)
-        for i in fresh:
-            probed[i] = caps[i]
-        now = self.cost(n, m, depth, drafting)
-        extra = self.cost(n, sum(probed), max(probed), drafting + len(fresh)) - now
-        extra += sum(catch_up[i] for i in fresh) if catch_up else 0.0
-        left = [1e9 if remaining is None else max(1.0, remaining[i] / (1.0 + sum(gains[i]))) for i in fresh]
-        if extra / now > self.first_probe_budget * sum(left) / len(left):
-            return ks
-        self._tried.update(rids[i] for i in fresh)
-        return probed
+    def _token_values(self, gains: np.ndarray, remaining: list[int] | None, waiting: int) -> np.ndarray:
+        """What a token drafted for each request is worth, as a share of an average token of the
+        round. With requests waiting, or with one request, every token is worth as much: a request
+        that finishes early lets the next one in, or ends the batch. Otherwise the batch drains,
+        and lasts as long as its slowest request: a request that the others outlast saves, by
+        finishing early, only its own share of the rounds it leaves (the plain round of n requests
+        against one without it: on a CPU, little between 2 and 4 requests); only the rounds it
+        would run past every other request count in full."""
+        n = len(gains)
+        if waiting or remaining is None or n < 2:
+            return np.ones(n)
+        slow = np.array(remaining, dtype=float)  # rounds left if it never drafts
+        fast = slow / (1.0 + gains.sum(1))  # rounds left drafting its cap at its estimate
+        top = np.argsort(-fast)[:2]
+        others = np.where(np.arange(n) == top[0], fast[top[1]], fast[top[0]])  # the longest of the others
+        tail = np.clip(slow - others, 0.0, None) / np.maximum(slow - fast, 1e-9)
+        tail = np.where(slow - fast > 1e-9, np.minimum(tail, 1.0), 1.0)
+        leaving = max(1, int((tail < 0.5).sum()))
+        marginal = (self.cost.plain(n) - self.cost.plain(n - leaving)) / leaving
+        share = min(1.0, max(0.0, marginal / (self.cost.plain(n) / n)))
+        return tail + (1.0 - tail) * share
 
-    def _entry_costs(self, gains: list[list[float]], catch_up: list[int] | None,
-                     remaining: list[int] | None) -> list[float]:
+    def _first_probe(self, rids: list[int], caps: np.ndarray, ks: np.ndarray, catch_up: np.ndarray,
+                     gains: np.ndarray, remaining: list[int] | None) -> np.ndarray:
+        """New requests the estimates hold at k = 0 draft once, together, early in their life: a
+        request that copies from its prompt is then found out within its first rounds, whatever
+        earlier requests did. They draft the length whose round costs least net of the tokens it
+        is expected to give (its verify tokens, the switch, its draft passes and the draft caches
+        it must build, against the expected tokens at the value of an average token of the round),
+        and only if that net cost is at most ``first_probe_budget`` of their expected time."""
+        fresh = (ks == 0) & (caps > 0) & np.fromiter((rid not in self._tried for rid in rids), bool, len(rids))
+        if not fresh.any():
+            return ks
+        n = len(ks)
+        now = self._cost_of(ks)
+        best, best_net = None, None
+        for k in range(1, int(caps[fresh].max()) + 1):
+            probed = np.where(fresh, np.minimum(caps, k), ks)
+            expected = gains[fresh, :k].sum()
+            net = self._cost_of(probed) - now + catch_up[fresh].sum() - expected * now / n
+            if best_net is None or net < best_net:
+                best, best_net = probed, net
+        rounds = (np.full(int(fresh.sum()), 1e9) if remaining is None
+                  else np.maximum(1.0, np.array(remaining, dtype=float)[fresh] / (1.0 + gains[fresh].sum(1))))
+        if best_net > self.first_probe_budget * now * rounds.mean():
+            return ks
+        self._tried.update(rid for rid, f in zip(rids, fresh) if f)
+        return best
+
+    def _cost_of(self, ks: np.ndarray) -> float:
+        m = int(ks.sum())
+        return self.cost(len(ks), m, int(ks.max()) if m else 0, int((ks > 0).sum()))
+
+    def _entry_costs(self, gains: np.ndarray, catch_up: list[int] | None,
+                     remaining: list[int] | None) -> np.ndarray:
         """Seconds per round that drafting costs request i on top of the round's shape: its draft's
         catch-up, paid once, spread over the rounds it can still draft in (its tokens left over the
         tokens a round gives it at its estimate). A long prompt with few tokens to go thus stays
         undrafted, and one with many to go pays for its catch-up."""
         if catch_up is None:
-            return [0.0] * len(gains)
-        remaining = remaining or [None] * len(gains)
-        out = []
-        for g, tokens, left in zip(gains, catch_up, remaining):
-            rounds = 1e9 if left is None else max(1.0, left / (1.0 + sum(g)))
-            out.append(self.cost.catch_up(tokens) / rounds if tokens else 0.0)
-        return out
+            return np.zeros(len(gains))
+        left = np.full(len(gains), np.inf) if remaining is None else np.array(remaining, dtype=float)
+        rounds = np.where(np.isinf(left), 1e9, np.maximum(1.0, left / (1.0 + gains.sum(1))))
+        seconds = np.array([self.cost.catch_up(t) if t else 0.0 for t in catch_up])
+        return seconds / rounds
 
-    def _best_for_depth(self, gains: list[list[float]], depth: int,
-                        entry: list[float] | None = None) -> tuple[list[int], float]:
+    def _best_for_depth(self, gains: np.ndarray, depth: int, entry: np.ndarray) -> tuple[np.ndarray, float]:
         """Largest gains first, every verify width tried: the best ks with at most ``depth`` drafts each."""
-        entry = entry or [0.0] * len(gains)
-        order = sorted(((g, i, pos) for i, gs in enumerate(gains) for pos, g in enumerate(gs)),
-                       key=lambda t: (-t[0], entry[t[1]], t[2]))
         n = len(gains)
+        plain_rate = n / self.cost(n, 0)
+        g = gains[:, :depth]
+        request, position = np.nonzero(g > 0)
+        if not len(request):
+            return np.zeros(n, dtype=np.int64), plain_rate
+        g = g[request, position]
+        order = np.lexsort((position, entry[request], -g))
+        g, request, position = g[order], request[order], position[order]
         base, switch, per_token, per_pass, per_pass_request = self.cost.round_terms(n, depth)
-        tokens, best_m, best_rate, drafting, entering = float(n), 0, n / self.cost(n, 0), set(), 0.0
-        for m, (g, i, _) in enumerate(order, start=1):
-            tokens += g
-            if i not in drafting:
-                drafting.add(i)
-                entering += entry[i]
-            seconds = base + switch + per_token * m + per_pass + per_pass_request * len(drafting) + entering
-            rate = tokens / max(seconds, 1e-9)
-            if rate > best_rate:
-                best_m, best_rate = m, rate
-        ks = [0] * n
-        for _, i, _ in order[:best_m]:
-            ks[i] += 1
-        return ks, best_rate
+        starts = position == 0  # a request's gains never grow with position: its first comes first
+        m = np.arange(1, len(g) + 1)
+        seconds = (base + switch + per_pass + per_token * m + per_pass_request * np.cumsum(starts)
+                   + np.cumsum(np.where(starts, entry[request], 0.0)))
+        rate = (n + np.cumsum(g)) / np.maximum(seconds, 1e-9)
+        best = int(np.argmax(rate))
+        if rate[best] <= plain_rate:
+            return np.zeros(n, dtype=np.int64), plain_rate
+        return np.bincount(request[: best + 1], minlength=n), float(rate[best])
 
-    def _uniform(self, gains: list[list[float]], caps: list[int]) -> list[int]:
+    def _uniform(self, gains: np.ndarray, caps: list[int]) -> list[int]:
         n = len(gains)
+        cap = np.array(caps)
         options = self.choices if self.choices is not None else range(self.max_draft + 1)
         best_k, best_rate = 0, None
         for k in options:
-            expected = sum(1 + sum(g[:k]) for g in gains)
-            drafts = sum(min(k, c) for c in caps)
+            expected = n + gains[:, :k].sum()
+            drafts = int(np.minimum(k, cap).sum())
             rate = expected / self.cost(n, drafts, k if drafts else 0, n if drafts else 0)
             if best_rate is None or rate > best_rate:
                 best_k, best_rate = k, rate
         return [min(best_k, c) for c in caps]
 
-    def _probe(self, caps: list[int], ks: list[int], catch_up: list[float] | None = None) -> list[int]:
+    def _probe(self, caps: np.ndarray, ks: np.ndarray, catch_up: np.ndarray, value: np.ndarray) -> np.ndarray:
         """Requests held at k = 0 by their estimates draft one token each, all in the same round:
         that is how speculation comes back once acceptance does, and the round's switch to the
         verify path is paid once for all of them. A probe round costs extra time (on a CPU a
         verify round can cost twice a plain one), so probes are spaced to spend at most
         ``probe_budget`` of the time: at least ``probe_every`` rounds apart, and further where a
-        probe round costs more."""
-        idle = [i for i, (k, c) in enumerate(zip(ks, caps)) if not k and c]
-        if not idle or self._since_probe < self.probe_every:
+        probe round costs more. A request held back by its tokens' worth, not its acceptance
+        (the others outlast it), is not probed: its estimate is not what holds it."""
+        idle = (ks == 0) & (caps > 0) & (value >= 1.0)
+        if not idle.any() or self._since_probe < self.probe_every:
             return ks
-        n, m = len(ks), sum(ks)
-        depth = max(ks) if m else 0
-        drafting = sum(1 for k in ks if k)
-        now = self.cost(n, m, depth, drafting)
+        now = self._cost_of(ks)
+        probed = np.where(idle, 1, ks)
         # A probe round pays in full for the catch-up of the draft caches it turns on.
-        catching_up = sum(catch_up[i] for i in idle) if catch_up else 0.0
-        extra = (self.cost(n, m + len(idle), max(depth, 1), drafting + len(idle)) + catching_up) / now - 1
+        extra = (self._cost_of(probed) + catch_up[idle].sum()) / now - 1
         if self._since_probe * self.probe_budget < extra:
             return ks
         self._since_probe = 0
-        return [k or int(c > 0) for k, c in zip(ks, caps)]
+        return probed
 
     def record(self, rids: list[int], ks: list[int], proposed: list[int], accepted: list[int], seconds: float) -> None:
         """A finished round: acceptance per request and algorithm, and the measured step time."""
-        for rid, p, a in zip(rids, proposed, accepted):
-            if p:
-                self.acceptance(rid).observe(p, a)
-                self.algorithm_acceptance.observe(p, a)
+        p, a = np.array(proposed, dtype=np.int64), np.array(accepted, dtype=np.int64)
+        if p.any():
+            drafted = p > 0
+            self.requests.observe(self.requests.rows([r for r, d in zip(rids, drafted) if d]), p[drafted], a[drafted])
+            self.algorithm_acceptance.observe_many(p[drafted], a[drafted])
         if self.mode == FIXED:
             return
-        shape = (len(rids), sum(proposed), max(proposed, default=0), sum(1 for p in proposed if p))
+        shape = (len(rids), int(p.sum()), int(p.max(initial=0)), int(drafted.sum()) if p.any() else 0)
         if self.trace is not None:
-            self.trace.append({"requests": shape[0], "ks": list(ks), "proposed": sum(proposed),
-                               "accepted": sum(accepted), "predicted": self.cost(*shape), "seconds": seconds})
+            self.trace.append({"requests": shape[0], "ks": list(ks), "proposed": list(proposed),
+                               "accepted": list(accepted), "predicted": self.cost(*shape), "seconds": seconds})
         self.cost.record(*shape, seconds)
 
     def forget(self, rid: int) -> None:
-        self._requests.pop(rid, None)
+        self.requests.forget(rid)
         self._tried.discard(rid)

@@ -15,7 +15,6 @@ back to the allocator at the end of the round and serve the next one.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-import time
 from dataclasses import dataclass
 
 import torch
@@ -102,7 +101,6 @@ class Speculator(ABC):
     per_request_draft_lengths: bool = True
     # The draft lengths a round may take when one k serves the whole batch (None: 0..K).
     draft_length_choices: tuple[int, ...] | None = None
-    last_draft_seconds: float = 0.0  # time the last round spent drafting (the cost model's input)
 
     @abstractmethod
     def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None) -> list[RoundResult]:
@@ -199,9 +197,7 @@ class StandaloneSpeculator(Speculator):
         ks = [self.k] * len(reqs) if draft_lengths is None else [min(k, self.k) for k in draft_lengths]
         for r, k in zip(reqs, ks):
             alloc_positions(pool, alloc, r.req_idx, r.kv_len, r.kv_len + k + 1)
-        start_time = time.perf_counter()
         draft, draft_probs, found = self._propose(reqs, ks)
-        self.last_draft_seconds = time.perf_counter() - start_time
         # The verify pass's tokens stay on the device: each request's last token, then its proposals.
         chains = torch.cat([to_device([[r.all_ids[-1]] for r in reqs], self.target.device), draft], dim=1)
         width = chain_graph_width(self.chain_verify_graphs, len(reqs), max(found, default=0))

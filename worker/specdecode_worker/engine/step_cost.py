@@ -21,18 +21,28 @@ Seeded by the warm-up's timed passes, refined online by a least-squares fit over
 only depends on ratios of step times at the same moment; so the warm-up points enter the fit as
 pseudo-rounds rescaled by the current load factor (the median of measured over seeded prediction
 in the window). Load thus cancels, and whatever the recent rounds do not pin down (the cost of
-drafting while nobody drafts, say) keeps the warm-up's shape. Nothing here needs torch.
+drafting while nobody drafts, say) keeps the warm-up's shape.
+
+Apart from the linear model, ``plain(n)`` gives a plain round of n requests from the warm-up's
+plain passes at several batch sizes (interpolated, at today's load): what a request still running
+costs the rounds it is in, which a linear term cannot say where the curve is flat (on a CPU, a
+pass of 2 to 4 rows costs what one of 4 does: the weights, not the rows, set its time).
+The fit is numpy over the window's rows; nothing here needs torch.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from statistics import median
+
+import numpy as np
 
 FEATURES = ("base", "per_request", "switch", "switch_per_request", "per_draft_token", "draft_pass",
             "draft_pass_per_request")
 # The terms a round pays only for drafting: a fit may not make them negative (drafting never saves time).
 _MARGINAL = range(2, len(FEATURES))
+
+
+_MARGINAL_MASK = np.array([i in _MARGINAL for i in range(len(FEATURES))])
 
 
 def features(requests: int, drafts: int, depth: int = 0, drafting: int = 0) -> tuple[float, ...]:
@@ -45,11 +55,12 @@ class StepCost:
 
     def __init__(self, target: dict[tuple[int, int], float], draft: dict[int, float] | None = None,
                  window: int = 64, prior_weight: float = 0.5, refit_every: int = 4, learn: bool = True,
-                 catch_up_per_token: float = 0.0):
+                 catch_up_per_token: float = 0.0, plain: dict[int, float] | None = None):
         """``target``: seconds of a target pass by (requests, draft tokens verified in all);
         ``draft``: seconds of one draft pass by the number of requests in it (None: no draft model,
         the draft terms stay zero); ``catch_up_per_token``: seconds per committed token a draft
-        model caches when a request resumes drafting (see ``catch_up``)."""
+        model caches when a request resumes drafting (see ``catch_up``); ``plain``: seconds of a
+        plain pass by batch size (None: the target's plain points)."""
         self.catch_up_per_token = catch_up_per_token
         self.prior = [(features(n, m), s) for (n, m), s in target.items()]
         self.prior += [((0.0,) * 5 + (1.0, float(j)), s) for j, s in (draft or {}).items()]
@@ -58,6 +69,9 @@ class StepCost:
         self.rounds: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self.seed = self._fit([(x, s, 1.0 / max(s, 1e-12) ** 2) for x, s in self.prior], self.terms)
         self.coef = list(self.seed)
+        curve = plain if plain else {n: s for (n, m), s in target.items() if m == 0}
+        self._plain_n = np.array(sorted(curve), dtype=float)
+        self._plain_s = np.array([curve[n] for n in sorted(curve)], dtype=float)
         self.load = 1.0  # measured / seeded prediction, over the window
         self._since_fit = 0
 
@@ -69,7 +83,8 @@ class StepCost:
         coef = (*plain, *switch, per_draft_token, *draft_pass)
         target = {(n, m): _dot(coef, features(n, m)) for n, m in ((1, 0), (16, 0), (1, 4), (16, 16), (16, 64))}
         draft = {j: draft_pass[0] + draft_pass[1] * j for j in (1, 16)} if any(draft_pass) else None
-        return cls(target, draft, learn=learn, catch_up_per_token=catch_up_per_token)
+        return cls(target, draft, learn=learn, catch_up_per_token=catch_up_per_token,
+                   plain={n: plain[0] + plain[1] * n for n in (1, 16)})
 
     def __call__(self, requests: int, drafts: int, depth: int = 0, drafting: int = 0) -> float:
         return max(_dot(self.coef, features(requests, drafts, depth, drafting)), 1e-9)
@@ -78,6 +93,19 @@ class StepCost:
         """Seconds the draft spends caching ``tokens`` committed tokens of one request, at today's
         load: paid once, by the round in which that request resumes drafting."""
         return self.catch_up_per_token * tokens * self.load
+
+    def plain(self, requests: float) -> float:
+        """Seconds of a plain round of ``requests`` requests at today's load: the warm-up's plain
+        passes interpolated; beyond the widest, the linear model's slope; below the narrowest
+        (or with a single point), in proportion to it."""
+        n, s = self._plain_n, self._plain_s * self.load
+        if not len(n):
+            return self(int(requests), 0)
+        if requests > n[-1] and len(n) > 1:
+            return float(s[-1] + self.coef[1] * (requests - n[-1]))
+        if requests < n[0] or len(n) == 1:
+            return float(s[0] * requests / n[0])
+        return float(np.interp(requests, n, s))
 
     def round_terms(self, requests: int, depth: int) -> tuple[float, float, float, float, float]:
         """For rounds of ``requests`` requests and ``depth`` draft passes that draft at all: the
@@ -104,26 +132,38 @@ class StepCost:
         self._since_fit = 0
         if not self.rounds:
             return
-        self.load = median(s / max(_dot(self.seed, x), 1e-12) for x, s in self.rounds)
-        prior = [(x, s * self.load, self.prior_weight / max(s * self.load, 1e-12) ** 2) for x, s in self.prior]
-        rounds = list(self.rounds)
+        x = np.array([r[0] for r in self.rounds])
+        y = np.array([r[1] for r in self.rounds])
+        seed = np.array(self.seed)
+        self.load = float(np.median(y / np.maximum(x @ seed, 1e-12)))
+        px = np.array([p[0] for p in self.prior])
+        py = np.array([p[1] for p in self.prior]) * self.load
+        pw = self.prior_weight / np.maximum(py, 1e-12) ** 2
+        scale = np.maximum(x @ seed * self.load, 1e-12)
+        keep = np.ones(len(y), dtype=bool)
         for _ in range(2):
-            scale = [max(_dot(self.seed, x) * self.load, 1e-12) for x, _ in rounds]
-            coef = self._fit(prior + [(x, s, 1.0 / c**2) for (x, s), c in zip(rounds, scale)], self.terms)
-            kept = [(x, s) for x, s in rounds if s <= 2.0 * max(_dot(coef, x), 1e-12)]
-            if len(kept) == len(rounds) or not kept:
+            rows = (np.vstack([px, x[keep]]), np.concatenate([py, y[keep]]),
+                    np.concatenate([pw, 1.0 / scale[keep] ** 2]))
+            coef = self._fit(rows, self.terms)
+            kept = y <= 2.0 * np.maximum(x @ np.array(coef), 1e-12)
+            if kept.all() or not kept.any() or (kept == keep).all():
                 break
-            rounds = kept
+            keep = kept
         self.coef = coef
 
     @staticmethod
-    def _fit(rows: list[tuple[tuple[float, ...], float, float]], terms: list[int]) -> list[float]:
+    def _fit(rows, terms: list[int]) -> list[float]:
         """Weighted least squares over ``terms`` (the others zero); the marginal terms are held at
-        zero or above (dropped and refitted while one comes out negative)."""
+        zero or above (dropped and refitted while one comes out negative). ``rows``: (x, y, w)
+        triples, or the arrays X [rows, features], y and w."""
+        if isinstance(rows, list):
+            rows = (np.array([r[0] for r in rows], dtype=float), np.array([r[1] for r in rows], dtype=float),
+                    np.array([r[2] for r in rows], dtype=float))
+        x, y, w = rows
         free = list(terms)
         while True:
-            coef = _solve_normal(rows, free, ridge=1e-6)
-            negative = [i for i in free if i in _MARGINAL and coef[i] < 0]
+            coef = _solve_normal(x, y, w, free, ridge=1e-6)
+            negative = [i for i in free if _MARGINAL_MASK[i] and coef[i] < 0]
             if not negative:
                 return coef
             free = [i for i in free if i not in negative]
@@ -133,38 +173,15 @@ def _dot(a, b) -> float:
     return sum(x * y for x, y in zip(a, b))
 
 
-def _solve_normal(rows, free: list[int], ridge: float) -> list[float]:
+def _solve_normal(x: np.ndarray, y: np.ndarray, w: np.ndarray, free: list[int], ridge: float) -> list[float]:
     """Coefficients over the ``free`` features (the others zero) minimising sum w (x.c - y)^2,
     with a ridge relative to each feature's scale so unexcited features stay at zero."""
-    k = len(free)
-    a = [[0.0] * k for _ in range(k)]
-    rhs = [0.0] * k
-    for x, y, w in rows:
-        xs = [x[i] for i in free]
-        for i in range(k):
-            rhs[i] += w * xs[i] * y
-            for j in range(k):
-                a[i][j] += w * xs[i] * xs[j]
-    for i in range(k):
-        a[i][i] += ridge * (a[i][i] + 1.0)
-    # Gaussian elimination with partial pivoting on a k x k system (k <= 7).
-    for col in range(k):
-        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
-        a[col], a[pivot] = a[pivot], a[col]
-        rhs[col], rhs[pivot] = rhs[pivot], rhs[col]
-        if abs(a[col][col]) < 1e-300:
-            continue
-        for r in range(col + 1, k):
-            f = a[r][col] / a[col][col]
-            if f:
-                for c in range(col, k):
-                    a[r][c] -= f * a[col][c]
-                rhs[r] -= f * rhs[col]
-    sol = [0.0] * k
-    for i in range(k - 1, -1, -1):
-        s = rhs[i] - sum(a[i][j] * sol[j] for j in range(i + 1, k))
-        sol[i] = s / a[i][i] if abs(a[i][i]) > 1e-300 else 0.0
+    xs = x[:, free]
+    a = (xs * w[:, None]).T @ xs
+    rhs = (xs * w[:, None]).T @ y
+    a[np.diag_indices_from(a)] += ridge * (np.diag(a) + 1.0)
+    sol = np.linalg.lstsq(a, rhs, rcond=None)[0]
     coef = [0.0] * len(FEATURES)
     for i, v in zip(free, sol):
-        coef[i] = v
+        coef[i] = float(v)
     return coef

@@ -76,13 +76,17 @@ def _verify_pass(runner: ModelRunner, speculator, rows: list[int], prefix: int, 
 
 
 def target_points(runner: ModelRunner, batch: int, k: int, context_len: int,
-                  speculator=None) -> dict[tuple[int, int], float]:
+                  speculator=None) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
     """Seconds of a target pass by (requests, draft tokens verified in all): plain decode at batch
     1 and ``batch``, and verify passes of k at batch 1, and of 1 and k per request at ``batch``
-    (what separates the switch to the verify path from the cost of each verified token)."""
-    shapes = [(1, 1), (batch, 1), (1, k + 1), (batch, 2), (batch, k + 1)]
+    (what separates the switch to the verify path from the cost of each verified token); and
+    seconds of a plain pass by batch size, at 1, 2, 4, ... and ``batch`` (what a request still
+    running costs a round, which is not linear: see ``StepCost.plain``)."""
+    sizes = sorted({min(2 ** i, batch) for i in range(batch.bit_length() + 1)})
+    shapes = [(1, 1), (batch, 1), (1, k + 1), (batch, 2), (batch, k + 1)] + [(b, 1) for b in sizes]
     timed = time_passes(runner, sorted(set(shapes)), context_len, speculator=speculator)
-    return {(b, b * (w - 1)): s for (b, w), s in timed.items()}
+    target = {(b, b * (w - 1)): timed[(b, w)] for b, w in shapes[:5]}
+    return target, {b: timed[(b, 1)] for b in sizes}
 
 
 CATCH_UP_TOKENS = 32  # the width of the timed catch-up pass
