@@ -8,7 +8,9 @@ the methods: no speculation, NGRAM with 4 drafts every round (fixed), NGRAM with
 (and with --standalone: STANDALONE over a dynamically int8-quantised copy, fixed and adaptive).
 Each engine is built once and serves every point, as a worker would. On a shared machine, load
 moves speeds by a factor within minutes, so every point runs its methods back to back, in a
-rotating order, ``--repeats`` times, and each method keeps its best run. Every output of every run
+rotating order, ``--repeats`` times; a method's cell is the median of its runs, and adaptive is
+compared with the better of none and fixed run by run (the runs of one repeat are minutes apart
+at most), the median of those paired ratios with their spread (min-max) reported. Every output of every run
 is checked token for token against an independent greedy reference: transformers' generate,
 without sampling, one prompt at a time. The measure is tokens per CPU second of the process
 (one torch thread by default): other processes stretch wall-clock time by a factor, the CPU time
@@ -115,15 +117,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (CPU time per token is the measure)")
-    ap.add_argument("--repeats", type=int, default=2, help="runs of each method per point; the best counts")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each method per point (medians are reported)")
     ap.add_argument("--standalone", action="store_true", help="also STANDALONE over an int8 copy, fixed and adaptive")
     ap.add_argument("--concurrency", type=int, nargs="*", default=list(CONCURRENCY))
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
     ap.add_argument("--quick", action="store_true", help="concurrency 1 and 8, 16 new tokens, one run each")
     ap.add_argument("--json")
     ap.add_argument("--plot", help="PNG of tokens/s against concurrency, one panel per workload")
-    ap.add_argument("--from-json", nargs="+", help="only tabulate (and plot) saved runs; of several, each "
-                    "method keeps its best run at each point")
+    ap.add_argument("--from-json", nargs="+", help="only tabulate (and plot) saved runs; of several, their "
+                    "runs are pooled at each point")
     args = ap.parse_args(argv)
     if args.from_json:
         rows = pooled([json.loads(Path(f).read_text())["rows"] for f in args.from_json])
@@ -161,30 +163,22 @@ def main(argv=None) -> int:
     for kind in args.workloads:
         for c in args.concurrency:
             prompts = workload_prompts(kind, c)
-            best: dict[str, dict] = {}
-            exact = {m: True for m in names}
-            wall: dict[str, float] = {}  # the best wall-clock tok/s of each method's runs
+            runs: dict[str, list[dict]] = {m: [] for m in names}
             for rep in range(args.repeats):
                 for j in range(len(names)):  # a rotating order: no method always runs first
                     method = names[(j + rep) % len(names)]
                     outs, secs, info = run(methods[method], [ids[p] for p in prompts], n)
-                    exact[method] &= all(o == reference[p] for o, p in zip(outs, prompts))
                     tokens = sum(len(o) for o in outs)
-                    row = {"workload": kind, "concurrency": c, "method": method, "tokens": tokens, "seconds": secs,
-                           "tok_per_s": tokens / secs, "tok_per_cpu_s": tokens / info["cpu_seconds"],
-                           "runs": args.repeats, **info}
-                    if method not in best or row[METRIC] > best[method][METRIC]:
-                        best[method] = row
-                    wall[method] = max(wall.get(method, 0.0), row["tok_per_s"])
+                    runs[method].append({"tokens": tokens, "seconds": secs, "tok_per_s": tokens / secs,
+                                         "tok_per_cpu_s": tokens / info["cpu_seconds"],
+                                         "exact": all(o == reference[p] for o, p in zip(outs, prompts)), **info})
                     loads.append(os.getloadavg()[0])
             for method in names:
-                r = best[method]
-                r["exact"] = exact[method]  # every run of the point, not only the best
-                r["best_wall_tok_per_s"] = wall[method]
+                r = summarise(kind, c, method, runs[method])
                 rows.append(r)
                 extra = "".join(f" {k} {r[k]:.2f}" for k in ("drafting_rounds", "predicted_over_measured") if k in r)
-                print(f"  {kind} c={c} {method}: {r[METRIC]:.1f} tok/CPU-s, {r['best_wall_tok_per_s']:.1f} tok/s "
-                      f"exact={r['exact']}{extra}",
+                print(f"  {kind} c={c} {method}: {r[METRIC]:.1f} tok/CPU-s ({min(r['runs_' + METRIC]):.1f}-"
+                      f"{max(r['runs_' + METRIC]):.1f}), {r['tok_per_s']:.1f} tok/s exact={r['exact']}{extra}",
                       file=sys.stderr, flush=True)
     meta = {"max_new_tokens": n, "repeats": args.repeats, "threads": args.threads,
             "minutes": (time.time() - started) / 60, "load_average": [min(loads), statistics.median(loads), max(loads)]}
@@ -198,61 +192,81 @@ def main(argv=None) -> int:
     return 0 if all(r["exact"] for r in rows) else 1
 
 
+def summarise(kind: str, c: int, method: str, runs: list[dict]) -> dict:
+    """One method at one point: medians over its runs, every run's measures kept (in run order,
+    so that runs of the same repeat can be paired), exact only if every run was."""
+    row = {"workload": kind, "concurrency": c, "method": method, "runs": len(runs),
+           "exact": all(r["exact"] for r in runs)}
+    for key in ("tokens", "seconds", "tok_per_s", "tok_per_cpu_s", "cpu_seconds", "drafting_rounds",
+                "predicted_over_measured", "draft_tokens_per_round"):
+        values = [r[key] for r in runs if key in r]
+        if values:
+            row[key] = statistics.median(values)
+            row["runs_" + key] = values
+    return row
+
+
 def pooled(runs: list[list[dict]]) -> list[dict]:
-    """Rows of several runs: at each point each method's best, exact only if every run was."""
-    best: dict[tuple, dict] = {}
+    """Rows of several saved runs of the script: at each point each method's runs together."""
+    by: dict[tuple, list[dict]] = {}
     for rows in runs:
         for r in rows:
-            key = (r["workload"], r["concurrency"], r["method"])
-            kept = best.get(key)
-            exact = r["exact"] and (kept is None or kept["exact"])
-            if kept is None or r[METRIC] > kept[METRIC]:
-                kept = best[key] = dict(r)
-            kept["exact"] = exact
-            kept["best_wall_tok_per_s"] = max(kept["best_wall_tok_per_s"], r["best_wall_tok_per_s"])
-    return list(best.values())
+            per_run = [{k.removeprefix("runs_"): v[i] for k, v in r.items() if k.startswith("runs_")}
+                       for i in range(r["runs"])]
+            for x in per_run:
+                x["exact"] = r["exact"]
+            by.setdefault((r["workload"], r["concurrency"], r["method"]), []).extend(per_run)
+    return [summarise(*key, rs) for key, rs in by.items()]
 
 
 FAMILIES = ("NGRAM", "STANDALONE int8")
 # Tokens per CPU second of the benchmark's one thread: what other processes on a shared machine
-# do to wall-clock time (a factor, within minutes) they do far less to the CPU time spent.
+# do to wall-clock time (a factor, within minutes) they do far less to the CPU time spent
+# (though not nothing: they share the caches and the memory bus).
 METRIC = "tok_per_cpu_s"
 
 
 def verdicts(rows, key: str = "tok_per_cpu_s") -> list[dict]:
-    """Per point and family: adaptive over the better of none and fixed, and whether the goal holds
-    (within 5% everywhere; strictly better than both on the mixed workload)."""
-    by = {(r["workload"], r["concurrency"], r["method"]): r[key] for r in rows}
+    """Per point and family: adaptive over the better of none and fixed, run by run (the runs of
+    one repeat were back to back), the median of those ratios, its spread, and whether the goal
+    holds by the median (within 5% everywhere; strictly better than both on the mixed workload)."""
+    by = {(r["workload"], r["concurrency"], r["method"]): r["runs_" + key] for r in rows}
     out = []
     for (kind, c, method), adaptive in by.items():
         family = method.removesuffix(" adaptive")
         if family not in FAMILIES or method == family:
             continue
-        best = max(by[(kind, c, "none")], by[(kind, c, f"{family} fixed k=4")])
-        ratio = adaptive / best
-        out.append({"workload": kind, "concurrency": c, "family": family, "ratio": ratio,
-                    "met": ratio > 1.0 if kind == "mixed" else ratio >= 0.95})
+        ratios = [a / max(none, fixed) for a, none, fixed in
+                  zip(adaptive, by[(kind, c, "none")], by[(kind, c, f"{family} fixed k=4")])]
+        ratio = statistics.median(ratios)
+        out.append({"workload": kind, "concurrency": c, "family": family, "ratio": ratio, "low": min(ratios),
+                    "high": max(ratios), "met": ratio > 1.0 if kind == "mixed" else ratio >= 0.95})
     return out
 
 
 def print_table(rows) -> None:
-    """Markdown: tokens per CPU second per method, and adaptive against the better of none and
-    fixed, by that measure and by wall-clock time."""
+    """Markdown: median tokens per CPU second per method (min-max over the runs), and adaptive
+    against the better of none and fixed, paired run by run: median (min-max), by that measure;
+    the median by wall-clock time in brackets."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
     by = {(r["workload"], r["concurrency"], r["method"]): r for r in rows}
     ratio = {(v["workload"], v["concurrency"], v["family"]): v for v in verdicts(rows)}
-    wall = {(v["workload"], v["concurrency"], v["family"]): v for v in verdicts(rows, "best_wall_tok_per_s")}
+    wall = {(v["workload"], v["concurrency"], v["family"]): v for v in verdicts(rows, "tok_per_s")}
     families = [f for f in FAMILIES if f"{f} adaptive" in methods]
     print("| workload | c | " + " | ".join(methods) + " | " +
-          " | ".join(f"{f} adaptive / best (wall)" for f in families) +
+          " | ".join(f"{f} adaptive / best, runs (wall)" for f in families) +
           f" | rounds drafted by adaptive ({', '.join(families)}) |")
     print("|---|---:|" + "---:|" * (len(methods) + len(families)) + "---:|")
     for kind in dict.fromkeys(r["workload"] for r in rows):
         for c in sorted({r["concurrency"] for r in rows if r["workload"] == kind}):
-            cells = [f"{by[(kind, c, m)][METRIC]:.1f}" for m in methods]
+            cells = []
+            for m in methods:
+                values = by[(kind, c, m)]["runs_" + METRIC]
+                cells.append(f"{statistics.median(values):.1f} ({min(values):.0f}-{max(values):.0f})")
             for f in families:
                 v = ratio[(kind, c, f)]
-                cells.append(f"{'' if v['met'] else '**'}{v['ratio']:.2f}{'' if v['met'] else '**'} "
+                mark = "" if v["met"] else "**"
+                cells.append(f"{mark}{v['ratio']:.2f}{mark} ({v['low']:.2f}-{v['high']:.2f}) "
                              f"({wall[(kind, c, f)]['ratio']:.2f})")
             cells.append(", ".join(f"{by[(kind, c, f + ' adaptive')]['drafting_rounds']:.0%}" for f in families))
             print(f"| {kind} | {c} | " + " | ".join(cells) + " |")

@@ -312,3 +312,15 @@ def test_the_plain_round_follows_the_measured_curve():
                     plain={1: 0.06, 2: 0.09, 4: 0.09, 8: 0.11, 16: 0.16}, learn=False)
     assert cost.plain(3) == pytest.approx(0.09) and cost.plain(12) == pytest.approx(0.135)
     assert cost.plain(16) == pytest.approx(0.16) and cost.plain(32) > 0.16
+
+
+def test_a_lookup_that_finds_nothing_counts_against_the_request():
+    """Asked for 4 drafts, an n-gram lookup that matches nothing gives no token: the request's
+    estimate falls as after a rejection, and one that is never asked keeps its own."""
+    policy = SpecPolicy("adaptive", "NGRAM", 4, overhead_bound())
+    before = policy.acceptance(1)[0]
+    for _ in range(3):
+        policy.record([1, 2], [4, 0], [0, 0], [0, 0], 1.0)
+    assert policy.acceptance(1)[0] < before / 2
+    assert policy.acceptance(2)[0] < before  # the algorithm's estimate fell too, and 2 leans on it
+    assert policy.acceptance(2)[0] > policy.acceptance(1)[0]

@@ -348,15 +348,19 @@ class SpecPolicy:
         return probed
 
     def record(self, rids: list[int], ks: list[int], proposed: list[int], accepted: list[int], seconds: float) -> None:
-        """A finished round: acceptance per request and algorithm, and the measured step time."""
+        """A finished round: acceptance per request and algorithm, and the measured step time. A
+        request that was asked for drafts and found none (an n-gram lookup that matched nothing)
+        counts as a rejection at the first position: asking it gave no token."""
         p, a = np.array(proposed, dtype=np.int64), np.array(accepted, dtype=np.int64)
-        if p.any():
-            drafted = p > 0
-            self.requests.observe(self.requests.rows([r for r, d in zip(rids, drafted) if d]), p[drafted], a[drafted])
-            self.algorithm_acceptance.observe_many(p[drafted], a[drafted])
+        judged = np.where((p == 0) & (np.array(ks, dtype=np.int64) > 0), 1, p)
+        drafted = judged > 0
+        if drafted.any():
+            rows = self.requests.rows([r for r, d in zip(rids, drafted) if d])
+            self.requests.observe(rows, judged[drafted], a[drafted])
+            self.algorithm_acceptance.observe_many(judged[drafted], a[drafted])
         if self.mode == FIXED:
             return
-        shape = (len(rids), int(p.sum()), int(p.max(initial=0)), int(drafted.sum()) if p.any() else 0)
+        shape = (len(rids), int(p.sum()), int(p.max(initial=0)), int((p > 0).sum()))
         if self.trace is not None:
             self.trace.append({"requests": shape[0], "ks": list(ks), "proposed": list(proposed),
                                "accepted": list(accepted), "predicted": self.cost(*shape), "seconds": seconds})
