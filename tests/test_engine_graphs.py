@@ -430,9 +430,11 @@ def test_the_policy_warm_up_times_verify_passes_as_rounds_run_them(models, monke
     allocator = eng.target_runner.token_to_kv_pool_allocator
     free = allocator.available_size()
     seen = _count_replays(monkeypatch)
-    points = target_points(eng.target_runner, MAX_BS, K, 256, eng.speculator)
+    points, plain = target_points(eng.target_runner, MAX_BS, K, 256, eng.speculator)
     assert set(points) == {(1, 0), (MAX_BS, 0), (1, K), (MAX_BS, MAX_BS), (MAX_BS, MAX_BS * K)}
-    assert sorted(set(seen)) == [(1, 1), (1, MAX_BS), (K + 1, 1), (K + 1, MAX_BS)]
+    sizes = sorted(plain)  # the plain-round curve: batch 1, 2, 4, ... and MAX_BS
+    assert sizes[0] == 1 and sizes[-1] == MAX_BS and all(b <= 2 * a for a, b in zip(sizes, sizes[1:]))
+    assert sorted(set(seen)) == [(1, b) for b in sizes] + [(K + 1, 1), (K + 1, MAX_BS)]
     assert seen.count((K + 1, MAX_BS)) == 2 * seen.count((1, MAX_BS))  # widths 2 and K + 1 both padded
     assert allocator.available_size() == free
 
