@@ -175,7 +175,7 @@ class SpecPolicy:
     choices: tuple[int, ...] | None = None  # the k a uniform batch may take (None: 0..K)
     probe_every: int = 8  # the fewest rounds between two probes
     probe_budget: float = 0.02  # the share of round time that probing may cost
-    first_probe_budget: float = 0.05  # the share of a new request's expected time its first probe may cost, net
+    first_probe_budget: float = 0.1  # the share of a new request's expected time its first probe may cost, net
     trace: list | None = None  # a list to append each round's choice, prediction and measurement to
     algorithm_acceptance: Acceptance = field(init=False)
     requests: RequestEstimates = field(init=False)
