@@ -1,24 +1,33 @@
 """How many tokens to draft: per step, and per request where the algorithm allows.
 
 The adaptive policy picks each request's draft length k in 0..K that maximises the batch's
-expected goodput, sum_r E[accepted_r + 1 | k_r] / step_time(round shape):
+expected goodput, sum_r (1 + v_r E[accepted_r | k_r]) / step_time(round shape):
 - acceptance is estimated by draft position, as the conditional rate P(accept i | accepted
   i - 1), per request and per algorithm: forgetting Beta estimates; a position's rate leans on
   the estimate's rate over all positions, a request's overall rate on the algorithm's, and the
-  algorithm's on a fixed per-algorithm prior (see ``Acceptance``);
+  algorithm's on a fixed per-algorithm prior (see ``Acceptance``; every request's estimate is a
+  row of ``RequestEstimates``, so a round costs a few numpy operations whatever the batch);
 - E[accepted | k] = sum_{i<=k} prod_{j<=i} a_j, so the gain of the i-th draft token of a request
   is prod_{j<=i} a_j and never grows with i: for a given verify width the best choice takes the
   largest gains, and the policy tries every width (and every draft depth) and keeps the best ratio;
+- v_r, what a token drafted for request r is worth as a share of an average token of the round:
+  1 while requests wait for a place (one that finishes early lets the next in) or for a request
+  that no other outlasts; less for one the others outlast in a draining batch, whose early finish
+  saves only its own place in the rounds it leaves (``_token_values``);
 - step_time is ``step_cost.StepCost``: a linear model of the round's shape, seeded by the warm-up
-  and refitted online over recent rounds, with machine load cancelled.
+  and refitted online over recent rounds, with machine load cancelled, and a measured curve of
+  plain rounds by batch size for what a request's place in a round costs.
 A request about to draft after rounds without drafting (or for the first time) first has its
 draft model cache the tokens committed since (``StepCost.catch_up``); that once-off cost is spread
 over the rounds the request has left and added to any round that turns it on. A new request
-expects at least its algorithm's fixed prior, however earlier requests did, so that one that copies
-from its prompt drafts within its first rounds, and its own evidence soon overrules that.
+expects at least its algorithm's fixed prior, however earlier requests did, and if that does not
+get it drafting it drafts once anyway (its first probe, at the length that costs least net of what
+it is expected to give, if that costs at most ``first_probe_budget`` of its expected time), so that
+one that copies from its prompt is found out in its first rounds.
 A request drafting nothing gets no new observation, so now and then the requests held at k = 0
-draft one token each, together, spaced so that probing costs at most ``probe_budget`` of the time:
-that is how speculation comes back once acceptance does.
+by their estimates draft one token each, together, spaced so that probing costs at most
+``probe_budget`` of the time: that is how speculation comes back once acceptance does. A lookup
+that found nothing to propose counts as a rejection: asking gave no token.
 
 The fixed policy drafts K tokens for every request (today's behaviour); both honour a request's
 own cap (``speculative: false`` is a cap of 0). Nothing here needs torch.
