@@ -172,8 +172,7 @@ def test_served_with_algorithm_mtp_completions_return_the_target_greedy_text(mod
     port = str(free_port())
     argv = ["--target", str(model_dir), "--algorithm", "MTP", "--num-draft-tokens", "2", "--spec-policy", "fixed", "--device", "cpu",
             "--device-memory-gib", "1.5", "--mem-fraction-static", "0.95", "--context-length", "64",
-            "--host", "127.0.0.1", "--port", port, "--log-level", "warning", "--served-model-name", "ds",
-            "--spec-policy", "fixed"]  # drafting every round: the adaptive choice depends on this machine's timing
+            "--host", "127.0.0.1", "--port", port, "--log-level", "warning", "--served-model-name", "ds"]
     with serving(argv) as (base, state):
         for p, text in expected.items():
             body = {"model": "ds", "prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
