@@ -265,14 +265,17 @@ class Engine:
                 runner.init_backends(args.cuda_graph_max_bs)
 
     def _warm_up(self) -> DynamicPeak:
-        """The largest prefill chunk and the largest graph batch at the verify width, once each,
-        through the target (and a draft model of its own); the peak is read where it can be."""
+        """The longest prompt in chunks (the draft catching up over it), then one speculative round
+        at the largest batch, through the speculator as serving runs them; the peak is read where
+        it can be (``warmup``)."""
         args = self.args
-        k = 0 if args.algorithm == "NONE" else args.num_draft_tokens
-        runners = [self.target_runner] + ([self.draft_runner] if args.algorithm == "STANDALONE" else [])
+        if self.target_runner.tp.size > 1:  # every rank would run its own passes: the collectives would not meet
+            return DynamicPeak(args.planned_dynamic_bytes, None,
+                               note="not measured under tensor parallelism: the ranks cannot run passes alone")
         try:
-            return warm_up(runners, args.planned_dynamic_bytes, args.chunked_prefill_size or args.context_len,
-                           args.cuda_graph_max_bs or args.max_running_requests, k + 1)
+            return warm_up(self.speculator, self.model_runners(), args.planned_dynamic_bytes,
+                           args.chunked_prefill_size or args.context_len,
+                           max(args.cuda_graph_max_bs, args.max_running_requests))
         except WarmUpOutOfMemory as exc:
             raise StartupError(str(exc)) from None
 

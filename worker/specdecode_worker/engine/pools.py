@@ -62,6 +62,13 @@ class ReqToTokenPool:
     def available_size(self) -> int:
         return len(self._free)
 
+    def free_rows(self) -> list[int]:
+        """The free list as it stands, for ``restore_free_rows`` (a pass that must leave no trace)."""
+        return list(self._free)
+
+    def restore_free_rows(self, rows: list[int]) -> None:
+        self._free = list(rows)
+
     def nbytes(self) -> int:
         return self.req_to_token.numel() * self.req_to_token.element_size()
 
@@ -86,6 +93,13 @@ class TokenToKVPoolAllocator:
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
             self._free = torch.cat([self._free, slots.to("cpu", torch.int64)])
+
+    def free_slots(self) -> torch.Tensor:
+        """The free list in its order, for ``restore_free_slots`` (a pass that must leave no trace)."""
+        return self._free.clone()
+
+    def restore_free_slots(self, slots: torch.Tensor) -> None:
+        self._free = slots.clone()
 
 
 class MHATokenToKVPool:

@@ -1,15 +1,29 @@
 """Phase 3's warm-up: the dynamic memory peak measured against the plan's ``R_dynamic``.
 
-After the attention backends and CUDA graphs are ready, the engine runs one forward pass at the
-largest prefill chunk (``chunkedPrefillSize`` tokens) and one at the largest graph batch with
-the verify width (``cudaGraphMaxBs`` requests of k + 1 tokens), over KV slots it takes and gives
-back. The allocator's peak over those passes, less what weights and pools hold, is the measured
-dynamic peak (activations, logits and the CUDA graph pools, which stay allocated). A measured
-value above the plan is logged as a warning with both numbers.
+After the attention backends, CUDA graphs and the speculator are ready, the engine serves two
+throw-away workloads through the speculator, the code path serving runs, at the plan's maxima:
 
-Only CUDA's caching allocator keeps a peak. On CPU there is nothing to read: the warm-up passes
-are skipped (they would only cost start-up time) and the measured value is None, reported as
-not measured, never estimated.
+1. the longest prompt (contextLength - 1 tokens, as many as the pool allows) prefilled in passes
+   of ``chunkedPrefillSize`` tokens, then one round for it, so a draft catches up over the whole
+   prompt in chunk-sized passes: an EAGLE head or MTP NextN layer reading the target features held
+   since the prefill, a STANDALONE draft model its own prompt pass;
+2. one speculative round at the largest batch serving runs (``maxRunningRequests``, which the
+   graph batch ``cudaGraphMaxBs`` never exceeds) with every request drafting K tokens: the draft
+   steps (chain, or tree steps under the tree mask), the verify pass (K + 1 rows, or the tree's
+   nodes, returning features for EAGLE and MTP), sampling with temperature, top-k and top-p (the
+   widest sampling buffers) and acceptance. NGRAM prompts repeat, so lookups find K tokens.
+
+Every slot, request row and free-list order is restored afterwards, on success or failure; the
+requests draw from their own seeded generators (the global RNG is never read) and never meet the
+engine's counters or the speculation policy, which is built after this. The allocator's peak over
+both workloads, less what weights and pools hold, is the measured dynamic peak (activations,
+logits, sampling buffers and the CUDA graph pools, which stay allocated). A measured value above
+the plan is logged as a warning with both numbers; running out of memory is a start-up error
+naming the workload and what to lower.
+
+Only CUDA's caching allocator keeps a peak. On CPU there is nothing to read: the warm-up is skipped
+(it would only cost start-up time) and the measured value is None, reported as not measured,
+never estimated.
 """
 
 from __future__ import annotations
@@ -19,9 +33,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .batch import Segment, forward_segments
+from .batch_sampling import to_host
+from .request import Request, SamplingParams, make_generator
 
 log = logging.getLogger(__name__)
+
+# The warm-up's requests sample with every filter on: temperature, then a top-k and a top-p cut
+# (each a sort over the vocabulary), the most memory a round's sampling and acceptance can take.
+WARM_UP_SAMPLING = SamplingParams(max_tokens=1, temperature=1.0, top_k=2, top_p=0.9, seed=0)
+# Counters a speculator keeps across rounds; the warm-up puts them back as they were.
+SPECULATOR_COUNTERS = ("draft_tokens", "last_draft_seconds")
 
 
 class WarmUpOutOfMemory(RuntimeError):
@@ -32,9 +53,11 @@ class WarmUpOutOfMemory(RuntimeError):
 class DynamicPeak:
     planned: int | None  # R_dynamic of the plan served (None: no plan gave one)
     measured: int | None  # allocator peak beyond weights and pools over the warm-up (None: not measurable)
-    chunk_tokens: int = 0  # the prefill pass's tokens
-    batch: int = 0  # the batch pass's requests ...
-    width: int = 0  # ... and tokens per request
+    chunk_tokens: int = 0  # the largest prefill pass's tokens
+    batch: int = 0  # the round's requests ...
+    width: int = 0  # ... and verify rows per request
+    prompt_tokens: int = 0  # the long prompt prefilled in chunks (and caught up by the draft)
+    passes: tuple[str, ...] = ()  # what the warm-up ran, in order
     note: str = ""
 
     @property
@@ -42,7 +65,9 @@ class DynamicPeak:
         return self.planned is not None and self.measured is not None and self.measured > self.planned
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["passes"] = list(self.passes)
+        return out
 
 
 class CudaPeak:
@@ -73,57 +98,160 @@ def static_bytes(runners) -> int:
     return total
 
 
-def warm_up(runners, planned: int | None, chunk_tokens: int, batch: int, width: int) -> DynamicPeak:
-    """Run the two largest passes through ``runners`` (target first; the draft, when it is a model
-    of its own, at the same slots) and read the peak. ``runners[0]`` owns the shared pools."""
-    target = runners[0]
+@dataclass(frozen=True)
+class Workloads:
+    """The warm-up's two workloads for one speculator, clamped to what the pools hold."""
+
+    prompt: int  # the long prompt's tokens
+    chunk: int  # tokens per prefill pass (and per draft catch-up pass)
+    batch: int  # requests in the full round
+    batch_prompt: int  # each of their prompts' tokens
+    width: int  # verify rows per request
+
+    @classmethod
+    def fit(cls, spec, chunk_tokens: int, batch: int) -> "Workloads":
+        pool, alloc = spec.target.req_to_token_pool, spec.target.token_to_kv_pool_allocator
+        k, per_round = spec.k, spec.slots_per_round
+        context = pool.req_to_token.shape[1] - k - 1  # rows hold contextLength + k + 1 positions
+        prompt = max(1, min(context - 1, alloc.available_size() - per_round))
+        chunk = max(1, min(chunk_tokens or prompt, prompt))
+        # NGRAM finds K tokens after the latest earlier match of the last n tokens: two periods of
+        # k + 1 distinct tokens after n of them repeat far enough back.
+        batch_prompt = min(prompt, getattr(spec, "ngram_max", 0) + 2 * (k + 1))
+        batch = max(1, min(batch, pool.available_size(), alloc.available_size() // (batch_prompt + per_round)))
+        tree = getattr(spec, "tree_shape", None) if getattr(spec, "tree", False) else None
+        width = tree.width if tree is not None else k + 1
+        return cls(prompt, chunk, batch, batch_prompt, width)
+
+    def passes(self, spec) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """What serving runs that each workload exercises, in words (the DynamicPeak note)."""
+        draft = _draft_name(spec)
+        long = [f"target prefill of a {self.prompt}-token prompt in passes of up to {self.chunk} tokens"]
+        if draft:
+            reads = " with the target features it reads" if spec.algorithm != "STANDALONE" else ""
+            long.append(f"{draft} catch-up over that prompt in passes of up to {self.chunk} tokens{reads}")
+        full = []
+        if draft and getattr(spec, "tree", False):
+            shape = spec.tree_shape
+            full.append(f"{draft} tree steps: {self.batch} requests x {shape.steps} steps of top-{shape.topk}")
+        elif draft:
+            full.append(f"{draft} chain steps: {self.batch} requests x {spec.k}")
+        elif spec.algorithm == "NGRAM":
+            full.append(f"n-gram lookups: {self.batch} requests x {spec.k} tokens")
+        kind = "tree verify" if getattr(spec, "tree", False) else "verify" if spec.k else "decode"
+        features = " (+ features)" if spec.algorithm in ("EAGLE", "EAGLE3", "MTP") else ""
+        full.append(f"{kind}{features}: {self.batch} requests x {self.width} tokens, then sampling "
+                    f"(temperature, top-k, top-p) and acceptance")
+        return tuple(long), tuple(full)
+
+
+def _draft_name(spec) -> str | None:
+    if getattr(spec, "draft", None) is None:
+        return None
+    return {"STANDALONE": "draft model", "MTP": "NextN layer"}.get(spec.algorithm, "EAGLE head")
+
+
+def warm_up(spec, runners, planned: int | None, chunk_tokens: int, batch: int) -> DynamicPeak:
+    """Run the two workloads through ``spec`` (its target owns the shared pools) and read the peak.
+    ``runners``: every model runner, whose weights and pools are static."""
+    target = spec.target
     reader = peak_reader(target.device)
     if reader is None:
         return DynamicPeak(planned, None, note=f"not measurable on {target.device.type}: no allocator peak")
-    pool, alloc = target.req_to_token_pool, target.token_to_kv_pool_allocator
-    context = pool.req_to_token.shape[1]
-    chunk_tokens = max(1, min(chunk_tokens, context, alloc.available_size()))
-    batch = max(1, min(batch, pool.available_size(), alloc.available_size() // max(width, 1)))
-    width = max(1, min(width, context))
+    work = Workloads.fit(spec, chunk_tokens, batch)
+    long, full = work.passes(spec)
     static = static_bytes(runners)
     reader.reset()
-    try:
-        _run(runners, [chunk_tokens], last_only=True)
-        _run(runners, [width] * batch, last_only=False)
-    except torch.OutOfMemoryError as exc:  # serving would run out at its first full chunk or batch
-        raise WarmUpOutOfMemory(
-            f"phase 3's warm-up ran out of device memory (a pass of {chunk_tokens} prompt tokens, then one of "
-            f"{batch} x {width} tokens), with {planned} bytes planned for activations and graphs "
-            f"(reserve.dynamicBytes): give a smaller chunkedPrefillSize or cudaGraphMaxBs, or a lower "
-            f"--mem-fraction-static ({exc})") from None
+    for run, stage, lower in ((_long_prompt, long, "a smaller chunkedPrefillSize (or contextLength)"),
+                              (_full_round, full, "a smaller cudaGraphMaxBs and maxRunningRequests, or fewer "
+                                                  "draft tokens")):
+        try:
+            with _leaves_no_trace(spec) as trace:
+                run(spec, work, trace)
+        except torch.OutOfMemoryError as exc:  # serving would run out at its first long prompt or full batch
+            raise WarmUpOutOfMemory(
+                f"phase 3's warm-up ran out of device memory in: {'; '.join(stage)}; with {planned} bytes "
+                f"planned for activations and graphs (reserve.dynamicBytes): give {lower}, or a lower "
+                f"--mem-fraction-static ({exc})") from None
+    passes = long + full
     measured = max(0, reader.peak() - static)
-    peak = DynamicPeak(planned, measured, chunk_tokens, batch, width,
-                       note=f"warm-up: one pass of {chunk_tokens} prompt tokens, one of {batch} x {width} tokens")
+    peak = DynamicPeak(planned, measured, work.chunk, work.batch, work.width, work.prompt, passes,
+                       note="warm-up: " + "; ".join(passes))
     if peak.over_plan:
         log.warning("dynamic memory peak %d bytes measured in the warm-up is above the plan's %d bytes "
                     "(reserve.dynamicBytes): lower --mem-fraction-static or cudaGraphMaxBs/chunkedPrefillSize",
                     measured, planned)
     else:
-        log.info("dynamic memory peak: planned %s bytes, measured %d bytes", planned, measured)
+        log.info("dynamic memory peak: planned %s bytes, measured %d bytes (%s)", planned, measured, peak.note)
     return peak
 
 
-def _run(runners, lengths: list[int], last_only: bool) -> None:
-    """One forward per runner over fresh requests of ``lengths`` tokens at positions 0..n-1 (token
-    id 0), on slots taken for the pass and given back after it."""
-    target = runners[0]
-    pool, alloc = target.req_to_token_pool, target.token_to_kv_pool_allocator
-    rows = [pool.alloc() for _ in lengths]
-    slots = alloc.alloc(sum(lengths))
-    try:
-        segments, start = [], 0
-        for row, n in zip(rows, lengths):
-            pool.req_to_token[row, :n] = slots[start : start + n]
-            segments.append(Segment(row, [0] * n, 0))
-            start += n
-        for runner in runners:
-            forward_segments(runner, segments, last_only)
-    finally:
-        alloc.free(slots)
-        for row in rows:
-            pool.free(row)
+class _leaves_no_trace:
+    """Takes note of the pools' free lists and the speculator's counters; on leaving, whatever
+    happened, forgets the requests it made and puts back every slot, request row (its contents
+    too) and free-list order, and the counters, as they were."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.pool, self.alloc = spec.target.req_to_token_pool, spec.target.token_to_kv_pool_allocator
+
+    def __enter__(self) -> "_leaves_no_trace":
+        self.rows, self.slots = self.pool.free_rows(), self.alloc.free_slots()
+        self.counters = {name: getattr(self.spec, name) for name in SPECULATOR_COUNTERS if hasattr(self.spec, name)}
+        self.transfers = to_host.count
+        self.taken: list[tuple[Request, torch.Tensor]] = []
+        return self
+
+    def request(self, prompt: list[int], rid: int) -> Request:
+        """A warm-up request in a request row of its own; negative ids never meet a served one's."""
+        r = Request(prompt, WARM_UP_SAMPLING, rid=rid, generator=make_generator(WARM_UP_SAMPLING.seed))
+        r.req_idx = self.pool.alloc()
+        r.prefill_ids = list(prompt)
+        self.taken.append((r, self.pool.req_to_token[r.req_idx].clone()))
+        return r
+
+    def __exit__(self, *exc) -> None:
+        for r, row in self.taken:
+            self.spec.release(r)
+            self.pool.req_to_token[r.req_idx] = row
+        self.pool.restore_free_rows(self.rows)
+        self.alloc.restore_free_slots(self.slots)
+        for name, value in self.counters.items():
+            setattr(self.spec, name, value)
+        to_host.count = self.transfers
+
+
+def _prefill(spec, reqs: list[Request], chunk: int, next_token) -> None:
+    """Prefill ``reqs`` in passes of at most ``chunk`` tokens, oldest first, as serving does; each
+    then holds ``next_token(r)`` as its last committed token (not yet in any cache)."""
+    while pending := [r for r in reqs if r.kv_len < len(r.prefill_ids)]:
+        budget, batch, ends = chunk, [], []
+        for r in pending:
+            n = min(budget, len(r.prefill_ids) - r.kv_len)
+            if n <= 0:
+                break
+            batch.append(r)
+            ends.append(r.kv_len + n)
+            budget -= n
+        spec.prefill(batch, ends)
+    for r in reqs:
+        r.prefill_ids = None
+        r.output_ids = [next_token(r)]
+
+
+def _long_prompt(spec, work: Workloads, trace: _leaves_no_trace) -> None:
+    """The longest prompt in chunks, then one round: the draft catches up over all of it."""
+    vocab = spec.target.shape.vocab_size
+    r = trace.request([i % vocab for i in range(work.prompt)], rid=-1)
+    _prefill(spec, [r], work.chunk, lambda r: 0)
+    if spec.k:
+        spec.decode_round([r])
+
+
+def _full_round(spec, work: Workloads, trace: _leaves_no_trace) -> None:
+    """The largest batch, each request drafting K tokens (a repeating prompt, so NGRAM finds them)."""
+    period = spec.k + 1
+    pattern = [1 + i % period for i in range(work.batch_prompt + 1)]
+    reqs = [trace.request(pattern[:-1], rid=-2 - i) for i in range(work.batch)]
+    _prefill(spec, reqs, work.chunk, lambda r: pattern[-1])
+    spec.decode_round(reqs)
