@@ -11,10 +11,12 @@ contextLength 8192 and every other size at the planner's default for the GPU fou
 It reports
   - start-up of the example's settings (8B + EAGLE3, default cudaGraphMaxBs) without OOM;
   - planned against allocated KV tokens;
-  - planned against measured dynamic peak: phase 3's warm-up (one pass at the largest prefill
-    chunk, one at the largest graph batch x the verify width, after every CUDA graph is captured)
-    reads the allocator's peak of allocated bytes minus weights and pools; next to it the
-    caching allocator's reserved peak after the EAGLE3 runs, minus the same;
+  - planned against measured dynamic peak, for every engine row (EAGLE3 chain, EAGLE3 tree, each
+    STANDALONE draft, MTP): phase 3's warm-up (after every CUDA graph is captured, the longest
+    prompt prefilled in chunks with the draft catching up over it, then one speculative round at
+    the largest batch: draft steps, verify, sampling and acceptance) reads the allocator's peak of
+    allocated bytes minus weights and pools; next to it the caching allocator's reserved peak
+    after the EAGLE3 runs, minus the same;
   - decode tok/s at batch 1, 8, 64 (1k-token prompts, 256 new tokens) against the roofline
     (weights + live KV bytes per step over the measured device-to-device copy bandwidth);
   - decode step time at batch 64 with live length 1k against 7k;
@@ -325,6 +327,13 @@ def static_bytes(eng) -> int:
     return total
 
 
+def record_peak(res: dict, row: str, eng) -> None:
+    """Phase 3's planned against measured dynamic peak of the engine serving ``row``."""
+    peak = eng.dynamic_peak
+    res.setdefault("peaks", []).append({"row": row, "planned": peak.planned, "measured": peak.measured,
+                                        "passes": list(peak.passes), "note": peak.note})
+
+
 # ---- the report ---------------------------------------------------------------------------------
 # One function per engine: its locals (engine, runners) die when it returns, so the next engine is
 # planned against a GPU the last one has left.
@@ -341,7 +350,8 @@ def startup_phase(s: Settings, models, res: dict) -> None:
     res["planned_kv_tokens"] = plan["kvCache"]["maxTotalNumTokens"]
     res["allocated_kv_tokens"] = eng.target_runner.token_to_kv_pool_allocator.size
     res["planned_dynamic_bytes"] = r["dynamicBytes"]
-    res["warmup"] = eng.dynamic_peak.as_dict()  # phase 3: allocated peak at the largest chunk and graph batch
+    res["warmup"] = eng.dynamic_peak.as_dict()  # phase 3: allocated peak over the warm-up's workloads
+    record_peak(res, "EAGLE3 chain", eng)
     res["cuda_graph_max_bs"], res["chunked_prefill_size"] = r["cudaGraphMaxBs"], r["chunkedPrefillSize"]
     generate(eng, s, min(r["cudaGraphMaxBs"], r["maxRunningRequests"]), 16, 4)  # largest graph batch
     generate(eng, s, 1, min(s.chunk, s.context - 8), 2)  # largest prefill chunk
@@ -375,6 +385,7 @@ def decode_phase(s: Settings, models, res: dict, bw: float) -> dict:
 def spec_phase(s: Settings, models, res: dict, name: str, base: dict) -> None:
     """STANDALONE with draft ``name`` against the plain engine, on the same prompts."""
     eng, _ = engine(s, models, "target", "STANDALONE", name)
+    record_peak(res, f"STANDALONE {name}", eng)
     for b in s.spec_batches:
         before = (eng.stats.accepted_tokens, eng.stats.proposed_tokens)
         out = generate(eng, s, b, s.prompt, s.new_tokens, seed=5)
@@ -395,6 +406,7 @@ def tree_phase(s: Settings, models, res: dict, base: dict) -> None:
     (the graph batch sizes the plan priced for the tree)."""
     eng, plan = engine(s, models, "target", "EAGLE3", "eagle3", extra=TREE)
     randomise_head(eng.draft_runner.model, 7)
+    record_peak(res, "EAGLE3 tree", eng)
     b = s.spec_batches[0]
     before = (eng.stats.accepted_tokens, eng.stats.verify_rounds)
     out = generate(eng, s, b, s.prompt, s.new_tokens, seed=5)
@@ -417,6 +429,8 @@ def mtp_phase(s: Settings, models, res: dict) -> None:
     runs, sweep = {}, []
     for method, algorithm, policy in MTP_METHODS:
         eng, _ = engine(s, models, "deepseek", algorithm, policy=policy)
+        if method == "fixed":
+            record_peak(res, "MTP", eng)
         if policy == "fixed":
             runs[algorithm] = generate_counting(eng, s, 1, s.new_tokens, seed=9)
         for c in s.sweep_batches:
@@ -514,9 +528,9 @@ def table(res: dict) -> str:
         warm = res["warmup"]
         measured = warm["measured"]
         rows.append(("dynamic bytes planned / measured", f"{res['planned_dynamic_bytes'] / gib:.2f} GiB / "
-                     + (f"{measured / gib:.2f} GiB (warm-up: {warm['chunk_tokens']} prompt tokens, "
-                        f"{warm['batch']} x {warm['width']} tokens)" if measured is not None
-                        else f"not measured ({warm['note']})")))
+                     + (f"{measured / gib:.2f} GiB (warm-up: a {warm['prompt_tokens']}-token prompt in "
+                        f"{warm['chunk_tokens']}-token chunks, a round of {warm['batch']} x {warm['width']} tokens)"
+                        if measured is not None else f"not measured ({warm['note']})")))
         reserved = res.get("serving_reserved_dynamic_bytes")
         if reserved is not None:
             rows.append(("reserved beyond static after serving", f"{reserved / gib:.2f} GiB"))
@@ -537,7 +551,7 @@ def table(res: dict) -> str:
                          f"acceptance {r['acceptance']:.2f}, {r['tok_s']:.1f} vs {r['baseline_tok_s']:.1f} tok/s = "
                          f"{r['speedup']:.2f}x, same output: {r['same_output']}"))
         if "mtp" not in res:
-            return _render(rows + [("MTP (DeepSeek-V3 cut)", res.get("mtp_error", "not run"))])
+            return _render(rows + [("MTP (DeepSeek-V3 cut)", res.get("mtp_error", "not run"))] + peak_rows(res))
         m = res["mtp"]
         rows.append((f"MTP (DeepSeek-V3 cut) k={m['k']} batch 1",
                      f"acceptance {m['acceptance']:.2f}, {m['tok_s']:.1f} vs {m['baseline_tok_s']:.1f} tok/s = "
@@ -545,7 +559,20 @@ def table(res: dict) -> str:
         for c, best, adaptive, cells in sweep_rows(res["mtp_sweep"]):
             rows.append((f"MTP k={m['k']} sweep, {c} requests", f"{cells}; adaptive / best of none, fixed = "
                          f"{adaptive / best:.2f}"))
+    rows += peak_rows(res)
     return _render(rows)
+
+
+def peak_rows(res: dict) -> list[tuple[str, str]]:
+    """Planned against measured dynamic peak, one row per engine the report started."""
+    gib, rows = 1 << 30, []
+    for p in res.get("peaks", []):
+        planned = "no plan" if p["planned"] is None else f"{p['planned'] / gib:.2f} GiB"
+        measured = "not measured" if p["measured"] is None else f"measured {p['measured'] / gib:.2f} GiB"
+        verdict = "" if None in (p["planned"], p["measured"]) else \
+            (", within plan" if p["measured"] <= p["planned"] else ", ABOVE PLAN")
+        rows.append((f"dynamic peak {p['row']}", f"planned {planned} / {measured}{verdict}"))
+    return rows
 
 
 def _render(rows: list[tuple[str, str]]) -> str:

@@ -34,6 +34,10 @@ def test_tiny_run_reports_every_row(tmp_path, capsys, monkeypatch):
     assert 0 < res["planned_dynamic_bytes"] < 64 << 20
     # Phase 3's warm-up: the plan's number next to no measurement on CPU (none is invented).
     assert res["warmup"]["planned"] == res["planned_dynamic_bytes"] and res["warmup"]["measured"] is None
+    # ... and for every engine row, each with its own plan.
+    rows = ["EAGLE3 chain", "EAGLE3 tree", "STANDALONE copy", "STANDALONE perturbed", "STANDALONE draft1b", "MTP"]
+    assert [p["row"] for p in res["peaks"]] == rows
+    assert all(p["planned"] > 0 and p["measured"] is None for p in res["peaks"])
     assert [d["batch"] for d in res["decode"]] == list(bench.TINY.batches)
     assert all(d["decode_tokens"] > 0 and d["roofline_tok_s"] > 0 for d in res["decode"])
     # EAGLE3 drafting trees: the greedy output is the plain engine's on the same prompts.
@@ -61,5 +65,6 @@ def test_tiny_run_reports_every_row(tmp_path, capsys, monkeypatch):
     for label in ("KV tokens planned / allocated", "dynamic bytes planned / measured", "decode batch 1",
                   "step time at live length", "EAGLE3 tree top-3, 3 steps, 6 nodes batch 2",
                   "STANDALONE perturbed k=3 batch 2",
-                  "MTP (DeepSeek-V3 cut) k=3 batch 1", "MTP k=3 sweep, 2 requests"):
+                  "MTP (DeepSeek-V3 cut) k=3 batch 1", "MTP k=3 sweep, 2 requests",
+                  *(f"dynamic peak {row}" for row in rows)):
         assert label in table
