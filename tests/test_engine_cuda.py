@@ -273,28 +273,50 @@ def test_tree_drafting_and_acceptance_never_synchronise():
     assert all(0 <= c <= shape.steps for c in count) and all(0 <= t < vocab for t in nxt)
 
 
-def test_example_sizes_start_at_context_8192_with_the_default_graph_batch_and_the_peak_within_plan(tmp_path, capsys):
-    """A 1 GB bf16 target with an EAGLE3 head, planned at contextLength 8192 with the planner's
-    defaults for this GPU (cudaGraphMaxBs, chunkedPrefillSize), starts, captures its graphs, and
-    phase 3's warm-up measures a dynamic peak at or below the plan's."""
-    target = one_gb_bf16_model(tmp_path / "big")
-    head = write_eagle3_head(tmp_path / "head", target, draft_vocab=8000, seed=3)
-    argv = ["--target", str(target), "--draft", str(head), "--algorithm", "EAGLE3", "--context-length", "8192"]
+@pytest.mark.parametrize("case", ["EAGLE3-chain", "EAGLE3-tree", "MTP"])
+def test_example_sizes_start_at_context_8192_with_the_default_graph_batch_and_the_peak_within_plan(
+        tmp_path, capsys, case):
+    """Planned at contextLength 8192 with the planner's defaults for this GPU (cudaGraphMaxBs,
+    chunkedPrefillSize): a 1 GB bf16 target with an EAGLE3 head drafting chains or trees, and the
+    tiny DeepSeek-V3 drafting with its NextN layer, start, capture their graphs, and phase 3's
+    warm-up (the longest prompt in chunks with the draft catching up, then a full speculative
+    round) measures a dynamic peak at or below the plan's."""
+    tree = ("--speculative-eagle-topk", "3", "--speculative-num-steps", "3", "--num-draft-tokens", "6")
+    if case == "MTP":
+        if not hasattr(transformers, "DeepseekV3ForCausalLM"):
+            pytest.skip("this transformers has no DeepseekV3ForCausalLM")
+        from tests.deepseek_models import write_tiny_deepseek
+
+        target, draft, algorithm, extra = write_tiny_deepseek(tmp_path / "ds", mtp=True,
+                                                              max_position_embeddings=8192), None, "MTP", ()
+        kw, dtype = dict(num_draft_tokens=3), None
+    else:
+        target = one_gb_bf16_model(tmp_path / "big")
+        draft, algorithm = write_eagle3_head(tmp_path / "head", target, draft_vocab=8000, seed=3), "EAGLE3"
+        extra = tree if case == "EAGLE3-tree" else ("--num-draft-tokens", "3")
+        kw = dict(num_draft_tokens=6, speculative_num_steps=3, speculative_eagle_topk=3) if case == "EAGLE3-tree" \
+            else dict(num_draft_tokens=3)
+        dtype = "bfloat16"
+    argv = ["--target", str(target), "--algorithm", algorithm, "--context-length", "8192", *extra]
+    if draft is not None:
+        argv += ["--draft", str(draft)]
     assert plan_cli.main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
     reserve = plan["reserve"]
     assert reserve["cudaGraphMaxBs"] > 0
-    eng = engine(target, "EAGLE3", head, device="cuda", device_memory_bytes=None,
+    eng = engine(target, algorithm, draft, device="cuda", device_memory_bytes=None,
                  mem_fraction_static=plan["memFractionStatic"], runtime_bytes=reserve["runtimeBytes"], context_len=8192,
                  cuda_graph_max_bs=reserve["cudaGraphMaxBs"], max_running_requests=reserve["maxRunningRequests"],
                  chunked_prefill_size=reserve["chunkedPrefillSize"], planned_dynamic_bytes=reserve["dynamicBytes"],
-                 planned_tokens=plan["kvCache"]["maxTotalNumTokens"], num_draft_tokens=3, dtype="bfloat16")
+                 planned_tokens=plan["kvCache"]["maxTotalNumTokens"], dtype=dtype, **kw)
     peak = eng.dynamic_peak
-    print(f"dynamic bytes planned {peak.planned}, measured {peak.measured} ({peak.note}); KV tokens planned "
-          f"{plan['kvCache']['maxTotalNumTokens']}, allocated {eng.memory_profile.max_total_num_tokens}")
+    print(f"{case}: dynamic bytes planned {peak.planned}, measured {peak.measured} ({peak.note}); KV tokens "
+          f"planned {plan['kvCache']['maxTotalNumTokens']}, allocated {eng.memory_profile.max_total_num_tokens}")
     assert peak.measured is not None and peak.measured <= peak.planned
-    assert peak.chunk_tokens == reserve["chunkedPrefillSize"]
-    assert eng.speculator._graphs, "the EAGLE3 chain's draft and verify graphs were captured"
+    assert peak.chunk_tokens == min(reserve["chunkedPrefillSize"], 8191) and peak.prompt_tokens == 8191
+    assert peak.batch == reserve["maxRunningRequests"] and peak.width == kw["num_draft_tokens"] + 1
+    assert any("catch-up" in p for p in peak.passes) and any("sampling" in p for p in peak.passes)
+    assert eng.speculator._graphs, "the draft and verify graphs were captured"
     out = eng.generate(list(range(3, 40)), SamplingParams(max_tokens=8, ignore_eos=True)).output_ids
     assert len(out) == 8
 
