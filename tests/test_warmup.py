@@ -9,6 +9,7 @@ counted at the models' forward entry points, the samplers and the acceptance fun
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from specdecode_worker import metrics  # noqa: E402
+from specdecode_worker import metrics, server  # noqa: E402
 from specdecode_worker.contract import ExitCode  # noqa: E402
 from specdecode_worker.engine import batch_sampling, eagle_speculator, speculative, warmup  # noqa: E402
 from specdecode_worker.engine.eagle_speculator import EagleSpeculator  # noqa: E402
@@ -191,11 +192,13 @@ def test_the_warm_up_runs_every_pass_the_plan_prices_at_its_maxima(models, monke
     if case == "STANDALONE":
         draft = passes.of("forward", "draft")
         assert max(c[2] for c in draft) == CHUNK
+        assert sum(c[2] for c in draft if c[3] == 1) >= prompt  # the long prompt's catch-up, alone
         assert [c[3] for c in draft].count(BATCH) >= K - 1  # one token per request per step
     elif eagle:
         draft = passes.of("draft")
         extends = [c for c in draft if c[1] == "draft" and c[2] == CHUNK]
         assert extends and all(c[4] == c[2] for c in extends)  # one target feature per token
+        assert sum(c[2] for c in draft if c[1] == "draft" and c[3] == 1) >= prompt  # the long prompt's catch-up
         if tree:
             steps = [c for c in passes.of("draft", "draft_tree") if c[3] == BATCH]
             assert len(steps) == TREE["speculative_num_steps"] - 1
@@ -336,6 +339,21 @@ def test_a_peak_within_plan_logs_no_warning(models, monkeypatch, caplog):
         eng = engine(models["target"], planned_dynamic_bytes=PLANNED, chunked_prefill_size=16)
     assert eng.dynamic_peak.measured == PLANNED - 1 and not eng.dynamic_peak.over_plan
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # /plan shows planned against measured, and what the warm-up ran.
+    http = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(server=SimpleNamespace(
+        engine=eng, plan={"reserve": {"dynamicBytes": PLANNED}}))))
+    dynamic = asyncio.run(server.plan(http))["dynamicBytes"]
+    assert (dynamic["planned"], dynamic["measured"]) == (PLANNED, PLANNED - 1)
+    assert dynamic["passes"] == list(eng.dynamic_peak.passes) and "decode" in dynamic["passes"][-1]
+    assert dynamic["note"] == eng.dynamic_peak.note
+
+
+def test_under_tensor_parallelism_the_warm_up_is_not_run_and_says_why(models, monkeypatch):
+    eng = engine(models["target"], planned_dynamic_bytes=PLANNED)
+    fake, passes = _instrument(monkeypatch, 0)
+    monkeypatch.setattr(eng.target_runner, "tp", SimpleNamespace(size=2, is_leader=True))
+    peak = eng._warm_up()
+    assert fake.resets == 0 and peak.measured is None and "tensor parallelism" in peak.note
 
 
 def test_the_retraction_counter_is_exported(models):

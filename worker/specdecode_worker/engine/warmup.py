@@ -117,7 +117,7 @@ class Workloads:
         chunk = max(1, min(chunk_tokens or prompt, prompt))
         # NGRAM finds K tokens after the latest earlier match of the last n tokens: two periods of
         # k + 1 distinct tokens after n of them repeat far enough back.
-        batch_prompt = min(prompt, getattr(spec, "ngram_max", 0) + 2 * (k + 1))
+        batch_prompt = max(1, min(prompt, getattr(spec, "ngram_max", 0) + 2 * (k + 1)))
         batch = max(1, min(batch, pool.available_size(), alloc.available_size() // (batch_prompt + per_round)))
         tree = getattr(spec, "tree_shape", None) if getattr(spec, "tree", False) else None
         width = tree.width if tree is not None else k + 1
