@@ -35,6 +35,7 @@ from ..errors import InputError
 from ..model_config import load_shape
 from .attention import make_attn_backend
 from .cuda_graph import GraphRunner, chain_graph_width
+from .distributed import announce_graph
 from .forward_batch import to_device
 from .batch import (Segment, alloc_positions, chunk_segments, free_positions, make_batch, padded_chain_batch,
                     with_cache_locs)
@@ -167,10 +168,9 @@ class EagleSpeculator(Speculator):
         tokens, target logits and features); for a tree, its draft steps (top-k nodes per request,
         the expanded nodes under a mask) and its verify pass (the root and the nodes under the
         tree's mask). Only over backends that read lengths at replay (Triton), on one device;
-        ``eager``: the CPU stand-in (``cuda_graph.EagerGraph``)."""
-        if self.tp.size > 1:
-            log.info("%s: draft and verify steps run eagerly under tensor parallelism", self.draft.name)
-            return
+        ``eager``: the CPU stand-in (``cuda_graph.EagerGraph``). Under tensor parallelism every rank
+        captures the same graphs in the same order (their collectives line up) and replays the ones
+        rank 0 announces (``replay_graph``)."""
         with torch.inference_mode():
             self._capture(max_bs, eager)
 
@@ -246,11 +246,18 @@ class EagleSpeculator(Speculator):
             self._draft(fb, backend, hidden.to(dev), from_target, rows.to(dev))
 
     @torch.inference_mode()
+    def replay_graph(self, key: tuple[str, int], fb, extras) -> None:
+        """A follower: replay the graph rank 0 replays, staged with its inputs (``announce_graph``)."""
+        self._graphs[key].replay(fb, *extras)
+
+    @torch.inference_mode()
     def _target(self, fb, backend: str, last_only: bool = False, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (every token's, or each request's last) and head features for every token."""
         require(self.target.phase, Phase.BACKENDS_READY, "run a forward pass", self.target.name)
         graph = self._graphs.get((backend, fb.extend_lens[0] if fb.extend_lens else 0))
         if rows is None and not last_only and graph is not None and graph.can_run(fb):
+            announce_graph(self.draft.name, (backend, graph.tokens_per_req), fb,
+                           self.target.req_to_token_pool.req_to_token)
             return graph.replay(fb)  # every row of the batch, as below
         rows = fb.logit_rows(last_only) if rows is None else rows
         self._announce("target", backend, fb, rows)
@@ -268,6 +275,8 @@ class EagleSpeculator(Speculator):
         graph = self._graphs.get((backend, fb.extend_lens[0] if fb.extend_lens else 0))
         if not from_target and graph is not None and graph.can_run(fb) \
                 and rows.numel() == fb.input_ids.numel():  # a draft step (chain or tree): every row
+            announce_graph(self.draft.name, (backend, graph.tokens_per_req), fb,
+                           self.target.req_to_token_pool.req_to_token, (hidden,))
             return graph.replay(fb, hidden)
         self._announce("draft", backend, fb, rows, hidden, from_target)
         return self._draft_pass(fb, self._backend(backend), hidden, from_target, rows)

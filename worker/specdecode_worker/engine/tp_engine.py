@@ -23,12 +23,17 @@ def sharded_runners(engine: Engine) -> dict[str, ModelRunner]:
     return {r.name: r for r in engine.model_runners() if r.tp.size > 1}
 
 
-def run_rank(args: EngineArgs, lead: Callable[[Engine], Any], report: Callable[[Engine], Any] | None = None) -> Any:
-    """Rank 0 returns ``lead(engine)``; a follower returns ``report(engine)`` once released (or None)."""
+def run_rank(args: EngineArgs, lead: Callable[[Engine], Any], report: Callable[[Engine], Any] | None = None,
+             prepare: Callable[[Engine], Any] | None = None) -> Any:
+    """Rank 0 returns ``lead(engine)``; a follower returns ``report(engine)`` once released (or None).
+    ``prepare(engine)`` runs on every rank after the three phases (all ranks in step: it may run
+    collectives, as capturing graphs does)."""
     if get_tp().is_leader:
         expect_followers()
     engine = Engine(args)
     engine.init_model_worker()
+    if prepare is not None:
+        prepare(engine)
     if get_tp().is_leader:
         try:
             return lead(engine)

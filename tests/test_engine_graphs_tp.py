@@ -1,0 +1,185 @@
+"""Speculative rounds under tensor parallelism through the speculator's graph runners (gloo on CPU,
+the eager stand-ins of CUDA graphs): every rank captures the same graphs, rank 0 announces each
+replay and the others stage the same inputs and replay the same graph, so at t = 2 (and 4) the
+greedy output of EAGLE3 chains and trees and of MTP equals t = 1 and the target's own greedy
+output. Each rank records the graphs it replays and any pass that ran outside them: every rank
+replays the same sequence of graphs (batch size and width), and no draft step or verify pass runs
+eagerly. (Captured CUDA graphs over NCCL: tests/test_engine_cuda.py, 2+ GPUs.)"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from specdecode_worker.contract import GIB  # noqa: E402
+from specdecode_worker.engine.distributed import launch  # noqa: E402
+from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
+from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
+from specdecode_worker.plan import runtime_reserve_bytes  # noqa: E402
+
+from tests.eagle_heads import write_eagle3_head  # noqa: E402
+from tests.engine_helpers import engine, run_all  # noqa: E402
+from tests.tiny_models import write_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.slow  # one launch of t rank processes per t
+
+HAS_DEEPSEEK = hasattr(transformers, "DeepseekV3ForCausalLM")
+VOCAB = 8  # random drafts are accepted often enough that accepted chains run on every rank
+K = 3
+MAX_BS = 4
+MODES = {"chain": dict(algorithm="EAGLE3", num_draft_tokens=K),
+         "tree": dict(algorithm="EAGLE3", num_draft_tokens=6, speculative_num_steps=3, speculative_eagle_topk=3),
+         "mtp": dict(algorithm="MTP", num_draft_tokens=K)}
+CASES = ["chain", "tree"] + (["mtp"] if HAS_DEEPSEEK else [])
+GREEDY = SamplingParams(max_tokens=14, ignore_eos=True)
+BUDGET_GIB = {1: 1.2, 2: 1.45, 4: 1.7}  # ~0.1 GiB of KV after the planner's runtime reserve
+FRACTION, CONTEXT = 0.95, 64
+WALL_S = 300
+
+
+# The NextN layer (seed 2) has drafts accepted on test_engine_mtp_tp's prompts.
+MTP_PROMPTS = [[5, 1, 4, 2, 6, 7, 0], [2, 3, 2], [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2]]
+
+
+def _prompts(mode: str):
+    if mode == "mtp":
+        return MTP_PROMPTS
+    rng = random.Random(0)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randrange(2, 14))] for _ in range(3)]
+
+
+def _requests(mode: str):
+    return [Request(list(p), GREEDY) for p in _prompts(mode)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("graphs-tp")
+    # As in test_engine_eagle_tp: 6 layers, 4 heads, 2 KV heads, a head whose drafts are accepted.
+    target = write_tiny_model(root / "target", "llama", seed=0, weight_scale=3.0, vocab_size=VOCAB,
+                              num_hidden_layers=6)
+    found = {"target": target, "eagle3": write_eagle3_head(root / "eagle3", target, draft_vocab=4, seed=7)}
+    if HAS_DEEPSEEK:
+        from tests.deepseek_models import write_tiny_deepseek
+
+        found["deepseek"] = write_tiny_deepseek(root / "deepseek-mtp", seed=2, mtp=True, vocab_size=VOCAB)
+    return found
+
+
+def _model_kw(models, mode: str) -> dict:
+    if mode == "mtp":
+        return dict(target=str(models["deepseek"]), **MODES[mode])
+    return dict(target=str(models["target"]), draft=str(models["eagle3"]), **MODES[mode])
+
+
+# ---- inside each rank process --------------------------------------------------------------------
+
+_seen: dict[str, list] = {"graphs": [], "eager": []}
+
+
+def _record_passes() -> None:
+    """Record every graph replay (width, batch) and every pass the speculator runs outside a graph."""
+    from specdecode_worker.engine.cuda_graph import GraphRunner, in_graph_pass
+    from specdecode_worker.engine.eagle_speculator import EagleSpeculator
+
+    replay, target_pass, draft_pass = GraphRunner.replay, EagleSpeculator._target_pass, EagleSpeculator._draft_pass
+
+    def recorded_replay(self, fb, *extras):
+        _seen["graphs"].append((self.tokens_per_req, fb.batch_size))
+        return replay(self, fb, *extras)
+
+    def recorded_target(self, fb, backend, rows):
+        if not in_graph_pass():  # a prefill: one logit row per request; a verify pass: every row
+            _seen["eager"].append(("target", rows.numel() == fb.input_ids.numel()))
+        return target_pass(self, fb, backend, rows)
+
+    def recorded_draft(self, fb, backend, hidden, from_target, rows):
+        if not in_graph_pass():  # the head's extend reads target features; its own steps do not
+            _seen["eager"].append(("draft", not from_target))
+        return draft_pass(self, fb, backend, hidden, from_target, rows)
+
+    GraphRunner.replay = recorded_replay
+    EagleSpeculator._target_pass = recorded_target
+    EagleSpeculator._draft_pass = recorded_draft
+
+
+def _capture(eng) -> None:
+    eng.speculator.capture_graphs(MAX_BS, eager=True)
+    _seen["graphs"].clear()
+    _seen["eager"].clear()
+
+
+def _report(eng) -> dict:
+    return {"graphs": list(_seen["graphs"]), "eager": list(_seen["eager"]), "tp": eng.draft_runner.tp.size}
+
+
+def _lead(eng, mode: str) -> dict:
+    reqs = run_all(eng, _requests(mode))
+    return {**_report(eng), "outputs": [r.output_ids for r in reqs], "accepted": eng.stats.accepted_tokens}
+
+
+def _rank(engine_kws: dict) -> dict:
+    from specdecode_worker.engine.tp_engine import run_rank
+
+    torch.set_num_threads(1)
+    _record_passes()
+    return {mode: run_rank(EngineArgs(**kw), functools.partial(_lead, mode=mode), _report, prepare=_capture) for mode, kw in engine_kws.items()}
+
+
+# ---- the tests ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def single(models):
+    """t = 1 through the same graph stand-ins, and the target's own greedy output."""
+    out = {}
+    for mode in CASES:
+        kw = _model_kw(models, mode)
+        target = kw.pop("target")
+        eng = engine(target, kw.pop("algorithm"), kw.pop("draft", None), context_len=CONTEXT,
+                     max_running_requests=MAX_BS, **kw)
+        eng.speculator.capture_graphs(MAX_BS, eager=True)
+        out[mode] = [r.output_ids for r in run_all(eng, _requests(mode))]
+        out[(mode, "NONE")] = [r.output_ids for r in run_all(engine(target, context_len=CONTEXT), _requests(mode))]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_runs(models):
+    cache = {}
+
+    def get(tp: int) -> list[dict]:
+        if tp not in cache:
+            kws = {mode: dict(_model_kw(models, mode), device_memory_bytes=int(BUDGET_GIB[tp] * GIB),
+                              mem_fraction_static=FRACTION, runtime_bytes=runtime_reserve_bytes(tp),
+                              context_len=CONTEXT, max_running_requests=MAX_BS)
+                   for mode in CASES}
+            cache[tp] = launch(tp, _rank, (kws,), wall_timeout_s=WALL_S)
+        return cache[tp]
+
+    return get
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("mode", CASES)
+def test_rounds_under_tp_replay_the_same_graphs_and_keep_greedy_output(single, tp_runs, tp, mode):
+    ranks = [r[mode] for r in tp_runs(tp)]
+    assert len(ranks) == tp and all(r is not None and r["tp"] == tp for r in ranks)  # sharded, released
+    lead = ranks[0]
+    assert single[mode] == single[(mode, "NONE")]  # t = 1 through graphs is exact
+    assert lead["outputs"] == single[mode]
+    assert lead["accepted"] > 0  # accepted drafts were committed on every rank
+    widths = {w for w, _ in lead["graphs"]}
+    verify = MODES[mode]["num_draft_tokens"] + 1
+    draft_step = MODES[mode].get("speculative_eagle_topk", 1)
+    assert verify in widths and draft_step in widths  # verify passes and draft steps through graphs
+    for r in ranks:
+        assert r["graphs"] == lead["graphs"]  # every rank: the same graph, batch bucket and order
+        # Outside graphs only prefill (last rows) and the head's extend over target features.
+        assert ("target", True) not in r["eager"] and ("draft", True) not in r["eager"]
+        assert ("target", False) in r["eager"] and ("draft", False) in r["eager"]
