@@ -168,11 +168,14 @@ def test_mla_and_mtp_reserve_by_hand():
     tiny = ForwardGeometry(64, 96, 4, 4, 16, 16, 160, 4, kv_lora_rank=16, qk_rope_head_dim=8)
     token = 4 * (3 * 64 + 2 * (5 * 24 + 16) + 2 * 24 + 3 * 48)  # t = 2: two heads, MLP halves
     assert tiny.token_bytes(2) == token == 2624
-    decode_graph = 8 * token + 8 * 160 * 8 + 8 * 2 * 16 * 17 * 4
-    verify_graph = 8 * 4 * token + 8 * 4 * 160 * 8
-    eager = 512 * token + 32 * 160 * 8 + 512 * 64 * 4  # the chunk, the verify logits, the chunk's hiddens
+    # float32 logits gathered over 2 ranks: an 80-column shard, the 2 gathered and their
+    # concatenation live together, 5 x 80 x 4 = 1,600 bytes per row (more than 160 x 4 + 160 x 4)
+    logit_row = 5 * 80 * 4
+    decode_graph = 8 * token + 8 * logit_row + 8 * 2 * 16 * 17 * 4
+    verify_graph = 8 * 4 * token + 8 * 4 * logit_row
+    eager = 512 * token + 32 * logit_row + 512 * 64 * 4  # the chunk, the verify logits, the chunk's hiddens
     graphs = verify_graph + 32 * 64 * 4 + decode_graph
-    assert dynamic_reserve_bytes("MTP", tiny, tiny, 2, 512, 8, 8) == math.ceil(1.25 * (eager + graphs)) == 2_121_600
+    assert dynamic_reserve_bytes("MTP", tiny, tiny, 2, 512, 8, 8) == math.ceil(1.25 * (eager + graphs)) == 2_150_400
 
 
 def test_auto_tp_picks_the_smallest_size_that_holds_the_floor():

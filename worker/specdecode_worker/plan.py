@@ -125,23 +125,33 @@ class ForwardGeometry:
         per_token = 3 * self.hidden_size + attention + 3 * math.ceil(self.intermediate_size / tp)
         return per_token * self.dtype_bytes
 
-    def logit_bytes(self, rows: int) -> int:
-        return rows * self.vocab_size * (self.dtype_bytes + LOGIT_FP32_BYTES)
+    def logit_bytes(self, rows: int, tp: int = 1) -> int:
+        """Logits of ``rows`` tokens at their peak, with their fp32 copy. On one of ``tp`` GPUs each
+        rank computes its ceil(vocab / t) columns and gathers every rank's before concatenating:
+        the peak is the larger of (own shard + gathered shards + concatenation) and
+        (concatenation + fp32 copy); one GPU holds the logits and their fp32 copy."""
+        shard = rows * math.ceil(self.vocab_size / tp) * self.dtype_bytes
+        fp32 = rows * self.vocab_size * LOGIT_FP32_BYTES
+        if tp == 1:
+            return shard + fp32
+        return max(shard * (1 + 2 * tp), shard * tp + fp32)
 
     def decode_workspace_bytes(self, batch: int, tp: int) -> int:
         """Split-KV partials of one decode step (each layer reuses the same size)."""
         return (batch * math.ceil(self.num_heads / tp) * DECODE_MAX_KV_SPLITS * (self.attention_value_dim + 1)
                 * PARTIAL_BYTES)
 
-    def graph_pool_bytes(self, batch: int, tp: int) -> int:
+    def graph_pool_bytes(self, batch: int, tp: int, logit_tp: int | None = None) -> int:
         """A CUDA graph pool for decode batches up to ``batch``: the largest graph's activations,
-        logits and kernel workspace (smaller graphs reuse its memory). Independent of the context."""
-        return batch * self.token_bytes(tp) + self.logit_bytes(batch) + self.decode_workspace_bytes(batch, tp)
+        logits (gathered over ``logit_tp`` ranks, default ``tp``) and kernel workspace (smaller
+        graphs reuse its memory). Independent of the context."""
+        logits = self.logit_bytes(batch, tp if logit_tp is None else logit_tp)
+        return batch * self.token_bytes(tp) + logits + self.decode_workspace_bytes(batch, tp)
 
     def verify_pool_bytes(self, batch: int, verify_tokens: int, tp: int) -> int:
         """Verify graphs up to ``batch`` requests of ``verify_tokens`` rows (no decode workspace)."""
         rows = batch * verify_tokens
-        return rows * self.token_bytes(tp) + self.logit_bytes(rows)
+        return rows * self.token_bytes(tp) + self.logit_bytes(rows, tp)
 
 
 def tree_inputs_bytes(batch: int, tokens: int, keys: int) -> int:
@@ -151,13 +161,13 @@ def tree_inputs_bytes(batch: int, tokens: int, keys: int) -> int:
 
 
 def draft_tree_step_bytes(target: ForwardGeometry, draft: ForwardGeometry, batch: int, topk: int,
-                          steps: int) -> int:
+                          steps: int, tp: int = 1) -> int:
     """The head's draft-tree-step graphs up to ``batch`` requests, ``topk`` rows each: the
     activations and logits of those rows, their logits over the target's vocabulary in fp32 (an
     EAGLE3 head scatters its own vocabulary there) and the log-softmax the expansion ranks, the
     head features staged per row, and the mask over the ``topk x (steps - 1)`` expanded nodes."""
     rows = batch * topk
-    return (rows * draft.token_bytes(1) + draft.logit_bytes(rows)
+    return (rows * draft.token_bytes(1) + draft.logit_bytes(rows, tp)
             + 2 * rows * target.vocab_size * LOGIT_FP32_BYTES
             + rows * draft.hidden_size * target.dtype_bytes
             + tree_inputs_bytes(batch, topk, topk * (steps - 1)))
@@ -217,7 +227,7 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
     if draft is not None:
         per_token = max(per_token, draft.token_bytes(draft_tp))
     features = tokens * FEATURE_HIDDENS.get(algorithm, 0) * target.hidden_size * target.dtype_bytes
-    eager = tokens * per_token + target.logit_bytes(verify_rows) + features
+    eager = tokens * per_token + target.logit_bytes(verify_rows, tp) + features
     graphs = target.graph_pool_bytes(cuda_graph_max_bs, tp)
     if algorithm in ("STANDALONE", "NGRAM", "EAGLE", "EAGLE3", "MTP"):
         graphs = max(graphs, target.verify_pool_bytes(cuda_graph_max_bs, verify_tokens, tp))
@@ -227,9 +237,9 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
         if tree_topk > 1:
             graphs += tree_inputs_bytes(cuda_graph_max_bs, verify_tokens, verify_tokens)
             if draft is not None:
-                graphs += draft_tree_step_bytes(target, draft, cuda_graph_max_bs, tree_topk, tree_steps)
-        elif draft is not None:
-            graphs += draft.graph_pool_bytes(cuda_graph_max_bs, draft_tp)
+                graphs += draft_tree_step_bytes(target, draft, cuda_graph_max_bs, tree_topk, tree_steps, tp)
+        elif draft is not None:  # the head's logits are gathered over the target's t ranks
+            graphs += draft.graph_pool_bytes(cuda_graph_max_bs, draft_tp, logit_tp=tp)
     if algorithm == "STANDALONE" and draft is not None:
         graphs += draft.graph_pool_bytes(cuda_graph_max_bs, 1)
     return math.ceil(ALLOCATOR_SLACK * (eager + graphs))
