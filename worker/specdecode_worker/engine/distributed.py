@@ -4,7 +4,9 @@ One process per rank. ``launch`` starts them and supervises: the first rank that
 every other rank and the whole worker fails with that rank's message, so the pod restarts as a
 whole and no rank is left waiting in a collective. Rank 0 schedules; the other ranks follow:
 every forward pass rank 0 runs on a sharded model is announced to them (``announce_forward``)
-and ``follow`` replays it, so the collectives inside the model line up.
+and ``follow`` replays it, so the collectives inside the model line up; a speculator's graph
+replay is announced as that graph and its staged inputs (``announce_graph``), and the followers
+replay the same graph.
 
 A replica larger than one node runs the same group over several pods (``nnodes``): each pod's
 supervisor starts its local ranks (global ranks ``node_rank * local ... + local - 1``), the

@@ -20,7 +20,9 @@ neither model has cached; D: the first position the draft has not cached with ta
 Under tensor parallelism the head shards with the target (``models.eagle``). Rank 0 runs the
 rounds; each target pass and head step it runs is announced to the other ranks with its batch,
 the req_to_token rows it reads, and (head steps) the features, so every rank runs the same pass
-on its shards and the collectives line up (``EagleSpeculator.replay``).
+on its shards and the collectives line up: a graph replay as a replay of the same graph with the
+same staged inputs (``distributed.announce_graph``, ``replay_graph``), an eager pass as that pass
+(``EagleSpeculator.replay``).
 """
 
 from __future__ import annotations
