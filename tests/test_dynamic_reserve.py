@@ -89,3 +89,42 @@ def test_serve_and_the_planner_price_the_tree_they_run(tmp_path):
     assert (chain.verify_tokens, chain.tree_topk) == (4, 1)
     planned = plan_args(plan_cli.parser().parse_args(["--target", "t", "--algorithm", "EAGLE3"] + argv[6:]))
     assert (planned.verify_tokens, planned.tree_topk, planned.tree_steps) == (7, 4, 3)
+
+
+@pytest.mark.slow
+def test_the_plan_prices_sampling_and_acceptance_with_every_filter_as_measured():
+    """Live tensor bytes of a verify batch's sampling and acceptance (temperature, top-k and top-p:
+    two sorts over the vocabulary), counted on CPU, per verify row and vocabulary entry, are at
+    most what the plan prices (SAMPLING_BYTES_PER_LOGIT) beside the held draft distributions."""
+    from specdecode_worker.engine.batch_sampling import verify_chains
+    from specdecode_worker.engine.tree import TreeDrafter, TreeShape, accept_trees
+    from specdecode_worker.plan import SAMPLING_BYTES_PER_LOGIT
+
+    from tests.live_bytes import LiveBytes
+
+    batch, k, vocab = 8, 3, 4000
+    params = [SamplingParams(temperature=1.0, top_k=2, top_p=0.9, seed=0)] * batch
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch, k + 1, vocab, generator=g)
+    draft = torch.randint(0, vocab, (batch, k), generator=g)
+    u = torch.rand(batch, k + 1, generator=g)
+    draft_probs = torch.softmax(torch.randn(batch, k, vocab, generator=g), -1)  # what the drafts came from
+    held = draft_probs.numel() * draft_probs.element_size()  # through the verify pass
+    with LiveBytes() as chains:
+        verify_chains(draft, draft_probs, logits, [k] * batch, params, u)
+    topk, steps, nodes = 3, 3, 6
+    shape = TreeShape(topk, steps, nodes)
+    drafter = TreeDrafter(shape, torch.randn(batch, vocab, generator=g))
+    for step in range(1, steps):
+        drafter.step_mask(step)
+        drafter.expand(torch.randn(batch * topk, vocab, generator=g))
+    trees = drafter.select(torch.zeros(batch, dtype=torch.int64))
+    tree_logits = torch.randn(batch * (nodes + 1), vocab, generator=g)
+    with LiveBytes() as tree:
+        accept_trees(trees, shape, torch.ones(batch, nodes + 1, dtype=torch.bool), tree_logits, params,
+                     torch.rand(batch, steps * topk + 1, generator=g))
+    chain_rows, tree_rows = batch * (k + 1), batch * (nodes + 1)
+    assert (chains.peak + held) / (chain_rows * vocab) <= SAMPLING_BYTES_PER_LOGIT
+    assert tree.peak / (tree_rows * vocab) <= SAMPLING_BYTES_PER_LOGIT
+    # the count is of the sorts' temporaries, not of small bookkeeping: most of the price is used
+    assert chains.peak / (chain_rows * vocab) > 0.75 * SAMPLING_BYTES_PER_LOGIT

@@ -112,17 +112,20 @@ def test_default_fraction_from_the_dynamic_reserve_by_hand():
     # + 32 x 128 + 8 x 256 (q, k, v) + 32 x 128 (attention output) + 3 x 14,336 (gate, up, product)
     token = 2 * (3 * 4096 + 32 * 128 + 8 * 256 + 32 * 128 + 3 * 14_336)
     assert token == LLAMA8B_GEOMETRY.token_bytes(1) == EAGLE3_GEOMETRY.token_bytes(1) == 131_072
-    # H100 tiers: chunk 8192, graph bs 256 = max running; verify rows 256 x 4. Eager pass: the chunk's
-    # activations, the verify batch's logits (bf16 + fp32), the chunk's three EAGLE3 feature hiddens.
-    eager = 8192 * token + 1024 * 128_256 * (2 + 4) + 8192 * 3 * 4096 * 2
+    # H100 tiers: chunk 8192, graph bs 256 = max running; verify rows 256 x 4. Eager pass: the larger
+    # of the chunk's activations and the verify rows' sampling with every filter on (40 bytes per row
+    # and vocabulary entry: the sampling), the verify batch's logits (bf16 + fp32), the chunk's three
+    # EAGLE3 feature hiddens.
+    assert 1024 * 128_256 * 40 > 8192 * token
+    eager = 1024 * 128_256 * 40 + 1024 * 128_256 * (2 + 4) + 8192 * 3 * 4096 * 2
     # The target's graphs up to batch 256, sized by the verify graphs (1024 rows: activations, logits,
     # three feature hiddens per row), and the head's draft-step graphs (activations, logits over its
     # 32,000-entry vocabulary, split-KV partials of 16 splits).
     graphs = 1024 * token + 1024 * 128_256 * 6 + 1024 * 3 * 4096 * 2
     graphs += 256 * token + 256 * 32_000 * 6 + 256 * 32 * 16 * 129 * 4
     dyn = math.ceil(1.25 * (eager + graphs))
-    assert plan["reserve"]["dynamicBytes"] == dyn == 3_951_001_600
-    assert plan["memFractionStatic"] == math.floor((1 - dyn / H100) * 1000) / 1000 == 0.953
+    assert plan["reserve"]["dynamicBytes"] == dyn == 9_175_531_520
+    assert plan["memFractionStatic"] == math.floor((1 - dyn / H100) * 1000) / 1000 == 0.892
     assert plan["tensorParallelSize"] == 1 and plan["minTensorParallelSize"] == 1
 
 
@@ -141,16 +144,17 @@ def test_serving_tiers_and_reserves():
     assert tiny.token_bytes(1) == token and verify_graph > decode_graph
     # NGRAM: no draft; the verify batch (4 x 4 rows) is smaller than the chunk
     assert dynamic_reserve_bytes("NGRAM", tiny, None, 1, 512, 8, 4) == math.ceil(
-        1.25 * (512 * token + 16 * 1000 * 8 + verify_graph))
+        1.25 * (max(512 * token, 16 * 1000 * 40) + 16 * 1000 * 8 + verify_graph))
     # STANDALONE: a larger draft sets the chunk's activations and has its own graph pool
     big = ForwardGeometry(128, 512, 4, 4, 32, 32, 1000, 4)
     assert dynamic_reserve_bytes("STANDALONE", tiny, big, 1, 512, 8, 4, verify_tokens=5) == math.ceil(
-        1.25 * (512 * big.token_bytes(1) + 20 * 1000 * 8 + tiny.verify_pool_bytes(8, 5, 1)
+        1.25 * (max(512 * big.token_bytes(1), 20 * 1000 * 40) + 20 * 1000 * 8 + tiny.verify_pool_bytes(8, 5, 1)
                 + big.graph_pool_bytes(8, 1)))
     # EAGLE3: the target's verify graphs (returning 3 x hidden features per row) and the head's
     # draft-step graphs
     assert dynamic_reserve_bytes("EAGLE3", tiny, tiny, 1, 512, 8, 4) == math.ceil(
-        1.25 * (512 * token + 16 * 1000 * 8 + 512 * 3 * 64 * 4 + verify_graph + 32 * 3 * 64 * 4 + decode_graph))
+        1.25 * (max(512 * token, 16 * 1000 * 40) + 16 * 1000 * 8 + 512 * 3 * 64 * 4 + verify_graph
+                + 32 * 3 * 64 * 4 + decode_graph))
     # tensor parallelism shards heads and the MLP, not the hidden stream
     assert LLAMA8B_GEOMETRY.token_bytes(8) == 2 * (3 * 4096 + 4 * 128 + 1 * 256 + 4 * 128 + 3 * 1792)
 
@@ -173,7 +177,9 @@ def test_mla_and_mtp_reserve_by_hand():
     logit_row = 5 * 80 * 4
     decode_graph = 8 * token + 8 * logit_row + 8 * 2 * 16 * 17 * 4
     verify_graph = 8 * 4 * token + 8 * 4 * logit_row
-    eager = 512 * token + 32 * logit_row + 512 * 64 * 4  # the chunk, the verify logits, the chunk's hiddens
+    # the chunk (larger than the verify rows' sampling), the verify logits, the chunk's hiddens
+    assert 512 * token > 32 * 160 * 40
+    eager = 512 * token + 32 * logit_row + 512 * 64 * 4
     graphs = verify_graph + 32 * 64 * 4 + decode_graph
     assert dynamic_reserve_bytes("MTP", tiny, tiny, 2, 512, 8, 8) == math.ceil(1.25 * (eager + graphs)) == 2_150_400
 

@@ -71,6 +71,12 @@ FEATURE_HIDDENS = {"EAGLE3": 3, "EAGLE": 1, "MTP": 1}
 # EAGLE tree graphs stage, per request, an int8 mask over the pass's extra keys and the keys' int64
 # KV slots and positions (plus the request's int64 prefix length).
 TREE_INDEX_BYTES = 8
+# Sampling and acceptance of a verify pass with temperature, top-k and top-p (batch_sampling.py,
+# tree.accept_trees): fp32 and int64 temporaries per verify row and vocabulary entry beyond the
+# logits themselves (two sorts with their indices, the distributions, their cumulative sums),
+# counted as live tensor bytes on CPU: 36 (tests/test_dynamic_reserve.py); plus the fp32
+# distributions a sampled chain's drafts were drawn from, held through the verify pass: 4.
+SAMPLING_BYTES_PER_LOGIT = 40
 # PyTorch's caching allocator rounds blocks up (512 B, 2 MiB segments for large ones) and cannot
 # always reuse a freed block for a differently sized one: a quarter on top of the live bytes.
 ALLOCATOR_SLACK = 1.25
@@ -206,8 +212,10 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
         ALLOCATOR_SLACK x (eager pass + CUDA graph pools)
 
     eager pass: the larger of a prefill chunk and a verify batch (max_running x verify_tokens
-    tokens) through the larger model's layers, the verify batch's logits, and the features an EAGLE
-    head takes from the target for a chunk. Graph pools: decode graphs up to ``cuda_graph_max_bs``
+    tokens) through the larger model's layers, or, when larger, the verify batch's sampling and
+    acceptance with every filter on (``SAMPLING_BYTES_PER_LOGIT``; the pass's activations are
+    gone by then); plus the verify batch's logits and the features an EAGLE head takes from the
+    target for a chunk. Graph pools: decode graphs up to ``cuda_graph_max_bs``
     for the target and for a STANDALONE draft; the target's verify graphs (k + 1 rows per request)
     share its decode graphs' pool, which is then the larger of the two (STANDALONE, NGRAM, and
     EAGLE/EAGLE3/MTP, whose target graphs also return the head's features, and whose head or
@@ -227,7 +235,9 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
     if draft is not None:
         per_token = max(per_token, draft.token_bytes(draft_tp))
     features = tokens * FEATURE_HIDDENS.get(algorithm, 0) * target.hidden_size * target.dtype_bytes
-    eager = tokens * per_token + target.logit_bytes(verify_rows, tp) + features
+    # A pass's activations are freed before its logits are sampled: the larger of the two is live.
+    sampling = SAMPLING_BYTES_PER_LOGIT * verify_rows * target.vocab_size
+    eager = max(tokens * per_token, sampling) + target.logit_bytes(verify_rows, tp) + features
     graphs = target.graph_pool_bytes(cuda_graph_max_bs, tp)
     if algorithm in ("STANDALONE", "NGRAM", "EAGLE", "EAGLE3", "MTP"):
         graphs = max(graphs, target.verify_pool_bytes(cuda_graph_max_bs, verify_tokens, tp))
