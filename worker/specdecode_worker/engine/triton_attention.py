@@ -5,6 +5,9 @@ Every kernel reads K/V through ``req_to_token`` (the request's live positions on
 KV head of each query head (grouped-query attention without repeating K/V), and upcasts the pool's
 dtype (bf16/fp16/fp32 or fp8 e4m3/e5m2, scale 1.0) to the query's dtype after the load.
 
+Slots are widened to 64 bits as they are loaded: slot x row stride passes 2**31 in a pool of
+millions of tokens (4.4M x 8 heads x 128), and a 32-bit product would wrap.
+
 CUDA-graph rules the kernels keep: no host sync, a grid fixed by the batch size (decode: a fixed
 number of KV splits per batch size; extend: a fixed query-block count), and per-request loop
 bounds read from ``seq_lens`` inside the kernel, so one captured graph serves every context length.
@@ -24,7 +27,9 @@ from .forward_batch import ForwardBatch
 from .pools import MHATokenToKVPool, ReqToTokenPool
 
 NO_WINDOW = 1 << 30  # a sliding window wider than any context: plain causal attention
-_NEG = -1.0e30  # finite "minus infinity" for running maxima, so fully-masked blocks give exp(...) = 0
+# Finite "minus infinity" for running maxima, so fully-masked blocks give exp(...) = 0; a constexpr,
+# the only kind of global a compiled kernel may read (the interpreter reads any).
+_NEG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -73,7 +78,7 @@ def _decode_partial_kernel(
     for s in range(start, end, BLOCK_N):
         pos = s + tl.arange(0, BLOCK_N)
         valid = pos < end
-        slot = tl.load(ReqToToken + req * stride_rt + pos, mask=valid, other=0)
+        slot = tl.load(ReqToToken + req * stride_rt + pos, mask=valid, other=0).to(tl.int64)
         k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
                     mask=valid[:, None] & (offs_d[None, :] < D), other=0.0).to(q.dtype)
         v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
@@ -153,7 +158,7 @@ def _extend_kernel(
     for s in range(lo, hi, BLOCK_N):
         kpos = s + tl.arange(0, BLOCK_N)
         valid = kpos < hi
-        slot = tl.load(ReqToToken + req * stride_rt + kpos, mask=valid, other=0)
+        slot = tl.load(ReqToToken + req * stride_rt + kpos, mask=valid, other=0).to(tl.int64)
         k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
                     mask=valid[:, None] & (offs_d[None, :] < D), other=0.0).to(q.dtype)
         v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
@@ -169,7 +174,7 @@ def _extend_kernel(
         for s in range(0, e_len, BLOCK_N):
             offs_e = s + tl.arange(0, BLOCK_N)
             valid = offs_e < e_len
-            slot = tl.load(ExtraSlots + e_start + offs_e, mask=valid, other=0)
+            slot = tl.load(ExtraSlots + e_start + offs_e, mask=valid, other=0).to(tl.int64)
             kpos = tl.load(ExtraPos + e_start + offs_e, mask=valid, other=0)
             k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
                         mask=valid[:, None] & (offs_d[None, :] < D), other=0.0).to(q.dtype)

@@ -9,7 +9,7 @@ and value from registers; fp8 rows are upcast after the load.
 
 - Decode: split-KV over each request's live positions, read through ``req_to_token`` up to
   ``seq_lens`` (grid: batch x head blocks x splits), combined by log-sum-exp with the reduce
-  kernel of ``triton_attention.py``.
+  kernel of ``triton_attention.py``. Slots are 64-bit, as there (slot x row stride passes 2**31).
 - Extend: prefill over a prefix and chain verification (k + 1 tokens) for the whole batch in one
   launch, causally; a program takes a block of one request's (token, head) rows.
 
@@ -77,7 +77,7 @@ def _mla_decode_partial_kernel(
     for s in range(start, end, BLOCK_N):
         pos = s + tl.arange(0, BLOCK_N)
         valid = pos < end
-        slot = tl.load(ReqToToken + req * stride_rt + pos, mask=valid, other=0)
+        slot = tl.load(ReqToToken + req * stride_rt + pos, mask=valid, other=0).to(tl.int64)
         qk, v = _mla_scores(q_c, q_r, KV, slot, valid, stride_kvn, offs_c, offs_r, scaling, C, R, PRECISION)
         m_i, l_i, acc = _online_update(qk, valid[None, :], v, m_i, l_i, acc, PRECISION)
 
@@ -127,7 +127,7 @@ def _mla_extend_kernel(
     for s in range(0, hi, BLOCK_N):
         kpos = s + tl.arange(0, BLOCK_N)
         valid = kpos < hi
-        slot = tl.load(ReqToToken + req * stride_rt + kpos, mask=valid, other=0)
+        slot = tl.load(ReqToToken + req * stride_rt + kpos, mask=valid, other=0).to(tl.int64)
         qk, v = _mla_scores(q_c, q_r, KV, slot, valid, stride_kvn, offs_c, offs_r, scaling, C, R, PRECISION)
         allowed = valid[None, :] & (kpos[None, :] <= qpos[:, None])
         m_i, l_i, acc = _online_update(qk, allowed, v, m_i, l_i, acc, PRECISION)

@@ -1,0 +1,55 @@
+"""The Triton expert kernel (engine/triton_moe.py) on fp8 e4m3 weights, both ways it reads them:
+converted by Triton (sm_89 and later) and decoded from their bytes with integer ops (before sm_89,
+where Triton has no e4m3 type). The decoding is checked on every e4m3 value against torch's own
+conversion. Without a GPU the kernel runs under Triton's interpreter (tests/conftest.py and
+tests/test_triton_attention.py say how it is switched on); with one, compiled.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    if "triton" in sys.modules:
+        raise RuntimeError("triton was imported before tests/test_triton_moe.py could turn on its interpreter; "
+                           "run this file in its own pytest process")
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from specdecode_worker.engine import triton_moe  # noqa: E402
+
+
+@pytest.fixture(params=["converted", "decoded"])
+def e4m3_path(request, monkeypatch):
+    if request.param == "converted" and CUDA and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton converts e4m3 on sm_89 and later only")
+    monkeypatch.setattr(triton_moe, "native_e4m3", lambda device: request.param == "converted")
+    return request.param
+
+
+def test_every_e4m3_value_is_read_exactly(e4m3_path):
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # all but NaN
+    weights = codes.view(torch.float8_e4m3fn).reshape(1, -1, 1).to(DEVICE)  # one expert, [OUT, K = 1]
+    one = torch.ones((1, 1), dtype=torch.float32, device=DEVICE)
+    got = triton_moe.expert_gemv(one, weights, torch.zeros(1, dtype=torch.int64, device=DEVICE), 1)
+    want = weights[0, :, 0].float()
+    assert torch.equal(got[0], want), (codes[got[0] != want], got[0][got[0] != want], want[got[0] != want])
+
+
+def test_block_scaled_experts_match_dequantized_weights(e4m3_path):
+    g = torch.Generator().manual_seed(0)
+    experts, out, k, block = 4, 64, 96, (32, 32)
+    weights = torch.randn(experts, out, k, generator=g).to(torch.float8_e4m3fn)
+    scales = torch.rand(experts, out // block[0], k // block[1], generator=g) + 0.5
+    x = torch.randn(3, k, generator=g)
+    ids = torch.tensor([3, 0, 3, 1, 2, 0])  # two experts per token
+    got = triton_moe.expert_gemv(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), 2, scales.to(DEVICE), block)
+    dequant = weights.float() * scales.repeat_interleave(block[0], 1).repeat_interleave(block[1], 2)
+    want = torch.stack([dequant[e] @ x[p // 2] for p, e in enumerate(ids.tolist())])
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-5)
