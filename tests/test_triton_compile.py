@@ -107,8 +107,14 @@ def _served(name: str, arch: int) -> bool:
 def _capture(kernels):
     """Replace each kernel's launch by a recorder of (kernel, args, kwargs, grid)."""
     launches = []
+
+    def recorder(kernel):
+        def run(*args, grid, warmup, **kwargs):
+            launches.append((kernel, args, kwargs, grid))
+        return run
+
     for k in kernels:
-        k.run = (lambda k: lambda *args, grid, warmup, **kwargs: launches.append((k, args, kwargs, grid)))(k)
+        k.run = recorder(k)
     return launches
 
 
@@ -147,7 +153,7 @@ def _launch_case(name: str, arch: int):
             extra = None
             if mode[0] == "tree":
                 extra = (torch.empty(B + 1, **idx), torch.empty(B * n, **idx), torch.empty(B * n, **idx),
-                         torch.empty(B, **idx), torch.empty(B * n * n, dtype=torch.bool, **meta))
+                         torch.empty(B, **idx), torch.empty(B * n * n, dtype=torch.int8, **meta))
             vec = torch.empty(B, **idx)
             ta.extend_attention(q, k_buf, v_buf, req_to_token, vec, vec, vec, vec, torch.empty(B * n, **idx), n,
                                 D ** -0.5, window, extra)
@@ -257,15 +263,15 @@ def _wide_offsets(ttir: str, kernel) -> dict[str, bool]:
     return out
 
 
-def _child(cases: list[tuple[str, int]]) -> None:
-    """Compile every case; one JSON line per launch on stdout."""
+def _child(cases: list[tuple[str, int]], results: Path) -> None:
+    """Compile every case; one JSON line per launch in ``results`` (Triton prints ptxas errors)."""
     import time
 
     for name, arch in cases:
         try:
             launches = _launch_case(name, arch)
         except Exception as e:  # noqa: BLE001 — reported as the case's failure
-            print(json.dumps(dict(case=name, arch=arch, error=f"launch: {type(e).__name__}: {e}")), flush=True)
+            _write(results, dict(case=name, arch=arch, error=f"launch: {type(e).__name__}: {e}"))
             continue
         for kernel, args, kwargs, grid in launches:
             t0 = time.perf_counter()
@@ -274,7 +280,12 @@ def _child(cases: list[tuple[str, int]]) -> None:
             except Exception as e:  # noqa: BLE001
                 res = dict(kernel=kernel.__name__, error=f"{type(e).__name__}: {str(e)[-2000:]}")
             res.update(case=name, arch=arch, grid=[int(g) for g in grid], seconds=round(time.perf_counter() - t0, 2))
-            print(json.dumps(res), flush=True)
+            _write(results, res)
+
+
+def _write(results: Path, record: dict) -> None:
+    with results.open("a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def _ptxas_missing() -> str | None:
@@ -287,19 +298,19 @@ def _ptxas_missing() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def compiled() -> dict[tuple[str, int], list[dict]]:
+def compiled(tmp_path_factory) -> dict[tuple[str, int], list[dict]]:
     missing = _ptxas_missing()
     if missing:
         pytest.skip(missing)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=1200,
-                          cwd=Path(__file__).parent.parent)
+    out = tmp_path_factory.mktemp("triton-aot") / "compiled.jsonl"
+    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True,
+                          timeout=1200, cwd=Path(__file__).parent.parent)
     results: dict[tuple[str, int], list[dict]] = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            results.setdefault((r["case"], r["arch"]), []).append(r)
+    for line in out.read_text().splitlines() if out.exists() else []:
+        r = json.loads(line)
+        results.setdefault((r["case"], r["arch"]), []).append(r)
     assert proc.returncode == 0 and results, proc.stderr[-4000:]
     for (name, arch), rs in sorted(results.items()):  # the table, with -s
         for r in rs:
@@ -342,4 +353,4 @@ def test_every_kernel_is_compiled(compiled):
 
 
 if __name__ == "__main__":
-    _child(_cases())
+    _child(_cases(), Path(sys.argv[1]))

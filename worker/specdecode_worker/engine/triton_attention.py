@@ -33,6 +33,16 @@ _NEG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def _upcast(x, dtype: tl.constexpr):
+    """K/V as loaded to the query's dtype. An e5m2 byte is the high byte of the fp16 of the same
+    value, so it is widened by a shift (exact): Triton 3.6 converts e5m2 on sm_80 with instructions
+    of sm_89/sm_90 that ptxas refuses there. e4m3 is served by Triton from sm_89 only (attention.py)."""
+    if x.dtype == tl.float8e5:
+        x = (x.to(tl.uint8, bitcast=True).to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
 def _online_update(qk, allowed, v, m_i, l_i, acc, PRECISION: tl.constexpr):
     """One flash-attention step: fold a block of scores (masked by ``allowed``) and values in."""
     qk = tl.where(allowed, qk, float("-inf"))
@@ -79,10 +89,10 @@ def _decode_partial_kernel(
         pos = s + tl.arange(0, BLOCK_N)
         valid = pos < end
         slot = tl.load(ReqToToken + req * stride_rt + pos, mask=valid, other=0).to(tl.int64)
-        k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
-                    mask=valid[:, None] & (offs_d[None, :] < D), other=0.0).to(q.dtype)
-        v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
-                    mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0).to(q.dtype)
+        k = _upcast(tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
+                            mask=valid[:, None] & (offs_d[None, :] < D), other=0.0), q.dtype)
+        v = _upcast(tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
+                            mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0), q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
         m_i, l_i, acc = _online_update(qk, valid[None, :], v, m_i, l_i, acc, PRECISION)
 
@@ -159,10 +169,10 @@ def _extend_kernel(
         kpos = s + tl.arange(0, BLOCK_N)
         valid = kpos < hi
         slot = tl.load(ReqToToken + req * stride_rt + kpos, mask=valid, other=0).to(tl.int64)
-        k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
-                    mask=valid[:, None] & (offs_d[None, :] < D), other=0.0).to(q.dtype)
-        v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
-                    mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0).to(q.dtype)
+        k = _upcast(tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
+                            mask=valid[:, None] & (offs_d[None, :] < D), other=0.0), q.dtype)
+        v = _upcast(tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
+                            mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0), q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
         allowed = valid[None, :] & (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)
         m_i, l_i, acc = _online_update(qk, allowed, v, m_i, l_i, acc, PRECISION)
@@ -176,10 +186,10 @@ def _extend_kernel(
             valid = offs_e < e_len
             slot = tl.load(ExtraSlots + e_start + offs_e, mask=valid, other=0).to(tl.int64)
             kpos = tl.load(ExtraPos + e_start + offs_e, mask=valid, other=0)
-            k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
-                        mask=valid[:, None] & (offs_d[None, :] < D), other=0.0).to(q.dtype)
-            v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
-                        mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0).to(q.dtype)
+            k = _upcast(tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
+                                mask=valid[:, None] & (offs_d[None, :] < D), other=0.0), q.dtype)
+            v = _upcast(tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
+                                mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0), q.dtype)
             tree = tl.load(Mask + mask_start + offs_m[:, None] * e_len + offs_e[None, :],
                            mask=mmask[:, None] & valid[None, :], other=0)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling

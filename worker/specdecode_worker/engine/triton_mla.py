@@ -28,7 +28,7 @@ from .forward_batch import ForwardBatch
 from .mla_pool import MLATokenToKVPool
 from .pools import ReqToTokenPool
 from .triton_attention import (_NEG, TritonAttnBackend, _decode_reduce_kernel, _online_update, _p2, _precision,
-                               _sm_count, decode_num_splits)
+                               _sm_count, _upcast, decode_num_splits)
 
 DECODE_BLOCK_H = 16  # query heads per decode program (the least tl.dot M on a GPU)
 
@@ -37,10 +37,10 @@ DECODE_BLOCK_H = 16  # query heads per decode program (the least tl.dot M on a G
 def _mla_scores(q_c, q_r, KV, slot, valid, stride_kvn, offs_c, offs_r, scaling,
                 C: tl.constexpr, R: tl.constexpr, PRECISION: tl.constexpr):
     """Scores of a block of query rows against the latent rows at ``slot``, and those rows' values."""
-    kv_c = tl.load(KV + slot[:, None] * stride_kvn + offs_c[None, :],
-                   mask=valid[:, None] & (offs_c[None, :] < C), other=0.0).to(q_c.dtype)
-    k_r = tl.load(KV + slot[:, None] * stride_kvn + C + offs_r[None, :],
-                  mask=valid[:, None] & (offs_r[None, :] < R), other=0.0).to(q_c.dtype)
+    kv_c = _upcast(tl.load(KV + slot[:, None] * stride_kvn + offs_c[None, :],
+                           mask=valid[:, None] & (offs_c[None, :] < C), other=0.0), q_c.dtype)
+    k_r = _upcast(tl.load(KV + slot[:, None] * stride_kvn + C + offs_r[None, :],
+                          mask=valid[:, None] & (offs_r[None, :] < R), other=0.0), q_c.dtype)
     qk = tl.dot(q_c, tl.trans(kv_c), input_precision=PRECISION)
     qk += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
     return qk * scaling, kv_c
