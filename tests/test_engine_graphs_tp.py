@@ -4,7 +4,7 @@ replay and the others stage the same inputs and replay the same graph, so at t =
 greedy output of EAGLE3 chains and trees and of MTP equals t = 1 and the target's own greedy
 output. Each rank records the graphs it replays and any pass that ran outside them: every rank
 replays the same sequence of graphs (batch size and width), and no draft step or verify pass runs
-eagerly. (Captured CUDA graphs over NCCL: tests/test_engine_cuda.py, 2+ GPUs.)"""
+eagerly. The same over captured CUDA graphs and NCCL runs where 2 GPUs are visible."""
 
 from __future__ import annotations
 
@@ -109,7 +109,8 @@ def _record_passes() -> None:
 
 
 def _capture(eng) -> None:
-    eng.speculator.capture_graphs(MAX_BS, eager=True)
+    if eng.device.type == "cpu":  # a CUDA engine captured its graphs in phase 3
+        eng.speculator.capture_graphs(MAX_BS, eager=True)
     _seen["graphs"].clear()
     _seen["eager"].clear()
 
@@ -183,3 +184,26 @@ def test_rounds_under_tp_replay_the_same_graphs_and_keep_greedy_output(single, t
         # Outside graphs only prefill (last rows) and the head's extend over target features.
         assert ("target", True) not in r["eager"] and ("draft", True) not in r["eager"]
         assert ("target", False) in r["eager"] and ("draft", False) in r["eager"]
+
+
+CUDA = dict(device="cuda", device_memory_bytes=None, max_total_tokens=4096, cuda_graph_max_bs=MAX_BS,
+            max_running_requests=MAX_BS, context_len=CONTEXT)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA devices (NCCL inside captured graphs)")
+def test_captured_graphs_over_nccl_keep_greedy_output(models):
+    """t = 2 on two GPUs: every rank captures the speculator's CUDA graphs in phase 3, and rank 0's
+    rounds replay them on both ranks; greedy output equals t = 1 on one GPU with its graphs."""
+    kws = {mode: dict(_model_kw(models, mode), **CUDA) for mode in CASES}
+    ranks = launch(2, _rank, (kws,), device="cuda", wall_timeout_s=WALL_S)
+    for mode, kw in kws.items():
+        kw = dict(kw)
+        eng = engine(kw.pop("target"), kw.pop("algorithm"), kw.pop("draft", None), **kw)
+        single = [r.output_ids for r in run_all(eng, _requests(mode))]
+        lead = ranks[0][mode]
+        assert lead["outputs"] == single
+        verify = MODES[mode]["num_draft_tokens"] + 1
+        assert verify in {w for w, _ in lead["graphs"]}
+        assert all(r[mode]["graphs"] == lead["graphs"] for r in ranks)
+        assert all(("target", True) not in r[mode]["eager"] for r in ranks)
