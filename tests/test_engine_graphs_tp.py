@@ -34,8 +34,9 @@ K = 3
 MAX_BS = 4
 MODES = {"chain": dict(algorithm="EAGLE3", num_draft_tokens=K),
          "tree": dict(algorithm="EAGLE3", num_draft_tokens=6, speculative_num_steps=3, speculative_eagle_topk=3),
+         "mixed": dict(algorithm="EAGLE3", num_draft_tokens=K),  # per request: no drafting, 1 token, or K
          "mtp": dict(algorithm="MTP", num_draft_tokens=K)}
-CASES = ["chain", "tree"] + (["mtp"] if HAS_DEEPSEEK else [])
+CASES = ["chain", "tree", "mixed"] + (["mtp"] if HAS_DEEPSEEK else [])
 GREEDY = SamplingParams(max_tokens=14, ignore_eos=True)
 BUDGET_GIB = {1: 1.2, 2: 1.45, 4: 1.7}  # ~0.1 GiB of KV after the planner's runtime reserve
 FRACTION, CONTEXT = 0.95, 64
@@ -54,7 +55,13 @@ def _prompts(mode: str):
 
 
 def _requests(mode: str):
-    return [Request(list(p), GREEDY) for p in _prompts(mode)]
+    """In "mixed", one request never drafts (rounds where nobody drafts are plain target steps),
+    one drafts a single token: the verify graph pads their rows, the head catches up."""
+    if mode != "mixed":
+        return [Request(list(p), GREEDY) for p in _prompts(mode)]
+    long = SamplingParams(max_tokens=24, ignore_eos=True)  # outlives the drafting requests
+    caps = [dict(params=long, speculative=False), dict(params=GREEDY, max_draft_tokens=1), dict(params=GREEDY)]
+    return [Request(list(p), **c) for p, c in zip(_prompts(mode), caps)]
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +90,15 @@ _seen: dict[str, list] = {"graphs": [], "eager": []}
 
 
 def _record_passes() -> None:
-    """Record every graph replay (width, batch) and every pass the speculator runs outside a graph."""
+    """Record every graph replay (model, width, batch) and every pass the speculator runs outside a graph."""
     from specdecode_worker.engine.cuda_graph import GraphRunner, in_graph_pass
     from specdecode_worker.engine.eagle_speculator import EagleSpeculator
 
     replay, target_pass, draft_pass = GraphRunner.replay, EagleSpeculator._target_pass, EagleSpeculator._draft_pass
 
     def recorded_replay(self, fb, *extras):
-        _seen["graphs"].append((self.tokens_per_req, fb.batch_size))
+        model = "draft" if self.extras else "target"  # a head step takes the features as an extra input
+        _seen["graphs"].append((model, self.tokens_per_req, fb.batch_size))
         return replay(self, fb, *extras)
 
     def recorded_target(self, fb, backend, rows):
@@ -175,10 +183,12 @@ def test_rounds_under_tp_replay_the_same_graphs_and_keep_greedy_output(single, t
     assert single[mode] == single[(mode, "NONE")]  # t = 1 through graphs is exact
     assert lead["outputs"] == single[mode]
     assert lead["accepted"] > 0  # accepted drafts were committed on every rank
-    widths = {w for w, _ in lead["graphs"]}
+    graphs = {(model, width) for model, width, _ in lead["graphs"]}
     verify = MODES[mode]["num_draft_tokens"] + 1
     draft_step = MODES[mode].get("speculative_eagle_topk", 1)
-    assert verify in widths and draft_step in widths  # verify passes and draft steps through graphs
+    assert ("target", verify) in graphs and ("draft", draft_step) in graphs  # verify passes, draft steps
+    if mode == "mixed":
+        assert ("target", 1) in graphs  # rounds where nobody drafts: the plain target step's graph
     for r in ranks:
         assert r["graphs"] == lead["graphs"]  # every rank: the same graph, batch bucket and order
         # Outside graphs only prefill (last rows) and the head's extend over target features.
@@ -204,6 +214,6 @@ def test_captured_graphs_over_nccl_keep_greedy_output(models):
         lead = ranks[0][mode]
         assert lead["outputs"] == single
         verify = MODES[mode]["num_draft_tokens"] + 1
-        assert verify in {w for w, _ in lead["graphs"]}
+        assert ("target", verify) in {(model, width) for model, width, _ in lead["graphs"]}
         assert all(r[mode]["graphs"] == lead["graphs"] for r in ranks)
         assert all(("target", True) not in r[mode]["eager"] for r in ranks)
