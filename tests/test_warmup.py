@@ -348,13 +348,6 @@ def test_a_peak_within_plan_logs_no_warning(models, monkeypatch, caplog):
     assert dynamic["note"] == eng.dynamic_peak.note
 
 
-def test_under_tensor_parallelism_the_warm_up_is_not_run_and_says_why(models, monkeypatch):
-    eng = engine(models["target"], planned_dynamic_bytes=PLANNED)
-    fake, passes = _instrument(monkeypatch, 0)
-    monkeypatch.setattr(eng.target_runner, "tp", SimpleNamespace(size=2, is_leader=True))
-    peak = eng._warm_up()
-    assert fake.resets == 0 and peak.measured is None and "tensor parallelism" in peak.note
-
 
 def test_the_retraction_counter_is_exported(models):
     eng = engine(models["target"])

@@ -40,7 +40,7 @@ from ..model_config import ModelShape, load_shape
 from ..mtp_rule import check_standalone_draft
 from ..vocabulary import check_vocabulary
 from .batch import free_positions
-from .distributed import get_tp, stop_followers
+from .distributed import follow, get_tp, stop_followers
 from .eagle_speculator import EagleRunner, EagleSpeculator, check_tree_args
 from .memory import MemoryProfile, free_device_bytes, profile_memory
 from .mtp_runner import MTPRunner, check_mtp_args
@@ -53,7 +53,7 @@ from .speculative import RoundResult, Speculator, StandaloneSpeculator
 from .step_cost import StepCost
 from .step_timing import draft_points, target_points
 from .vocab_map import DraftVocabulary
-from .warmup import DynamicPeak, WarmUpOutOfMemory, warm_up
+from .warmup import DynamicPeak, WarmUpOutOfMemory, measurable, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -267,17 +267,24 @@ class Engine:
     def _warm_up(self) -> DynamicPeak:
         """The longest prompt in chunks (the draft catching up over it), then one speculative round
         at the largest batch, through the speculator as serving runs them; the peak is read where
-        it can be (``warmup``)."""
+        it can be (``warmup``). Under tensor parallelism rank 0 runs it, announcing every pass as a
+        round does, while the other ranks replay them on their shards until it releases them."""
         args = self.args
-        if self.target_runner.tp.size > 1:  # every rank would run its own passes: the collectives would not meet
+        tp = self.target_runner.tp
+        together = tp.size > 1 and measurable(self.device)
+        if together and not tp.is_leader:
+            follow({r.name: r for r in self.model_runners() if r.tp.size > 1})
             return DynamicPeak(args.planned_dynamic_bytes, None,
-                               note="not measured under tensor parallelism: the ranks cannot run passes alone")
+                               note="warm-up replayed from rank 0, which measures the peak")
         try:
             return warm_up(self.speculator, self.model_runners(), args.planned_dynamic_bytes,
                            args.chunked_prefill_size or args.context_len,
                            max(args.cuda_graph_max_bs, args.max_running_requests))
         except WarmUpOutOfMemory as exc:
             raise StartupError(str(exc)) from None
+        finally:
+            if together:
+                tp.broadcast(("stop",))  # the followers leave the warm-up's replay loop
 
     def _make_speculator(self) -> Speculator:
         args = self.args

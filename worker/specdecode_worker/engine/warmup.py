@@ -21,6 +21,9 @@ logits, sampling buffers and the CUDA graph pools, which stay allocated). A meas
 the plan is logged as a warning with both numbers; running out of memory is a start-up error
 naming the workload and what to lower.
 
+Under tensor parallelism rank 0 runs the workloads (every pass announced as in serving) while the
+other ranks replay them (``Engine._warm_up``); rank 0's peak is the one reported.
+
 Only CUDA's caching allocator keeps a peak. On CPU there is nothing to read: the warm-up is skipped
 (it would only cost start-up time) and the measured value is None, reported as not measured,
 never estimated.
@@ -88,6 +91,11 @@ class CudaPeak:
 def peak_reader(device: torch.device) -> CudaPeak | None:
     """What reads the allocator's peak on ``device``; None where none is kept (CPU)."""
     return CudaPeak(device) if device.type == "cuda" else None
+
+
+def measurable(device: torch.device) -> bool:
+    """Whether the warm-up runs on ``device``: only where an allocator peak can be read."""
+    return peak_reader(device) is not None
 
 
 def static_bytes(runners) -> int:
