@@ -169,7 +169,7 @@ class EagleSpeculator(Speculator):
         draft steps (one token per request and the head's own features) and its verify pass (k + 1
         tokens, target logits and features); for a tree, its draft steps (top-k nodes per request,
         the expanded nodes under a mask) and its verify pass (the root and the nodes under the
-        tree's mask). Only over backends that read lengths at replay (Triton), on one device;
+        tree's mask). Only over backends that read lengths at replay (Triton);
         ``eager``: the CPU stand-in (``cuda_graph.EagerGraph``). Under tensor parallelism every rank
         captures the same graphs in the same order (their collectives line up) and replays the ones
         rank 0 announces (``replay_graph``)."""
