@@ -43,6 +43,8 @@ REQS, CONTEXT = 257, 8192
 LLAMA_8B = dict(heads=32, kv_heads=8, head_dim=128)
 LLAMA_70B = dict(heads=64, kv_heads=8, head_dim=128)
 GQA_1 = dict(heads=32, kv_heads=32, head_dim=128)
+LLAMA_1B = dict(heads=32, kv_heads=8, head_dim=64)  # the 1B-shaped STANDALONE draft
+SMOLLM2 = dict(heads=9, kv_heads=3, head_dim=64)  # a group of 3: a partial head block
 ATTENTION_CASES = [
     # name, geometry, kv dtype, mode (decode batch / extend kind)
     ("llama8b-bf16-decode-b1", LLAMA_8B, "bfloat16", ("decode", 1)),
@@ -63,6 +65,10 @@ ATTENTION_CASES = [
     ("gqa1-bf16-tree", GQA_1, "bfloat16", ("tree", 60)),
     ("llama8b-bf16-window-decode-b8", LLAMA_8B, "bfloat16", ("decode", 8, 4096)),
     ("llama8b-bf16-window-prefill", LLAMA_8B, "bfloat16", ("prefill", 8192, 4096)),
+    ("llama1b-bf16-decode-b1", LLAMA_1B, "bfloat16", ("decode", 1)),
+    ("llama1b-bf16-prefill", LLAMA_1B, "bfloat16", ("prefill", 8192)),
+    ("smollm2-bf16-decode-b1", SMOLLM2, "bfloat16", ("decode", 1)),
+    ("smollm2-bf16-tree", SMOLLM2, "bfloat16", ("tree", 60)),
 ]
 DEEPSEEK_MLA = dict(kv_lora_rank=512, rope=64)
 MLA_CASES = [
@@ -333,6 +339,8 @@ def test_kernel_compiles_within_shared_memory(compiled, name, arch):
 def test_pool_offsets_are_64_bit(compiled, name, arch):
     """Slot x row stride of a 4.4M-token pool, expert x stride of 256 stacked experts: past 2**31."""
     for r in compiled.get((name, arch), []):
+        if r.get("kernel") in WIDE_POINTERS and "error" not in r:
+            assert r["wide_offsets"], f"{r['kernel']}: no offset into its pools found in the TTIR"
         for pointer, wide in r.get("wide_offsets", {}).items():
             assert wide, f"{r['kernel']}: the offset into {pointer} is computed in 32 bits"
 
