@@ -10,7 +10,8 @@ Each case calls the engine's own launch function (``decode_attention``, ``extend
 ``mla_decode``, ``mla_extend``, ``expert_gemv``) on ``meta`` tensors of the real shapes (a 4.4M
 token KV pool, 256 stacked experts: no memory behind them), with the launch intercepted: the
 kernel's arguments, constexprs, warps and stages are the ones a GPU would get, specialised by
-Triton's own argument binder, and the choice of blocks and splits stays in the engine's code.
+Triton's own argument binder (pointers count as 16-byte aligned, as torch allocates them), and the
+choice of blocks and splits stays in the engine's code.
 
 This is a compile, not a run: it says nothing of numerics or speed. It also checks, in the
 kernels' TTIR, that the offsets into the KV pools and the stacked experts are 64-bit where slot
@@ -228,8 +229,8 @@ def _compile(kernel, args, kwargs, arch: int) -> dict:
                 wide_offsets=_wide_offsets(compiled.asm["ttir"], kernel))
 
 
-# Pointer arguments whose offsets pass 2**31 elements at real sizes, and the index they are
-# multiplied by: a 64-bit product keeps them right.
+# Pointer arguments whose first offset (slot or expert id times a row or expert stride) passes
+# 2**31 elements at real sizes: only a 64-bit product keeps it right.
 WIDE_POINTERS = {
     "_decode_partial_kernel": ("K", "V"),
     "_extend_kernel": ("K", "V"),
@@ -261,7 +262,7 @@ def _wide_offsets(ttir: str, kernel) -> dict[str, bool]:
             if not m or m.group(3) not in derived:
                 continue
             derived.add(m.group(1))
-            if m.group(2) == "tt.addptr" and m.group(3) in (ssa,) + tuple(derived):
+            if m.group(2) == "tt.addptr":
                 offset_type = m.group(4).split(" loc(")[0].split(":")[-1].split(",")[-1].strip()
                 widths.append(offset_type == "i64" or offset_type.endswith("xi64>"))
         if widths:  # none: the pointer is an unread placeholder here
