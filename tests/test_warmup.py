@@ -162,6 +162,7 @@ def test_the_warm_up_runs_every_pass_the_plan_prices_at_its_maxima(models, monke
     eng = _engine(models, case, planned_dynamic_bytes=PLANNED)
     peak, spec = eng.dynamic_peak, eng.speculator
     assert fake.resets == 1 and peak.measured == PLANNED - 1 and not peak.over_plan
+    assert eng.stats.phase_seconds["warm_up"] > 0  # its start-up cost, in /metrics and /plan
     prompt = CONTEXT - 1  # the longest prompt serving admits, in chunks
     tree = case == "EAGLE3-tree"
     width = TREE["num_draft_tokens"] + 1 if tree else 1 if case == "NONE" else K + 1

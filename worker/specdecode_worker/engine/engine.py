@@ -7,8 +7,9 @@
    cell, allocate the target pools, then the draft pool adopting the target's req_to_token pool
    and allocator;
 3. backends: attention backends and CUDA graphs, target then draft.
-The speculator is built last, over the finished runners, then the speculation policy, whose cost
-model a few timed passes seed (adaptive only). ``step`` is admit -> make room -> one prefill chunk
+The speculator is built last, over the finished runners; the warm-up (``warmup``) then runs every
+pass the plan prices at its maxima and measures the dynamic peak; then the speculation policy,
+whose cost model a few timed passes seed (adaptive only). ``step`` is admit -> make room -> one prefill chunk
 -> policy picks each request's draft length -> decode round -> commit, and ``_commit`` is the one
 place a request's output grows.
 Scheduling policy: prefill and decode alternate within a step. Each step runs at most one prefill
@@ -162,7 +163,7 @@ class Engine:
         self._timed("alloc_memory_pool", self.init_memory_pools)  # phase 2
         self._timed("init_backends", self.init_backends)  # phase 3
         self.speculator = self._make_speculator()
-        self.dynamic_peak = self._warm_up()  # after every CUDA graph, the speculator's included
+        self._timed("warm_up", self._warm_up)  # after every CUDA graph, the speculator's included
         self._timed("measure_step_cost", self._make_policy)  # the warm-up that seeds the policy's cost model
 
     def _timed(self, name: str, phase: Callable[[], None]) -> None:
@@ -264,11 +265,14 @@ class Engine:
             else:
                 runner.init_backends(args.cuda_graph_max_bs)
 
-    def _warm_up(self) -> DynamicPeak:
+    def _warm_up(self) -> None:
         """The longest prompt in chunks (the draft catching up over it), then one speculative round
         at the largest batch, through the speculator as serving runs them; the peak is read where
         it can be (``warmup``). Under tensor parallelism rank 0 runs it, announcing every pass as a
         round does, while the other ranks replay them on their shards until it releases them."""
+        self.dynamic_peak = self._dynamic_peak()
+
+    def _dynamic_peak(self) -> DynamicPeak:
         args = self.args
         tp = self.target_runner.tp
         together = tp.size > 1 and measurable(self.device)
