@@ -217,3 +217,69 @@ def test_captured_graphs_over_nccl_keep_greedy_output(models):
         assert ("target", verify) in {(model, width) for model, width, _ in lead["graphs"]}
         assert all(r[mode]["graphs"] == lead["graphs"] for r in ranks)
         assert all(("target", True) not in r[mode]["eager"] for r in ranks)
+
+
+# ---- phase 3's warm-up under tensor parallelism, through the graphs ----------------------------
+
+class _ReportedPeak:
+    """CPU keeps no allocator peak: a reader that reports one, so the warm-up runs as on a GPU."""
+
+    def reset(self):
+        pass
+
+    def peak(self):
+        return 1 << 40
+
+
+def _rank_warming_up(engine_kws: dict) -> dict:
+    """As on a GPU: the speculator's graphs (eager stand-ins here) exist before the warm-up, which
+    rank 0 runs through them while the other ranks replay its announcements."""
+    from specdecode_worker.engine import warmup
+    from specdecode_worker.engine.engine import Engine
+    from specdecode_worker.engine.tp_engine import run_rank
+
+    torch.set_num_threads(1)
+    _record_passes()
+    warmup.peak_reader = lambda device: _ReportedPeak()
+    make = Engine._make_speculator
+
+    def make_with_graphs(self):
+        spec = make(self)
+        spec.capture_graphs(MAX_BS, eager=True)
+        return spec
+
+    Engine._make_speculator = make_with_graphs
+    warm: dict[str, list] = {}
+
+    def keep_warm_up(eng, mode):
+        warm[mode] = list(_seen["graphs"])
+        _seen["graphs"].clear()
+        _seen["eager"].clear()
+
+    def lead(eng, mode):
+        return {**_lead(eng, mode), "warm_up": warm[mode], "peak": eng.dynamic_peak.measured}
+
+    def report(eng, mode):
+        return {**_report(eng), "warm_up": warm[mode]}
+
+    return {mode: run_rank(EngineArgs(**kw), functools.partial(lead, mode=mode), functools.partial(report, mode=mode),
+                           prepare=functools.partial(keep_warm_up, mode=mode))
+            for mode, kw in engine_kws.items()}
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"] + (["mtp"] if HAS_DEEPSEEK else []))
+def test_warm_up_under_tp_replays_the_same_graphs_on_every_rank(single, models, mode):
+    """Phase 3's warm-up at t = 2 runs its full round through the speculator's graphs on every rank
+    (the followers replay rank 0's announced graphs until it releases them), and serving after it is
+    exact."""
+    kw = dict(_model_kw(models, mode), device_memory_bytes=int(BUDGET_GIB[2] * GIB), mem_fraction_static=FRACTION,
+              runtime_bytes=runtime_reserve_bytes(2), context_len=CONTEXT, max_running_requests=MAX_BS,
+              cuda_graph_max_bs=MAX_BS)
+    ranks = [r[mode] for r in launch(2, _rank_warming_up, ({mode: kw},), wall_timeout_s=WALL_S)]
+    lead = ranks[0]
+    assert lead["peak"] is not None  # the warm-up ran (and measured) on rank 0
+    verify = MODES[mode]["num_draft_tokens"] + 1
+    assert ("target", verify, MAX_BS) in lead["warm_up"]  # its full round: the largest batch's verify graph
+    assert all(r["warm_up"] == lead["warm_up"] for r in ranks)
+    assert lead["outputs"] == single[mode]
+    assert all(r["graphs"] == lead["graphs"] for r in ranks)
