@@ -47,10 +47,16 @@ def test_reserve_grows_with_the_geometry_and_the_sizes():
 
 def test_serve_prices_its_own_verify_width(tmp_path):
     from specdecode_worker.plan_cli import plan_args
+    from specdecode_worker.serve_shape import fill_from_plan
+
+    def verify_tokens(argv):
+        flags = serve_cli.parser().parse_args(argv)
+        fill_from_plan(flags, None)  # as serve does without --plan
+        return plan_args(flags).verify_tokens
 
     argv = ["--target", str(tmp_path), "--algorithm", "NGRAM", "--device", "cpu", "--device-memory-gib", "2"]
-    assert plan_args(serve_cli.parser().parse_args(argv)).verify_tokens == 5  # the default 4 proposals + 1
-    assert plan_args(serve_cli.parser().parse_args(argv + ["--num-draft-tokens", "7"])).verify_tokens == 8
+    assert verify_tokens(argv) == 5  # the default 4 proposals + 1
+    assert verify_tokens(argv + ["--num-draft-tokens", "7"]) == 8
 
 
 def test_eagle_tree_graphs_are_priced_by_hand():

@@ -364,3 +364,60 @@ def test_speculation_policy_renders_to_the_worker_flag():
     args = workload.worker_args(parse_spec(spec), make_plan())
     assert _flag(args, "--spec-policy") == "fixed"
     assert parser().parse_args(args[1:]).spec_policy == "fixed"
+
+
+def _planned_by(args: list[str]) -> dict:
+    """The MemoryPlan `specdecode-worker plan ARGS` would write, sized over a synthetic 8B-like
+    geometry (no model folder is read): the planner's own flag parsing and ``build_plan``."""
+    from specdecode_worker import plan_cli
+    from specdecode_worker.plan import Candidate, ForwardGeometry, PlanRequest, build_plan
+
+    planned = plan_cli.plan_args(plan_cli.parser().parse_args(args[1:]))
+    geometry = ForwardGeometry(4096, 14336, 32, 8, 128, 128, 128_256, 2)
+    req = PlanRequest(
+        algorithm=planned.algorithm, target_name="t", draft_name=planned.draft, gpu_memory_bytes=80 * GIB,
+        gpu_total_bytes=80 * GIB, gpu_source="override", gpu_name="g", kv_cache_dtype="bfloat16",
+        draft_num_layers=1, target_num_layers=32, target_vocab_size=128_256, min_tokens=planned.context_length,
+        context_length=planned.context_length, max_running_requests=planned.max_running_requests,
+        cuda_graph_max_bs=planned.cuda_graph_max_bs, chunked_prefill_size=planned.chunked_prefill_size,
+        target_geometry=geometry, draft_geometry=None if planned.algorithm == "NGRAM" else geometry,
+        verify_tokens=planned.verify_tokens, tree_topk=planned.tree_topk, tree_steps=planned.tree_steps)
+    plan = build_plan(req, {1: Candidate(1, 16 * GIB, GIB, 131_072, 4_096)}, [1])
+    assert plan["fits"], plan["message"]
+    return plan
+
+
+def _spec_of(algorithm: str, **draft) -> dict:
+    body = example({"NGRAM": "ngram.yaml", "STANDALONE": "standalone-draft.yaml"}.get(algorithm, "spec-deploy.yaml"))
+    body["spec"]["draft"]["algorithm"] = algorithm
+    body["spec"]["draft"].update(draft)
+    if algorithm == "MTP":
+        body["spec"]["draft"].pop("model", None)
+    return body
+
+
+@pytest.mark.parametrize("algorithm,draft", [
+    ("EAGLE3", {}), ("EAGLE", {}), ("EAGLE3", {"topK": 4, "numSteps": 3, "numDraftTokens": 8}),
+    ("EAGLE", {"topK": 2, "numSteps": 5, "numDraftTokens": 6}), ("EAGLE3", {"numSteps": 6, "numDraftTokens": 7}),
+    ("MTP", {}), ("MTP", {"numSteps": 2, "numDraftTokens": 3}), ("STANDALONE", {}), ("NGRAM", {}),
+    ("NGRAM", {"numDraftTokens": 3}),
+], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{n}" for k, n in v.items()) or "defaults")
+def test_rendered_worker_args_serve_exactly_the_shape_the_planner_args_priced(algorithm, draft):
+    """For every algorithm, the worker the operator renders passes the worker's own check against
+    the plan its planner pod would write, at the very shape that plan priced (nothing narrower,
+    nothing wider): the planner and worker arguments come from one spec."""
+    from specdecode_worker import serve_cli, serve_shape
+
+    view = parse_spec(_spec_of(algorithm, **draft))
+    plan = _planned_by(planner.planner_args(view))
+    flags = serve_cli.parser().parse_args(workload.worker_args(view, plan)[1:])
+    serve_shape.fill_from_plan(flags, plan)
+    serve_cli.check_flags_against_plan(flags, plan, flags.plan)
+    assert serve_shape.check_against_plan(flags, plan, flags.plan) == []  # raises when wider; lists narrower
+    reserve = plan["reserve"]
+    assert flags.num_draft_tokens + 1 == reserve["verifyTokens"] == view.num_draft_tokens + (algorithm == "NGRAM")
+    shape = serve_shape.serve_shape(flags, plan)
+    assert (shape.cuda_graph_max_bs, shape.chunked_prefill_size, shape.max_running_requests) == \
+        (reserve["cudaGraphMaxBs"], reserve["chunkedPrefillSize"], reserve["maxRunningRequests"])
+    if view.top_k > 1:
+        assert (flags.speculative_eagle_topk, flags.speculative_num_steps) == (reserve["treeTopk"], reserve["treeSteps"])

@@ -111,6 +111,10 @@ class PlanReserve:
     chunked_prefill_size: int | None = None
     cuda_graph_max_bs: int | None = None
     max_running_requests: int | None = None
+    # The speculative shape the dynamic reserve was priced for (plans written before lack it).
+    verify_tokens: int | None = None
+    tree_topk: int | None = None
+    tree_steps: int | None = None
 
 
 @dataclass(frozen=True)

@@ -222,7 +222,8 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
     NextN layer has a graph pool of its own for the chain's draft steps). An EAGLE tree
     (``tree_topk`` > 1, over ``tree_steps`` steps) verifies ``verify_tokens`` nodes under a mask
     staged with the batch, and its head's graphs are draft-tree steps of ``tree_topk`` rows per
-    request (``draft_tree_step_bytes``) instead of the chain's. Each runner's sizes write into its
+    request (``draft_tree_step_bytes``), or the chain's when those are larger, so that a chain of
+    the same width served under the tree's plan fits it. Each runner's sizes write into its
     largest graph's outputs, so a pool holds one set of outputs. MLA models (DeepSeek) price their
     absorbed queries and latent split-KV partials (``ForwardGeometry``).
     """
@@ -244,15 +245,25 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
     if algorithm in ("EAGLE", "EAGLE3", "MTP"):
         rows = cuda_graph_max_bs * verify_tokens
         graphs += rows * FEATURE_HIDDENS[algorithm] * target.hidden_size * target.dtype_bytes
+        # the head's chain steps; their logits are gathered over the target's t ranks
+        chain = 0 if draft is None else draft.graph_pool_bytes(cuda_graph_max_bs, draft_tp, logit_tp=tp)
         if tree_topk > 1:
             graphs += tree_inputs_bytes(cuda_graph_max_bs, verify_tokens, verify_tokens)
-            if draft is not None:
-                graphs += draft_tree_step_bytes(target, draft, cuda_graph_max_bs, tree_topk, tree_steps, tp)
-        elif draft is not None:  # the head's logits are gathered over the target's t ranks
-            graphs += draft.graph_pool_bytes(cuda_graph_max_bs, draft_tp, logit_tp=tp)
+            if draft is not None:  # a chain served under a tree's plan fits it too (serve_shape.py)
+                graphs += max(chain, draft_tree_step_bytes(target, draft, cuda_graph_max_bs, tree_topk,
+                                                           tree_steps, tp))
+        else:
+            graphs += chain
     if algorithm == "STANDALONE" and draft is not None:
         graphs += draft.graph_pool_bytes(cuda_graph_max_bs, 1)
     return math.ceil(ALLOCATOR_SLACK * (eager + graphs))
+
+
+def priced_shape(req: "PlanRequest") -> dict[str, int]:
+    """The speculative shape the dynamic reserve was priced for, as ``serve --plan`` checks it
+    (``serve_shape.py``): verify rows per request (proposals + 1), and an EAGLE tree's top-k and
+    depth (top-k 1: a chain, whose depth is its proposals)."""
+    return {"verifyTokens": req.verify_tokens, "treeTopk": req.tree_topk, "treeSteps": req.tree_steps}
 
 
 def _floor3(x: float) -> float:
@@ -447,6 +458,7 @@ def build_plan(req: PlanRequest, candidates: dict[int, Candidate] | Callable[[in
             "chunkedPrefillSize": s.chunk,
             "cudaGraphMaxBs": s.graph_bs,
             "maxRunningRequests": s.max_running,
+            **priced_shape(req),
         },
         "shortfallBytes": s.shortfall,
         "minMemFractionStatic": min_f,

@@ -24,6 +24,7 @@ from .contract import GIB, KV_CACHE_DTYPES, SERVED_ALGORITHMS, ExitCode
 from .errors import InputError
 from .flags import CommandParser, add_sizing_flags, asks_for_help
 from .hub import model_name
+from .serve_shape import DEFAULT_NUM_DRAFT_TOKENS, check_against_plan, fill_from_plan, serve_shape
 
 log = logging.getLogger("specdecode_worker.serve")
 
@@ -35,7 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="draft model folder (STANDALONE) or head checkpoint (EAGLE, EAGLE3)")
     p.add_argument("--algorithm", default="NONE", help=", ".join(SERVED_ALGORITHMS))
     p.add_argument("--plan", help="MemoryPlan JSON to serve against (default: plan in-process from the flags below); "
-                   "sizing flags given with it must agree with it")
+                   "sizing flags given with it must agree with it, and the speculative shape and serving limits "
+                   "may not exceed the ones it priced")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
     p.add_argument("--device-memory-gib", type=float, help="memory budget standing in for the GPU on cpu")
     p.add_argument("--host", default="0.0.0.0")
@@ -43,11 +45,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="model id in the API (default: the target folder's name; "
                    "for a hub cache folder OWNER/NAME/COMMIT, NAME)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="proposals per verify round")
+    p.add_argument("--num-draft-tokens", type=int,
+                   help=f"proposals per verify round (default: the --plan's, else {DEFAULT_NUM_DRAFT_TOKENS}); "
+                   "with --plan at most the plan's")
     p.add_argument("--speculative-num-steps", type=int,
-                   help="EAGLE draft steps per round (default: --num-draft-tokens, a chain)")
-    p.add_argument("--speculative-eagle-topk", type=int, default=1,
-                   help="EAGLE branches per draft step: 1 drafts a chain, more a tree of --num-draft-tokens nodes")
+                   help="EAGLE draft steps per round (default: the --plan's tree depth, else --num-draft-tokens, "
+                   "a chain)")
+    p.add_argument("--speculative-eagle-topk", type=int,
+                   help="EAGLE branches per draft step: 1 drafts a chain, more a tree of --num-draft-tokens nodes "
+                   "(default: the --plan's, else 1)")
     p.add_argument("--spec-policy", choices=("adaptive", "fixed"), default="adaptive",
                    help="adaptive: each round drafts the length (down to none) that maximises expected tokens/s "
                         "from load and acceptance; fixed: always --num-draft-tokens")
@@ -89,6 +95,8 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     if args.algorithm not in SERVED_ALGORITHMS:
         raise InputError(f"--algorithm {args.algorithm}: this worker serves {', '.join(SERVED_ALGORITHMS)}")
+    plan = load_plan_file(args.plan) if args.plan else None
+    fill_from_plan(args, plan)
     for name in ("num_draft_tokens", "ngram_max", "port", "speculative_eagle_topk"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')}: must be positive, got {getattr(args, name)}")
@@ -98,12 +106,13 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if args.device_memory_gib is not None and not args.device_memory_gib > 0:
         raise InputError(f"--device-memory-gib: must be positive, got {args.device_memory_gib}")
 
-    if args.plan:
-        plan = load_plan_file(args.plan)
+    if plan is not None:
         if plan["algorithm"] != ("NGRAM" if args.algorithm == "NONE" else args.algorithm):
             raise InputError(f"--plan {args.plan}: planned for {plan['algorithm']}, serving {args.algorithm}")
         kv_cache_dtype = plan_kv_cache_dtype(plan, args.kv_cache_dtype, args.plan)
         check_flags_against_plan(args, plan, args.plan)
+        for narrower in check_against_plan(args, plan, args.plan):
+            log.info("serving below the plan %s, which fits: %s", args.plan, narrower)
     else:
         from .plan_cli import make_plan, plan_args
 
@@ -123,6 +132,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         raise InputError(f"the memory plan does not fit: {plan['message']}")
 
     kv, reserve = plan["kvCache"], plan["reserve"]
+    shape = serve_shape(args, plan)
     budget = plan["gpuMemoryBytes"]
     if device == "cpu" and args.device_memory_gib is not None:
         budget = int(args.device_memory_gib * GIB)
@@ -132,25 +142,23 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         device_memory_bytes=budget if device == "cpu" else None,
         mem_fraction_static=plan["memFractionStatic"], runtime_bytes=reserve["runtimeBytes"],
         context_len=kv["contextLength"], min_kv_tokens=kv["minTokens"], max_total_tokens=args.max_total_tokens,
-        max_running_requests=reserve["maxRunningRequests"], cuda_graph_max_bs=reserve["cudaGraphMaxBs"],
-        num_draft_tokens=args.num_draft_tokens, ngram_max=args.ngram_max,
-        speculative_num_steps=args.speculative_num_steps, speculative_eagle_topk=args.speculative_eagle_topk,
+        max_running_requests=shape.max_running_requests, cuda_graph_max_bs=shape.cuda_graph_max_bs,
+        num_draft_tokens=shape.num_draft_tokens, ngram_max=args.ngram_max,
+        speculative_num_steps=shape.speculative_num_steps, speculative_eagle_topk=shape.speculative_eagle_topk,
         planned_tokens=kv["maxTotalNumTokens"],
         draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization,
         kv_cache_dtype=kv_cache_dtype, spec_policy=args.spec_policy,
-        chunked_prefill_size=reserve.get("chunkedPrefillSize") or 0,
+        chunked_prefill_size=shape.chunked_prefill_size,
         planned_dynamic_bytes=reserve.get("dynamicBytes"),
     )
     return engine_args, plan
 
 
 # Sizing flags that may come next to --plan (the operator pins them): (flag's attribute, plan keys).
+# The serving limits the reserve is priced from may also be lower (serve_shape.py).
 PINNED_BY_PLAN = (
     ("mem_fraction_static", ("memFractionStatic",)),
     ("context_length", ("kvCache", "contextLength")),
-    ("max_running_requests", ("reserve", "maxRunningRequests")),
-    ("cuda_graph_max_bs", ("reserve", "cudaGraphMaxBs")),
-    ("chunked_prefill_size", ("reserve", "chunkedPrefillSize")),
 )
 
 
