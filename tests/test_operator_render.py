@@ -420,4 +420,5 @@ def test_rendered_worker_args_serve_exactly_the_shape_the_planner_args_priced(al
     assert (shape.cuda_graph_max_bs, shape.chunked_prefill_size, shape.max_running_requests) == \
         (reserve["cudaGraphMaxBs"], reserve["chunkedPrefillSize"], reserve["maxRunningRequests"])
     if view.top_k > 1:
-        assert (flags.speculative_eagle_topk, flags.speculative_num_steps) == (reserve["treeTopk"], reserve["treeSteps"])
+        tree = (flags.speculative_eagle_topk, flags.speculative_num_steps)
+        assert tree == (reserve["treeTopk"], reserve["treeSteps"])

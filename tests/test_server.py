@@ -242,7 +242,8 @@ def test_serve_cli_refuses_bad_flags_with_exit_2(models, capsys):
 
 
 def test_sizing_flags_next_to_a_plan_must_agree_with_it(models, tmp_path, capsys):
-    """The operator pins the plan's numbers next to --plan: a number the plan does not hold is refused."""
+    """The operator pins the plan's numbers next to --plan: a fraction or context the plan does not
+    hold is refused, and so is a serving limit above the one its reserve was priced for."""
     from specdecode_worker import plan_cli
 
     assert plan_cli.main(["--target", str(models["target"]), "--algorithm", "NGRAM", "--gpu-memory-gib", "1.1",
@@ -260,12 +261,13 @@ def test_sizing_flags_next_to_a_plan_must_agree_with_it(models, tmp_path, capsys
     assert engine_args.context_len == 64 and engine_args.max_running_requests == reserve["maxRunningRequests"]
     for flag, value, planned in [
         ("--mem-fraction-static", "0.5", plan["memFractionStatic"]), ("--context-length", "128", 64),
-        ("--max-running-requests", "3", reserve["maxRunningRequests"]),
-        ("--cuda-graph-max-bs", "7", reserve["cudaGraphMaxBs"]),
-        ("--chunked-prefill-size", "99", reserve["chunkedPrefillSize"]),
     ]:
         assert serve_cli.main(base + [flag, value]) == 2
         assert f"{flag} {value}: the plan {path} has {planned}" in capsys.readouterr().err
+    for flag, key in [("--max-running-requests", "maxRunningRequests"), ("--cuda-graph-max-bs", "cudaGraphMaxBs"),
+                      ("--chunked-prefill-size", "chunkedPrefillSize")]:
+        assert serve_cli.main(base + [flag, str(reserve[key] + 1)]) == 2
+        assert f"{flag} {reserve[key] + 1}: the plan {path} priced" in capsys.readouterr().err
 
 
 def test_worker_below_the_plan_floor_exits_3(models, tmp_path, capsys):
