@@ -33,6 +33,7 @@ def _plan(algorithm="EAGLE3", **shape) -> dict:
 
 
 def _argv(path, algorithm="EAGLE3", *extra) -> list[str]:
+    """serve's arguments against the plan at ``path`` on cpu (a later --device in ``extra`` wins)."""
     draft = [] if algorithm in ("NGRAM", "NONE", "MTP") else ["--draft", "/models/d"]
     return ["--target", "/models/t", *draft, "--algorithm", algorithm, "--plan", str(path), "--device", "cpu",
             *extra]
@@ -53,9 +54,9 @@ def test_the_plan_records_the_shape_it_priced_and_reads_back():
     assert (reserve["verifyTokens"], reserve["treeTopk"], reserve["treeSteps"]) == (8, 4, 3)
     assert (reserve["cudaGraphMaxBs"], reserve["chunkedPrefillSize"], reserve["maxRunningRequests"]) == (32, 4096, 64)
     read = MemoryPlan.from_dict(plan).reserve
-    assert (read.verify_tokens, read.tree_topk, read.tree_steps) == (8, 4, 3)
+    assert (read.verify_tokens, read.tree_topk, read.tree_steps, read.dtype_bytes) == (8, 4, 3, 2)
     chain = validate_plan(json.loads(to_json(_plan("NGRAM", verify_tokens=9))))["reserve"]
-    assert (chain["verifyTokens"], chain["treeTopk"]) == (9, 1)
+    assert (chain["verifyTokens"], chain["treeTopk"], chain["dtypeBytes"]) == (9, 1, 2)
     # the recorded shape is the one the reserve was priced at
     assert plan["reserve"]["dynamicBytes"] == dynamic_reserve_bytes("EAGLE3", TARGET, HEAD, 1, 4096, 32, 64, 8, 4, 3)
 
@@ -180,3 +181,19 @@ def test_fill_from_plan_without_a_plan_keeps_the_workers_defaults():
     flags = serve_cli.parser().parse_args(["--target", "/models/t"])
     fill_from_plan(flags, None)
     assert (flags.num_draft_tokens, flags.speculative_eagle_topk, flags.speculative_num_steps) == (4, 1, None)
+
+
+def test_a_wider_compute_dtype_is_refused_on_a_gpu(plan_file, capsys):
+    """The plan prices the checkpoint's dtype (2 bytes here); --dtype float32 would double every
+    activation and weight. On CPU the engine computes in float32 whatever the plan priced."""
+    path = plan_file(_plan())
+    assert serve_cli.main(_argv(path, "EAGLE3", "--dtype", "float32", "--device", "cuda")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"--dtype float32: the plan {path} priced weights and activations at 2 bytes")
+    assert "give --dtype auto" in err
+    for dtype in ("auto", "bfloat16", "float16"):
+        engine_args, _ = serve_cli.resolve(serve_cli.parser().parse_args(
+            _argv(path, "EAGLE3", "--dtype", dtype, "--device", "cuda")))
+        assert engine_args.dtype == (None if dtype == "auto" else dtype)
+    engine_args, _ = serve_cli.resolve(serve_cli.parser().parse_args(_argv(path, "EAGLE3", "--dtype", "float32")))
+    assert engine_args.device == "cpu" and engine_args.dtype == "float32"

@@ -115,6 +115,7 @@ class PlanReserve:
     verify_tokens: int | None = None
     tree_topk: int | None = None
     tree_steps: int | None = None
+    dtype_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -261,9 +261,13 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
 
 def priced_shape(req: "PlanRequest") -> dict[str, int]:
     """The speculative shape the dynamic reserve was priced for, as ``serve --plan`` checks it
-    (``serve_shape.py``): verify rows per request (proposals + 1), and an EAGLE tree's top-k and
-    depth (top-k 1: a chain, whose depth is its proposals)."""
-    return {"verifyTokens": req.verify_tokens, "treeTopk": req.tree_topk, "treeSteps": req.tree_steps}
+    (``serve_shape.py``): verify rows per request (proposals + 1), an EAGLE tree's top-k and depth
+    (top-k 1: a chain, whose depth is its proposals), and the bytes of an activation element (the
+    checkpoint's dtype, which ``serve --dtype`` could widen)."""
+    shape = {"verifyTokens": req.verify_tokens, "treeTopk": req.tree_topk, "treeSteps": req.tree_steps}
+    if req.target_geometry is not None:
+        shape["dtypeBytes"] = req.target_geometry.dtype_bytes
+    return shape
 
 
 def _floor3(x: float) -> float:

@@ -111,7 +111,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             raise InputError(f"--plan {args.plan}: planned for {plan['algorithm']}, serving {args.algorithm}")
         kv_cache_dtype = plan_kv_cache_dtype(plan, args.kv_cache_dtype, args.plan)
         check_flags_against_plan(args, plan, args.plan)
-        for narrower in check_against_plan(args, plan, args.plan):
+        for narrower in check_against_plan(args, plan, args.plan, device):
             log.info("serving below the plan %s, which fits: %s", args.plan, narrower)
     else:
         from .plan_cli import make_plan, plan_args

@@ -73,11 +73,22 @@ LIMITS = (
 )
 
 
-def check_against_plan(args: argparse.Namespace, plan: dict[str, Any], path: str) -> list[str]:
+# Bytes per element of serve's --dtype choices (auto: the checkpoint's, as the plan priced it).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def check_against_plan(args: argparse.Namespace, plan: dict[str, Any], path: str, device: str = "cuda") -> list[str]:
     """Refuse (InputError) a serving shape wider than the one the plan priced; return what was
-    checked narrower (logged at info), or warn once when the plan records no shape to check."""
+    checked narrower (logged at info), or warn once when the plan records no shape to check.
+    On CPU the engine computes in float32 whatever the plan priced (a budget, not a GPU)."""
     reserve = plan["reserve"]
     narrower: list[str] = []
+    planned_bytes = reserve.get("dtypeBytes")
+    given_bytes = DTYPE_BYTES.get(getattr(args, "dtype", None) or "auto")
+    if device == "cuda" and planned_bytes and given_bytes and given_bytes > planned_bytes:
+        raise InputError(f"--dtype {args.dtype}: the plan {path} priced weights and activations at {planned_bytes} "
+                         f"bytes per element (the checkpoint's dtype), {args.dtype} takes {given_bytes}; give "
+                         "--dtype auto, or plan from a checkpoint stored in that dtype")
     for name, key, what in LIMITS:
         given, planned = getattr(args, name), reserve.get(key)
         if given is None or planned is None:
