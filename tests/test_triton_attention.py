@@ -375,3 +375,22 @@ def test_verify_batches_replay_verify_graphs_and_nothing_else(tmp_path):
     assert outputs(eng) == plain
     assert seen and all(lens == [4] * len(lens) for lens in seen)
     assert eng.stats.verify_rounds >= len(seen)
+
+
+def test_a_graph_capture_makes_its_own_extend_metadata(monkeypatch):
+    """A graph runner warms its static batch up, then captures it: the capture must not reuse the
+    warm-up's metadata tensors (freed once another batch replaces them, while the graph would read
+    their addresses at every replay). The capture is simulated: the stream reports capturing."""
+    req_pool, kv, g = _pools(2)
+    fb = _batch(req_pool, [12, 30, 41], [4, 4, 4], [1, 2, 3])
+    q, k, v = _randn(12, 4, D, g=g), _randn(12, 2, D, g=g), _randn(12, 2, D, g=g)
+    seen, real = [], ta.extend_attention
+    monkeypatch.setattr(ta, "extend_attention", lambda *a, **kw: seen.append(a[6]) or real(*a, **kw))  # q_start
+    backend = ta.TritonAttnBackend(req_pool, kv, None)
+    warm = backend.forward(q, k, v, 0, fb, SCALE)
+    backend.forward(q, k, v, 0, fb, SCALE)  # every layer of one pass reuses the batch's metadata
+    monkeypatch.setattr(ta, "stream_capturing", lambda device: True)
+    captured = backend.forward(q, k, v, 0, fb, SCALE)
+    assert seen[0] is seen[1]
+    assert seen[2] is not seen[0], "the capture read the warm-up's metadata tensors"
+    torch.testing.assert_close(captured, warm)

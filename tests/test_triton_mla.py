@@ -258,3 +258,24 @@ def test_padded_chain_batch_gives_the_ragged_rows():
         torch.testing.assert_close(got[real], want, atol=2e-5, rtol=2e-5)
     changed = (kv.k_buffer[0] != before).any(dim=(1, 2)).nonzero().flatten().tolist()
     assert changed == [PAD_SLOT]
+
+
+def test_a_graph_capture_makes_its_own_extend_metadata(monkeypatch):
+    """As for the MHA kernels: an MTP verify graph captured after its warm-up computes the batch's
+    metadata itself rather than reading the warm-up's tensors, freed once another batch replaces
+    them. The capture is simulated: the stream reports capturing."""
+    from specdecode_worker.engine import triton_attention as ta
+
+    req_pool, kv, g = _pools()
+    fb = _batch(req_pool, [12, 50, 79], [4, 4, 4], [1, 2, 3])
+    q, k, v = _inputs(12, 4, g)
+    seen, real = [], tm.mla_extend
+    monkeypatch.setattr(tm, "mla_extend", lambda *a, **kw: seen.append(a[5]) or real(*a, **kw))  # q_start
+    backend = tm.TritonMLABackend(req_pool, kv)
+    warm = backend.forward(q, k, v, 0, fb, SCALE)
+    backend.forward(q, k, v, 0, fb, SCALE)  # every layer of one pass reuses the batch's metadata
+    monkeypatch.setattr(ta, "stream_capturing", lambda device: True)
+    captured = backend.forward(q, k, v, 0, fb, SCALE)
+    assert seen[0] is seen[1]
+    assert seen[2] is not seen[0], "the capture read the warm-up's metadata tensors"
+    torch.testing.assert_close(captured, warm)

@@ -276,6 +276,32 @@ def extend_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, q_start, q
     return out
 
 
+def stream_capturing(device: torch.device) -> bool:
+    """A CUDA graph is being captured on ``device``'s current stream (never on CPU)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class BatchMeta:
+    """A batch's per-request metadata, made by ``make(fb, device)`` once and reused by every layer.
+
+    Made again when a graph capture begins with the batch it was made for at warm-up (a graph
+    runner's static batch): a graph must compute it itself, since the warm-up's tensors are freed,
+    and their memory reused, as soon as another batch replaces them, while the graph would keep
+    reading their addresses at every replay.
+    """
+
+    def __init__(self, make):
+        self.make = make
+        self._fb, self._capturing, self._meta = None, False, None
+
+    def __call__(self, fb: ForwardBatch, device: torch.device):
+        capturing = stream_capturing(device)
+        if self._fb is not fb or self._capturing != capturing:
+            self._meta = self.make(fb, device)
+            self._fb, self._capturing = fb, capturing
+        return self._meta
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -291,9 +317,8 @@ class TritonAttnBackend:
         self.kv_pool = kv_pool
         self.sliding_window = sliding_window
         self.num_sms = _sm_count(self.req_to_token.device)
-        self._meta_fb = None  # the batch whose per-request metadata is cached (every layer reuses it)
-        self._meta = None
-        self._meta_capturing = False
+        self._meta = BatchMeta(lambda fb, device: self._tree_meta(fb, device) if hasattr(fb, "mask")
+                               else self._extend_meta(fb, device))
 
     def num_splits(self, batch_size: int) -> int:
         return decode_num_splits(batch_size, self.kv_pool.k_buffer[0].shape[1], self.num_sms)
@@ -306,13 +331,7 @@ class TritonAttnBackend:
         if fb.is_decode and not tree:
             return decode_attention(q, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, fb.seq_lens, scaling,
                                     self.sliding_window, self.num_splits(fb.batch_size))
-        # Computed once per batch, every layer reuses it; again while a graph is captured, so the
-        # graph computes it itself rather than reading tensors made at warm-up, which could be freed.
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        if self._meta_fb is not fb or self._meta_capturing != capturing:
-            self._meta = self._tree_meta(fb, q.device) if tree else self._extend_meta(fb, q.device)
-            self._meta_fb, self._meta_capturing = fb, capturing
-        q_start, q_lens, linear_lens, max_q_len, extra = self._meta
+        q_start, q_lens, linear_lens, max_q_len, extra = self._meta(fb, q.device)
         return extend_attention(q, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, q_start, q_lens,
                                 linear_lens, fb.positions, max_q_len, scaling, self.sliding_window, extra)
 

@@ -27,8 +27,8 @@ import triton.language as tl
 from .forward_batch import ForwardBatch
 from .mla_pool import MLATokenToKVPool
 from .pools import ReqToTokenPool
-from .triton_attention import (_NEG, TritonAttnBackend, _decode_reduce_kernel, _online_update, _p2, _precision,
-                               _sm_count, _upcast, decode_num_splits)
+from .triton_attention import (_NEG, BatchMeta, TritonAttnBackend, _decode_reduce_kernel, _online_update, _p2,
+                               _precision, _sm_count, _upcast, decode_num_splits)
 
 DECODE_BLOCK_H = 16  # query heads per decode program (the least tl.dot M on a GPU)
 
@@ -211,8 +211,8 @@ class TritonMLABackend:
         self.req_to_token = req_to_token_pool.req_to_token
         self.kv_pool = kv_pool
         self.num_sms = _sm_count(self.req_to_token.device)
-        self._meta_fb = None  # the batch whose per-request metadata is cached (every layer reuses it)
-        self._meta = None
+        # Every layer reuses a batch's metadata; a graph capture makes its own (``BatchMeta``).
+        self._meta = BatchMeta(_extend_meta)
 
     def num_splits(self, batch_size: int, num_heads: int) -> int:
         return decode_num_splits(batch_size, head_blocks(num_heads), self.num_sms)
@@ -228,10 +228,7 @@ class TritonMLABackend:
         if fb.is_decode:
             return mla_decode(q, kv_buf, rank, self.req_to_token, fb.req_pool_indices, fb.seq_lens, scaling,
                               self.num_splits(fb.batch_size, q.shape[1]))
-        if self._meta_fb is not fb:
-            self._meta = _extend_meta(fb, q.device)
-            self._meta_fb = fb
-        q_start, q_lens, max_q_len = self._meta
+        q_start, q_lens, max_q_len = self._meta(fb, q.device)
         return mla_extend(q, kv_buf, rank, self.req_to_token, fb.req_pool_indices, q_start, q_lens, fb.seq_lens,
                           fb.positions, max_q_len, scaling)
 
