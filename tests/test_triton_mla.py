@@ -279,3 +279,19 @@ def test_a_graph_capture_makes_its_own_extend_metadata(monkeypatch):
     assert seen[0] is seen[1]
     assert seen[2] is not seen[0], "the capture read the warm-up's metadata tensors"
     torch.testing.assert_close(captured, warm)
+
+
+def test_a_tree_batch_is_refused_rather_than_attended_without_its_mask():
+    from specdecode_worker.engine.tree_attention import TreeForwardBatch
+
+    req_pool, kv, g = _pools()
+    fb = _batch(req_pool, [12], [2], [1])
+    tree = TreeForwardBatch(
+        **{name: getattr(fb, name) for name in ForwardBatch.__dataclass_fields__},
+        prefix_lens=torch.tensor([10], device=DEVICE), key_slots=fb.out_cache_loc[None],
+        key_positions=fb.positions[None], mask=torch.ones(1, 2, 2, dtype=torch.int8, device=DEVICE),
+        prefix_lens_cpu=[10],
+    )
+    q, k, v = _inputs(2, 4, g)
+    with pytest.raises(NotImplementedError, match="tree-masked"):
+        tm.TritonMLABackend(req_pool, kv).forward(q, k, v, 0, tree, SCALE)

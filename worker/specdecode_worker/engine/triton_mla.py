@@ -220,7 +220,7 @@ class TritonMLABackend:
     def forward(self, q, k, v, layer_id: int, fb: ForwardBatch, scaling: float) -> torch.Tensor:
         """q: [N, H, kv_lora_rank + rope] absorbed queries; k: the new latent rows [N, 1, width]
         (``v`` is their first columns, stored with them); returns [N, H, kv_lora_rank]."""
-        if hasattr(fb, "masks"):
+        if hasattr(fb, "mask"):  # a TreeForwardBatch
             raise NotImplementedError("tree-masked attention over an MLA pool: MTP drafts chains only")
         self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         kv_buf = self.kv_pool.k_buffer[layer_id]
