@@ -22,8 +22,8 @@ draft model cache the tokens committed since (``StepCost.catch_up``); that once-
 over the rounds the request has left and added to any round that turns it on. A new request
 expects at least its algorithm's fixed prior, however earlier requests did, and if that does not
 get it drafting it drafts once anyway (its first probe, at the length that costs least net of what
-it is expected to give, if that costs at most ``first_probe_budget`` of its expected time), so that
-one that copies from its prompt is found out in its first rounds.
+it is expected to give, if a failed probe would cost at most ``first_probe_budget`` of its time
+without drafting), so that one that copies from its prompt is found out in its first rounds.
 A request drafting nothing gets no new observation, so now and then the requests held at k = 0
 by their estimates draft one token each, together, spaced so that probing costs at most
 ``probe_budget`` of the time: that is how speculation comes back once acceptance does. A lookup
@@ -184,7 +184,7 @@ class SpecPolicy:
     choices: tuple[int, ...] | None = None  # the k a uniform batch may take (None: 0..K)
     probe_every: int = 8  # the fewest rounds between two probes
     probe_budget: float = 0.02  # the share of round time that probing may cost
-    first_probe_budget: float = 0.1  # the share of a new request's expected time its first probe may cost, net
+    first_probe_budget: float = 0.05  # the most a failed first probe may cost, as a share of the request's plain time
     trace: list | None = None  # a list to append each round's choice, prediction and measurement to
     algorithm_acceptance: Acceptance = field(init=False)
     requests: RequestEstimates = field(init=False)
@@ -264,7 +264,8 @@ class SpecPolicy:
         earlier requests did. They draft the length whose round costs least net of the tokens it
         is expected to give (its verify tokens, the switch, its draft passes and the draft caches
         it must build, against the expected tokens at the value of an average token of the round),
-        and only if that net cost is at most ``first_probe_budget`` of their expected time."""
+        and only if, should nothing be accepted, it costs at most ``first_probe_budget`` of their
+        time without drafting: then a probe that fails costs them at most that share."""
         fresh = (ks == 0) & (caps > 0) & np.fromiter((rid not in self._tried for rid in rids), bool, len(rids))
         if not fresh.any():
             return ks
@@ -277,9 +278,11 @@ class SpecPolicy:
             net = self._cost_of(probed) - now + catch_up[fresh].sum() - expected * now / n
             if best_net is None or net < best_net:
                 best, best_net = probed, net
-        rounds = (np.full(int(fresh.sum()), 1e9) if remaining is None
-                  else np.maximum(1.0, np.array(remaining, dtype=float)[fresh] / (1.0 + gains[fresh].sum(1))))
-        if best_net > self.first_probe_budget * now * rounds.mean():
+        # Bounded by what it costs if nobody accepts: the round's extra time and the draft catch-up,
+        # against the new requests' plain rounds to go (each a request's share of a plain round).
+        failed = self._cost_of(best) - now + catch_up[fresh].sum()
+        left = np.inf if remaining is None else float(np.array(remaining, dtype=float)[fresh].sum())
+        if failed > self.first_probe_budget * left * now / n:
             return ks
         self._tried.update(rid for rid, f in zip(rids, fresh) if f)
         return best
