@@ -324,3 +324,19 @@ def test_a_lookup_that_finds_nothing_counts_against_the_request():
     assert policy.acceptance(1)[0] < before / 2
     assert policy.acceptance(2)[0] < before  # the algorithm's estimate fell too, and 2 leans on it
     assert policy.acceptance(2)[0] > policy.acceptance(1)[0]
+
+
+def test_a_failed_first_probe_costs_at_most_its_share_of_the_request():
+    """A STANDALONE request must first cache its prompt in the draft (0.01 a token here) before it
+    can draft: a first probe that is then rejected costs that catch-up and the probe round's extra
+    time. With 5% allowed, it is tried when that is at most 5% of the request's plain rounds to go.
+    A verify token costs 0.8 of a plain round, so drafting at the prior of 0.7 does not pay: only
+    the probe drafts, one token (the length that costs least net of the 0.7 token it may give)."""
+    cost = StepCost.linear(plain=(1.0, 0.0), per_draft_token=0.8, catch_up_per_token=0.01)
+
+    def first(catch_up, remaining):
+        policy = SpecPolicy("adaptive", "STANDALONE", 4, cost, probe_every=1000)
+        return policy.draft_lengths([1], [4], catch_up=[catch_up], remaining=[remaining])[0]
+
+    assert first(100, 37) == 1 and first(100, 35) == 0  # 0.8 + 1.0 against 1.85 and 1.75
+    assert first(0, 17) == 1 and first(0, 15) == 0  # 0.8 against 0.85 and 0.75
