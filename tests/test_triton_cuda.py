@@ -191,6 +191,31 @@ def test_one_captured_mla_graph_serves_every_context_length():
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_mla_verify_graphs_replay_right_after_their_warm_up_tensors_are_reused():
+    """Verify graphs captured as an MTP deployment captures them (largest batch first, each after
+    a warm-up pass, then the smaller ones): no graph may read a tensor of its warm-up, freed once
+    the next size replaced it. Replayed after the allocator has handed memory out again, a real
+    batch of three chains matches torch-native attention."""
+    from specdecode_worker.engine.cuda_graph import GraphRunner
+    from specdecode_worker.engine.triton_mla import TritonMLABackend
+
+    width, W = 4, MLA_RANK + MLA_ROPE
+    req_pool, kv, fb, q, latent = _mla_setup([300, 2048, 17], [width] * 3)
+    backend = TritonMLABackend(req_pool, kv)
+
+    def verify(batch, rows, q_flat, latent_flat):
+        rows_latent = latent_flat.view(-1, 1, W)
+        return backend.forward(q_flat.view(-1, MLA_HEADS, W), rows_latent, rows_latent[..., :MLA_RANK], 0, batch, 0.1)
+
+    graphs = GraphRunner(verify, 4, "cuda", width, extra_widths=(MLA_HEADS * W, W), extra_dtype=torch.bfloat16)
+    torch.cuda.empty_cache()
+    litter = [torch.full((n,), 1 << 40, dtype=torch.int64, device="cuda") for n in (3, 4, 5, 8, 16) for _ in range(64)]
+    got = graphs.replay(fb, q.reshape(len(q), -1), latent.reshape(len(q), -1))[0]
+    want = TorchNativeAttnBackend(req_pool, kv, None).forward(q, latent, latent[..., :MLA_RANK], 0, fb, 0.1)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    del litter
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_expert_kernel_at_deepseek_sizes_matches_the_routed_moe(fp8):
     """The graphs' MoE paths at the benchmark's DeepSeek-V3 cut (hidden 7168, 64 experts of 2048,
