@@ -36,10 +36,12 @@ def test_mtp_deployment_plans_the_nextn_layer_and_rolls_out(cluster, namespace, 
     assert plan["kvCache"]["draftNumLayers"] == 1
     # one latent layer: (kv_lora_rank 512 + qk_rope_head_dim 64) x 2 bytes
     assert plan["kvCache"]["draftBytesPerToken"] == 576 * 2
-    # status.plan is the CLI's own plan for the same inputs (as the example's serving section sets them)
+    # status.plan is the CLI's own plan for the same inputs (as the example's serving section sets them,
+    # and the verify width of 2 proposals + 1 the worker serves)
     out = subprocess.run([str(BIN / "specdecode-worker"), "plan", "--target", str(store / MODEL), "--algorithm", "MTP",
                           "--tp", "auto", "--gpu-product", "NVIDIA-H100-80GB-HBM3", "--context-length", "8192",
-                          "--min-kv-tokens", "65536", "--max-running-requests", "64", "--output", "json"],
+                          "--min-kv-tokens", "65536", "--max-running-requests", "64", "--num-draft-tokens", "2",
+                          "--output", "json"],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     expected = json.loads(out.stdout)
@@ -54,5 +56,6 @@ def test_mtp_deployment_plans_the_nextn_layer_and_rolls_out(cluster, namespace, 
     assert len(workers) == 1
     pinned = json.loads(get_object(cluster, namespace, "configmap", f"{NAME}-plan")["data"]["plan.json"])
     assert pinned["kvCache"] == plan["kvCache"]
+    assert pinned["reserve"]["verifyTokens"] == 3 and pinned["reserve"]["treeTopk"] == 1  # what serve checks
     wait_for(lambda: condition(get_object(cluster, namespace, "sdd", NAME), "Available")["status"] == "True",
              timeout=30, what="Available")
