@@ -165,6 +165,9 @@ def test_table_output(models, capsys):
     assert "draft weights                   0.79 GiB" in out
     assert "KV tokens: 390960" in out
     assert "legacy (target-only profile)" in out and "layer ratio (scaled cell)" in out
+    # the planner's defaults for an 80 GB GPU, and its default width of 3 proposals + 1
+    assert ("reserve priced for: 4 verify tokens per request (a chain), 256 running requests, CUDA graphs up to "
+            "batch 256, prefill chunks of 8192 tokens") in out
 
 
 def _write(path, text):

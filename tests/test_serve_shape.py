@@ -55,6 +55,9 @@ def test_the_plan_records_the_shape_it_priced_and_reads_back():
     assert (reserve["cudaGraphMaxBs"], reserve["chunkedPrefillSize"], reserve["maxRunningRequests"]) == (32, 4096, 64)
     read = MemoryPlan.from_dict(plan).reserve
     assert (read.verify_tokens, read.tree_topk, read.tree_steps, read.dtype_bytes) == (8, 4, 3, 2)
+    from specdecode_worker.plan_cli import render_table
+
+    assert "reserve priced for: 8 verify tokens per request (a tree of top-k 4, 3 steps deep)" in render_table(plan)
     chain = validate_plan(json.loads(to_json(_plan("NGRAM", verify_tokens=9))))["reserve"]
     assert (chain["verifyTokens"], chain["treeTopk"], chain["dtypeBytes"]) == (9, 1, 2)
     # the recorded shape is the one the reserve was priced at

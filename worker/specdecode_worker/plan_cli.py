@@ -340,6 +340,7 @@ def render_table(plan: dict[str, Any]) -> str:
         f"KV bytes/token: target {kv['targetBytesPerToken']}, draft {kv['draftBytesPerToken']} "
         f"({kv['draftNumLayers']} draft layers, {kv['dtype']})",
         f"KV tokens: {kv['maxTotalNumTokens']}  (floor {kv['minTokens']}, context {kv['contextLength']})",
+        _priced_for(reserve),
         "",
         "accounting                         KV tokens   peak / fits",
         f"  this plan (draft priced)      {kv['maxTotalNumTokens']:>12}   fits={plan['fits']}",
@@ -354,6 +355,15 @@ def render_table(plan: dict[str, Any]) -> str:
         plan["message"],
     ]
     return "\n".join(rows) + "\n"
+
+
+def _priced_for(reserve: dict[str, Any]) -> str:
+    """The serving shape the dynamic reserve assumes (``serve --plan`` refuses a wider one)."""
+    tree = reserve.get("treeTopk") or 1
+    shape = "a chain" if tree == 1 else f"a tree of top-k {tree}, {reserve.get('treeSteps')} steps deep"
+    return (f"reserve priced for: {reserve.get('verifyTokens')} verify tokens per request ({shape}), "
+            f"{reserve['maxRunningRequests']} running requests, CUDA graphs up to batch {reserve['cudaGraphMaxBs']}, "
+            f"prefill chunks of {reserve['chunkedPrefillSize']} tokens")
 
 
 def main(argv: list[str] | None = None) -> int:
