@@ -48,13 +48,12 @@ def make_batch(segments: list[Segment], device) -> ForwardBatch:
     for s in segments:
         ids.extend(s.tokens)
         pos.extend(range(s.start, s.start + len(s.tokens)))
-    req_idx = torch.tensor([s.req_idx for s in segments], dtype=torch.int64)
     seq_lens = [s.start + len(s.tokens) for s in segments]
     return ForwardBatch(
         input_ids=to_device(ids, device, torch.int64),
         positions=to_device(pos, device, torch.int64),
         out_cache_loc=torch.empty(0, dtype=torch.int64),
-        req_pool_indices=req_idx.to(device),
+        req_pool_indices=to_device([s.req_idx for s in segments], device, torch.int64),  # never a pageable copy
         seq_lens=to_device(seq_lens, device, torch.int64),
         extend_lens=[len(s.tokens) for s in segments],
         seq_lens_cpu=seq_lens,

@@ -329,8 +329,7 @@ class EagleSpeculator(Speculator):
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
         for r in reqs:
             alloc_positions(pool, alloc, r.req_idx, r.kv_len, r.kv_len + self.k + 1)
-        # A tree's draft K/V scratch is taken before any work is queued: taking slots copies them
-        # to the device, which waits for the stream.
+        # A tree's draft K/V scratch is taken before any work is queued.
         scratch = [alloc.alloc(self.tree_shape.scratch) for _ in reqs] if self.tree else []
         try:
             logits, hidden = self._draft_extend(reqs)

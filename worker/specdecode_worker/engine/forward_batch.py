@@ -7,13 +7,18 @@ from dataclasses import dataclass, field
 import torch
 
 
-def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A host list as a tensor on ``device``. To CUDA through pinned memory without waiting: a
-    plain copy from pageable memory synchronises the stream, so the host could not run ahead."""
-    host = torch.tensor(data, dtype=dtype)
+def host_to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device``. To CUDA through pinned memory without waiting: a plain copy
+    from pageable memory synchronises the stream, so the host could not run ahead. (The pinned
+    copy is a fresh buffer the caching host allocator keeps until the transfer is done.)"""
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list as a tensor on ``device`` (``host_to_device``)."""
+    return host_to_device(torch.tensor(data, dtype=dtype), device)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import torch
 
 from ..contract import FP8_KV_CACHE_DTYPES
 from ..errors import InputError
+from .forward_batch import host_to_device
 
 # --kv-cache-dtype values: auto stores K/V in the compute dtype; the fp8 formats store one byte per
 # element, the planner's cell. There is no calibration: every tensor's scale is 1.0 (values are cast
@@ -88,7 +89,7 @@ class TokenToKVPoolAllocator:
         if n > self._free.numel():
             raise OutOfSlotsError(f"need {n} KV slots, {self._free.numel()} free")
         out, self._free = self._free[:n], self._free[n:]
-        return out.to(self.device)
+        return host_to_device(out, self.device)  # a pageable copy would wait for the stream
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():

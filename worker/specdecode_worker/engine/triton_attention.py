@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..plan import DECODE_MAX_KV_SPLITS
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, to_device
 from .pools import MHATokenToKVPool, ReqToTokenPool
 
 NO_WINDOW = 1 << 30  # a sliding window wider than any context: plain causal attention
@@ -341,7 +341,7 @@ class TritonAttnBackend:
         if B and all(n == lens[0] for n in lens):  # uniform (verify batches): no host-to-device copy
             n = lens[0]
             return torch.arange(B, device=device) * n, torch.full((B,), n, dtype=torch.int64, device=device)
-        q_lens = torch.tensor(lens, dtype=torch.int64, device=device)
+        q_lens = to_device(lens, device, torch.int64)  # pinned: a pageable copy would wait for the stream
         return torch.cumsum(q_lens, 0) - q_lens, q_lens
 
     def _extend_meta(self, fb: ForwardBatch, device):

@@ -1,0 +1,49 @@
+"""Host-to-device copies on the serving path go through pinned memory (``host_to_device``).
+
+On CUDA a plain ``.to(device)`` of a pageable host tensor synchronises the stream: the host waits
+for every queued kernel, so a round's draft steps could not be queued ahead of the GPU. Without a
+GPU the rule is checked by routing ``host_to_device`` to a stand-in and refusing any other
+``Tensor.to`` while a batch is built or slots are taken.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from specdecode_worker.engine import forward_batch  # noqa: E402
+from specdecode_worker.engine.batch import Segment, make_batch  # noqa: E402
+from specdecode_worker.engine.pools import TokenToKVPoolAllocator  # noqa: E402
+
+
+@pytest.fixture
+def staged(monkeypatch):
+    """Every host tensor sent to the device through pinned staging; any plain ``.to`` fails."""
+    sent = []
+
+    def pinned_stand_in(host, device):
+        sent.append(host.clone())
+        return host.clone()
+
+    def plain_copy(self, *args, **kwargs):
+        raise AssertionError(f"a plain Tensor.to{args}: pageable host memory would synchronise the stream")
+
+    monkeypatch.setattr(forward_batch, "host_to_device", pinned_stand_in)
+    monkeypatch.setattr("specdecode_worker.engine.pools.host_to_device", pinned_stand_in)
+    monkeypatch.setattr(torch.Tensor, "to", plain_copy)
+    return sent
+
+
+def test_a_batch_reaches_the_device_only_through_pinned_staging(staged):
+    fb = make_batch([Segment(3, [7, 8], 5), Segment(1, [9], 2)], "cuda")
+    assert fb.req_pool_indices.tolist() == [3, 1]
+    assert fb.input_ids.tolist() == [7, 8, 9] and fb.positions.tolist() == [5, 6, 2]
+    assert fb.seq_lens.tolist() == [7, 3]
+    assert [t.tolist() for t in staged] == [[7, 8, 9], [5, 6, 2], [3, 1], [7, 3]]
+
+
+def test_slots_reach_the_device_only_through_pinned_staging(staged):
+    alloc = TokenToKVPoolAllocator(10, "cuda")
+    assert alloc.alloc(3).tolist() == [1, 2, 3]
+    assert [t.tolist() for t in staged] == [[1, 2, 3]]
