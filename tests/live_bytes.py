@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 class LiveBytes(TorchDispatchMode):
     """Within ``with LiveBytes() as m``: ``m.peak`` is the most bytes of storages made inside the
-    block that were alive at one time (storages made before it are not counted)."""
+    block that were alive at one time (storages made before it, and views of them, are not counted)."""
 
     def __init__(self):
         super().__init__()
@@ -36,7 +36,9 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # a view or an in-place result shares an input's storage: nothing new was allocated
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
                 self._track(t)
         return out

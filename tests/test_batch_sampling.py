@@ -104,6 +104,103 @@ def test_rows_past_a_chains_length_are_never_read(temperature):
     assert all(n <= k for n, k in zip(got[0].tolist(), lengths))
 
 
+# greedy, temperature only, top-k, top-p, both: interleaved, so a block's requests are not consecutive
+MIXED = [SamplingParams(), SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=5),
+         SamplingParams(temperature=1.2, top_p=0.7), SamplingParams(temperature=0.9, top_k=8, top_p=0.8)]
+
+
+def _mixed(batch: int) -> list[SamplingParams]:
+    return [MIXED[(3 * i) % len(MIXED)] for i in range(batch)]
+
+
+def _blocks_of(monkeypatch, requests: int | None, rows_per_request: int, vocab: int) -> None:
+    """Sample ``requests`` requests a block (None: the whole batch in one block)."""
+    from specdecode_worker import plan
+
+    budget = 1 << 60 if requests is None else plan.SAMPLING_BYTES_PER_LOGIT * requests * rows_per_request * vocab
+    monkeypatch.setattr(plan, "SAMPLING_BLOCK_BYTES", budget)
+
+
+def _equal(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_sampling_in_blocks_equals_one_block_and_each_request_alone(monkeypatch):
+    """Tokens and distributions of a mixed batch (greedy, temperature, top-k, top-p rows) sampled
+    in blocks of 2 requests are bit-identical to the whole batch at once and to each request on
+    its own; cut rows never share a block with uncut ones, greedy rows are in none."""
+    gen = torch.Generator().manual_seed(4)
+    batch, vocab = 13, 40
+    logits, params, u = torch.randn(batch, vocab, generator=gen) * 3, _mixed(batch), torch.rand(batch, generator=gen)
+    _blocks_of(monkeypatch, 2, 1, vocab)
+    blocks = batch_sampling.sampled_blocks(params, vocab)
+    assert len(blocks) >= 4 and sorted(i for b in blocks for i in b) == [i for i, p in enumerate(params) if not p.greedy]
+    assert all(len({batch_sampling.cuts(params[i], vocab) for i in b}) == 1 for b in blocks)
+    blocked = choose_tokens(logits, params, u)
+    _blocks_of(monkeypatch, None, 1, vocab)
+    assert _equal(blocked, choose_tokens(logits, params, u))
+    for i, p in enumerate(params):
+        tokens, probs = choose_tokens(logits[i : i + 1], [p], u[i : i + 1])
+        assert tokens[0] == blocked[0][i]
+        assert torch.equal(probs[0], blocked[1][i]) if not p.greedy else not blocked[1][i].any()
+    for row, p, got in zip(logits, params, blocked[1]):  # and they are the distributions asked for
+        if not p.greedy:
+            torch.testing.assert_close(got.double(), _reference_probs(row, p), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("point_masses", [False, True])
+def test_chain_acceptance_in_blocks_equals_one_block_and_each_request_alone(monkeypatch, point_masses):
+    gen = torch.Generator().manual_seed(5)
+    batch, k, vocab = 11, 3, 30
+    params = _mixed(batch)
+    lengths = [(i % 4) for i in range(batch)]
+    logits = torch.randn(batch, k + 1, vocab, generator=gen) * 2
+    draft = torch.where(torch.rand(batch, k, generator=gen) < 0.7, logits[:, :k].argmax(-1),
+                        torch.randint(0, vocab, (batch, k), generator=gen))  # mostly likely proposals
+    draft_probs = None if point_masses else torch.softmax(torch.randn(batch, k, vocab, generator=gen), -1)
+    u = torch.rand(batch, k + 1, generator=gen)
+    _blocks_of(monkeypatch, 2, k + 1, vocab)
+    assert len(batch_sampling.sampled_blocks(params, vocab, k + 1)) >= 4
+    blocked = verify_chains(draft, draft_probs, logits, lengths, params, u)
+    _blocks_of(monkeypatch, None, k + 1, vocab)
+    assert _equal(blocked, verify_chains(draft, draft_probs, logits, lengths, params, u))
+    for i, p in enumerate(params):
+        alone = verify_chains(draft[i : i + 1], None if point_masses else draft_probs[i : i + 1], logits[i : i + 1],
+                              lengths[i : i + 1], [p], u[i : i + 1])
+        assert [t.item() for t in alone] == [blocked[0][i].item(), blocked[1][i].item()]
+    assert blocked[0].sum() > 0 and (blocked[0] < torch.tensor(lengths)).any()  # accepts and rejects both ran
+
+
+def test_tree_acceptance_in_blocks_equals_one_block_and_each_request_alone(monkeypatch):
+    from specdecode_worker.engine.tree import DeviceTrees, TreeDrafter, TreeShape, accept_trees
+
+    gen = torch.Generator().manual_seed(6)
+    batch, vocab = 11, 24
+    shape = TreeShape(2, 3, 5)
+    drafter = TreeDrafter(shape, torch.randn(batch, vocab, generator=gen) * 2)
+    for step in range(1, shape.steps):
+        drafter.step_mask(step)
+        drafter.expand(torch.randn(batch * shape.topk, vocab, generator=gen) * 2)
+    trees = drafter.select(torch.zeros(batch, dtype=torch.int64))
+    n = shape.nodes + 1
+    logits = torch.randn(batch * n, vocab, generator=gen) * 2
+    # the target leans towards the draft's children (row p scores node p's children), so paths go deep
+    requests = torch.arange(batch)[:, None].expand(batch, n)
+    logits.view(batch, n, vocab).index_put_((requests, trees.parents, trees.tokens), torch.tensor(3.0), accumulate=True)
+    valid = torch.arange(n)[None] <= torch.tensor([n - 1 - (i % 3) for i in range(batch)])[:, None]
+    params, u = _mixed(batch), torch.rand(batch, shape.steps * shape.topk + 1, generator=gen)
+    _blocks_of(monkeypatch, 2, n, vocab)
+    assert len(batch_sampling.sampled_blocks(params, vocab, n)) >= 4
+    blocked = accept_trees(trees, shape, valid, logits, params, u)
+    _blocks_of(monkeypatch, None, n, vocab)
+    assert _equal(blocked, accept_trees(trees, shape, valid, logits, params, u))
+    for i, p in enumerate(params):
+        one = DeviceTrees(*(t[i : i + 1] for t in (trees.tokens, trees.parents, trees.depths, trees.mask)))
+        alone = accept_trees(one, shape, valid[i : i + 1], logits.view(batch, n, vocab)[i], [p], u[i : i + 1])
+        assert _equal(alone, tuple(t[i : i + 1] for t in blocked))
+    assert blocked[0].sum() > 0
+
+
 def test_chain_rows_lay_out_uneven_chains():
     assert chain_rows([2, 0, 1]) == [0, 1, 2, 3, 3, 3, 4, 5, 5]
 

@@ -97,28 +97,28 @@ def test_serve_and_the_planner_price_the_tree_they_run(tmp_path):
     assert (planned.verify_tokens, planned.tree_topk, planned.tree_steps) == (7, 4, 3)
 
 
-@pytest.mark.slow
-def test_the_plan_prices_sampling_and_acceptance_with_every_filter_as_measured():
-    """Live tensor bytes of a verify batch's sampling and acceptance (temperature, top-k and top-p:
-    two sorts over the vocabulary), counted on CPU, per verify row and vocabulary entry, are at
-    most what the plan prices (SAMPLING_BYTES_PER_LOGIT) beside the held draft distributions."""
-    from specdecode_worker.engine.batch_sampling import verify_chains
+def _sampling_peaks(batch: int, k: int, vocab: int, nodes: int) -> tuple[int, int, int]:
+    """Live tensor bytes at the peak of a verify batch's chain acceptance, a tree's and a decode
+    step's sampling, counted on CPU, over a batch mixing greedy rows, temperature-only rows and rows
+    with a top-k and a top-p cut, interleaved (so blocks gather their rows)."""
+    from specdecode_worker.engine.batch_sampling import choose_tokens, verify_chains
     from specdecode_worker.engine.tree import TreeDrafter, TreeShape, accept_trees
-    from specdecode_worker.plan import SAMPLING_BYTES_PER_LOGIT
 
     from tests.live_bytes import LiveBytes
 
-    batch, k, vocab = 8, 3, 4000
-    params = [SamplingParams(temperature=1.0, top_k=2, top_p=0.9, seed=0)] * batch
+    kinds = [SamplingParams(temperature=1.0, top_k=2, top_p=0.9, seed=0), SamplingParams(),
+             SamplingParams(temperature=0.7)]
+    params = [kinds[i % 3] for i in range(batch)]
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(batch, k + 1, vocab, generator=g)
     draft = torch.randint(0, vocab, (batch, k), generator=g)
     u = torch.rand(batch, k + 1, generator=g)
-    draft_probs = torch.softmax(torch.randn(batch, k, vocab, generator=g), -1)  # what the drafts came from
-    held = draft_probs.numel() * draft_probs.element_size()  # through the verify pass
+    draft_probs = torch.softmax(torch.randn(batch, k, vocab, generator=g), -1)  # held since drafting
     with LiveBytes() as chains:
         verify_chains(draft, draft_probs, logits, [k] * batch, params, u)
-    topk, steps, nodes = 3, 3, 6
+    with LiveBytes() as decode:
+        choose_tokens(logits[:, 0], params, u[:, 0])
+    topk, steps = 3, 3
     shape = TreeShape(topk, steps, nodes)
     drafter = TreeDrafter(shape, torch.randn(batch, vocab, generator=g))
     for step in range(1, steps):
@@ -129,8 +129,32 @@ def test_the_plan_prices_sampling_and_acceptance_with_every_filter_as_measured()
     with LiveBytes() as tree:
         accept_trees(trees, shape, torch.ones(batch, nodes + 1, dtype=torch.bool), tree_logits, params,
                      torch.rand(batch, steps * topk + 1, generator=g))
-    chain_rows, tree_rows = batch * (k + 1), batch * (nodes + 1)
-    assert (chains.peak + held) / (chain_rows * vocab) <= SAMPLING_BYTES_PER_LOGIT
-    assert tree.peak / (tree_rows * vocab) <= SAMPLING_BYTES_PER_LOGIT
-    # the count is of the sorts' temporaries, not of small bookkeeping: most of the price is used
-    assert chains.peak / (chain_rows * vocab) > 0.75 * SAMPLING_BYTES_PER_LOGIT
+    return chains.peak, tree.peak, decode.peak
+
+
+@pytest.mark.slow
+def test_the_plan_prices_sampling_and_acceptance_in_blocks_as_measured(monkeypatch):
+    """Sampling and acceptance with temperature, top-k and top-p (two sorts over the vocabulary)
+    run in blocks: their live bytes, counted on CPU for batches of several blocks, stay within what
+    the plan prices (``sampling_bytes``: one block's scratch, and the distributions the batch's
+    rows drew from beside it), and stop growing with the batch past a block."""
+    from specdecode_worker import plan
+
+    k, vocab, nodes = 3, 4000, 6
+    # 2 requests a verify block (8 chain rows), as 256 MiB holds 13 at Llama-3's vocabulary
+    monkeypatch.setattr(plan, "SAMPLING_BLOCK_BYTES", plan.SAMPLING_BYTES_PER_LOGIT * 2 * (k + 1) * vocab)
+    peaks = {batch: _sampling_peaks(batch, k, vocab, nodes) for batch in (6, 24)}
+    for batch, (chains, tree, decode) in peaks.items():
+        scratch, held = plan.sampling_bytes(vocab, batch * (k + 1), k + 1)
+        assert scratch == plan.SAMPLING_BYTES_PER_LOGIT * 8 * vocab < plan.SAMPLING_BYTES_PER_LOGIT * batch * (k + 1) * vocab
+        chain_held = batch * k * vocab * 4  # the draft distributions, through the verify pass
+        assert chains + chain_held <= scratch + held
+        assert decode <= scratch + held  # a decode step's blocks, and the distributions it returns
+        tree_scratch, tree_held = plan.sampling_bytes(vocab, batch * (nodes + 1), nodes + 1)
+        assert tree <= tree_scratch + tree_held
+        # the count is of a block's sorts, not of small bookkeeping: most of the price is used
+        tree_block = plan.SAMPLING_BYTES_PER_LOGIT * plan.sampling_block_rows(vocab, nodes + 1) * vocab
+        assert chains > 0.75 * scratch and tree > 0.75 * tree_block
+    # four times the batch: the chain and tree peaks grow by less than one vocabulary row per request
+    (chains, tree, _), (chains4, tree4, _) = peaks[6], peaks[24]
+    assert chains4 - chains < 18 * vocab and tree4 - tree < 18 * vocab

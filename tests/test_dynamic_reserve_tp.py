@@ -27,22 +27,22 @@ def test_eagle3_chain_graphs_at_t2_by_hand():
     8 running requests, 3 proposals (verify width 4)."""
     token_t2, token_t1 = 1920, 3072
     workspace_t2, workspace_t1 = 2 * 16 * 17 * 4, 4 * 16 * 17 * 4  # split-KV partials per request
-    # the chunk's activations or, larger here, the 32 verify rows' sampling (40 B per logit); their
-    # gathered logits; the chunk's features
-    eager = max(64 * max(token_t2, token_t1), 40 * 32 * 1000) + 320_000 + 64 * 3 * 64 * 4
+    # the chunk's activations or, larger here, the 32 verify rows' sampling (one block, 40 B per
+    # logit); their fp32 distributions; their gathered logits; the chunk's features
+    eager = max(64 * max(token_t2, token_t1), 40 * 32 * 1000) + 32 * 1000 * 4 + 320_000 + 64 * 3 * 64 * 4
     target_decode = 8 * token_t2 + 8 * 10_000 + 8 * workspace_t2
     target_verify = 32 * token_t2 + 320_000
     features = 32 * 3 * 64 * 4  # the verify graph's features, 3 x hidden per row
     head_steps = 8 * token_t1 + 8 * 10_000 + 8 * workspace_t1  # activations unsharded, logits gathered
     hand = 1.25 * (eager + max(target_decode, target_verify) + features + head_steps)
-    assert dynamic_reserve_bytes("EAGLE3", GEO, GEO, 2, 64, 8, 8, verify_tokens=4) == hand == 2_743_200
+    assert dynamic_reserve_bytes("EAGLE3", GEO, GEO, 2, 64, 8, 8, verify_tokens=4) == hand == 2_903_200
 
 
 def test_mtp_graphs_at_t2_by_hand():
     """MTP: the NextN layer shards with the target, its steps' logits gathered as the target's."""
     token_t2, workspace_t2 = 1920, 2 * 16 * 17 * 4
-    eager = max(64 * token_t2, 40 * 32 * 1000) + 320_000 + 64 * 64 * 4
+    eager = max(64 * token_t2, 40 * 32 * 1000) + 32 * 1000 * 4 + 320_000 + 64 * 64 * 4
     target_verify = 32 * token_t2 + 320_000
     nextn_steps = 8 * token_t2 + 8 * 10_000 + 8 * workspace_t2
     hand = 1.25 * (eager + target_verify + 32 * 64 * 4 + nextn_steps)
-    assert dynamic_reserve_bytes("MTP", GEO, GEO, 2, 64, 8, 8, verify_tokens=4) == hand == 2_648_480
+    assert dynamic_reserve_bytes("MTP", GEO, GEO, 2, 64, 8, 8, verify_tokens=4) == hand == 2_808_480

@@ -113,19 +113,21 @@ def test_default_fraction_from_the_dynamic_reserve_by_hand():
     token = 2 * (3 * 4096 + 32 * 128 + 8 * 256 + 32 * 128 + 3 * 14_336)
     assert token == LLAMA8B_GEOMETRY.token_bytes(1) == EAGLE3_GEOMETRY.token_bytes(1) == 131_072
     # H100 tiers: chunk 8192, graph bs 256 = max running; verify rows 256 x 4. Eager pass: the larger
-    # of the chunk's activations and the verify rows' sampling with every filter on (40 bytes per row
-    # and vocabulary entry: the sampling), the verify batch's logits (bf16 + fp32), the chunk's three
+    # of the chunk's activations and one sampling block with every filter on (40 bytes per row and
+    # vocabulary entry; 256 MiB hold 13 requests of 4 rows, or 52 single rows), the distributions
+    # the verify rows drew from (fp32), the verify batch's logits (bf16 + fp32), the chunk's three
     # EAGLE3 feature hiddens.
-    assert 1024 * 128_256 * 40 > 8192 * token
-    eager = 1024 * 128_256 * 40 + 1024 * 128_256 * (2 + 4) + 8192 * 3 * 4096 * 2
+    assert 2**28 // (40 * 4 * 128_256) == 13 and 2**28 // (40 * 128_256) == 52
+    assert 52 * 128_256 * 40 < 8192 * token
+    eager = 8192 * token + 1024 * 128_256 * 4 + 1024 * 128_256 * (2 + 4) + 8192 * 3 * 4096 * 2
     # The target's graphs up to batch 256, sized by the verify graphs (1024 rows: activations, logits,
     # three feature hiddens per row), and the head's draft-step graphs (activations, logits over its
     # 32,000-entry vocabulary, split-KV partials of 16 splits).
     graphs = 1024 * token + 1024 * 128_256 * 6 + 1024 * 3 * 4096 * 2
     graphs += 256 * token + 256 * 32_000 * 6 + 256 * 32 * 16 * 129 * 4
     dyn = math.ceil(1.25 * (eager + graphs))
-    assert plan["reserve"]["dynamicBytes"] == dyn == 9_175_531_520
-    assert plan["memFractionStatic"] == math.floor((1 - dyn / H100) * 1000) / 1000 == 0.892
+    assert plan["reserve"]["dynamicBytes"] == dyn == 4_607_672_320
+    assert plan["memFractionStatic"] == math.floor((1 - dyn / H100) * 1000) / 1000 == 0.946
     assert plan["tensorParallelSize"] == 1 and plan["minTensorParallelSize"] == 1
 
 
@@ -142,18 +144,19 @@ def test_serving_tiers_and_reserves():
     decode_graph = 8 * token + 8 * 1000 * 8 + 8 * 4 * 16 * 17 * 4
     verify_graph = 8 * 4 * token + 8 * 4 * 1000 * 8  # 8 requests x 4 rows, sharing the decode pool
     assert tiny.token_bytes(1) == token and verify_graph > decode_graph
-    # NGRAM: no draft; the verify batch (4 x 4 rows) is smaller than the chunk
+    # NGRAM: no draft; the verify batch (4 x 4 rows) is smaller than the chunk, and samples in one
+    # block (40 B per row and vocabulary entry) beside the fp32 distributions its rows drew from
     assert dynamic_reserve_bytes("NGRAM", tiny, None, 1, 512, 8, 4) == math.ceil(
-        1.25 * (max(512 * token, 16 * 1000 * 40) + 16 * 1000 * 8 + verify_graph))
+        1.25 * (max(512 * token, 16 * 1000 * 40) + 16 * 1000 * 4 + 16 * 1000 * 8 + verify_graph))
     # STANDALONE: a larger draft sets the chunk's activations and has its own graph pool
     big = ForwardGeometry(128, 512, 4, 4, 32, 32, 1000, 4)
     assert dynamic_reserve_bytes("STANDALONE", tiny, big, 1, 512, 8, 4, verify_tokens=5) == math.ceil(
-        1.25 * (max(512 * big.token_bytes(1), 20 * 1000 * 40) + 20 * 1000 * 8 + tiny.verify_pool_bytes(8, 5, 1)
+        1.25 * (max(512 * big.token_bytes(1), 20 * 1000 * 40) + 20 * 1000 * (4 + 8) + tiny.verify_pool_bytes(8, 5, 1)
                 + big.graph_pool_bytes(8, 1)))
     # EAGLE3: the target's verify graphs (returning 3 x hidden features per row) and the head's
     # draft-step graphs
     assert dynamic_reserve_bytes("EAGLE3", tiny, tiny, 1, 512, 8, 4) == math.ceil(
-        1.25 * (max(512 * token, 16 * 1000 * 40) + 16 * 1000 * 8 + 512 * 3 * 64 * 4 + verify_graph
+        1.25 * (max(512 * token, 16 * 1000 * 40) + 16 * 1000 * (4 + 8) + 512 * 3 * 64 * 4 + verify_graph
                 + 32 * 3 * 64 * 4 + decode_graph))
     # tensor parallelism shards heads and the MLP, not the hidden stream
     assert LLAMA8B_GEOMETRY.token_bytes(8) == 2 * (3 * 4096 + 4 * 128 + 1 * 256 + 4 * 128 + 3 * 1792)
@@ -177,11 +180,12 @@ def test_mla_and_mtp_reserve_by_hand():
     logit_row = 5 * 80 * 4
     decode_graph = 8 * token + 8 * logit_row + 8 * 2 * 16 * 17 * 4
     verify_graph = 8 * 4 * token + 8 * 4 * logit_row
-    # the chunk (larger than the verify rows' sampling), the verify logits, the chunk's hiddens
+    # the chunk (larger than the verify rows' sampling), their fp32 distributions, the verify logits,
+    # the chunk's hiddens
     assert 512 * token > 32 * 160 * 40
-    eager = 512 * token + 32 * logit_row + 512 * 64 * 4
+    eager = 512 * token + 32 * 160 * 4 + 32 * logit_row + 512 * 64 * 4
     graphs = verify_graph + 32 * 64 * 4 + decode_graph
-    assert dynamic_reserve_bytes("MTP", tiny, tiny, 2, 512, 8, 8) == math.ceil(1.25 * (eager + graphs)) == 2_150_400
+    assert dynamic_reserve_bytes("MTP", tiny, tiny, 2, 512, 8, 8) == math.ceil(1.25 * (eager + graphs)) == 2_176_000
 
 
 def test_auto_tp_picks_the_smallest_size_that_holds_the_floor():

@@ -71,15 +71,39 @@ FEATURE_HIDDENS = {"EAGLE3": 3, "EAGLE": 1, "MTP": 1}
 # EAGLE tree graphs stage, per request, an int8 mask over the pass's extra keys and the keys' int64
 # KV slots and positions (plus the request's int64 prefix length).
 TREE_INDEX_BYTES = 8
-# Sampling and acceptance of a verify pass with temperature, top-k and top-p (batch_sampling.py,
-# tree.accept_trees): fp32 and int64 temporaries per verify row and vocabulary entry beyond the
-# logits themselves (two sorts with their indices, the distributions, their cumulative sums),
-# counted as live tensor bytes on CPU: 36 (tests/test_dynamic_reserve.py); plus the fp32
-# distributions a sampled chain's drafts were drawn from, held through the verify pass: 4.
+# Sampling and acceptance (batch_sampling.py, tree.accept_trees) run the requests that sample in
+# blocks of whole requests. A block's scratch with temperature, top-k and top-p: fp32 and int64
+# temporaries per row and vocabulary entry beyond the logits themselves (two sorts with their
+# indices, the distributions, their cumulative sums, a copy of the block's logits when its requests
+# are not consecutive in the batch), counted as live tensor bytes on CPU: 32, 36 with the copy
+# (tests/test_dynamic_reserve.py), and small per-request bookkeeping. A block holds as
+# many requests as keep its scratch within SAMPLING_BLOCK_BYTES (at least one), so the scratch does
+# not grow with the batch.
 SAMPLING_BYTES_PER_LOGIT = 40
+SAMPLING_BLOCK_BYTES = 256 * MIB
+# The fp32 distributions sampled rows drew from, returned with their tokens (a chain's drafts hold
+# theirs through the verify pass): one per row, not per block.
+DISTRIBUTION_BYTES_PER_LOGIT = 4
 # PyTorch's caching allocator rounds blocks up (512 B, 2 MiB segments for large ones) and cannot
 # always reuse a freed block for a differently sized one: a quarter on top of the live bytes.
 ALLOCATOR_SLACK = 1.25
+
+
+def sampling_block_rows(vocab_size: int, rows_per_request: int = 1) -> int:
+    """Logit rows sampled at once: whole requests of ``rows_per_request`` rows, as many as keep the
+    block's scratch within ``SAMPLING_BLOCK_BYTES``, and at least one request."""
+    requests = SAMPLING_BLOCK_BYTES // (SAMPLING_BYTES_PER_LOGIT * rows_per_request * vocab_size)
+    return max(1, requests) * rows_per_request
+
+
+def sampling_bytes(vocab_size: int, verify_rows: int, verify_tokens: int) -> tuple[int, int]:
+    """(scratch, held) of sampling and acceptance. Scratch: the largest block's, a verify pass's
+    (whole requests of ``verify_tokens`` rows) or a decode step's (one row a request), never more
+    rows than the pass has. Held: the fp32 distributions sampled rows drew from, one per row (a
+    chain's drafts keep theirs through the verify pass)."""
+    block = max(sampling_block_rows(vocab_size, verify_tokens), sampling_block_rows(vocab_size))
+    scratch = SAMPLING_BYTES_PER_LOGIT * min(verify_rows, block) * vocab_size
+    return scratch, DISTRIBUTION_BYTES_PER_LOGIT * verify_rows * vocab_size
 
 
 @dataclass(frozen=True)
@@ -212,10 +236,11 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
         ALLOCATOR_SLACK x (eager pass + CUDA graph pools)
 
     eager pass: the larger of a prefill chunk and a verify batch (max_running x verify_tokens
-    tokens) through the larger model's layers, or, when larger, the verify batch's sampling and
-    acceptance with every filter on (``SAMPLING_BYTES_PER_LOGIT``; the pass's activations are
-    gone by then); plus the verify batch's logits and the features an EAGLE head takes from the
-    target for a chunk. Graph pools: decode graphs up to ``cuda_graph_max_bs``
+    tokens) through the larger model's layers, or, when larger, one block of the verify batch's
+    sampling and acceptance with every filter on (``SAMPLING_BYTES_PER_LOGIT`` per row of
+    ``sampling_block_rows``; the pass's activations are gone by then); plus the verify batch's
+    logits, the distributions sampled rows drew from (``sampling_bytes``), and the features an EAGLE
+    head takes from the target for a chunk. Graph pools: decode graphs up to ``cuda_graph_max_bs``
     for the target and for a STANDALONE draft; the target's verify graphs (k + 1 rows per request)
     share its decode graphs' pool, which is then the larger of the two (STANDALONE, NGRAM, and
     EAGLE/EAGLE3/MTP, whose target graphs also return the head's features, and whose head or
@@ -237,8 +262,8 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
         per_token = max(per_token, draft.token_bytes(draft_tp))
     features = tokens * FEATURE_HIDDENS.get(algorithm, 0) * target.hidden_size * target.dtype_bytes
     # A pass's activations are freed before its logits are sampled: the larger of the two is live.
-    sampling = SAMPLING_BYTES_PER_LOGIT * verify_rows * target.vocab_size
-    eager = max(tokens * per_token, sampling) + target.logit_bytes(verify_rows, tp) + features
+    scratch, held = sampling_bytes(target.vocab_size, verify_rows, verify_tokens)
+    eager = max(tokens * per_token, scratch) + held + target.logit_bytes(verify_rows, tp) + features
     graphs = target.graph_pool_bytes(cuda_graph_max_bs, tp)
     if algorithm in ("STANDALONE", "NGRAM", "EAGLE", "EAGLE3", "MTP"):
         graphs = max(graphs, target.verify_pool_bytes(cuda_graph_max_bs, verify_tokens, tp))

@@ -7,6 +7,12 @@ a bonus token from q after k acceptances). The random numbers are uniforms from 
 own CPU generator, copied to the device with the batch, so a seed gives the same tokens on any
 device and greedy requests draw nothing. ``to_host`` is the one place a pass's results are read
 back; it counts its calls so tests can check that a step transfers once.
+
+Memory stays bounded whatever the batch: greedy requests only take the argmax, and the requests
+that sample run in blocks of whole requests (``sampled_blocks``) whose distributions, sorts and
+cumulative sums fit the plan's per-block budget (``plan.sampling_block_rows``); requests without a
+top-k or top-p cut form blocks of their own, so no row is sorted that needs no sort. Every op is
+row by row, so a request's results do not depend on the block or the batch it runs in.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..plan import sampling_block_rows
 from .forward_batch import to_device
 from .request import SamplingParams
 
@@ -73,8 +80,31 @@ def batch_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
         before = sorted_p.cumsum(-1) - sorted_p
         sorted_p = sorted_p.masked_fill((before >= top_p) & (top_p < 1), 0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
+        # only cut rows renormalise: an uncut row's result must not depend on its neighbours
+        probs = probs / torch.where(top_p < 1, probs.sum(-1, keepdim=True), 1.0)
     return probs
+
+
+def cuts(p: SamplingParams, vocab: int) -> bool:
+    """Whether a request's distribution needs a sort: a top-k below the vocabulary, or a top-p."""
+    return bool(p.top_k and p.top_k < vocab) or p.top_p < 1
+
+
+def sampled_blocks(params: Sequence[SamplingParams], vocab: int, rows_per_request: int = 1) -> list[list[int]]:
+    """The indices of the requests that sample, in blocks of whole requests each within the plan's
+    sampling budget (``rows_per_request`` logit rows a request): first those without a top-k or
+    top-p cut, then those with one. Greedy requests are in none."""
+    per_block = sampling_block_rows(vocab, rows_per_request) // rows_per_request
+    plain = [i for i, p in enumerate(params) if not p.greedy and not cuts(p, vocab)]
+    cut = [i for i, p in enumerate(params) if not p.greedy and cuts(p, vocab)]
+    return [group[s : s + per_block] for group in (plain, cut) for s in range(0, len(group), per_block)]
+
+
+def block_index(block: list[int], device) -> slice | torch.Tensor:
+    """Index of a block's rows: a slice (a view, nothing copied) when they are consecutive."""
+    if block == list(range(block[0], block[-1] + 1)):
+        return slice(block[0], block[-1] + 1)
+    return to_device(block, device)
 
 
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -87,13 +117,18 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One token per row of ``[N, V]`` logits (device tensor), and the distributions sampled rows
-    drew from (None when every row is greedy). ``u``: one uniform per row, ``[N]``."""
-    best = torch.argmax(logits, dim=-1)
+    drew from (None when every row is greedy; greedy rows' are zeros). ``u``: one uniform per row,
+    ``[N]``."""
+    tokens = torch.argmax(logits, dim=-1)
     if u is None:
-        return best, None
-    probs = batch_probs(logits, params)
-    greedy = to_device([p.greedy for p in params], logits.device)
-    return torch.where(greedy, best, draw(probs, u)), probs
+        return tokens, None
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    for block in sampled_blocks(params, logits.shape[-1]):
+        at = block_index(block, logits.device)
+        block_probs = batch_probs(logits[at], [params[i] for i in block])
+        tokens[at] = draw(block_probs, u[at])
+        probs[at] = block_probs
+    return tokens, probs
 
 
 def verify_chains(draft: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
@@ -114,37 +149,49 @@ def verify_chains(draft: torch.Tensor, draft_probs: torch.Tensor | None, target_
     lengths_t = lengths.to(device) if isinstance(lengths, torch.Tensor) else to_device(list(lengths), device)
     valid = torch.arange(width, device=device)[None] < lengths_t[:, None]
     best = torch.argmax(target_logits, dim=-1)  # [B, K + 1]
-    n_greedy = ((draft == best[:, :width]) & valid).long().cumprod(1).sum(1)
-    next_greedy = best.gather(1, n_greedy[:, None]).squeeze(1)
+    n = ((draft == best[:, :width]) & valid).long().cumprod(1).sum(1)
+    nxt = best.gather(1, n[:, None]).squeeze(1)
     if u is None:
-        return n_greedy, next_greedy
+        return n, nxt
+    # a proposal's draft probability, for every request at once: [B, K], small
+    p_d = None if draft_probs is None or not width else draft_probs.gather(2, draft[..., None]).squeeze(2)
+    for block in sampled_blocks(params, target_logits.shape[-1], width + 1):
+        at = block_index(block, device)
+        requests = at if isinstance(at, torch.Tensor) else torch.arange(at.start, at.stop, device=device)
+        n[at], nxt[at] = _accept_chains(draft[at], p_d if p_d is None else p_d[at], draft_probs, requests,
+                                        target_logits[at], valid[at], lengths_t[at], [params[i] for i in block],
+                                        u[at])
+    return n, nxt
+
+
+def _accept_chains(draft, p_d, draft_probs, requests, target_logits, valid, lengths, params, u):
+    """``verify_chains``' rejection sampling for a block of sampling requests (``requests``: their
+    rows in the batch's ``draft_probs``)."""
+    batch, width = draft.shape
     vocab = target_logits.shape[-1]
     repeated = [p for p in params for _ in range(width + 1)]
     q = batch_probs(target_logits.reshape(batch * (width + 1), vocab), repeated).view(batch, width + 1, vocab)
     if width:
         q_d = q[:, :width].gather(2, draft[..., None]).squeeze(2)
-        p_d = torch.ones_like(q_d) if draft_probs is None else draft_probs.gather(2, draft[..., None]).squeeze(2)
+        p_d = torch.ones_like(q_d) if p_d is None else p_d
         keep = (p_d > 0) & (u[:, :width] < torch.clamp(q_d / p_d, max=1.0)) & valid
         n = keep.long().cumprod(1).sum(1)
     else:
-        n = torch.zeros(batch, dtype=torch.int64, device=device)
+        n = torch.zeros(batch, dtype=torch.int64, device=draft.device)
     q_n = q.gather(1, n[:, None, None].expand(batch, 1, vocab)).squeeze(1)
     if width:
         at = n.clamp(max=width - 1)
         if draft_probs is None:  # a point mass at d: the residual is q without d
             residual = q_n.scatter(1, draft.gather(1, at[:, None]), 0.0)
         else:
-            p_n = draft_probs.gather(1, at[:, None, None].expand(batch, 1, vocab)).squeeze(1)
-            residual = torch.clamp(q_n - p_n, min=0)
-        rejected = n < lengths_t
+            residual = torch.clamp(q_n - draft_probs[requests, at], min=0)
+        rejected = n < lengths
         residual = torch.where(rejected[:, None], residual, q_n)
         # q <= p everywhere means rejection had probability 0; keep q
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, q_n)
     else:
         residual = q_n
-    next_sampled = draw(residual, u.gather(1, lengths_t[:, None]).squeeze(1))
-    greedy = to_device([p.greedy for p in params], device)
-    return torch.where(greedy, n_greedy, n), torch.where(greedy, next_greedy, next_sampled)
+    return n, draw(residual, u.gather(1, lengths[:, None]).squeeze(1))
 
 
 def chain_rows(lengths: Sequence[int]) -> list[int]:

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch_sampling import batch_probs, draw
-from .forward_batch import to_device
+from .batch_sampling import batch_probs, block_index, draw, sampled_blocks
 from .request import SamplingParams
 from .sampling import probs_from_logits, sample
 
@@ -261,11 +260,11 @@ def accept_trees(trees: DeviceTrees, shape: TreeShape, valid: torch.Tensor, logi
     for _ in range(depth):  # a node is on the path when it matches and its parent is on it
         on = match & on.gather(1, trees.parents)
     nxt = best.gather(1, _deepest(on, trees.depths)[:, None]).squeeze(1)
-    if u is not None:
-        greedy = to_device([p.greedy for p in params], logits.device)
-        on_s, nxt_s = _sampled_walk(trees, shape, valid, logits, params, u)
-        on = torch.where(greedy[:, None], on, on_s)
-        nxt = torch.where(greedy, nxt, nxt_s)
+    if u is not None:  # sampling requests walk in blocks that bound the distributions' memory
+        for block in sampled_blocks(params, logits.shape[-1], n):
+            at = block_index(block, logits.device)
+            part = DeviceTrees(trees.tokens[at], trees.parents[at], trees.depths[at], trees.mask[at])
+            on[at], nxt[at] = _sampled_walk(part, shape, valid[at], logits[at], [params[i] for i in block], u[at])
     count = on.sum(1) - 1
     big = torch.full_like(trees.depths, n + depth + 1)
     path = torch.sort(torch.where(on, trees.depths, big), dim=1, stable=True).indices[:, : depth + 1]
