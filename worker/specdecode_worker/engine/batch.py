@@ -24,6 +24,15 @@ def free_positions(req_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, 
         allocator.free(req_pool.req_to_token[req_idx, start:end].clone())
 
 
+def free_position_ranges(req_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
+                         ranges: list[tuple[int, int, int]]) -> None:
+    """``free_positions`` for every ``(req_idx, start, end)``, in that order, with one read of the
+    slots back to the host (each read waits for the GPU: a round's frees must not cost one each)."""
+    parts = [req_pool.req_to_token[idx, start:end] for idx, start, end in ranges if end > start]
+    if parts:
+        allocator.free(torch.cat(parts))
+
+
 @dataclass
 class Segment:
     """New tokens of one request: ``tokens`` at positions ``start .. start + len(tokens) - 1``."""

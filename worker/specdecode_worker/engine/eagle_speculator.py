@@ -39,7 +39,7 @@ from .attention import make_attn_backend
 from .cuda_graph import GraphRunner, chain_graph_width
 from .distributed import announce_graph
 from .forward_batch import to_device
-from .batch import (Segment, alloc_positions, chunk_segments, free_positions, make_batch, padded_chain_batch,
+from .batch import (Segment, alloc_positions, chunk_segments, free_position_ranges, make_batch, padded_chain_batch,
                     with_cache_locs)
 from ..model_config import read_config
 from .eagle_loader import head_config, load_eagle_head
@@ -336,8 +336,8 @@ class EagleSpeculator(Speculator):
             if self.tree:
                 return self._tree_round(reqs, logits, hidden, ks, scratch)
         finally:
-            for s in scratch:
-                alloc.free(s)
+            if scratch:  # one read back to the host for the whole batch
+                alloc.free(torch.cat(scratch))
         return self._chain_round(reqs, logits, hidden, ks)
 
     def _plain_round(self, reqs) -> list[RoundResult]:
@@ -426,15 +426,16 @@ class EagleSpeculator(Speculator):
             fb.input_ids = ragged_ids(chains, ks)
         target_logits, features = self._target(fb, "target")
         accepted, nexts, drafted = accept_chains(reqs, tokens, probs, target_logits, ks, padded)
-        results, start = [], 0
+        results, start, rejected = [], 0, []
         for r, k, n, nxt, chain in zip(reqs, ks, accepted, nexts, drafted):
             rows = slice(start, start + k + 1)
             start += k + 1 if padded is None else padded.width
             last = r.kv_len
             r.kv_len = last + n + 1
-            free_positions(pool, alloc, r.req_idx, r.kv_len, last + self.k + 1)
+            rejected.append((r.req_idx, r.kv_len, last + self.k + 1))
             self._features[r.rid] = features[rows][: n + 1].clone()  # graph outputs are overwritten
             results.append(RoundResult(chain[:n] + [nxt], proposed=k, accepted=n))
+        free_position_ranges(pool, alloc, rejected)
         return results
 
     def _tree_round(self, reqs, logits, hidden, ks, scratch) -> list[RoundResult]:

@@ -22,7 +22,7 @@ import torch
 from ..contract import EAGLE_ALGORITHMS, SERVED_ALGORITHMS
 from .cuda_graph import chain_graph_width
 from .forward_batch import to_device
-from .batch import (PaddedChains, Segment, alloc_positions, chunk_segments, forward_segments, free_positions,
+from .batch import (PaddedChains, Segment, alloc_positions, chunk_segments, forward_segments, free_position_ranges,
                     padded_chain_batch)
 from .model_runner import ModelRunner
 from .request import Request
@@ -210,13 +210,14 @@ class StandaloneSpeculator(Speculator):
             logits = forward_segments(self.target, chain_segments(reqs, found), last_only=False,
                                       input_ids=ragged_ids(chains, found))
         accepted, nexts, drafted = accept_chains(reqs, draft, draft_probs, logits, found, padded)
-        results = []
+        results, rejected = [], []
         for r, k, f, n, nxt, tokens in zip(reqs, ks, found, accepted, nexts, drafted):
             last = r.kv_len
             r.kv_len = last + n + 1  # the last token and the n accepted proposals are now cached
             r.draft_kv_len = min(r.draft_kv_len, r.kv_len)
-            free_positions(pool, alloc, r.req_idx, r.kv_len, last + k + 1)
+            rejected.append((r.req_idx, r.kv_len, last + k + 1))
             results.append(RoundResult(tokens[:n] + [nxt], proposed=f, accepted=n))
+        free_position_ranges(pool, alloc, rejected)
         return results
 
     def _propose(self, reqs: list[Request], ks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
