@@ -137,7 +137,8 @@ def _rank(engine_kws: dict) -> dict:
 
     torch.set_num_threads(1)
     _record_passes()
-    return {mode: run_rank(EngineArgs(**kw), functools.partial(_lead, mode=mode), _report, prepare=_capture) for mode, kw in engine_kws.items()}
+    return {mode: run_rank(EngineArgs(**kw), functools.partial(_lead, mode=mode), _report, prepare=_capture)
+            for mode, kw in engine_kws.items()}
 
 
 # ---- the tests ---------------------------------------------------------------------------------

@@ -170,7 +170,8 @@ def test_served_with_algorithm_mtp_completions_return_the_target_greedy_text(mod
     for p in prompts:
         expected[p] = tok.decode(hf_greedy(hf, tok(p).input_ids, 10), skip_special_tokens=True)
     port = str(free_port())
-    argv = ["--target", str(model_dir), "--algorithm", "MTP", "--num-draft-tokens", "2", "--spec-policy", "fixed", "--device", "cpu",
+    argv = ["--target", str(model_dir), "--algorithm", "MTP", "--num-draft-tokens", "2", "--spec-policy", "fixed",
+            "--device", "cpu",
             "--device-memory-gib", "1.5", "--mem-fraction-static", "0.95", "--context-length", "64",
             "--host", "127.0.0.1", "--port", port, "--log-level", "warning", "--served-model-name", "ds"]
     with serving(argv) as (base, state):

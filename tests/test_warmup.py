@@ -254,7 +254,8 @@ def _oom_when(monkeypatch, cls, name: str, hit):
 OOM_CASES = {
     # case, where the memory runs out, words the message names, what it says to lower
     "target prefill": ("STANDALONE", lambda mp: _oom_when(
-        mp, ModelRunner, "forward", lambda self, fb, last_only: self.name == "target" and fb.input_ids.numel() == CHUNK),
+        mp, ModelRunner, "forward",
+        lambda self, fb, last_only: self.name == "target" and fb.input_ids.numel() == CHUNK),
         "target prefill", "chunkedPrefillSize"),
     "head catch-up": ("EAGLE3-chain", lambda mp: _oom_when(
         mp, EagleSpeculator, "_draft", lambda self, fb, backend, *a: fb.input_ids.numel() == CHUNK),
@@ -306,7 +307,8 @@ def test_a_failed_warm_up_gives_back_every_slot_and_row(models, monkeypatch):
     pool, alloc = eng.target_runner.req_to_token_pool, eng.target_runner.token_to_kv_pool_allocator
     rows, slots, table = pool.free_rows(), alloc.free_slots(), pool.req_to_token.clone()
     _instrument(monkeypatch)
-    _oom_when(monkeypatch, EagleSpeculator, "_target", lambda self, fb, backend, *a, **kw: backend == "target_tree" and len(fb.extend_lens) == BATCH)
+    _oom_when(monkeypatch, EagleSpeculator, "_target",
+              lambda self, fb, backend, *a, **kw: backend == "target_tree" and len(fb.extend_lens) == BATCH)
     with pytest.raises(warmup.WarmUpOutOfMemory, match="tree verify"):
         warmup.warm_up(eng.speculator, eng.model_runners(), PLANNED, CHUNK, BATCH)
     assert pool.free_rows() == rows and torch.equal(alloc.free_slots(), slots)
