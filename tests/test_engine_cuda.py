@@ -221,6 +221,53 @@ def test_ragged_verify_rounds_replay_the_captured_verify_graph(models, monkeypat
         assert any(len(set(ks)) > 1 for ks in drafting)
 
 
+@pytest.mark.parametrize("case", ["STANDALONE", "NGRAM", "EAGLE-chain", "EAGLE3-tree"])
+def test_a_rounds_host_syncs_do_not_grow_with_the_batch(models, case):
+    """CUDA's sync debug mode reports every host synchronisation: a speculative round through the
+    graphs synchronises a fixed number of times (the read-back of its results, the read of the
+    slots it frees), at batch 1 as at batch 8. A pageable host-to-device copy or a per-request
+    read would make the count grow with the batch."""
+    import warnings
+
+    algorithm, _, variant = case.partition("-")
+    if algorithm.startswith("EAGLE"):
+        target, draft, vocab = models["small"], models[algorithm.lower()], VOCAB
+        extra = dict(num_draft_tokens=6, speculative_num_steps=3, speculative_eagle_topk=3) if variant == "tree" \
+            else dict(num_draft_tokens=3)
+    else:
+        target, draft = models["target"], {"STANDALONE": models["draft"]}.get(algorithm)
+        vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+        extra = dict(num_draft_tokens=3)
+    sizes = dict(device="cuda", device_memory_bytes=None, max_total_tokens=8192, max_running_requests=8,
+                 cuda_graph_max_bs=8)
+
+    def syncs_per_round(batch: int) -> list[int]:
+        eng = engine(target, algorithm, draft, **sizes, **extra)
+        counts, real_round = [], eng.speculator.decode_round
+
+        def counted(reqs, *args, **kwargs):
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    out = real_round(reqs, *args, **kwargs)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            counts.append(sum("synchroniz" in str(w.message) for w in caught))
+            return out
+
+        eng.speculator.decode_round = counted
+        prompts = [[random.Random(i).randrange(3, vocab) for _ in range(3 + i % 5)] * 2 for i in range(batch)]
+        run_all(eng, [Request(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in prompts])
+        return counts
+
+    one, eight = syncs_per_round(1), syncs_per_round(8)
+    print(f"{case}: host syncs per round at batch 1 {one}, at batch 8 {eight}")
+    assert one and eight
+    assert max(eight) == max(one) <= 3, (one, eight)
+
+
 def test_sampling_and_acceptance_never_synchronise(models):
     """Device sampling and chain acceptance queue work only: CUDA's sync debug mode raises on any
     host synchronisation inside them; the one read-back is to_host."""
