@@ -28,6 +28,8 @@ def planner_args(view: SpecView, gpus_per_node: int | None = None) -> list[str]:
     """
     s = view.serving
     args = ["plan", *_model_args(view), "--algorithm", view.algorithm, "--tp", "auto"]
+    if view.target_dtype != "auto":  # priced as the worker computes (workload.worker_args renders the same)
+        args += ["--dtype", view.target_dtype]
     if verify_width(view) != DEFAULT_VERIFY_WIDTH:  # the worker's verify graphs are priced at its width
         args += ["--num-draft-tokens", str(draft_proposals(view))]
     if view.planner_max_tp > DEFAULT_MAX_TP:

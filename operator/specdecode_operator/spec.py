@@ -215,6 +215,9 @@ def planner_inputs(view: SpecView) -> dict[str, Any]:
         "plannerImage": view.planner_image,
         # Only a width other than the planner's default, so existing plans keep their keys.
         **({"verifyWidth": verify_width(view)} if verify_width(view) != DEFAULT_VERIFY_WIDTH else {}),
+        # A dtype other than auto is priced by the planner (--dtype): plans made before it was are
+        # re-made, auto plans keep their keys.
+        **({"pricedDtype": view.target_dtype} if view.target_dtype != "auto" else {}),
     }
 
 

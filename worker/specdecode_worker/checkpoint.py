@@ -260,6 +260,25 @@ def total_bytes(tensors: Iterable[TensorInfo], tp: int = 1, num_kv_heads: int | 
     return sum(per_gpu_bytes(t, tp, num_kv_heads) for t in tensors)
 
 
+# ``serve --dtype`` names and their safetensors dtype: the loader casts every floating tensor to it,
+# except fp8 weights and their float32 block scales, which stay as stored (engine/fp8_linear.py).
+SERVED_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_CAST_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+_STORED_SUFFIXES = ("weight_scale_inv",)
+
+
+def as_served(tensors: Iterable[TensorInfo], dtype: str | None) -> list[TensorInfo]:
+    """The tensors as the worker holds them under ``--dtype`` (auto or None: as stored, which the
+    checkpoint's dtype never exceeds)."""
+    if dtype in (None, "auto"):
+        return list(tensors)
+    served = SERVED_DTYPES[dtype]
+    bits = DTYPE_BITS[served]
+    return [t._replace(dtype=served, nbytes=t.nbytes * bits // DTYPE_BITS[t.dtype])
+            if t.dtype in _CAST_DTYPES and not t.name.endswith(_STORED_SUFFIXES) else t
+            for t in tensors]
+
+
 def split_target_draft(
     algorithm: str,
     target_tensors: list[TensorInfo],

@@ -284,14 +284,18 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
     return math.ceil(ALLOCATOR_SLACK * (eager + graphs))
 
 
-def priced_shape(req: "PlanRequest") -> dict[str, int]:
+def priced_shape(req: "PlanRequest") -> dict[str, int | str]:
     """The speculative shape the dynamic reserve was priced for, as ``serve --plan`` checks it
     (``serve_shape.py``): verify rows per request (proposals + 1), an EAGLE tree's top-k and depth
     (top-k 1: a chain, whose depth is its proposals), and the bytes of an activation element (the
-    checkpoint's dtype, which ``serve --dtype`` could widen)."""
-    shape = {"verifyTokens": req.verify_tokens, "treeTopk": req.tree_topk, "treeSteps": req.tree_steps}
+    planned --dtype's, else the checkpoint's; ``serve --dtype`` could widen it). A plan priced for
+    an explicit --dtype names it, and ``serve --dtype auto`` on a GPU then serves it."""
+    shape: dict[str, int | str] = {"verifyTokens": req.verify_tokens, "treeTopk": req.tree_topk,
+                                   "treeSteps": req.tree_steps}
     if req.target_geometry is not None:
         shape["dtypeBytes"] = req.target_geometry.dtype_bytes
+    if req.compute_dtype is not None:
+        shape["dtype"] = req.compute_dtype
     return shape
 
 
@@ -330,6 +334,7 @@ class PlanArgs:
     gpu_product: str | None = None
     mem_fraction_static: float | None = None
     kv_cache_dtype: str = "auto"
+    dtype: str = "auto"  # the compute dtype the worker serves (--dtype); auto: the checkpoint's
     context_length: int | None = None
     min_kv_tokens: int = 0
     max_running_requests: int | None = None
@@ -374,6 +379,7 @@ class PlanRequest:
     tree_topk: int = 1
     tree_steps: int = 1
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE
+    compute_dtype: str | None = None  # an explicit serve --dtype the plan priced (None: the checkpoint's)
 
 
 @dataclass(frozen=True)

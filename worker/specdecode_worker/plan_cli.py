@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import read_checkpoint, split_target_draft, total_bytes
+from .checkpoint import SERVED_DTYPES, as_served, read_checkpoint, split_target_draft, total_bytes
 from .contract import FP8_KV_CACHE_DTYPES, GIB, PLANNED_ALGORITHMS, ExitCode, to_json
 from .devices import resolve_device_memory
 from .eagle_rule import aux_layer_ids
@@ -57,6 +57,9 @@ def parser() -> argparse.ArgumentParser:
                        help=f"with --model-source hub: branch, tag or commit of the {role} (default main)")
     p.add_argument("--algorithm", required=True, choices=PLANNED_ALGORITHMS)
     add_sizing_flags(p, serving=False)
+    p.add_argument("--dtype", default="auto", choices=("auto", *SERVED_DTYPES),
+                   help="compute dtype the worker serves (serve --dtype): weights, activations and an auto KV "
+                        "cache are priced in it (default auto: the checkpoint's)")
     p.add_argument("--num-draft-tokens", type=int, default=VERIFY_TOKENS - 1,
                    help="proposals per verify round, as the worker serves them: verify batches and their CUDA "
                         f"graphs take this + 1 rows per request (default {VERIFY_TOKENS - 1})")
@@ -85,6 +88,11 @@ def _kv_dtype_name(shape: ModelShape, kv_dtype: str) -> str:
     return shape.torch_dtype if kv_dtype == "auto" else kv_dtype
 
 
+def _as_served(shape: ModelShape, dtype: str) -> ModelShape:
+    """The model's shape computing in ``dtype`` (auto: the checkpoint's)."""
+    return shape if dtype == "auto" else dataclasses.replace(shape, torch_dtype=dtype)
+
+
 def _splits(tp: int, shape: ModelShape) -> bool:
     """Whether ``tp`` GPUs can split the model's heads (KV heads may also be replicated)."""
     kv_ok = shape.is_mla or shape.num_kv_heads % tp == 0 or tp % shape.num_kv_heads == 0
@@ -99,7 +107,8 @@ def plan_args(flags: argparse.Namespace) -> PlanArgs:
         gpu_memory_gib=flags.gpu_memory_gib, gpu_product=flags.gpu_product,
         mem_fraction_static=_auto_or(flags.mem_fraction_static, float,
                                      "--mem-fraction-static: must be auto or a number in (0, 1)"),
-        kv_cache_dtype=flags.kv_cache_dtype, context_length=flags.context_length, min_kv_tokens=flags.min_kv_tokens,
+        kv_cache_dtype=flags.kv_cache_dtype, dtype=getattr(flags, "dtype", None) or "auto",
+        context_length=flags.context_length, min_kv_tokens=flags.min_kv_tokens,
         max_running_requests=flags.max_running_requests, cuda_graph_max_bs=flags.cuda_graph_max_bs,
         chunked_prefill_size=flags.chunked_prefill_size, max_total_tokens=flags.max_total_tokens,
         kv_cache_memory_gib=flags.kv_cache_memory_gib,
@@ -197,8 +206,11 @@ def make_plan(args: PlanArgs) -> dict[str, Any]:
     """Read configs and headers, resolve the device, and build the plan (raises InputError)."""
     algorithm = args.algorithm
     target_dir = Path(args.target)
-    target = load_shape(target_dir)
-    draft_dir, draft, draft_layers = _draft_shape(args, target_dir, target)
+    checkpoint_target = load_shape(target_dir)
+    draft_dir, draft, draft_layers = _draft_shape(args, target_dir, checkpoint_target)
+    # the worker computes target and draft in --dtype: activations, an auto KV cache and cast weights
+    target = _as_served(checkpoint_target, args.dtype)
+    draft = target if draft is checkpoint_target else (None if draft is None else _as_served(draft, args.dtype))
     same_dir = draft_dir is not None and draft_dir.resolve() == target_dir.resolve()
     _checked_numbers(args)
     # A STANDALONE draft whose heads t GPUs cannot split is replicated whole on every GPU, as the
@@ -215,6 +227,7 @@ def make_plan(args: PlanArgs) -> dict[str, Any]:
     if draft_dir is not None and not same_dir:
         draft_tensors = read_checkpoint(draft_dir)
     target_w, draft_w = split_target_draft(algorithm, target_tensors, draft_tensors, target.num_hidden_layers)
+    target_w, draft_w = as_served(target_w, args.dtype), as_served(draft_w, args.dtype)
     if algorithm == "MTP" and not draft_w:
         raise InputError(
             f"{draft_dir}: no MTP layer tensors (model.layers.{target.num_hidden_layers}.*) in the checkpoint; "
@@ -265,6 +278,7 @@ def make_plan(args: PlanArgs) -> dict[str, Any]:
         tree_topk=args.tree_topk,
         tree_steps=args.tree_steps,
         gpus_per_node=args.gpus_per_node,
+        compute_dtype=None if args.dtype == "auto" else args.dtype,
     )
     return build_plan(req, candidate, valid or [tp_req])
 

@@ -24,7 +24,7 @@ from .contract import GIB, KV_CACHE_DTYPES, SERVED_ALGORITHMS, ExitCode
 from .errors import InputError
 from .flags import CommandParser, add_sizing_flags, asks_for_help
 from .hub import model_name
-from .serve_shape import DEFAULT_NUM_DRAFT_TOKENS, check_against_plan, fill_from_plan, serve_shape
+from .serve_shape import DEFAULT_NUM_DRAFT_TOKENS, check_against_plan, fill_from_plan, planned_dtype, serve_shape
 
 log = logging.getLogger("specdecode_worker.serve")
 
@@ -106,6 +106,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if args.device_memory_gib is not None and not args.device_memory_gib > 0:
         raise InputError(f"--device-memory-gib: must be positive, got {args.device_memory_gib}")
 
+    args.dtype = planned_dtype(args, plan, device)
     if plan is not None:
         if plan["algorithm"] != ("NGRAM" if args.algorithm == "NONE" else args.algorithm):
             raise InputError(f"--plan {args.plan}: planned for {plan['algorithm']}, serving {args.algorithm}")
@@ -121,6 +122,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         ns.kv_cache_dtype = kv_cache_dtype
         ns.algorithm = "NGRAM" if args.algorithm == "NONE" else args.algorithm
         ns.tp = args.tp or "1"
+        ns.dtype = args.dtype if device == "cuda" else "auto"  # CPU: a budget, priced as before
         ns.gpus_per_node = _gpus_per_pod(args, ns.tp)
         if device == "cpu":
             ns.gpu_memory_gib = args.device_memory_gib

@@ -77,6 +77,14 @@ LIMITS = (
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+def planned_dtype(args: argparse.Namespace, plan: dict[str, Any] | None, device: str) -> str:
+    """``--dtype``, or on a GPU the dtype a plan was priced for when ``--dtype`` is auto (auto would
+    serve the checkpoint's, which may be wider). CPU keeps auto: it computes in float32 regardless."""
+    given = getattr(args, "dtype", None) or "auto"
+    planned = ((plan or {}).get("reserve") or {}).get("dtype")
+    return planned if given == "auto" and planned and device == "cuda" else given
+
+
 def check_against_plan(args: argparse.Namespace, plan: dict[str, Any], path: str, device: str = "cuda") -> list[str]:
     """Refuse (InputError) a serving shape wider than the one the plan priced; return what was
     checked narrower (logged at info), or warn once when the plan records no shape to check.
@@ -86,9 +94,10 @@ def check_against_plan(args: argparse.Namespace, plan: dict[str, Any], path: str
     planned_bytes = reserve.get("dtypeBytes")
     given_bytes = DTYPE_BYTES.get(getattr(args, "dtype", None) or "auto")
     if device == "cuda" and planned_bytes and given_bytes and given_bytes > planned_bytes:
+        planned_as = reserve.get("dtype") or "auto"
         raise InputError(f"--dtype {args.dtype}: the plan {path} priced weights and activations at {planned_bytes} "
-                         f"bytes per element (the checkpoint's dtype), {args.dtype} takes {given_bytes}; give "
-                         "--dtype auto, or plan from a checkpoint stored in that dtype")
+                         f"bytes per element (--dtype {planned_as}), {args.dtype} takes {given_bytes}; give "
+                         f"--dtype {planned_as}, or re-plan with --dtype {args.dtype}")
     for name, key, what in LIMITS:
         given, planned = getattr(args, name), reserve.get(key)
         if given is None or planned is None:
