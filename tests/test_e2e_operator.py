@@ -34,7 +34,7 @@ def test_example_plans_deploys_scales_replans_and_deletes(cluster, namespace, st
 
     # status.plan is the CLI's own plan for the same inputs
     expected = local_plan(store, "--draft", str(store / DRAFT), "--algorithm", "EAGLE3", "--tp", "auto",
-                          "--gpu-product", "NVIDIA-H100-80GB-HBM3", "--context-length", "8192",
+                          "--dtype", "bfloat16", "--gpu-product", "NVIDIA-H100-80GB-HBM3", "--context-length", "8192",
                           "--min-kv-tokens", "65536", "--max-running-requests", "64")
     plan = sdd["status"]["plan"]
     for k in ("apiVersion", "kind", "target", "draft"):  # names are the paths, which differ in the pod
