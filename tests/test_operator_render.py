@@ -23,7 +23,8 @@ def test_planner_args_of_the_example():
     assert planner.planner_args(view) == [
         "plan", "--target", "/models/meta-llama/Llama-3.1-8B-Instruct",
         "--draft", "/models/yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "--algorithm", "EAGLE3", "--tp", "auto",
-        "--dtype", "bfloat16", "--gpu-product", "NVIDIA-H100-80GB-HBM3", "--mem-fraction-static", "auto", "--kv-cache-dtype", "auto",
+        "--dtype", "bfloat16", "--gpu-product", "NVIDIA-H100-80GB-HBM3", "--mem-fraction-static", "auto",
+        "--kv-cache-dtype", "auto",
         "--context-length", "8192", "--min-kv-tokens", "65536", "--max-running-requests", "64",
         "--output", "json", "--termination-log", "/dev/termination-log",
     ]
