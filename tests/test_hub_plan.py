@@ -10,6 +10,7 @@ import pytest
 from specdecode_worker import plan_cli
 from specdecode_worker.contract import TERMINATION_LOG_LIMIT, ExitCode, validate_plan
 from specdecode_worker.hub import MAX_PARTS, HubClient, HubFile
+from specdecode_worker.model_identity import identity
 from tests.checkpoints import write_model
 from tests.hub_server import HubServer
 
@@ -254,6 +255,8 @@ def test_a_163_shard_target_and_its_draft_in_32_parts_each_fit_the_termination_l
         plan = hub_plan(capsys, tmp_path, "--algorithm", "MTP", "--target", repo, "--draft", repo,
                         "--gpu-memory-gib", "141", "--tp", "8")  # hub_plan asserts the log's limit
     assert plan["fits"]
+    # the models serve --plan checks: the one folder once (the draft is the target's own repo)
+    assert plan["models"] == {"target": identity(folder)}
     for role in ("target", "draft"):
         parts = plan["sources"][role]["partBytes"]
         assert len(parts) == MAX_PARTS == 32 and sum(parts) == model_bytes(folder)

@@ -116,6 +116,23 @@ class PlanReserve:
     tree_topk: int | None = None
     tree_steps: int | None = None
     dtype_bytes: int | None = None
+    dtype: str | None = None  # an explicit --dtype the plan was priced for
+
+
+@dataclass(frozen=True)
+class PlanModel:
+    """A model folder the plan was made for (``model_identity.py``)."""
+
+    bytes: int  # every tensor of the checkpoint, from the safetensors headers
+    config: str  # the first hex digits of config.json's sha256
+
+
+@dataclass(frozen=True)
+class PlanModels:
+    """What ``serve --plan`` checks --target and --draft against; no draft when it has no folder of its own."""
+
+    target: PlanModel
+    draft: PlanModel | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +203,7 @@ class MemoryPlan:
     min_tensor_parallel_size: int | None = None
     nodes_per_replica: int | None = None  # pods (one per node) one replica spans; missing: 1
     sources: PlanSources | None = None  # models planned from a hub: the commits to load
+    models: PlanModels | None = None  # the model folders it was made for (plans written before lack it)
     # The JSON object as given, passed on unchanged (to the SDD status and the worker's --plan).
     document: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 

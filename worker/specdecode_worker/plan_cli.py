@@ -26,6 +26,7 @@ from . import termination
 from .flags import CommandParser, add_sizing_flags, asks_for_help
 from .hub import HubClient, model_name
 from .model_config import ModelShape, load_shape, read_config
+from .model_identity import identity
 from .mtp_rule import check_mtp_draft, check_standalone_draft
 from .plan import (
     DEFAULT_GPUS_PER_NODE,
@@ -280,7 +281,11 @@ def make_plan(args: PlanArgs) -> dict[str, Any]:
         gpus_per_node=args.gpus_per_node,
         compute_dtype=None if args.dtype == "auto" else args.dtype,
     )
-    return build_plan(req, candidate, valid or [tp_req])
+    plan = build_plan(req, candidate, valid or [tp_req])
+    # the models it was made for, as serve --plan checks them (a draft in the target's folder is the target)
+    plan["models"] = {"target": identity(target_dir, target_tensors),
+                      **({"draft": identity(draft_dir, draft_tensors)} if draft_tensors is not None else {})}
+    return plan
 
 
 def make_hub_plan(args: PlanArgs, target_revision: str | None = None, draft_revision: str | None = None,

@@ -24,6 +24,7 @@ from .contract import GIB, KV_CACHE_DTYPES, SERVED_ALGORITHMS, ExitCode
 from .errors import InputError
 from .flags import CommandParser, add_sizing_flags, asks_for_help
 from .hub import model_name
+from .model_identity import check_models
 from .serve_shape import DEFAULT_NUM_DRAFT_TOKENS, check_against_plan, fill_from_plan, planned_dtype, serve_shape
 
 log = logging.getLogger("specdecode_worker.serve")
@@ -110,6 +111,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if plan is not None:
         if plan["algorithm"] != ("NGRAM" if args.algorithm == "NONE" else args.algorithm):
             raise InputError(f"--plan {args.plan}: planned for {plan['algorithm']}, serving {args.algorithm}")
+        check_models(args.target, args.draft, plan, args.plan)
         kv_cache_dtype = plan_kv_cache_dtype(plan, args.kv_cache_dtype, args.plan)
         check_flags_against_plan(args, plan, args.plan)
         for narrower in check_against_plan(args, plan, args.plan, device):
