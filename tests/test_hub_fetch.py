@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from specdecode_worker import fetch_cli, plan_cli, serve_cli
+from specdecode_worker.model_identity import check_models
 from specdecode_worker.contract import ExitCode
 from specdecode_worker.hub import HubClient, HubFile, partition
 from tests.hub_server import HubServer
@@ -72,13 +73,15 @@ def test_fetch_gets_the_planned_commit_after_the_branch_moved(hub, models, capsy
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert plan_cli.main(["--model-source", "hub", "--target", REPO, "--algorithm", "NGRAM",
                           "--gpu-memory-gib", "8"]) == ExitCode.OK
-    planned = json.loads(capsys.readouterr().out)["sources"]["target"]["commit"]
+    plan = json.loads(capsys.readouterr().out)
+    planned = plan["sources"]["target"]["commit"]
     moved = hub.add_repo(REPO, models[1])  # main now points at other weights
     assert moved != planned
     dest = tmp_path / planned
     code, _, err = fetch(capsys, "--repo", REPO, "--commit", planned, "--dest", dest)
     assert code == ExitCode.OK, err
     assert digests(dest) == digests(models[0]) != digests(models[1])
+    check_models(str(dest), None, plan, "plan.json")  # the model planned from headers is the one fetched
 
 
 def test_the_fetched_folder_is_what_serve_and_plan_load(hub, models, capsys, tmp_path, monkeypatch):
