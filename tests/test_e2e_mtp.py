@@ -36,10 +36,12 @@ def test_mtp_deployment_plans_the_nextn_layer_and_rolls_out(cluster, namespace, 
     assert plan["kvCache"]["draftNumLayers"] == 1
     # one latent layer: (kv_lora_rank 512 + qk_rope_head_dim 64) x 2 bytes
     assert plan["kvCache"]["draftBytesPerToken"] == 576 * 2
-    # status.plan is the CLI's own plan for the same inputs (as the example's serving section sets them,
-    # and the verify width of 2 proposals + 1 the worker serves)
+    # status.plan is the CLI's own plan for the same inputs (as the example's serving section sets
+    # them, the verify width of 2 proposals + 1 the worker serves, and the example's bfloat16, in
+    # which the worker holds the float32 router biases)
     out = subprocess.run([str(BIN / "specdecode-worker"), "plan", "--target", str(store / MODEL), "--algorithm", "MTP",
-                          "--tp", "auto", "--gpu-product", "NVIDIA-H100-80GB-HBM3", "--context-length", "8192",
+                          "--tp", "auto", "--dtype", "bfloat16", "--gpu-product", "NVIDIA-H100-80GB-HBM3",
+                          "--context-length", "8192",
                           "--min-kv-tokens", "65536", "--max-running-requests", "64", "--num-draft-tokens", "2",
                           "--output", "json"],
                          capture_output=True, text=True)
