@@ -167,7 +167,11 @@ def test_table_output(models, capsys):
     assert "legacy (target-only profile)" in out and "layer ratio (scaled cell)" in out
     # the planner's defaults for an 80 GB GPU, and its default width of 3 proposals + 1
     assert ("reserve priced for: 4 verify tokens per request (a chain), 256 running requests, CUDA graphs up to "
-            "batch 256, prefill chunks of 8192 tokens") in out
+            "batch 256, prefill chunks of 8192 tokens, 2-byte activations (the checkpoint dtype)") in out
+    code, out, _ = run(capsys, "--target", models["llama-3.1-8b-instruct"], "--algorithm", "NGRAM",
+                       "--gpu-memory-gib", 79, "--dtype", "float32", "--output", "table")
+    assert code == 0 and "4-byte activations (float32)" in out
+    assert "target weights                 29.92 GiB" in out  # 8.03 B parameters at 4 bytes
 
 
 def _write(path, text):

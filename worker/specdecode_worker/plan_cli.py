@@ -382,7 +382,8 @@ def _priced_for(reserve: dict[str, Any]) -> str:
     shape = "a chain" if tree == 1 else f"a tree of top-k {tree}, {reserve.get('treeSteps')} steps deep"
     return (f"reserve priced for: {reserve.get('verifyTokens')} verify tokens per request ({shape}), "
             f"{reserve['maxRunningRequests']} running requests, CUDA graphs up to batch {reserve['cudaGraphMaxBs']}, "
-            f"prefill chunks of {reserve['chunkedPrefillSize']} tokens")
+            f"prefill chunks of {reserve['chunkedPrefillSize']} tokens, "
+            f"{reserve.get('dtypeBytes')}-byte activations ({reserve.get('dtype') or 'the checkpoint dtype'})")
 
 
 def main(argv: list[str] | None = None) -> int:
