@@ -66,11 +66,12 @@ def test_the_planner_prices_the_verify_width_the_worker_serves():
     # 4 heads, 2 KV heads, head 16, vocabulary 1000, 2 bytes): per token 2 x (3 x 64 + 4 x 32 + 2 x 32
     # + 3 x 128) = 1536 B, a logit row 1000 x (2 + 4) = 6000 B; the eager verify pass and the verify
     # graphs (larger than the decode graphs' 95,104 B) are 72 rows each: 72 x 7536 = 542,592 B; the
-    # verify rows' sampling with every filter on, 72 x 1000 x 40 B, outweighs the eager pass's
-    # activations (72 x 1536 B), which are gone by then.
+    # verify rows' sampling with every filter on, 72 x 1000 x 40 B (one block: 72 rows are far below
+    # a 256 MiB block), outweighs the eager pass's activations (72 x 1536 B), which are gone by then;
+    # the fp32 distributions the 72 rows drew from, 72 x 1000 x 4 B, are held beside them.
     small = ForwardGeometry(64, 128, 4, 2, 16, 16, 1000, 2)
     assert dynamic_reserve_bytes("NGRAM", small, None, 1, 16, 8, 8, verify_tokens=9) == \
-        1.25 * (2 * 542_592 - 72 * 1536 + 72 * 1000 * 40)
+        1.25 * (2 * 542_592 - 72 * 1536 + 72 * 1000 * 40 + 72 * 1000 * 4)
 
 
 def test_planner_args_price_an_eagle_tree_as_the_worker_runs_it():
