@@ -101,3 +101,78 @@ def test_a_rounds_freed_slots_are_read_back_once_whatever_the_batch(models, case
 
     one, three = frees_per_round(1), frees_per_round(3)
     assert one == three and max(three) <= 2, (one, three)
+
+
+# ---- slots of the requests a step ends: read back once for the whole group -----------------------
+
+
+def _count_frees(monkeypatch) -> list:
+    from specdecode_worker.engine.pools import TokenToKVPoolAllocator
+
+    frees, real = [], TokenToKVPoolAllocator.free
+    monkeypatch.setattr(TokenToKVPoolAllocator, "free", lambda self, slots: frees.append(slots) or real(self, slots))
+    return frees
+
+
+def _counted(frees: list, fn, counts: list):
+    def wrapper(*a, **k):
+        before = len(frees)
+        out = fn(*a, **k)
+        counts.append(len(frees) - before)
+        return out
+    return wrapper
+
+
+ENDING = {"plain": ("NONE", None, 5), "standalone": ("STANDALONE", "copy", 9),  # a copy accepts every draft
+          "plain, at the first token": ("NONE", None, 1)}
+
+
+@pytest.mark.parametrize("case", list(ENDING))
+def test_requests_ending_in_one_step_are_read_back_once(models, case, monkeypatch):
+    """Four requests reach max_tokens in the same step (after their round, or at their first token):
+    their slots come back in one read, every slot comes back, and the output is the target's greedy."""
+    from specdecode_worker.engine.request import Request, SamplingParams
+    from tests.engine_helpers import engine, hf_greedy
+
+    algorithm, draft, max_tokens = ENDING[case]
+    frees = _count_frees(monkeypatch)
+    eng = engine(models["target"], algorithm, models[draft] if draft else None, num_draft_tokens=4)
+    in_round: list[int] = []
+    eng.speculator.decode_round = _counted(frees, eng.speculator.decode_round, in_round)
+    prompts = [[3 + i, 5, 9, 2, 11] for i in range(4)]
+    reqs = [eng.submit(Request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))) for p in prompts]
+    ending_steps = []  # (requests finished in the step, frees outside its round)
+    while not all(r.done.is_set() for r in reqs):
+        done_before, frees_before, rounds_before = sum(r.done.is_set() for r in reqs), len(frees), len(in_round)
+        eng.step()
+        outside = len(frees) - frees_before - sum(in_round[rounds_before:])
+        ending_steps.append((sum(r.done.is_set() for r in reqs) - done_before, outside))
+    assert (4, 1) in ending_steps, ending_steps  # all four in one step, one read
+    assert all(outside == (ended > 0) for ended, outside in ending_steps), ending_steps
+    alloc, pool = eng.target_runner.token_to_kv_pool_allocator, eng.target_runner.req_to_token_pool
+    assert alloc.available_size() == alloc.size and pool.available_size() == pool.size
+    assert [r.output_ids for r in reqs] == hf_greedy(models["target"], prompts, max_tokens)
+
+
+def test_requests_retracted_together_are_read_back_once(models, monkeypatch):
+    """When the pool runs dry, one step retracts several requests: one read for all of them, and the
+    output is still the target's greedy."""
+    from specdecode_worker.engine.request import Request, SamplingParams
+    from tests.engine_helpers import engine, hf_greedy
+
+    frees = _count_frees(monkeypatch)
+    eng = engine(models["target"], "STANDALONE", models["copy"], num_draft_tokens=4)
+    prompts = [[3 + i, 5, 9] for i in range(4)]
+    reqs = [eng.submit(Request(p, SamplingParams(max_tokens=20, ignore_eos=True))) for p in prompts]
+    eng.step()  # all four admitted, prefilled and one round in
+    alloc = eng.target_runner.token_to_kv_pool_allocator
+    held = alloc.alloc(alloc.available_size())  # the pool runs dry: the step must retract
+    make_room: list[int] = []
+    _counted(frees, eng._make_room, make_room)()
+    # Each holds 8 slots and a round takes 5: four need 20, so the two newest go back (16 slots).
+    assert eng.stats.retracted_requests == 2 and make_room == [1]
+    alloc.free(held)
+    while not all(r.done.is_set() for r in reqs):
+        eng.step()
+    assert alloc.available_size() == alloc.size
+    assert [r.output_ids for r in reqs] == hf_greedy(models["target"], prompts, 20)

@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -40,7 +41,7 @@ from ..errors import InputError
 from ..model_config import ModelShape, load_shape
 from ..mtp_rule import check_standalone_draft
 from ..vocabulary import check_vocabulary
-from .batch import free_positions
+from .batch import free_position_ranges
 from .distributed import follow, get_tp, stop_followers
 from .eagle_speculator import EagleRunner, EagleSpeculator, check_tree_args
 from .memory import MemoryProfile, free_device_bytes, profile_memory
@@ -147,6 +148,8 @@ class Engine:
         self._waiting: queue.Queue[Request] = queue.Queue()
         self._running: list[Request] = []  # admitted (prefilling or decoding), oldest first
         self._retracted: deque[Request] = deque()  # wait ahead of new requests
+        self._ending: list[tuple[int, int]] | None = None  # (row, kv_len) of requests ending in a group
+        self._finished: list[Request] = []  # finished in that group, told once their slots are back
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.eos_token_ids: frozenset[int] = frozenset()
@@ -414,8 +417,9 @@ class Engine:
                 self.step()
             except Exception as exc:  # an engine bug: fail the running requests, keep serving
                 log.exception("engine step failed")
-                for r in list(self._running):
-                    self._finish(r, error=f"internal error: {type(exc).__name__}: {exc}")
+                with self._ending_together():
+                    for r in list(self._running):
+                        self._finish(r, error=f"internal error: {type(exc).__name__}: {exc}")
 
     def _expected_slots(self, r: Request) -> int:
         """Slots ``r`` will take beyond those it holds: its prefill left, one round's, and a share of
@@ -455,9 +459,7 @@ class Engine:
 
     def _retract(self, r: Request) -> None:
         """Free every slot of ``r`` (target and draft share them) and queue it for recompute."""
-        runner = self.target_runner
-        free_positions(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, r.req_idx, 0, r.kv_len)
-        runner.req_to_token_pool.free(r.req_idx)
+        self._release_slots(r)
         self.speculator.release(r)
         r.req_idx, r.kv_len, r.draft_kv_len, r.prefill_ids = None, 0, 0, None
         r.retractions += 1
@@ -481,8 +483,11 @@ class Engine:
         """Retract the newest requests until this step fits. The oldest is never retracted, and it
         always fits alone (``check_fits``), so every request finishes."""
         alloc = self.target_runner.token_to_kv_pool_allocator
-        while len(self._running) > 1 and alloc.available_size() < self._room_needed():
-            self._retract(self._running[-1])
+        with self._ending_together():
+            returning = 0  # slots of the requests retracted so far, back when the block ends
+            while len(self._running) > 1 and alloc.available_size() + returning < self._room_needed():
+                returning += self._running[-1].kv_len
+                self._retract(self._running[-1])
 
     def _prefill_chunk(self) -> None:
         """One target pass over at most one chunk of prompt tokens, oldest requests first."""
@@ -499,13 +504,14 @@ class Engine:
             budget -= n
         if not reqs:
             return
-        for r, token in zip(reqs, self.speculator.prefill(reqs, ends)):
-            if r.kv_len < len(r.prefill_ids):
-                continue  # more chunks to come
-            r.prefill_ids = None
-            if token is not None:
-                self.stats.prompt_tokens += len(r.prompt_ids)
-                self._commit(r, [token])
+        with self._ending_together():
+            for r, token in zip(reqs, self.speculator.prefill(reqs, ends)):
+                if r.kv_len < len(r.prefill_ids):
+                    continue  # more chunks to come
+                r.prefill_ids = None
+                if token is not None:
+                    self.stats.prompt_tokens += len(r.prompt_ids)
+                    self._commit(r, [token])
 
     def abort(self, req: Request) -> None:
         """Ask the engine to end ``req`` (client gone, stop string seen); thread-safe."""
@@ -513,8 +519,9 @@ class Engine:
 
     def step(self) -> None:
         """Admit, make room, one prefill chunk, then one speculative round for the decoding requests."""
-        for r in [r for r in self._running if r.abort_requested]:
-            self._finish(r, reason="abort")
+        with self._ending_together():
+            for r in [r for r in self._running if r.abort_requested]:
+                self._finish(r, reason="abort")
         self._admit()
         self._make_room()
         self._prefill_chunk()
@@ -532,9 +539,10 @@ class Engine:
             seconds = time.perf_counter() - start
             self.policy.record(rids, ks, [x.proposed for x in results], [x.accepted for x in results], seconds)
             self._count_step(ks, results, seconds)
-            for r, result in zip(reqs, results):
-                self._count_round(r, result)
-                self._commit(r, result.tokens)
+            with self._ending_together():
+                for r, result in zip(reqs, results):
+                    self._count_round(r, result)
+                    self._commit(r, result.tokens)
 
     def _draft_cap(self, r: Request) -> int:
         if not r.speculative:
@@ -581,21 +589,62 @@ class Engine:
             self._finish(r, reason=reason)
 
     def _finish(self, r: Request, reason: str | None = None, error: str | None = None) -> None:
-        runner = self.target_runner
         if r in self._running:
             self._running.remove(r)
         if self.policy is not None:
             self.policy.forget(r.rid)
         if r.req_idx is not None:
-            free_positions(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, r.req_idx, 0, r.kv_len)
-            runner.req_to_token_pool.free(r.req_idx)
+            self._release_slots(r)
             r.req_idx = None
         self.speculator.release(r)
         r.finish_reason, r.error = reason, error
         self.stats.finished_requests += 1
-        if r.on_update:
-            r.on_update(r, None)
-        r.done.set()
+        if self._ending is not None:
+            self._finished.append(r)
+        else:
+            self._tell_done([r])
+
+    @staticmethod
+    def _tell_done(reqs: list[Request]) -> None:
+        for r in reqs:
+            if r.on_update:
+                r.on_update(r, None)
+            r.done.set()
+
+    # ---- giving slots back -----------------------------------------------------------------
+    def _release_slots(self, r: Request) -> None:
+        """Give back ``r``'s row and the slots of its ``kv_len`` positions; inside ``_ending_together``
+        they go back when the block ends, with the rest of the group."""
+        if self._ending is not None:
+            self._ending.append((r.req_idx, r.kv_len))
+        else:
+            self._release_rows([(r.req_idx, r.kv_len)])
+
+    def _release_rows(self, rows: list[tuple[int, int]]) -> None:
+        # Every runner shares the target's req_to_token pool and allocator: one free covers them all.
+        pool, alloc = self.target_runner.req_to_token_pool, self.target_runner.token_to_kv_pool_allocator
+        free_position_ranges(pool, alloc, [(row, 0, kv_len) for row, kv_len in rows])
+        for row, _ in rows:
+            pool.free(row)  # only after its slots are read: a freed row may be handed out again
+
+    @contextmanager
+    def _ending_together(self):
+        """Requests that finish or are retracted in the block give their slots back together when it
+        ends: reading slots back from the device waits for the GPU, so a step whose round ends many
+        requests must pay one wait, not one per request. Slots counted inside the block are those
+        not yet returned; a finished request is told it is done once its slots are back."""
+        if self._ending is not None:  # nested: the outer block returns them
+            yield
+            return
+        self._ending = []
+        try:
+            yield
+        finally:
+            rows, self._ending = self._ending, None
+            finished, self._finished = self._finished, []
+            if rows:
+                self._release_rows(rows)
+            self._tell_done(finished)
 
     # ---- observability --------------------------------------------------------------------
     @property
