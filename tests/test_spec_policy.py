@@ -340,3 +340,30 @@ def test_a_failed_first_probe_costs_at_most_its_share_of_the_request():
 
     assert first(100, 37) == 1 and first(100, 35) == 0  # 0.8 + 1.0 against 1.85 and 1.75
     assert first(0, 17) == 1 and first(0, 15) == 0  # 0.8 against 0.85 and 0.75
+
+
+@pytest.mark.parametrize("per_token,chain,tree", [(0.1, [2] * 4, [4] * 4), (0.15, [1] * 4, [0] * 4)])
+def test_a_tree_round_is_priced_by_every_node_it_verifies(per_token, chain, tree):
+    """A tree verifies all N = 4 nodes of every request once any drafts, whatever k: four requests
+    at acceptance 0.7 (gains 0.7, 0.49, 0.343, 0.24) in a round costing 1 + per_token per verified
+    token. At 0.1 the chain stops at 2 each ((4 + 4.76) / 1.8 beats (4 + 6.13) / 2.2), while the
+    tree's 16 nodes cost 1 + 1.6 whatever k, so each lets all 4 count: (4 + 7.09) / 2.6 = 4.27 per
+    second against 4 plain. At 0.15 the chain still drafts ((4 + 2.8) / 1.6 = 4.25), while the
+    tree's round would give (4 + 7.09) / 3.4 = 3.26: plain."""
+    ks = {}
+    for name, verified in (("chain", None), ("tree", 4)):
+        policy = SpecPolicy("adaptive", "EAGLE", 4, StepCost.linear(plain=(1.0, 0.0), per_draft_token=per_token),
+                            verified_per_request=verified)
+        ks[name] = policy.draft_lengths([1, 2, 3, 4], [4] * 4, remaining=[10] * 4, waiting=1)
+    assert ks == {"chain": chain, "tree": tree}
+
+
+def test_a_tree_round_is_recorded_with_every_node_it_verified():
+    """One request drafting one token of a 4-node tree in a batch of three: the cost model learns
+    from a round that verified 3 x 4 draft tokens, not 1."""
+    trace: list = []
+    cost = StepCost.linear(plain=(1.0, 0.0), per_draft_token=0.1)
+    policy = SpecPolicy("adaptive", "EAGLE", 4, cost, verified_per_request=4, trace=trace)
+    policy.record([1, 2, 3], [1, 0, 0], [1, 0, 0], [1, 0, 0], 2.2)
+    policy.record([1, 2, 3], [0, 0, 0], [0, 0, 0], [0, 0, 0], 1.0)  # a plain round verifies nothing
+    assert [t["predicted"] for t in trace] == pytest.approx([1.0 + 0.1 * 12, 1.0], rel=1e-4)

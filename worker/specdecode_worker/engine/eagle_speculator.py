@@ -153,6 +153,7 @@ class EagleSpeculator(Speculator):
         self.num_steps, self.topk, self.k = num_steps, topk, num_draft_tokens
         self.tree = topk > 1
         self.tree_shape = TreeShape(topk, num_steps, num_draft_tokens)
+        self.verified_per_request = num_draft_tokens if self.tree else None
         self.target_tree_backend = make_tree_attn_backend(target_runner.req_to_token_pool,
                                                           target_runner.token_to_kv_pool,
                                                           target_runner.model.sliding_window)

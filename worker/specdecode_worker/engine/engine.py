@@ -317,7 +317,8 @@ class Engine:
         args, spec = self.args, self.speculator
         k = 0 if args.algorithm == "NONE" else args.num_draft_tokens
         self.policy = SpecPolicy(args.spec_policy, args.algorithm, k, self._step_cost(k),
-                                 per_request=spec.per_request_draft_lengths, choices=spec.draft_length_choices)
+                                 per_request=spec.per_request_draft_lengths, choices=spec.draft_length_choices,
+                                 verified_per_request=spec.verified_per_request)
 
     def _step_cost(self, k: int) -> StepCost:
         """Measured on one device (a few passes at batch 1 and full, width 1, 2 and k + 1); with

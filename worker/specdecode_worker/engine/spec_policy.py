@@ -16,7 +16,9 @@ expected goodput, sum_r (1 + v_r E[accepted_r | k_r]) / step_time(round shape):
   saves only its own place in the rounds it leaves (``_token_values``);
 - step_time is ``step_cost.StepCost``: a linear model of the round's shape, seeded by the warm-up
   and refitted online over recent rounds, with machine load cancelled, and a measured curve of
-  plain rounds by batch size for what a request's place in a round costs.
+  plain rounds by batch size for what a request's place in a round costs. A round prices the
+  tokens it verifies: an EAGLE tree's round verifies every node of every request's tree (N + 1
+  rows each) whatever k the policy picks, so k only chooses which nodes may be accepted.
 A request about to draft after rounds without drafting (or for the first time) first has its
 draft model cache the tokens committed since (``StepCost.catch_up``); that once-off cost is spread
 over the rounds the request has left and added to any round that turns it on. A new request
@@ -182,6 +184,7 @@ class SpecPolicy:
     cost: StepCost
     per_request: bool = True  # False: one k for the whole batch
     choices: tuple[int, ...] | None = None  # the k a uniform batch may take (None: 0..K)
+    verified_per_request: int | None = None  # draft tokens each request verifies in a drafting round (None: its k)
     probe_every: int = 8  # the fewest rounds between two probes
     probe_budget: float = 0.02  # the share of round time that probing may cost
     first_probe_budget: float = 0.05  # the most a failed first probe may cost, as a share of the request's plain time
@@ -289,7 +292,14 @@ class SpecPolicy:
 
     def _cost_of(self, ks: np.ndarray) -> float:
         m = int(ks.sum())
-        return self.cost(len(ks), m, int(ks.max()) if m else 0, int((ks > 0).sum()))
+        return self.cost(len(ks), int(self._verified(len(ks), m)), int(ks.max()) if m else 0, int((ks > 0).sum()))
+
+    def _verified(self, requests: int, drafts: int | np.ndarray) -> int | np.ndarray:
+        """Draft tokens a round verifies when its requests draft ``drafts`` in all: those, or, where
+        every request verifies a fixed number once any drafts (a tree), that number each."""
+        if self.verified_per_request is None:
+            return drafts
+        return np.where(np.asarray(drafts) > 0, requests * self.verified_per_request, 0)
 
     def _entry_costs(self, gains: np.ndarray, catch_up: list[int] | None,
                      remaining: list[int] | None) -> np.ndarray:
@@ -318,7 +328,7 @@ class SpecPolicy:
         base, switch, per_token, per_pass, per_pass_request = self.cost.round_terms(n, depth)
         starts = position == 0  # a request's gains never grow with position: its first comes first
         m = np.arange(1, len(g) + 1)
-        seconds = (base + switch + per_pass + per_token * m + per_pass_request * np.cumsum(starts)
+        seconds = (base + switch + per_pass + per_token * self._verified(n, m) + per_pass_request * np.cumsum(starts)
                    + np.cumsum(np.where(starts, entry[request], 0.0)))
         rate = (n + np.cumsum(g)) / np.maximum(seconds, 1e-9)
         best = int(np.argmax(rate))
@@ -334,7 +344,7 @@ class SpecPolicy:
         for k in options:
             expected = n + gains[:, :k].sum()
             drafts = int(np.minimum(k, cap).sum())
-            rate = expected / self.cost(n, drafts, k if drafts else 0, n if drafts else 0)
+            rate = expected / self.cost(n, int(self._verified(n, drafts)), k if drafts else 0, n if drafts else 0)
             if best_rate is None or rate > best_rate:
                 best_k, best_rate = k, rate
         return [min(best_k, c) for c in caps]
@@ -372,7 +382,7 @@ class SpecPolicy:
             self.algorithm_acceptance.observe_many(judged[drafted], a[drafted])
         if self.mode == FIXED:
             return
-        shape = (len(rids), int(p.sum()), int(p.max(initial=0)), int((p > 0).sum()))
+        shape = (len(rids), int(self._verified(len(rids), int(p.sum()))), int(p.max(initial=0)), int((p > 0).sum()))
         if self.trace is not None:
             self.trace.append({"requests": shape[0], "ks": list(ks), "proposed": list(proposed),
                                "accepted": list(accepted), "predicted": self.cost(*shape), "seconds": seconds})

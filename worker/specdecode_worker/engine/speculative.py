@@ -101,6 +101,9 @@ class Speculator(ABC):
     per_request_draft_lengths: bool = True
     # The draft lengths a round may take when one k serves the whole batch (None: 0..K).
     draft_length_choices: tuple[int, ...] | None = None
+    # Draft tokens every request of a drafting round verifies, whatever its draft length (None: its
+    # draft length). A tree verifies all its nodes: its shapes are static.
+    verified_per_request: int | None = None
 
     @abstractmethod
     def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None) -> list[RoundResult]:
