@@ -4,7 +4,7 @@ Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``
 them with numpy: the same index arithmetic, masks and online softmax as on a GPU, exactly. Triton
 reads the variable when a function is decorated, its own library's included, so it must be set
 before triton is first imported: tests/conftest.py sets it for the whole run on a machine without
-a GPU (transformers may import triton while tests are collected), and this module sets it when run
+a GPU (transformers may import triton while tests are collected), and tests/triton_interpreter.py sets it when run
 alone, failing at once if triton came first. ``test_kernels_run_under_the_interpreter`` checks it
 took effect. With a GPU the same tests run the compiled kernels on it, and the variable is left
 alone, so the CUDA tests of the same process keep real kernels.
@@ -12,21 +12,7 @@ alone, so the CUDA tests of the same process keep real kernels.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-
-torch = pytest.importorskip("torch")
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    if "triton" in sys.modules:
-        raise RuntimeError("triton was imported before tests/test_triton_attention.py could turn on its "
-                           "interpreter; run this file in its own pytest process")
-    os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton")
-
 from specdecode_worker.engine import triton_attention as ta  # noqa: E402
 from specdecode_worker.engine.attention import TorchNativeAttnBackend  # noqa: E402
 from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
@@ -34,7 +20,7 @@ from specdecode_worker.engine.pools import MHATokenToKVPool, ReqToTokenPool  # n
 from specdecode_worker.engine.tree import ancestor_mask  # noqa: E402
 from specdecode_worker.engine.tree_attention import TreeAttnBackend, TreeForwardBatch  # noqa: E402
 
-E4M3_ON_DEVICE = not CUDA or torch.cuda.get_device_capability() >= (8, 9)
+from tests.triton_interpreter import CUDA, DEVICE, E4M3_ON_DEVICE, torch, triton  # noqa: E402, F401
 
 POOL = 720
 CTX = 96

@@ -7,28 +7,14 @@ tests/test_triton_attention.py say how it is switched on); with one they run com
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-
-torch = pytest.importorskip("torch")
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    if "triton" in sys.modules:
-        raise RuntimeError("triton was imported before tests/test_triton_mla.py could turn on its interpreter; "
-                           "run this file in its own pytest process")
-    os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton")
-
 from specdecode_worker.engine import triton_mla as tm  # noqa: E402
 from specdecode_worker.engine.attention import TorchNativeAttnBackend  # noqa: E402
 from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
 from specdecode_worker.engine.mla_pool import MLATokenToKVPool  # noqa: E402
 from specdecode_worker.engine.pools import ReqToTokenPool  # noqa: E402
 
-E4M3_ON_DEVICE = not CUDA or torch.cuda.get_device_capability() >= (8, 9)
+from tests.triton_interpreter import CUDA, DEVICE, E4M3_ON_DEVICE, torch, triton  # noqa: E402, F401
 
 POOL, CTX = 520, 80
 RANK, ROPE = 64, 16

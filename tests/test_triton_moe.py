@@ -7,22 +7,10 @@ tests/test_triton_attention.py say how it is switched on); with one, compiled.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-
-torch = pytest.importorskip("torch")
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    if "triton" in sys.modules:
-        raise RuntimeError("triton was imported before tests/test_triton_moe.py could turn on its interpreter; "
-                           "run this file in its own pytest process")
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-
 from specdecode_worker.engine import triton_moe  # noqa: E402
+
+from tests.triton_interpreter import CUDA, DEVICE, torch  # noqa: E402, F401
 
 
 @pytest.fixture(params=["converted", "decoded"])
