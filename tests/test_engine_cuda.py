@@ -117,6 +117,20 @@ def test_worker_tokens_match_the_plan_made_with_nvml(tmp_path, capsys):
 
 
 # ---- graphs for every algorithm, sampling on the device, start-up against the plan ------------------
+def _graph_case(models, case: str):
+    """(algorithm, target, draft, vocabulary, engine flags) of a case named ALGORITHM[-chain|-tree]:
+    EAGLE heads on the small target, STANDALONE and NGRAM on the target with 3 proposals."""
+    algorithm, _, variant = case.partition("-")
+    if algorithm.startswith("EAGLE"):
+        extra = dict(num_draft_tokens=6, speculative_num_steps=3, speculative_eagle_topk=3) if variant == "tree" \
+            else dict(num_draft_tokens=3)
+        return algorithm, models["small"], models[algorithm.lower()], VOCAB, extra
+    target = models["target"]
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    extra = {} if algorithm == "NONE" else dict(num_draft_tokens=3)
+    return algorithm, target, {"STANDALONE": models["draft"]}.get(algorithm), vocab, extra
+
+
 def _count_graph_replays(monkeypatch) -> list[int]:
     from specdecode_worker.engine.cuda_graph import GraphRunner
 
@@ -137,15 +151,7 @@ def test_greedy_output_through_cuda_graphs_equals_eager_output(models, monkeypat
     """Captured graphs (decode, verify, EAGLE draft steps and verify passes, chains' and trees')
     against the same engine without graphs, at batch 1 and at a batch of 32 (every captured size up
     to 32)."""
-    algorithm, _, variant = case.partition("-")
-    if algorithm.startswith("EAGLE"):
-        target, draft, vocab = models["small"], models[algorithm.lower()], VOCAB
-        extra = dict(num_draft_tokens=6, speculative_num_steps=3, speculative_eagle_topk=3) if variant == "tree" \
-            else dict(num_draft_tokens=3)
-    else:
-        target, draft = models["target"], {"STANDALONE": models["draft"]}.get(algorithm)
-        vocab = json.loads((target / "config.json").read_text())["vocab_size"]
-        extra = {} if algorithm == "NONE" else dict(num_draft_tokens=3)
+    algorithm, target, draft, vocab, extra = _graph_case(models, case)
     sizes = dict(device="cuda", device_memory_bytes=None, max_total_tokens=8192, max_running_requests=32)
     prompts = [[random.Random(i).randrange(3, vocab) for _ in range(3 + i % 11)] for i in range(batch)]
 
@@ -229,15 +235,7 @@ def test_a_rounds_host_syncs_do_not_grow_with_the_batch(models, case):
     read would make the count grow with the batch."""
     import warnings
 
-    algorithm, _, variant = case.partition("-")
-    if algorithm.startswith("EAGLE"):
-        target, draft, vocab = models["small"], models[algorithm.lower()], VOCAB
-        extra = dict(num_draft_tokens=6, speculative_num_steps=3, speculative_eagle_topk=3) if variant == "tree" \
-            else dict(num_draft_tokens=3)
-    else:
-        target, draft = models["target"], {"STANDALONE": models["draft"]}.get(algorithm)
-        vocab = json.loads((target / "config.json").read_text())["vocab_size"]
-        extra = dict(num_draft_tokens=3)
+    algorithm, target, draft, vocab, extra = _graph_case(models, case)
     sizes = dict(device="cuda", device_memory_bytes=None, max_total_tokens=8192, max_running_requests=8,
                  cuda_graph_max_bs=8)
 
