@@ -103,9 +103,15 @@ def _cases() -> list[tuple[str, int]]:
 
 
 def _served(name: str, arch: int) -> bool:
-    """Cases the engine runs on Triton at this arch: an e4m3 KV pool before sm_89 keeps the
-    torch-native backend (engine/attention.py ``use_triton``); e5m2 and fp8 weights do not."""
-    return not (arch < 89 and "e4m3" in name and not name.startswith("moe"))
+    """Cases the engine runs on Triton at this arch, by the engine's own rule for KV pools
+    (engine/attention.py ``triton_serves_kv``); fp8 expert weights are served at every arch."""
+    if name.startswith("moe") or "e4m3" not in name:
+        return True
+    import torch
+
+    from specdecode_worker.engine.attention import triton_serves_kv
+
+    return triton_serves_kv(torch.float8_e4m3fn, divmod(arch, 10))
 
 
 # --- the child process: launch each case on meta tensors, compile what it launches ---------------

@@ -41,14 +41,19 @@ def attention_backend_name(device: torch.device | str) -> str:
     return choice
 
 
+def triton_serves_kv(kv_dtype: torch.dtype, capability: tuple[int, int]) -> bool:
+    """Can the Triton kernels read a KV pool of this dtype on a GPU of this compute capability?
+    Not e4m3 before sm_89: Triton has no e4m3 type there (e5m2 is widened by a byte shift)."""
+    return not (kv_dtype == torch.float8_e4m3fn and capability < (8, 9))
+
+
 def use_triton(req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool) -> bool:
-    """The Triton backend for these pools? Not for an fp8 pool on GPUs before sm_89 (Triton has no
-    e4m3 there): those keep the torch-native path, with a log line."""
+    """The Triton backend for these pools? Not for a pool the kernels cannot read on this GPU
+    (``triton_serves_kv``): those keep the torch-native path, with a log line."""
     device = req_to_token_pool.req_to_token.device
     if attention_backend_name(device) != "triton":
         return False
-    if (kv_pool.dtype == torch.float8_e4m3fn and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) < (8, 9)):
+    if device.type == "cuda" and not triton_serves_kv(kv_pool.dtype, torch.cuda.get_device_capability(device)):
         log.warning("fp8_e4m3 KV cache on a GPU before sm_89: attention runs on the torch-native backend")
         return False
     return True
