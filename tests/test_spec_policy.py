@@ -314,16 +314,31 @@ def test_the_plain_round_follows_the_measured_curve():
     assert cost.plain(16) == pytest.approx(0.16) and cost.plain(32) > 0.16
 
 
-def test_a_lookup_that_finds_nothing_counts_against_the_request():
-    """Asked for 4 drafts, an n-gram lookup that matches nothing gives no token: the request's
-    estimate falls as after a rejection, and one that is never asked keeps its own."""
+def test_a_lookup_that_finds_nothing_is_no_evidence():
+    """Asked for 4 drafts, an n-gram lookup that matches nothing verifies no token: it leaves the
+    request's estimate and the algorithm's as they were, while a rejected proposal lowers them."""
     policy = SpecPolicy("adaptive", "NGRAM", 4, overhead_bound())
-    before = policy.acceptance(1)[0]
+    before = policy.acceptance(1)
     for _ in range(3):
         policy.record([1, 2], [4, 0], [0, 0], [0, 0], 1.0)
-    assert policy.acceptance(1)[0] < before / 2
-    assert policy.acceptance(2)[0] < before  # the algorithm's estimate fell too, and 2 leans on it
-    assert policy.acceptance(2)[0] > policy.acceptance(1)[0]
+    assert policy.acceptance(1) == pytest.approx(before)
+    assert policy.acceptance(2) == pytest.approx(before)
+    policy.record([1, 2], [4, 0], [4, 0], [0, 0], 1.0)
+    assert policy.acceptance(1)[0] < before[0] / 2 and policy.acceptance(2)[0] < before[0]
+
+
+def test_a_first_probe_that_found_nothing_comes_again():
+    """A new request whose first probe matched nothing has told nothing about itself: it is probed
+    again in the next round (a lookup that finds nothing costs nothing), until a probe verifies a
+    token; after that it drafts by its estimate (a rejection here: no more drafting)."""
+    cost = StepCost.linear(plain=(1.0, 0.0), per_draft_token=0.8)  # drafting at the prior does not pay
+    policy = SpecPolicy("adaptive", "NGRAM", 4, cost, probe_every=1000)
+    probes = []
+    for found in (0, 0, 1, 0):
+        k = policy.draft_lengths([1], [4], remaining=[100])[0]
+        probes.append(k)
+        policy.record([1], [k], [min(k, found)], [0], 1.0)
+    assert probes[:3] == [1, 1, 1] and probes[3] == 0
 
 
 def test_a_failed_first_probe_costs_at_most_its_share_of_the_request():

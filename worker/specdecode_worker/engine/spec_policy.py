@@ -29,7 +29,10 @@ without drafting), so that one that copies from its prompt is found out in its f
 A request drafting nothing gets no new observation, so now and then the requests held at k = 0
 by their estimates draft one token each, together, spaced so that probing costs at most
 ``probe_budget`` of the time: that is how speculation comes back once acceptance does. A lookup
-that found nothing to propose counts as a rejection: asking gave no token.
+that found nothing to propose (NGRAM) is no evidence either way: no token was verified, so asking
+cost nothing, and it says nothing of how often a match is accepted (counting it as a rejection
+would scale a request's gains by how often it matches while its cost, priced per verified token,
+stays whole); a request whose first probe found nothing is probed again.
 
 The fixed policy drafts K tokens for every request (today's behaviour); both honour a request's
 own cap (``speculative: false`` is a cap of 0). Nothing here needs torch.
@@ -192,7 +195,7 @@ class SpecPolicy:
     algorithm_acceptance: Acceptance = field(init=False)
     requests: RequestEstimates = field(init=False)
     _since_probe: int = field(init=False, default=0)
-    _tried: set = field(init=False, default_factory=set)  # requests that have had their first probe
+    _tried: set = field(init=False, default_factory=set)  # requests that have verified a draft token
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -287,7 +290,6 @@ class SpecPolicy:
         left = np.inf if remaining is None else float(np.array(remaining, dtype=float)[fresh].sum())
         if failed > self.first_probe_budget * left * now / n:
             return ks
-        self._tried.update(rid for rid, f in zip(rids, fresh) if f)
         return best
 
     def _cost_of(self, ks: np.ndarray) -> float:
@@ -372,14 +374,14 @@ class SpecPolicy:
     def record(self, rids: list[int], ks: list[int], proposed: list[int], accepted: list[int], seconds: float) -> None:
         """A finished round: acceptance per request and algorithm, and the measured step time. A
         request that was asked for drafts and found none (an n-gram lookup that matched nothing)
-        counts as a rejection at the first position: asking it gave no token."""
+        is not observed: nothing of it was verified."""
         p, a = np.array(proposed, dtype=np.int64), np.array(accepted, dtype=np.int64)
-        judged = np.where((p == 0) & (np.array(ks, dtype=np.int64) > 0), 1, p)
-        drafted = judged > 0
+        drafted = p > 0
         if drafted.any():
             rows = self.requests.rows([r for r, d in zip(rids, drafted) if d])
-            self.requests.observe(rows, judged[drafted], a[drafted])
-            self.algorithm_acceptance.observe_many(judged[drafted], a[drafted])
+            self.requests.observe(rows, p[drafted], a[drafted])
+            self.algorithm_acceptance.observe_many(p[drafted], a[drafted])
+            self._tried.update(r for r, d in zip(rids, drafted) if d)
         if self.mode == FIXED:
             return
         shape = (len(rids), int(self._verified(len(rids), int(p.sum()))), int(p.max(initial=0)), int((p > 0).sum()))
