@@ -15,12 +15,11 @@ from __future__ import annotations
 import pytest
 from specdecode_worker.engine import triton_attention as ta  # noqa: E402
 from specdecode_worker.engine.attention import TorchNativeAttnBackend  # noqa: E402
-from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
 from specdecode_worker.engine.pools import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 from specdecode_worker.engine.tree import ancestor_mask  # noqa: E402
 from specdecode_worker.engine.tree_attention import TreeAttnBackend, TreeForwardBatch  # noqa: E402
 
-from tests.triton_interpreter import CUDA, DEVICE, E4M3_ON_DEVICE, torch, triton  # noqa: E402, F401
+from tests.triton_interpreter import CUDA, DEVICE, E4M3_ON_DEVICE, paged_batch, torch, triton  # noqa: E402, F401
 
 POOL = 720
 CTX = 96
@@ -41,19 +40,6 @@ def _pools(kv_heads: int, kv_dtype=torch.float32, seed: int = 0, num_reqs: int =
     return req_pool, kv, g
 
 
-def _batch(req_pool, seq_lens: list[int], extend_lens: list[int], reqs: list[int]) -> ForwardBatch:
-    positions, locs = [], []
-    for r, s, n in zip(reqs, seq_lens, extend_lens):
-        positions += list(range(s - n, s))
-        locs.append(req_pool.req_to_token[r, s - n : s])
-    return ForwardBatch(
-        input_ids=torch.zeros(sum(extend_lens), dtype=torch.int64, device=DEVICE),
-        positions=torch.tensor(positions, device=DEVICE), out_cache_loc=torch.cat(locs),
-        req_pool_indices=torch.tensor(reqs, device=DEVICE), seq_lens=torch.tensor(seq_lens, device=DEVICE),
-        extend_lens=extend_lens, seq_lens_cpu=seq_lens,
-    )
-
-
 def _randn(*shape, g):
     return torch.randn(*shape, generator=g).to(DEVICE)
 
@@ -65,7 +51,7 @@ def _run(backend_cls, req_pool, kv, window, q, k, v, fb):
 def _compare(kv_heads, group, seq_lens, extend_lens, window=None, kv_dtype=torch.float32, seed=0):
     req_pool, kv, g = _pools(kv_heads, kv_dtype, seed)
     reqs = list(range(1, len(seq_lens) + 1))
-    fb = _batch(req_pool, seq_lens, extend_lens, reqs)
+    fb = paged_batch(req_pool, seq_lens, extend_lens, reqs)
     n = sum(extend_lens)
     q = _randn(n, kv_heads * group, D, g=g)
     k = _randn(n, kv_heads, D, g=g)
@@ -92,7 +78,7 @@ def test_decode_mixed_lengths_and_gqa(group):
 
 def test_decode_splits_cover_every_key_whatever_their_number():
     req_pool, kv, g = _pools(kv_heads=2)
-    fb = _batch(req_pool, [3, 90, 40], [1, 1, 1], [1, 2, 3])
+    fb = paged_batch(req_pool, [3, 90, 40], [1, 1, 1], [1, 2, 3])
     q = _randn(3, 4, D, g=g)
     k_buf, v_buf = kv.k_buffer[0], kv.v_buffer[0]
     want = TorchNativeAttnBackend(req_pool, kv, None)._decode(q, k_buf, v_buf, fb, SCALE)
@@ -111,7 +97,7 @@ def test_decode_reads_only_live_slots():
     dead[live] = False
     kv.k_buffer[0][dead] = float("nan")
     kv.v_buffer[0][dead] = float("nan")
-    fb = _batch(req_pool, seq_lens, [1, 1], reqs)
+    fb = paged_batch(req_pool, seq_lens, [1, 1], reqs)
     q = _randn(2, 4, D, g=g)
     out = ta.decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], req_pool.req_to_token, fb.req_pool_indices,
                               fb.seq_lens, SCALE, None, 4)
@@ -273,7 +259,7 @@ def test_padded_graph_batch_gives_the_eager_rows(tokens_per_req):
 
     req_pool, kv, g = _pools(kv_heads=2, seed=5)
     seq_lens = [9, 77, 33]
-    fb = _batch(req_pool, seq_lens, [tokens_per_req] * 3, [2, 4, 6])
+    fb = paged_batch(req_pool, seq_lens, [tokens_per_req] * 3, [2, 4, 6])
     n = sum(fb.extend_lens)
     q, k, v = _randn(n, 8, D, g=g), _randn(n, 2, D, g=g), _randn(n, 2, D, g=g)
     eager = ta.TritonAttnBackend(req_pool, kv, None).forward(q, k, v, 0, fb, SCALE)
@@ -304,7 +290,7 @@ def test_padded_chain_batch_gives_the_ragged_rows_on_both_backends(window):
 
     req_pool, kv, g = _pools(kv_heads=2, seed=7)
     starts, lengths, reqs, width = [9, 70, 33, 50], [1, 4, 2, 3], [2, 4, 6, 1], 5
-    ragged = _batch(req_pool, [s + n for s, n in zip(starts, lengths)], lengths, reqs)
+    ragged = paged_batch(req_pool, [s + n for s, n in zip(starts, lengths)], lengths, reqs)
     n = sum(lengths)
     q, k, v = _randn(n, 8, D, g=g), _randn(n, 2, D, g=g), _randn(n, 2, D, g=g)
     want = _run(TorchNativeAttnBackend, req_pool, kv, window, q, k, v, ragged)
@@ -368,7 +354,7 @@ def test_a_graph_capture_makes_its_own_extend_metadata(monkeypatch):
     warm-up's metadata tensors (freed once another batch replaces them, while the graph would read
     their addresses at every replay). The capture is simulated: the stream reports capturing."""
     req_pool, kv, g = _pools(2)
-    fb = _batch(req_pool, [12, 30, 41], [4, 4, 4], [1, 2, 3])
+    fb = paged_batch(req_pool, [12, 30, 41], [4, 4, 4], [1, 2, 3])
     q, k, v = _randn(12, 4, D, g=g), _randn(12, 2, D, g=g), _randn(12, 2, D, g=g)
     seen, real = [], ta.extend_attention
     monkeypatch.setattr(ta, "extend_attention", lambda *a, **kw: seen.append(a[6]) or real(*a, **kw))  # q_start

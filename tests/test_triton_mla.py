@@ -14,7 +14,7 @@ from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
 from specdecode_worker.engine.mla_pool import MLATokenToKVPool  # noqa: E402
 from specdecode_worker.engine.pools import ReqToTokenPool  # noqa: E402
 
-from tests.triton_interpreter import CUDA, DEVICE, E4M3_ON_DEVICE, torch, triton  # noqa: E402, F401
+from tests.triton_interpreter import CUDA, DEVICE, E4M3_ON_DEVICE, paged_batch, torch, triton  # noqa: E402, F401
 
 POOL, CTX = 520, 80
 RANK, ROPE = 64, 16
@@ -34,19 +34,6 @@ def _pools(kv_dtype=torch.float32, seed: int = 0, num_reqs: int = 5):
     return req_pool, kv, g
 
 
-def _batch(req_pool, seq_lens: list[int], extend_lens: list[int], reqs: list[int]) -> ForwardBatch:
-    positions, locs = [], []
-    for r, s, n in zip(reqs, seq_lens, extend_lens):
-        positions += list(range(s - n, s))
-        locs.append(req_pool.req_to_token[r, s - n : s])
-    return ForwardBatch(
-        input_ids=torch.zeros(sum(extend_lens), dtype=torch.int64, device=DEVICE),
-        positions=torch.tensor(positions, device=DEVICE), out_cache_loc=torch.cat(locs),
-        req_pool_indices=torch.tensor(reqs, device=DEVICE), seq_lens=torch.tensor(seq_lens, device=DEVICE),
-        extend_lens=extend_lens, seq_lens_cpu=seq_lens,
-    )
-
-
 def _inputs(n: int, heads: int, g):
     q = torch.randn(n, heads, WIDTH, generator=g).to(DEVICE)
     latent = torch.randn(n, 1, WIDTH, generator=g).to(DEVICE)
@@ -55,7 +42,7 @@ def _inputs(n: int, heads: int, g):
 
 def _compare(heads, seq_lens, extend_lens, kv_dtype=torch.float32, seed=0, atol=2e-5):
     req_pool, kv, g = _pools(kv_dtype, seed)
-    fb = _batch(req_pool, seq_lens, extend_lens, list(range(1, len(seq_lens) + 1)))
+    fb = paged_batch(req_pool, seq_lens, extend_lens, list(range(1, len(seq_lens) + 1)))
     q, k, v = _inputs(sum(extend_lens), heads, g)
     want = TorchNativeAttnBackend(req_pool, kv, None).forward(q, k, v, 0, fb, SCALE)
     got = tm.TritonMLABackend(req_pool, kv).forward(q, k, v, 0, fb, SCALE)
@@ -81,7 +68,7 @@ def test_decode_mixed_lengths(heads):
 
 def test_decode_splits_cover_every_key_whatever_their_number():
     req_pool, kv, g = _pools(seed=1)
-    fb = _batch(req_pool, [3, 79, 40], [1, 1, 1], [1, 2, 3])
+    fb = paged_batch(req_pool, [3, 79, 40], [1, 1, 1], [1, 2, 3])
     q, _, _ = _inputs(3, 16, g)
     buf = kv.k_buffer[0]
     want = TorchNativeAttnBackend(req_pool, kv, None)._decode(q, buf, kv.v_buffer[0], fb, SCALE)
@@ -98,7 +85,7 @@ def test_decode_reads_only_live_slots():
     dead = torch.ones(POOL + 1, dtype=torch.bool, device=DEVICE)
     dead[live] = False
     kv.k_buffer[0][dead] = float("nan")
-    fb = _batch(req_pool, seq_lens, [1, 1], reqs)
+    fb = paged_batch(req_pool, seq_lens, [1, 1], reqs)
     q, _, _ = _inputs(2, 8, g)
     out = tm.mla_decode(q, kv.k_buffer[0], RANK, req_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, SCALE, 4)
     assert torch.isfinite(out).all()
@@ -134,7 +121,7 @@ def test_half_precision_queries():
     else:
         dtype = torch.float16
     req_pool, kv, g = _pools(dtype, seed=5)
-    fb = _batch(req_pool, [33, 5], [1, 1], [1, 2])
+    fb = paged_batch(req_pool, [33, 5], [1, 1], [1, 2])
     q, k, v = (x.to(dtype) for x in _inputs(2, 4, g))
     want = TorchNativeAttnBackend(req_pool, kv, None).forward(q, k, v, 0, fb, SCALE)
     got = tm.TritonMLABackend(req_pool, kv).forward(q, k, v, 0, fb, SCALE)
@@ -230,7 +217,7 @@ def test_padded_chain_batch_gives_the_ragged_rows():
 
     req_pool, kv, g = _pools(seed=4)
     starts, lengths, reqs, width = [7, 60, 30], [1, 4, 2], [1, 3, 5], 4
-    ragged = _batch(req_pool, [s + n for s, n in zip(starts, lengths)], lengths, reqs)
+    ragged = paged_batch(req_pool, [s + n for s, n in zip(starts, lengths)], lengths, reqs)
     q, k, v = _inputs(sum(lengths), 16, g)
     want = TorchNativeAttnBackend(req_pool, kv, None).forward(q, k, v, 0, ragged, SCALE)
     fb, _ = padded_chain_batch(req_pool, reqs, starts, torch.zeros(3, width, dtype=torch.int64, device=DEVICE),
@@ -253,7 +240,7 @@ def test_a_graph_capture_makes_its_own_extend_metadata(monkeypatch):
     from specdecode_worker.engine import triton_attention as ta
 
     req_pool, kv, g = _pools()
-    fb = _batch(req_pool, [12, 50, 79], [4, 4, 4], [1, 2, 3])
+    fb = paged_batch(req_pool, [12, 50, 79], [4, 4, 4], [1, 2, 3])
     q, k, v = _inputs(12, 4, g)
     seen, real = [], tm.mla_extend
     monkeypatch.setattr(tm, "mla_extend", lambda *a, **kw: seen.append(a[5]) or real(*a, **kw))  # q_start
@@ -271,7 +258,7 @@ def test_a_tree_batch_is_refused_rather_than_attended_without_its_mask():
     from specdecode_worker.engine.tree_attention import TreeForwardBatch
 
     req_pool, kv, g = _pools()
-    fb = _batch(req_pool, [12], [2], [1])
+    fb = paged_batch(req_pool, [12], [2], [1])
     tree = TreeForwardBatch(
         **{name: getattr(fb, name) for name in ForwardBatch.__dataclass_fields__},
         prefix_lens=torch.tensor([10], device=DEVICE), key_slots=fb.out_cache_loc[None],

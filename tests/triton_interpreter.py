@@ -20,3 +20,20 @@ if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
 triton = pytest.importorskip("triton")
 # fp8 e4m3 has a Triton type from sm_89 on (the interpreter has it everywhere)
 E4M3_ON_DEVICE = not CUDA or torch.cuda.get_device_capability() >= (8, 9)
+
+
+def paged_batch(req_pool, seq_lens: list[int], extend_lens: list[int], reqs: list[int]):
+    """A ForwardBatch of ``extend_lens[i]`` new tokens ending at ``seq_lens[i]`` for request ``reqs[i]``,
+    its K/V written to the slots ``req_pool`` maps those positions to."""
+    from specdecode_worker.engine.forward_batch import ForwardBatch
+
+    positions, locs = [], []
+    for r, s, n in zip(reqs, seq_lens, extend_lens):
+        positions += list(range(s - n, s))
+        locs.append(req_pool.req_to_token[r, s - n : s])
+    return ForwardBatch(
+        input_ids=torch.zeros(sum(extend_lens), dtype=torch.int64, device=DEVICE),
+        positions=torch.tensor(positions, device=DEVICE), out_cache_loc=torch.cat(locs),
+        req_pool_indices=torch.tensor(reqs, device=DEVICE), seq_lens=torch.tensor(seq_lens, device=DEVICE),
+        extend_lens=extend_lens, seq_lens_cpu=seq_lens,
+    )
