@@ -137,3 +137,23 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
         for _ in range(n):
             out.append(int(hf(torch.tensor([out])).logits[0, -1].argmax()))
     return out[len(ids):]
+
+
+def record_static_moe(monkeypatch) -> list[str]:
+    """Records the MoE paths graph passes take: few (token, expert) pairs, or every expert. Routed
+    passes, which run outside graphs, are not recorded."""
+    from specdecode_worker.engine.models import deepseek_v3
+
+    paths = []
+
+    def recorded(path):
+        real = getattr(deepseek_v3.MoE, path)
+
+        def run(self, *args):
+            paths.append(path)
+            return real(self, *args)
+        return run
+
+    for path in ("chosen_experts", "every_expert"):
+        monkeypatch.setattr(deepseek_v3.MoE, path, recorded(path))
+    return paths

@@ -184,25 +184,6 @@ def test_tree_greedy_output_through_graph_buffers_on_triton(models, monkeypatch,
     assert kv.available_size() == kv.size
 
 
-def _record_static_moe(monkeypatch) -> list[str]:
-    """The MoE paths graph passes take (routed passes are not recorded)."""
-    from specdecode_worker.engine.models import deepseek_v3
-
-    paths = []
-
-    def recorded(path):
-        real = getattr(deepseek_v3.MoE, path)
-
-        def run(self, *args):
-            paths.append(path)
-            return real(self, *args)
-        return run
-
-    for path in ("chosen_experts", "every_expert"):
-        monkeypatch.setattr(deepseek_v3.MoE, path, recorded(path))
-    return paths
-
-
 def test_mtp_greedy_output_through_graph_buffers_equals_eager(tmp_path, monkeypatch):
     """DeepSeek's target steps (1 and k + 1 tokens) and the NextN layer's chain steps through the
     speculator's graph buffers give the plain engine's greedy output. Graph passes run MoE on its
@@ -210,7 +191,7 @@ def test_mtp_greedy_output_through_graph_buffers_equals_eager(tmp_path, monkeypa
     if not hasattr(transformers, "DeepseekV3ForCausalLM"):
         pytest.skip("this transformers has no DeepseekV3ForCausalLM")
 
-    from tests.deepseek_models import write_tiny_deepseek
+    from tests.deepseek_models import record_static_moe, write_tiny_deepseek
 
     model = write_tiny_deepseek(tmp_path / "ds", mtp=True)
     prompts = _prompts(3, 100, seed=4)
@@ -218,7 +199,7 @@ def test_mtp_greedy_output_through_graph_buffers_equals_eager(tmp_path, monkeypa
     eng = engine(model, "MTP", max_running_requests=MAX_BS, context_len=128, num_draft_tokens=2)
     eng.speculator.capture_graphs(MAX_BS, eager=True)
     assert set(eng.speculator._graphs) == {("target", 1), ("target", 3), ("draft", 1)}
-    static_moe = _record_static_moe(monkeypatch)
+    static_moe = record_static_moe(monkeypatch)
     seen = _count_replays(monkeypatch)
     assert _outputs(eng, prompts) == plain
     assert {w for w, _ in seen} == {1, 3}
@@ -230,14 +211,14 @@ def test_deepseek_decode_through_graph_buffers_equals_eager(tmp_path, monkeypatc
     """Without speculation a DeepSeek target's decode steps replay the runner's decode graphs."""
     if not hasattr(transformers, "DeepseekV3ForCausalLM"):
         pytest.skip("this transformers has no DeepseekV3ForCausalLM")
-    from tests.deepseek_models import write_tiny_deepseek
+    from tests.deepseek_models import record_static_moe, write_tiny_deepseek
 
     model = write_tiny_deepseek(tmp_path / "ds")
     prompts = _prompts(3, 100, seed=5)
     plain = _outputs(engine(model, "NONE", max_running_requests=MAX_BS, context_len=128), prompts)
     eng = engine(model, "NONE", max_running_requests=MAX_BS, context_len=128)
     _graph_runner(eng, 0)
-    static_moe = _record_static_moe(monkeypatch)
+    static_moe = record_static_moe(monkeypatch)
     seen = _count_replays(monkeypatch)
     assert _outputs(eng, prompts) == plain
     assert {w for w, _ in seen} == {1} and len(static_moe) >= len(seen)

@@ -166,10 +166,9 @@ def test_deepseek_with_mtp_gives_the_same_greedy_output_on_both_backends(tmp_pat
         pytest.skip("this transformers has no DeepseekV3ForCausalLM")
     from specdecode_worker.engine.attention import ATTENTION_BACKEND_ENV
     from specdecode_worker.engine.cuda_graph import GraphInputs
-    from specdecode_worker.engine.models import deepseek_v3
     from specdecode_worker.engine.request import Request, SamplingParams
 
-    from tests.deepseek_models import write_tiny_deepseek
+    from tests.deepseek_models import record_static_moe, write_tiny_deepseek
     from tests.engine_helpers import engine, run_all
 
     model = write_tiny_deepseek(tmp_path / "ds", mtp=True)
@@ -193,18 +192,7 @@ def test_deepseek_with_mtp_gives_the_same_greedy_output_on_both_backends(tmp_pat
         self.batch(bs).seq_lens_cpu[:] = [self.tokens_per_req] * bs  # what the capture saw
 
     monkeypatch.setattr(GraphInputs, "stage", stage_keeping_captured_lengths)
-    paths = []  # MoE paths of graph passes (the routed path runs outside graphs)
-
-    def recorded(path):
-        real = getattr(deepseek_v3.MoE, path)
-
-        def run(self, *args):
-            paths.append(path)
-            return real(self, *args)
-        return run
-
-    for path in ("chosen_experts", "every_expert"):  # few (token, expert) pairs, and many
-        monkeypatch.setattr(deepseek_v3.MoE, path, recorded(path))
+    paths = record_static_moe(monkeypatch)
     assert outputs("triton", graphs=True) == want
     assert set(paths) == {"chosen_experts", "every_expert"}
 
