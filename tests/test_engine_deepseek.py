@@ -39,6 +39,18 @@ def _reference_logits(hf, ids):
         return hf(torch.tensor([ids])).logits[0].float()
 
 
+def _prefill_equals_transformers(runner, hf):
+    """Prefill PROMPT on the engine's runner; its logits must equal the reference's to 1e-4.
+    Returns the request's pool index, the engine's logits and the reference's."""
+    pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
+    req = pool.alloc()
+    alloc_positions(pool, alloc, req, 0, len(PROMPT))
+    ours = forward_segments(runner, [Segment(req, PROMPT, 0)], last_only=False)
+    ref = _reference_logits(hf, PROMPT)
+    assert torch.allclose(ours, ref, atol=1e-4, rtol=0), float((ours - ref).abs().max())
+    return req, ours, ref
+
+
 def test_tiny_config_exercises_grouped_routing_yarn_and_moe(model_dir):
     cfg = config_of(model_dir)
     assert cfg["n_group"] > cfg["topk_group"] > 0 and cfg["first_k_dense_replace"] < cfg["num_hidden_layers"]
@@ -48,13 +60,9 @@ def test_tiny_config_exercises_grouped_routing_yarn_and_moe(model_dir):
 def test_prefill_and_decode_logits_equal_transformers(model_dir, hf):
     eng = engine(model_dir)
     runner = eng.target_runner
-    pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
-    req = pool.alloc()
-    alloc_positions(pool, alloc, req, 0, len(PROMPT))
-    ours = forward_segments(runner, [Segment(req, PROMPT, 0)], last_only=False)
-    ref = _reference_logits(hf, PROMPT)
-    assert torch.allclose(ours, ref, atol=1e-4, rtol=0), float((ours - ref).abs().max())
+    req, ours, ref = _prefill_equals_transformers(runner, hf)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
     # Decode: one token at a time over the cached latent, as the engine's decode batches run.
     ids = list(PROMPT)
     for step in range(6):
@@ -104,12 +112,7 @@ def test_fp8_block_quantized_weights_are_served_as_stored(model_dir, tmp_path):
     runner = eng.target_runner
     attn = runner.model.model.layers[1].self_attn
     assert attn.q_b_proj.weight.dtype == FP8_DTYPE and attn.q_b_proj.weight_scale_inv.dtype == torch.float32
-    pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
-    req = pool.alloc()
-    alloc_positions(pool, alloc, req, 0, len(PROMPT))
-    ours = forward_segments(runner, [Segment(req, PROMPT, 0)], last_only=False)
-    ref = _reference_logits(hf, PROMPT)
-    assert torch.allclose(ours, ref, atol=1e-4, rtol=0), float((ours - ref).abs().max())
+    _prefill_equals_transformers(runner, hf)
     # Resident: fp8 weights and float32 scales, as the planner prices them from the headers.
     plan = make_plan(PlanArgs(target=str(fp8), algorithm="NGRAM", tp=1, gpu_memory_gib=1.0,
                               mem_fraction_static=0.9, context_length=64))
