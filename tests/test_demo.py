@@ -23,10 +23,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def model_dir():
-    try:
-        return smollm2.smollm2_dir()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
+    return smollm2.smollm2_dir_or_skip()
 
 
 def greedy_reply(model_dir: Path, messages: list[dict], max_tokens: int) -> str:

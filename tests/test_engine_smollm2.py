@@ -20,10 +20,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def model_dir():
-    try:
-        return smollm2.smollm2_dir()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
+    return smollm2.smollm2_dir_or_skip()
 
 
 def test_forward_matches_transformers(model_dir):
