@@ -11,6 +11,7 @@ from specdecode_worker.engine.engine import Engine, EngineArgs
 
 from specdecode_worker.engine.request import Request, SamplingParams
 
+from tests.eagle_heads import write_eagle3_head, write_eagle_head
 from tests.tiny_models import write_tiny_model, write_tiny_pair
 
 # Tiny matrices gain nothing from intra-op threads, and on shared CI cores the thread hand-off
@@ -24,6 +25,17 @@ def tiny_models(root: Path) -> dict[str, Path]:
     copy = root / "target-copy"
     shutil.copytree(target, copy)
     return {"target": target, "draft": draft, "copy": copy}
+
+
+def tiny_models_with_eagle_heads(root: Path, vocab: int, num_hidden_layers: int, draft_vocab: int) -> dict[str, Path]:
+    """``tiny_models`` plus a llama target over a small vocabulary ("small") with a random EAGLE head
+    ("eagle") and EAGLE3 head ("eagle3"): with few tokens random heads get some proposals accepted."""
+    found = tiny_models(root / "pair")
+    small = write_tiny_model(root / "small", "llama", seed=0, weight_scale=3.0, vocab_size=vocab,
+                             num_hidden_layers=num_hidden_layers)
+    found.update(small=small, eagle=write_eagle_head(root / "eagle", small, seed=1),
+                 eagle3=write_eagle3_head(root / "eagle3", small, draft_vocab=draft_vocab, seed=3))
+    return found
 
 
 def noisy_copy(target: Path, dest: Path, scale: float, seed: int = 0) -> Path:

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 from specdecode_worker import plan_cli  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
-from tests.eagle_heads import write_eagle3_head, write_eagle_head  # noqa: E402
-from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
+from tests.eagle_heads import write_eagle3_head  # noqa: E402
+from tests.engine_helpers import engine, run_all, tiny_models_with_eagle_heads  # noqa: E402
 from tests.tiny_models import write_tiny_model  # noqa: E402
 
 CUDA = dict(device="cuda", device_memory_bytes=None, max_total_tokens=4096, cuda_graph_max_bs=8,
@@ -29,13 +29,7 @@ VOCAB = 8
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cuda")
-    found = tiny_models(root / "pair")
-    # A small vocabulary so random EAGLE heads get some proposals accepted.
-    small = write_tiny_model(root / "small", "llama", seed=0, weight_scale=3.0, vocab_size=VOCAB, num_hidden_layers=6)
-    found.update(small=small, eagle=write_eagle_head(root / "eagle", small, seed=1),
-                 eagle3=write_eagle3_head(root / "eagle3", small, draft_vocab=6, seed=3))
-    return found
+    return tiny_models_with_eagle_heads(tmp_path_factory.mktemp("cuda"), VOCAB, num_hidden_layers=6, draft_vocab=6)
 
 
 def _prompts(vocab: int, n: int = 5):

@@ -18,10 +18,8 @@ from specdecode_worker.engine.cuda_graph import CudaGraphRunner, GraphRunner  # 
 from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
-from tests.eagle_heads import (  # noqa: E402
-    make_repeating, write_copying_eagle_head, write_eagle3_head, write_eagle_head,
-)
-from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
+from tests.eagle_heads import make_repeating, write_copying_eagle_head  # noqa: E402
+from tests.engine_helpers import engine, run_all, tiny_models_with_eagle_heads  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE, write_tiny_model  # noqa: E402
 
 VOCAB, MAX_BS = 16, 4
@@ -29,12 +27,7 @@ VOCAB, MAX_BS = 16, 4
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("graphs")
-    found = tiny_models(root / "pair")
-    small = write_tiny_model(root / "small", "llama", seed=0, weight_scale=3.0, vocab_size=VOCAB, num_hidden_layers=4)
-    found.update(small=small, eagle=write_eagle_head(root / "eagle", small, seed=1),
-                 eagle3=write_eagle3_head(root / "eagle3", small, draft_vocab=12, seed=3))
-    return found
+    return tiny_models_with_eagle_heads(tmp_path_factory.mktemp("graphs"), VOCAB, num_hidden_layers=4, draft_vocab=12)
 
 
 def test_replay_pads_stages_extras_and_returns_the_real_rows():
