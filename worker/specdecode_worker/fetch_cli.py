@@ -18,14 +18,13 @@ import errno
 import hashlib
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
 from .contract import ExitCode
 from .errors import InputError
 from . import termination
-from .flags import CommandParser, asks_for_help
+from .flags import CommandParser
 from .hub import HubClient, HubError, HubFile, partition
 
 PROGRESS_EVERY_S = 10.0
@@ -167,18 +166,11 @@ def fetch(client: HubClient, repo: str, commit: str, dest: Path, parts: int, par
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if asks_for_help(argv):
-        parser().print_help()
-        return ExitCode.OK
-    log_path = termination.log_path_in(argv)
-    try:
-        args = parser().parse_args(argv)
-        log_path = args.termination_log
-        part = _part_index(args.part, args.parts)
-        count, size = fetch(HubClient(), args.repo, args.commit, Path(args.dest), args.parts, part)
-    except Exception as exc:
-        return termination.fail("fetch", exc, log_path)
-    termination.write("fetch", log_path,
-                      f"fetched {args.repo}@{args.commit} part {part} of {args.parts}: {count} files, {size} bytes")
-    return ExitCode.OK
+    return termination.run("fetch", parser, argv, _fetch_part)
+
+
+def _fetch_part(args) -> termination.Outcome:
+    part = _part_index(args.part, args.parts)
+    count, size = fetch(HubClient(), args.repo, args.commit, Path(args.dest), args.parts, part)
+    return (f"fetched {args.repo}@{args.commit} part {part} of {args.parts}: {count} files, {size} bytes",
+            ExitCode.OK, None)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from .devices import resolve_device_memory
 from .eagle_rule import aux_layer_ids
 from .errors import InputError
 from . import termination
-from .flags import CommandParser, add_sizing_flags, asks_for_help
+from .flags import CommandParser, add_sizing_flags
 from .hub import HubClient, model_name
 from .model_config import ModelShape, load_shape, read_config
 from .model_identity import identity
@@ -387,18 +386,14 @@ def _priced_for(reserve: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if asks_for_help(argv):
-        parser().print_help()
-        return ExitCode.OK
-    log_path = termination.log_path_in(argv)
-    try:
-        args = parser().parse_args(argv)
-        log_path = args.termination_log
-        plan = plan_from_flags(args)
-    except Exception as exc:
-        return termination.fail("plan", exc, log_path)
+    return termination.run("plan", parser, argv, _plan)
+
+
+def _plan(args) -> termination.Outcome:
+    plan = plan_from_flags(args)
     compact = to_json(plan)
-    termination.write("plan", log_path, compact)
-    print(render_table(plan) if args.output == "table" else compact, end="" if args.output == "table" else "\n")
-    return ExitCode.OK if plan["fits"] else ExitCode.DOES_NOT_FIT
+
+    def show() -> None:
+        print(render_table(plan) if args.output == "table" else compact, end="" if args.output == "table" else "\n")
+
+    return compact, ExitCode.OK if plan["fits"] else ExitCode.DOES_NOT_FIT, show

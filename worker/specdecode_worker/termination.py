@@ -6,13 +6,20 @@ termination message: the result on success, the error on failure (the hub token 
 
 from __future__ import annotations
 
+import argparse
 import sys
 import traceback
 from pathlib import Path
+from typing import Callable
 
 from .contract import ExitCode
 from .errors import InputError
+from .flags import asks_for_help
 from .hub import HubError, redact
+
+# What a command's work returns: the termination-log text, the exit code, and what shows the result
+# once the log is written (or None).
+Outcome = tuple[str, int, Callable[[], None] | None]
 
 
 def log_path_in(argv: list[str]) -> str | None:
@@ -40,3 +47,24 @@ def fail(command: str, exc: Exception, path: str | None) -> int:
     print(redact(traceback.format_exc()), file=sys.stderr, end="")
     write(command, path, redact(f"internal error: {type(exc).__name__}: {exc}"))
     return ExitCode.INTERNAL_ERROR
+
+
+def run(command: str, parser: Callable[[], argparse.ArgumentParser], argv: list[str] | None,
+        work: Callable[[argparse.Namespace], Outcome]) -> int:
+    """The frame of a command that reports through the termination log: -h, the flags, then
+    ``work``; any failure, a flag error included, ends it through ``fail``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if asks_for_help(argv):
+        parser().print_help()
+        return ExitCode.OK
+    path = log_path_in(argv)
+    try:
+        args = parser().parse_args(argv)
+        path = args.termination_log
+        text, code, show = work(args)
+    except Exception as exc:
+        return fail(command, exc, path)
+    write(command, path, text)
+    if show is not None:
+        show()
+    return code
