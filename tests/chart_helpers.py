@@ -142,6 +142,17 @@ def wait_ready(cluster, op: OperatorProcess, namespace: str, name: str, timeout:
     raise AssertionError(f"sdd {namespace}/{name} not Ready after {timeout}s: {status}\noperator log:\n{op.tail()}")
 
 
+def assert_example_reconciles(cluster, op: OperatorProcess, namespace: str, name: str) -> None:
+    """The local example applied as ``name`` is Ready with its one replica, Planned and Available, and
+    the API server refused the operator nothing on the way."""
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(local_example(cluster, namespace, name)))
+    status = wait_ready(cluster, op, namespace, name)
+    assert status["readyReplicas"] == 1
+    conditions = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conditions.get("Planned") == "True" and conditions.get("Available") == "True", conditions
+    assert not forbidden_lines(op), "\n".join(forbidden_lines(op))
+
+
 def can_i(cluster, sa_user: str, *args: str) -> bool:
     result = cluster.kubectl("auth", "can-i", *args, f"--as={sa_user}", check=False)
     return result.stdout.strip() == "yes"

@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from tests.chart_helpers import (
-    CHART, RELEASE, LocalOperator, can_i, container_args, forbidden_lines, local_example, sa_kubeconfig, wait_ready,
+    CHART, RELEASE, LocalOperator, assert_example_reconciles, can_i, container_args, forbidden_lines, local_example,
+    sa_kubeconfig, wait_ready,
 )
 from tests.cluster.wait import wait_for
 
@@ -236,12 +237,7 @@ def test_install_reconcile_with_chart_credentials_upgrade_uninstall(cluster, nam
     assert whoami == sa_user
     op = LocalOperator(args, kubeconfig, tmp_path / "operator-cluster.log")
     try:
-        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(local_example(cluster, ns, "tiny")))
-        status = wait_ready(cluster, op, ns, "tiny")
-        assert status["readyReplicas"] == 1
-        conditions = {c["type"]: c["status"] for c in status["conditions"]}
-        assert conditions.get("Planned") == "True" and conditions.get("Available") == "True", conditions
-        assert not forbidden_lines(op), "\n".join(forbidden_lines(op))
+        assert_example_reconciles(cluster, op, ns, "tiny")
     finally:
         op.stop()
     # ... and it could not have done more than the operator needs

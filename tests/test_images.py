@@ -466,7 +466,7 @@ def service_account_volume(cluster, namespace: str, sa: str, path: Path) -> Path
 @built
 def test_operator_image_reconciles_an_example_with_the_chart_deployment_and_token(images, cluster, namespace,
                                                                                   tmp_path):
-    from tests.chart_helpers import CHART, forbidden_lines, local_example, wait_ready
+    from tests.chart_helpers import CHART, assert_example_reconciles
 
     ns = namespace
     repository, _, tag = images["operator"].rpartition(":")
@@ -479,12 +479,7 @@ def test_operator_image_reconciles_an_example_with_the_chart_deployment_and_toke
     token_dir = service_account_volume(cluster, ns, sa, tmp_path / "serviceaccount")
     op = OperatorContainer(cluster, ns, deployment, token_dir, tmp_path / "operator-container.log")
     try:
-        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(local_example(cluster, ns, "tiny-image")))
-        status = wait_ready(cluster, op, ns, "tiny-image")
-        assert status["readyReplicas"] == 1
-        conditions = {c["type"]: c["status"] for c in status["conditions"]}
-        assert conditions.get("Planned") == "True" and conditions.get("Available") == "True", conditions
-        assert not forbidden_lines(op), "\n".join(forbidden_lines(op))
+        assert_example_reconciles(cluster, op, ns, "tiny-image")
         cluster.kubectl("delete", "sdd", "tiny-image", "-n", ns, "--wait=true", timeout=120)
     finally:
         op.stop()
