@@ -59,6 +59,12 @@ def build_binaries(progress: Callable[[str], None] = print) -> Path:
     """Run build.sh (instant when cached) and return the folder holding the binaries."""
     script = HERE / "build.sh"
     progress(f"control plane: checking binaries ({script.relative_to(REPO_ROOT)})")
+    return run_build_script(script)
+
+
+def run_build_script(script: Path) -> Path:
+    """Run one of this folder's build scripts; its progress goes to stderr, and its last line on
+    stdout is the folder it built."""
     result = subprocess.run(["bash", str(script)], stdout=subprocess.PIPE, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{script} failed (exit {result.returncode}); its progress log is above")

@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from . import pki as pki_mod
-from .controlplane import HERE, ControlPlane, free_ports
+from .controlplane import HERE, ControlPlane, free_ports, run_build_script
 from .kube import ApiError
 
 COMPONENT = "lws-controller"
@@ -54,10 +54,7 @@ def build(progress=print) -> Path:
     """Run build_lws.sh (instant when cached) and return its folder (bin/, crd/)."""
     script = HERE / "build_lws.sh"
     progress(f"LeaderWorkerSet: checking the controller ({script.name})")
-    result = subprocess.run(["bash", str(script)], stdout=subprocess.PIPE, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{script} failed (exit {result.returncode}); its progress log is above")
-    return Path(result.stdout.strip().splitlines()[-1])
+    return run_build_script(script)
 
 
 class LeaderWorkerSet:
