@@ -14,15 +14,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from specdecode_worker import plan_cli  # noqa: E402
-from specdecode_worker.contract import GIB  # noqa: E402
-from specdecode_worker.engine.distributed import launch  # noqa: E402
 from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.plan import runtime_reserve_bytes  # noqa: E402
 
 from tests.eagle_heads import write_eagle3_head, write_eagle_head  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
 from tests.tiny_models import write_tiny_model  # noqa: E402
+from tests.tp_helpers import BUDGET_GIB, CONTEXT, FRACTION, launches, tp_sizing  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one launch of t rank processes per t
 
@@ -35,9 +33,6 @@ MODES = {"chain": dict(num_draft_tokens=3),
          "mixed": dict(num_draft_tokens=3)}  # chains; per request: no drafting, 1 token, or 3
 HEADS = {"eagle": "EAGLE", "eagle3": "EAGLE3"}
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
-BUDGET_GIB = {1: 1.2, 2: 1.45, 4: 1.7}  # ~0.1 GiB of KV after the planner's runtime reserve
-FRACTION = 0.95
-CONTEXT = 64
 WALL_S = 300
 
 
@@ -70,10 +65,8 @@ def models(tmp_path_factory):
 
 
 def _engine_kw(models, tp: int, head: str, mode: str) -> dict:
-    return dict(target=str(models["target"]), draft=str(models[head]), algorithm=HEADS[head],
-                device_memory_bytes=int(BUDGET_GIB[tp] * GIB), mem_fraction_static=FRACTION,
-                runtime_bytes=runtime_reserve_bytes(tp), context_len=CONTEXT, max_running_requests=3,
-                **MODES[mode])
+    return dict(target=str(models["target"]), draft=str(models[head]), algorithm=HEADS[head], **tp_sizing(tp),
+                max_running_requests=3, **MODES[mode])
 
 
 def _describe(eng) -> dict:
@@ -117,15 +110,7 @@ def single(models):
 
 @pytest.fixture(scope="module")
 def tp_runs(models):
-    cache = {}
-
-    def get(tp: int) -> list[dict]:
-        if tp not in cache:
-            kws = {case: _engine_kw(models, tp, *case) for case in CASES}
-            cache[tp] = launch(tp, _rank, (kws,), wall_timeout_s=WALL_S)
-        return cache[tp]
-
-    return get
+    return launches(_rank, lambda tp: {case: _engine_kw(models, tp, *case) for case in CASES}, WALL_S)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -16,15 +16,14 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from specdecode_worker.contract import GIB  # noqa: E402
 from specdecode_worker.engine.distributed import launch  # noqa: E402
 from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.plan import runtime_reserve_bytes  # noqa: E402
 
 from tests.eagle_heads import write_eagle3_head  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
 from tests.tiny_models import write_tiny_model  # noqa: E402
+from tests.tp_helpers import CONTEXT, launches, tp_sizing  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one launch of t rank processes per t
 
@@ -38,8 +37,6 @@ MODES = {"chain": dict(algorithm="EAGLE3", num_draft_tokens=K),
          "mtp": dict(algorithm="MTP", num_draft_tokens=K)}
 CASES = ["chain", "tree", "mixed"] + (["mtp"] if HAS_DEEPSEEK else [])
 GREEDY = SamplingParams(max_tokens=14, ignore_eos=True)
-BUDGET_GIB = {1: 1.2, 2: 1.45, 4: 1.7}  # ~0.1 GiB of KV after the planner's runtime reserve
-FRACTION, CONTEXT = 0.95, 64
 WALL_S = 300
 
 
@@ -161,18 +158,8 @@ def single(models):
 
 @pytest.fixture(scope="module")
 def tp_runs(models):
-    cache = {}
-
-    def get(tp: int) -> list[dict]:
-        if tp not in cache:
-            kws = {mode: dict(_model_kw(models, mode), device_memory_bytes=int(BUDGET_GIB[tp] * GIB),
-                              mem_fraction_static=FRACTION, runtime_bytes=runtime_reserve_bytes(tp),
-                              context_len=CONTEXT, max_running_requests=MAX_BS)
-                   for mode in CASES}
-            cache[tp] = launch(tp, _rank, (kws,), wall_timeout_s=WALL_S)
-        return cache[tp]
-
-    return get
+    return launches(_rank, lambda tp: {mode: dict(_model_kw(models, mode), **tp_sizing(tp), max_running_requests=MAX_BS)
+                                       for mode in CASES}, WALL_S)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -273,9 +260,7 @@ def test_warm_up_under_tp_replays_the_same_graphs_on_every_rank(single, models, 
     """Phase 3's warm-up at t = 2 runs its full round through the speculator's graphs on every rank
     (the followers replay rank 0's announced graphs until it releases them), and serving after it is
     exact."""
-    kw = dict(_model_kw(models, mode), device_memory_bytes=int(BUDGET_GIB[2] * GIB), mem_fraction_static=FRACTION,
-              runtime_bytes=runtime_reserve_bytes(2), context_len=CONTEXT, max_running_requests=MAX_BS,
-              cuda_graph_max_bs=MAX_BS)
+    kw = dict(_model_kw(models, mode), **tp_sizing(2), max_running_requests=MAX_BS, cuda_graph_max_bs=MAX_BS)
     ranks = [r[mode] for r in launch(2, _rank_warming_up, ({mode: kw},), wall_timeout_s=WALL_S)]
     lead = ranks[0]
     assert lead["peak"] is not None  # the warm-up ran (and measured) on rank 0

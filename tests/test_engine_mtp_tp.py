@@ -12,15 +12,14 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV3ForCausalLM"):
     pytest.skip("this transformers has no DeepseekV3ForCausalLM", allow_module_level=True)
 
-from specdecode_worker.contract import GIB  # noqa: E402
-from specdecode_worker.engine.distributed import launch  # noqa: E402
 from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.plan import PlanArgs, runtime_reserve_bytes  # noqa: E402
+from specdecode_worker.plan import PlanArgs  # noqa: E402
 from specdecode_worker.plan_cli import make_plan  # noqa: E402
 
 from tests.deepseek_models import write_tiny_deepseek  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
+from tests.tp_helpers import BUDGET_GIB, CONTEXT, FRACTION, launches, tp_sizing  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one launch of t rank processes per t
 
@@ -30,8 +29,6 @@ VOCAB = 8
 PROMPTS = [[5, 1, 4, 2, 6, 7, 0], [2, 3, 2], [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2]]
 GREEDY = SamplingParams(max_tokens=14, ignore_eos=True)
 K = 3
-BUDGET_GIB = {1: 1.2, 2: 1.45, 4: 1.7}  # ~0.1 GiB of KV after the planner's runtime reserve
-FRACTION, CONTEXT = 0.95, 64
 WALL_S = 300
 
 
@@ -78,17 +75,8 @@ def single(model_dir):
 
 @pytest.fixture(scope="module")
 def tp_runs(model_dir):
-    cache = {}
-
-    def get(tp: int) -> list[dict]:
-        if tp not in cache:
-            kw = dict(target=str(model_dir), algorithm="MTP", device_memory_bytes=int(BUDGET_GIB[tp] * GIB),
-                      mem_fraction_static=FRACTION, runtime_bytes=runtime_reserve_bytes(tp), context_len=CONTEXT,
-                      max_running_requests=3, num_draft_tokens=K)
-            cache[tp] = launch(tp, _rank, (kw,), wall_timeout_s=WALL_S)
-        return cache[tp]
-
-    return get
+    return launches(_rank, lambda tp: dict(target=str(model_dir), algorithm="MTP", **tp_sizing(tp),
+                                           max_running_requests=3, num_draft_tokens=K), WALL_S)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

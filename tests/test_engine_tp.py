@@ -26,6 +26,7 @@ from tests.tp_helpers import (  # noqa: E402
     PROMPTS,
     WALL_S,
     engine_kwargs,
+    launches,
     tp_rank,
 )
 from tests.tiny_models import write_tiny_model  # noqa: E402
@@ -50,15 +51,8 @@ def single(models):
 @pytest.fixture(scope="module")
 def tp_runs(models):
     """Results per rank of launched tensor-parallel engines: one launch per t serves both algorithms."""
-    cache = {}
-
-    def get(tp: int, algorithm: str) -> list[dict]:
-        if tp not in cache:
-            kws = {a: engine_kwargs(models, tp, a) for a in ("NONE", "STANDALONE")}
-            cache[tp] = launch(tp, tp_rank, (kws,), wall_timeout_s=WALL_S)
-        return [rank[algorithm] for rank in cache[tp]]
-
-    return get
+    runs = launches(tp_rank, lambda tp: {a: engine_kwargs(models, tp, a) for a in ("NONE", "STANDALONE")})
+    return lambda tp, algorithm: [rank[algorithm] for rank in runs(tp)]
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -1,11 +1,12 @@
 """Shared set-up for tensor-parallel engine tests on CPU (gloo): the prompts and budgets, the engine
-arguments per t, and the function each spawned rank runs."""
+arguments per t, the function each spawned rank runs, and one launch per t shared by a module's tests."""
 
 from __future__ import annotations
 
 import torch
 
 from specdecode_worker.contract import GIB
+from specdecode_worker.engine.distributed import launch
 from specdecode_worker.engine.engine import EngineArgs
 from specdecode_worker.engine.request import Request, SamplingParams
 from specdecode_worker.plan import runtime_reserve_bytes
@@ -57,8 +58,26 @@ def tp_rank(engine_kws: dict[str, dict], bad_target: dict | None = None) -> dict
     return out
 
 
+def tp_sizing(tp: int) -> dict:
+    """Engine arguments that size t ranks as the planner prices them: BUDGET_GIB[t] per GPU, its
+    runtime reserve, FRACTION and CONTEXT."""
+    return dict(device_memory_bytes=int(BUDGET_GIB[tp] * GIB), mem_fraction_static=FRACTION,
+                runtime_bytes=runtime_reserve_bytes(tp), context_len=CONTEXT)
+
+
 def engine_kwargs(models, tp: int, algorithm: str) -> dict:
     return dict(target=str(models["target"]), draft=str(models["draft"]) if algorithm == "STANDALONE" else None,
-                algorithm=algorithm, device_memory_bytes=int(BUDGET_GIB[tp] * GIB), mem_fraction_static=FRACTION,
-                runtime_bytes=runtime_reserve_bytes(tp), context_len=CONTEXT, max_running_requests=4,
-                num_draft_tokens=3)
+                algorithm=algorithm, **tp_sizing(tp), max_running_requests=4, num_draft_tokens=3)
+
+
+def launches(rank_fn, kwargs_of, wall_s: float = WALL_S):
+    """``get(t)``: each rank's result of ``rank_fn(kwargs_of(t))`` on t ranks, launched once per t
+    (a module's tests share the launch)."""
+    cache: dict[int, list] = {}
+
+    def get(tp: int) -> list:
+        if tp not in cache:
+            cache[tp] = launch(tp, rank_fn, (kwargs_of(tp),), wall_timeout_s=wall_s)
+        return cache[tp]
+
+    return get
