@@ -109,22 +109,16 @@ def test_serve_over_two_pods_from_the_leaderworkerset_environment(models, tmp_pa
     import os
     import signal
     import subprocess
-    import sys
 
-    httpx = pytest.importorskip("httpx")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    pytest.importorskip("httpx")
 
     from specdecode_worker.engine.distributed import free_port
     from tests.server_helpers import wait_until_healthy
-    from tests.tp_helpers import BUDGET_GIB, FRACTION
+    from tests.tp_helpers import BUDGET_GIB, assert_serves_greedy_text, serve_tp2_argv
 
     http, master = free_port(), _two_free_ports()
-    argv = [sys.executable, "-m", "specdecode_worker", "serve", "--tp", "2", "--target", str(models["target"]),
-            "--draft", str(models["draft"]), "--algorithm", "STANDALONE", "--device", "cpu",
-            # The plan over two pods prices NCCL's network buffers (512 MiB) on top of one pod's budget.
-            "--device-memory-gib", str(BUDGET_GIB[2] + 0.5), "--mem-fraction-static", str(FRACTION),
-            "--context-length", str(CONTEXT), "--host", "127.0.0.1", "--port", str(http), "--log-level", "warning",
-            "--served-model-name", "target", "--master-port", str(master)]
+    # The plan over two pods prices NCCL's network buffers (512 MiB) on top of one pod's budget.
+    argv = serve_tp2_argv(models, http, BUDGET_GIB[2] + 0.5, "--master-port", str(master))
     logs = [tmp_path / f"pod-{r}.log" for r in (0, 1)]
     pods = []
     for r in (0, 1):
@@ -136,16 +130,7 @@ def test_serve_over_two_pods_from_the_leaderworkerset_environment(models, tmp_pa
     base = f"http://127.0.0.1:{http}"
     try:
         wait_until_healthy(base, leader, WALL_S, logs)
-        tok = AutoTokenizer.from_pretrained(models["target"])
-        hf = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
-        prompt = "hello world what is the"
-        ids = tok(prompt, return_tensors="pt").input_ids
-        want = tok.decode(hf.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, ids.shape[1]:],
-                          skip_special_tokens=True)
-        body = {"model": "target", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == want
+        assert_serves_greedy_text(base, models["target"], ["hello world what is the"], 12)
 
         os.killpg(worker.pid, signal.SIGKILL)  # the worker pod's node goes away
         assert leader.wait(timeout=60) == 1

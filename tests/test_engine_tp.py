@@ -25,8 +25,10 @@ from tests.tp_helpers import (  # noqa: E402
     MAX_TOKENS,
     PROMPTS,
     WALL_S,
+    assert_serves_greedy_text,
     engine_kwargs,
     launches,
+    serve_tp2_argv,
     tp_rank,
 )
 from tests.tiny_models import write_tiny_model  # noqa: E402
@@ -148,37 +150,22 @@ def test_serve_tp2_answers_like_transformers(models, tmp_path):
     import os
     import signal
     import subprocess
-    import sys
 
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdecode_worker.engine.distributed import free_port
     from tests.server_helpers import wait_until_healthy
 
     port = free_port()
-    argv = [sys.executable, "-m", "specdecode_worker", "serve", "--tp", "2", "--target", str(models["target"]),
-            "--draft", str(models["draft"]), "--algorithm", "STANDALONE", "--device", "cpu",
-            "--device-memory-gib", str(BUDGET_GIB[2]), "--mem-fraction-static", str(FRACTION),
-            "--context-length", str(CONTEXT), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-            "--served-model-name", "target"]
+    argv = serve_tp2_argv(models, port, BUDGET_GIB[2])
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(base, proc, WALL_S, [tmp_path / "serve.log"])
         assert httpx.get(f"{base}/plan").json()["plan"]["tensorParallelSize"] == 2
-        tok = AutoTokenizer.from_pretrained(models["target"])
-        hf = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
-        for prompt in ("hello world what is the", "the cat and the dog"):
-            ids = tok(prompt, return_tensors="pt").input_ids
-            want = tok.decode(hf.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, ids.shape[1]:],
-                              skip_special_tokens=True)
-            body = {"model": "target", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-            r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == want
+        assert_serves_greedy_text(base, models["target"], ["hello world what is the", "the cat and the dog"], 12)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

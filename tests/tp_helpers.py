@@ -81,3 +81,32 @@ def launches(rank_fn, kwargs_of, wall_s: float = WALL_S):
         return cache[tp]
 
     return get
+
+
+def serve_tp2_argv(models, port: int, device_memory_gib: float, *extra: str) -> list[str]:
+    """The command of ``specdecode-worker serve --tp 2`` on CPU over the tiny STANDALONE pair."""
+    import sys
+
+    return [sys.executable, "-m", "specdecode_worker", "serve", "--tp", "2", "--target", str(models["target"]),
+            "--draft", str(models["draft"]), "--algorithm", "STANDALONE", "--device", "cpu",
+            "--device-memory-gib", str(device_memory_gib), "--mem-fraction-static", str(FRACTION),
+            "--context-length", str(CONTEXT), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+            "--served-model-name", "target", *extra]
+
+
+def assert_serves_greedy_text(base: str, model_dir, prompts: list[str], max_tokens: int) -> None:
+    """Each prompt's completion from the server at ``base`` (temperature 0, EOS ignored) is
+    transformers' greedy text for it: the independent reference."""
+    import httpx
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        want = tok.decode(hf.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                      do_sample=False)[0, ids.shape[1]:], skip_special_tokens=True)
+        body = {"model": "target", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
