@@ -19,7 +19,7 @@ from specdecode_worker.engine.pools import MHATokenToKVPool, ReqToTokenPool  # n
 from specdecode_worker.engine.tree import ancestor_mask  # noqa: E402
 from specdecode_worker.engine.tree_attention import TreeAttnBackend, TreeForwardBatch  # noqa: E402
 
-from tests.triton_interpreter import CUDA, DEVICE, E4M3_ON_DEVICE, paged_batch, torch, triton  # noqa: E402, F401
+from tests.triton_interpreter import CUDA, DEVICE, E4M3_ON_DEVICE, paged_batch, poison_dead_slots, torch, triton  # noqa: E402, F401
 
 POOL = 720
 CTX = 96
@@ -92,11 +92,7 @@ def test_decode_reads_only_live_slots():
     # Poison every slot outside the requests' live positions: a read of one would show as NaN.
     req_pool, kv, g = _pools(kv_heads=1)
     seq_lens, reqs = [7, 30], [1, 2]
-    live = torch.cat([req_pool.req_to_token[r, :s] for r, s in zip(reqs, seq_lens)])
-    dead = torch.ones(POOL + 1, dtype=torch.bool, device=DEVICE)
-    dead[live] = False
-    kv.k_buffer[0][dead] = float("nan")
-    kv.v_buffer[0][dead] = float("nan")
+    poison_dead_slots(req_pool, reqs, seq_lens, kv.k_buffer[0], kv.v_buffer[0])
     fb = paged_batch(req_pool, seq_lens, [1, 1], reqs)
     q = _randn(2, 4, D, g=g)
     out = ta.decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], req_pool.req_to_token, fb.req_pool_indices,

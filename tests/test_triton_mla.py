@@ -14,7 +14,7 @@ from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
 from specdecode_worker.engine.mla_pool import MLATokenToKVPool  # noqa: E402
 from specdecode_worker.engine.pools import ReqToTokenPool  # noqa: E402
 
-from tests.triton_interpreter import CUDA, DEVICE, E4M3_ON_DEVICE, paged_batch, torch, triton  # noqa: E402, F401
+from tests.triton_interpreter import CUDA, DEVICE, E4M3_ON_DEVICE, paged_batch, poison_dead_slots, torch, triton  # noqa: E402, F401
 
 POOL, CTX = 520, 80
 RANK, ROPE = 64, 16
@@ -81,10 +81,7 @@ def test_decode_reads_only_live_slots():
     # Poison every slot outside the requests' live positions: a read of one would show as NaN.
     req_pool, kv, g = _pools(seed=2)
     seq_lens, reqs = [7, 30], [1, 2]
-    live = torch.cat([req_pool.req_to_token[r, :s] for r, s in zip(reqs, seq_lens)])
-    dead = torch.ones(POOL + 1, dtype=torch.bool, device=DEVICE)
-    dead[live] = False
-    kv.k_buffer[0][dead] = float("nan")
+    poison_dead_slots(req_pool, reqs, seq_lens, kv.k_buffer[0])
     fb = paged_batch(req_pool, seq_lens, [1, 1], reqs)
     q, _, _ = _inputs(2, 8, g)
     out = tm.mla_decode(q, kv.k_buffer[0], RANK, req_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, SCALE, 4)

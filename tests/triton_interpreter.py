@@ -37,3 +37,13 @@ def paged_batch(req_pool, seq_lens: list[int], extend_lens: list[int], reqs: lis
         req_pool_indices=torch.tensor(reqs, device=DEVICE), seq_lens=torch.tensor(seq_lens, device=DEVICE),
         extend_lens=extend_lens, seq_lens_cpu=seq_lens,
     )
+
+
+def poison_dead_slots(req_pool, reqs: list[int], seq_lens: list[int], *buffers) -> None:
+    """NaN in every row of ``buffers`` (K/V pools by slot) outside request ``reqs[i]``'s first
+    ``seq_lens[i]`` positions: a kernel that reads a dead slot shows NaN."""
+    live = torch.cat([req_pool.req_to_token[r, :s] for r, s in zip(reqs, seq_lens)])
+    dead = torch.ones(buffers[0].shape[0], dtype=torch.bool, device=DEVICE)
+    dead[live] = False
+    for buf in buffers:
+        buf[dead] = float("nan")
