@@ -82,6 +82,18 @@ def run_all(eng: Engine, reqs):
     return reqs
 
 
+def record_rounds(eng) -> list[list[int]]:
+    """Each round's verified draft lengths, request by request."""
+    rounds, real = [], eng.speculator.decode_round
+
+    def decode_round(reqs, draft_lengths=None):
+        results = real(reqs, draft_lengths)
+        rounds.append([x.proposed for x in results])
+        return results
+
+    eng.speculator.decode_round = decode_round
+    return rounds
+
 # chi-square critical values at alpha = 0.001 by degrees of freedom
 CHI2_CRIT = {3: 16.266, 7: 24.322}
 

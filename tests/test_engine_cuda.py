@@ -19,7 +19,7 @@ from specdecode_worker import plan_cli  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
 from tests.eagle_heads import write_eagle3_head  # noqa: E402
-from tests.engine_helpers import engine, run_all, tiny_models_with_eagle_heads  # noqa: E402
+from tests.engine_helpers import engine, record_rounds, run_all, tiny_models_with_eagle_heads  # noqa: E402
 from tests.tiny_models import write_tiny_model  # noqa: E402
 
 CUDA = dict(device="cuda", device_memory_bytes=None, max_total_tokens=4096, cuda_graph_max_bs=8,
@@ -195,14 +195,7 @@ def test_ragged_verify_rounds_replay_the_captured_verify_graph(models, monkeypat
                      spec_policy="adaptive", **sizes)
         lengths = random.Random(5)
         eng.policy.draft_lengths = lambda rids, caps, **_: [lengths.randrange(0, c + 1) for c in caps]
-        rounds, decode_round = [], eng.speculator.decode_round
-
-        def recorded(reqs, draft_lengths=None):
-            results = decode_round(reqs, draft_lengths)
-            rounds.append([x.proposed for x in results])
-            return results
-
-        eng.speculator.decode_round = recorded
+        rounds = record_rounds(eng)
         seen.clear()  # the warm-up's passes do not count
         params = SamplingParams(max_tokens=16, ignore_eos=True)
         reqs = run_all(eng, [Request(p, params, **(fields[i] if i < len(fields) else {}))

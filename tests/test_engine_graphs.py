@@ -19,7 +19,7 @@ from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
 from tests.eagle_heads import make_repeating, write_copying_eagle_head  # noqa: E402
-from tests.engine_helpers import engine, run_all, tiny_models_with_eagle_heads  # noqa: E402
+from tests.engine_helpers import engine, record_rounds, run_all, tiny_models_with_eagle_heads  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE, write_tiny_model  # noqa: E402
 
 VOCAB, MAX_BS = 16, 4
@@ -301,19 +301,6 @@ def _ragged_engine(models, algorithm: str, graph_bs: int):
     return eng
 
 
-def _record_rounds(eng) -> list[list[int]]:
-    """Each round's verified draft lengths, request by request."""
-    rounds, real = [], eng.speculator.decode_round
-
-    def decode_round(reqs, draft_lengths=None):
-        results = real(reqs, draft_lengths)
-        rounds.append([x.proposed for x in results])
-        return results
-
-    eng.speculator.decode_round = decode_round
-    return rounds
-
-
 def _requests(prompts, mixed: bool) -> list[Request]:
     """With ``mixed``: one request that never drafts, one capped at one draft token, the rest free."""
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -336,7 +323,7 @@ def test_ragged_rounds_replay_the_verify_graph_and_keep_greedy_output(models, mo
     plain = [r.output_ids for r in run_all(engine(models[target], "NONE", max_running_requests=MAX_BS),
                                            _requests(prompts, mixed=False))]
     eng = _ragged_engine(models, algorithm, MAX_BS)
-    rounds = _record_rounds(eng)
+    rounds = record_rounds(eng)
     seen = _count_replays(monkeypatch)
     reqs = [eng.submit(r) for r in _requests(prompts, mixed=batch > 1)]
     while not all(r.done.is_set() for r in reqs):
@@ -429,7 +416,7 @@ def test_mtp_ragged_rounds_replay_the_verify_graph_and_keep_greedy_output(tmp_pa
     rng = random.Random(3)
     eng.policy.draft_lengths = lambda rids, caps, **_: [rng.randrange(0, c + 1) for c in caps]
     eng.speculator.capture_graphs(MAX_BS, eager=True)
-    rounds = _record_rounds(eng)
+    rounds = record_rounds(eng)
     seen = _count_replays(monkeypatch)
     reqs = run_all(eng, _requests(prompts, mixed=True))
     assert [r.output_ids for r in reqs] == plain
