@@ -271,7 +271,9 @@ class SpecPolicy:
         is expected to give (its verify tokens, the switch, its draft passes and the draft caches
         it must build, against the expected tokens at the value of an average token of the round),
         and only if, should nothing be accepted, it costs at most ``first_probe_budget`` of their
-        time without drafting: then a probe that fails costs them at most that share."""
+        time without drafting: then a probe that fails costs them at most that share. A request
+        stays new until it has had a proposal verified (``record``): a probe whose lookup found
+        nothing cost nothing and comes again."""
         fresh = (ks == 0) & (caps > 0) & np.fromiter((rid not in self._tried for rid in rids), bool, len(rids))
         if not fresh.any():
             return ks
