@@ -19,7 +19,9 @@ from specdecode_worker.engine.pools import MHATokenToKVPool, ReqToTokenPool  # n
 from specdecode_worker.engine.tree import ancestor_mask  # noqa: E402
 from specdecode_worker.engine.tree_attention import TreeAttnBackend, TreeForwardBatch  # noqa: E402
 
-from tests.triton_interpreter import CUDA, DEVICE, E4M3_ON_DEVICE, paged_batch, poison_dead_slots, torch, triton  # noqa: E402, F401
+from tests.triton_interpreter import (  # noqa: E402, F401
+    CUDA, DEVICE, E4M3_ON_DEVICE, assert_capture_makes_its_own_metadata, paged_batch, poison_dead_slots, torch, triton,
+)
 
 POOL = 720
 CTX = 96
@@ -346,19 +348,10 @@ def test_verify_batches_replay_verify_graphs_and_nothing_else(tmp_path):
 
 
 def test_a_graph_capture_makes_its_own_extend_metadata(monkeypatch):
-    """A graph runner warms its static batch up, then captures it: the capture must not reuse the
-    warm-up's metadata tensors (freed once another batch replaces them, while the graph would read
-    their addresses at every replay). The capture is simulated: the stream reports capturing."""
+    """A verify graph captured after its warm-up computes the batch's extend metadata itself rather
+    than reading the warm-up's tensors."""
     req_pool, kv, g = _pools(2)
     fb = paged_batch(req_pool, [12, 30, 41], [4, 4, 4], [1, 2, 3])
     q, k, v = _randn(12, 4, D, g=g), _randn(12, 2, D, g=g), _randn(12, 2, D, g=g)
-    seen, real = [], ta.extend_attention
-    monkeypatch.setattr(ta, "extend_attention", lambda *a, **kw: seen.append(a[6]) or real(*a, **kw))  # q_start
-    backend = ta.TritonAttnBackend(req_pool, kv, None)
-    warm = backend.forward(q, k, v, 0, fb, SCALE)
-    backend.forward(q, k, v, 0, fb, SCALE)  # every layer of one pass reuses the batch's metadata
-    monkeypatch.setattr(ta, "stream_capturing", lambda device: True)
-    captured = backend.forward(q, k, v, 0, fb, SCALE)
-    assert seen[0] is seen[1]
-    assert seen[2] is not seen[0], "the capture read the warm-up's metadata tensors"
-    torch.testing.assert_close(captured, warm)
+    assert_capture_makes_its_own_metadata(monkeypatch, ta, "extend_attention", 6,
+                                          ta.TritonAttnBackend(req_pool, kv, None), q, k, v, fb, SCALE)

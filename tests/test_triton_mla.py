@@ -14,7 +14,9 @@ from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
 from specdecode_worker.engine.mla_pool import MLATokenToKVPool  # noqa: E402
 from specdecode_worker.engine.pools import ReqToTokenPool  # noqa: E402
 
-from tests.triton_interpreter import CUDA, DEVICE, E4M3_ON_DEVICE, paged_batch, poison_dead_slots, torch, triton  # noqa: E402, F401
+from tests.triton_interpreter import (  # noqa: E402, F401
+    CUDA, DEVICE, E4M3_ON_DEVICE, assert_capture_makes_its_own_metadata, paged_batch, poison_dead_slots, torch, triton,
+)
 
 POOL, CTX = 520, 80
 RANK, ROPE = 64, 16
@@ -221,22 +223,12 @@ def test_padded_chain_batch_gives_the_ragged_rows():
 def test_a_graph_capture_makes_its_own_extend_metadata(monkeypatch):
     """As for the MHA kernels: an MTP verify graph captured after its warm-up computes the batch's
     metadata itself rather than reading the warm-up's tensors, freed once another batch replaces
-    them. The capture is simulated: the stream reports capturing."""
-    from specdecode_worker.engine import triton_attention as ta
-
+    them."""
     req_pool, kv, g = _pools()
     fb = paged_batch(req_pool, [12, 50, 79], [4, 4, 4], [1, 2, 3])
     q, k, v = _inputs(12, 4, g)
-    seen, real = [], tm.mla_extend
-    monkeypatch.setattr(tm, "mla_extend", lambda *a, **kw: seen.append(a[5]) or real(*a, **kw))  # q_start
-    backend = tm.TritonMLABackend(req_pool, kv)
-    warm = backend.forward(q, k, v, 0, fb, SCALE)
-    backend.forward(q, k, v, 0, fb, SCALE)  # every layer of one pass reuses the batch's metadata
-    monkeypatch.setattr(ta, "stream_capturing", lambda device: True)
-    captured = backend.forward(q, k, v, 0, fb, SCALE)
-    assert seen[0] is seen[1]
-    assert seen[2] is not seen[0], "the capture read the warm-up's metadata tensors"
-    torch.testing.assert_close(captured, warm)
+    assert_capture_makes_its_own_metadata(monkeypatch, tm, "mla_extend", 5, tm.TritonMLABackend(req_pool, kv),
+                                          q, k, v, fb, SCALE)
 
 
 def test_a_tree_batch_is_refused_rather_than_attended_without_its_mask():
