@@ -171,6 +171,10 @@ class RequestEstimates:
         self.seen[rows] = np.where(counted, self.decay * self.seen[rows] + 1.0, self.seen[rows])
         self.hits[rows] = np.where(counted, self.decay * self.hits[rows] + kept, self.hits[rows])
 
+    def observed(self, rows: np.ndarray) -> np.ndarray:
+        """Whether each request has had a draft token verified (a first position judged)."""
+        return self.seen[rows, 0] > 0
+
     def forget(self, rid: int) -> None:
         row = self._row.pop(rid, None)
         if row is not None:
@@ -195,7 +199,6 @@ class SpecPolicy:
     algorithm_acceptance: Acceptance = field(init=False)
     requests: RequestEstimates = field(init=False)
     _since_probe: int = field(init=False, default=0)
-    _tried: set = field(init=False, default_factory=set)  # requests that have verified a draft token
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -219,7 +222,8 @@ class SpecPolicy:
             return caps
         self._since_probe += 1
         cap = np.array(caps, dtype=np.int64)
-        gains = self.requests.gains(self.requests.rows(rids), cap, self.algorithm_acceptance)
+        rows = self.requests.rows(rids)
+        gains = self.requests.gains(rows, cap, self.algorithm_acceptance)
         if not self.per_request:
             return self._uniform(gains, caps)
         value = self._token_values(gains, remaining, waiting)
@@ -238,7 +242,7 @@ class SpecPolicy:
                     best, best_rate = ks, rate
         catch_up_seconds = (np.array([self.cost.catch_up(t) for t in catch_up]) if catch_up
                             else np.zeros(len(rids)))
-        best = self._first_probe(rids, cap, best, catch_up_seconds, weighted, remaining)
+        best = self._first_probe(rows, cap, best, catch_up_seconds, weighted, remaining)
         return self._probe(cap, best, catch_up_seconds, value).tolist()
 
     def _token_values(self, gains: np.ndarray, remaining: list[int] | None, waiting: int) -> np.ndarray:
@@ -263,7 +267,7 @@ class SpecPolicy:
         share = min(1.0, max(0.0, marginal / (self.cost.plain(n) / n)))
         return tail + (1.0 - tail) * share
 
-    def _first_probe(self, rids: list[int], caps: np.ndarray, ks: np.ndarray, catch_up: np.ndarray,
+    def _first_probe(self, rows: np.ndarray, caps: np.ndarray, ks: np.ndarray, catch_up: np.ndarray,
                      gains: np.ndarray, remaining: list[int] | None) -> np.ndarray:
         """New requests the estimates hold at k = 0 draft once, together, early in their life: a
         request that copies from its prompt is then found out within its first rounds, whatever
@@ -272,9 +276,9 @@ class SpecPolicy:
         it must build, against the expected tokens at the value of an average token of the round),
         and only if, should nothing be accepted, it costs at most ``first_probe_budget`` of their
         time without drafting: then a probe that fails costs them at most that share. A request
-        stays new until it has had a proposal verified (``record``): a probe whose lookup found
-        nothing cost nothing and comes again."""
-        fresh = (ks == 0) & (caps > 0) & np.fromiter((rid not in self._tried for rid in rids), bool, len(rids))
+        stays new until it has had a proposal verified (its estimate has an observation): a probe
+        whose lookup found nothing cost nothing and comes again."""
+        fresh = (ks == 0) & (caps > 0) & ~self.requests.observed(rows)
         if not fresh.any():
             return ks
         n = len(ks)
@@ -383,7 +387,6 @@ class SpecPolicy:
             rows = self.requests.rows([r for r, d in zip(rids, drafted) if d])
             self.requests.observe(rows, p[drafted], a[drafted])
             self.algorithm_acceptance.observe_many(p[drafted], a[drafted])
-            self._tried.update(r for r, d in zip(rids, drafted) if d)
         if self.mode == FIXED:
             return
         shape = (len(rids), int(self._verified(len(rids), int(p.sum()))), int(p.max(initial=0)), int((p > 0).sum()))
@@ -394,4 +397,3 @@ class SpecPolicy:
 
     def forget(self, rid: int) -> None:
         self.requests.forget(rid)
-        self._tried.discard(rid)
