@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.speculative import ngram_propose  # noqa: E402
+from specdecode_worker.engine.speculative import ngram_match, ngram_propose  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 
 from tests.engine_helpers import engine, hf_greedy, noisy_copy, run_all, tiny_models  # noqa: E402
@@ -107,3 +107,8 @@ def test_ngram_lookup_takes_the_latest_longest_match():
     assert ngram_propose([1, 2, 3, 9, 1, 2, 4, 7, 1, 2], k=2) == [4, 7]
     assert ngram_propose([5, 1, 2, 3, 6, 6, 1, 2, 3], k=3) == [6, 6, 1]
     assert ngram_propose([1, 2, 3], k=2) == []
+    # The class of a proposal: the length of the suffix it matched (0: none).
+    assert ngram_match([1, 2, 3, 9, 1, 2, 4, 7, 1, 2], k=2) == ([4, 7], 2)
+    assert ngram_match([5, 1, 2, 3, 6, 6, 1, 2, 3], k=3, max_n=2) == ([6, 6, 1], 2)
+    assert ngram_match([7, 8, 9, 1, 2, 3, 4, 8], k=4) == ([9, 1, 2, 3], 1)
+    assert ngram_match([1, 2, 3], k=2) == ([], 0)

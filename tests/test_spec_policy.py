@@ -382,3 +382,25 @@ def test_a_tree_round_is_recorded_with_every_node_it_verified():
     policy.record([1, 2, 3], [1, 0, 0], [1, 0, 0], [1, 0, 0], 2.2)
     policy.record([1, 2, 3], [0, 0, 0], [0, 0, 0], [0, 0, 0], 1.0)  # a plain round verifies nothing
     assert [t["predicted"] for t in trace] == pytest.approx([1.0 + 0.1 * 12, 1.0], rel=1e-4)
+
+
+def test_a_proposal_is_priced_by_its_class_not_by_the_prior_floor():
+    """Short n-gram matches (class 1) were all rejected, one long match (class 4) was kept whole:
+    a new request's class-1 proposal is not drafted, its class-4 one is, at full length (with
+    requests waiting, so that the tokens of each are worth as much). Without
+    classes the same history leaves a new request at the algorithm's prior (the floor), drafting
+    its short matches too: the rejected verify rounds that made open prompts pay for NGRAM."""
+    def policy(classes: int) -> SpecPolicy:
+        p = SpecPolicy("adaptive", "NGRAM", 4, overhead_bound(), probe_every=1000, first_probe_budget=0.0,
+                       classes=classes)
+        for rid in range(10):
+            p.record([rid], [4], [4], [0], 1.0, classes=[1])
+            p.forget(rid)
+        p.record([10], [4], [4], [4], 1.0, classes=[4])
+        p.forget(10)
+        return p
+
+    assert policy(5).draft_lengths([20, 21], [4, 4], remaining=[32, 32], waiting=1, classes=[1, 4]) == [0, 4]
+    assert policy(5).class_acceptance[1].overall() < 0.15 < 0.8 < policy(5).class_acceptance[4].overall()
+    assert policy(0).algorithm_acceptance.overall() < 0.5
+    assert policy(0).draft_lengths([20], [4], remaining=[32], classes=[1])[0] > 0  # no classes: the floor

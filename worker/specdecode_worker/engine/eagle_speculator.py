@@ -49,7 +49,7 @@ from .parallel_layers import check_splits, parallel_logits
 from .phases import Phase, PhaseError, require
 from .request import Request
 from .batch_sampling import choose_tokens, to_host, uniforms
-from .speculative import RoundResult, Speculator, accept_chains, chain_segments, first_uniforms, ragged_ids
+from .speculative import Lookup, RoundResult, Speculator, accept_chains, chain_segments, first_uniforms, ragged_ids
 from .tree import DeviceTrees, TreeDrafter, TreeShape, accept_trees
 from .tree_attention import TreeForwardBatch, make_tree_attn_backend
 from .tree_graph import TreeGraphInputs
@@ -320,10 +320,12 @@ class EagleSpeculator(Speculator):
         self._features.pop(r.rid, None)
 
     # ---- one round ----------------------------------------------------------------------------
-    def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None) -> list[RoundResult]:
+    def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None,
+                     lookup: Lookup | None = None) -> list[RoundResult]:
         """Request i verifies at most ``draft_lengths[i]`` tokens: the first ones of its chain, or
         the best-scored nodes of its tree (any prefix of that order is a tree). The head drafts
-        for the whole batch; a round where no request drafts is a plain target step."""
+        for the whole batch; a round where no request drafts is a plain target step. (No
+        ``lookup``: the head's drafts are made in the round.)"""
         ks = [self.k] * len(reqs) if draft_lengths is None else [min(k, self.k) for k in draft_lengths]
         if not any(ks):
             return self._plain_round(reqs)

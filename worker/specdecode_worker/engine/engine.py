@@ -318,7 +318,7 @@ class Engine:
         k = 0 if args.algorithm == "NONE" else args.num_draft_tokens
         self.policy = SpecPolicy(args.spec_policy, args.algorithm, k, self._step_cost(k),
                                  per_request=spec.per_request_draft_lengths, choices=spec.draft_length_choices,
-                                 verified_per_request=spec.verified_per_request)
+                                 verified_per_request=spec.verified_per_request, classes=spec.draft_classes)
 
     def _step_cost(self, k: int) -> StepCost:
         """Measured on one device (a few passes at batch 1 and full, width 1, 2 and k + 1); with
@@ -530,15 +530,21 @@ class Engine:
         reqs = [r for r in self._running if r.prefill_ids is None][:room]  # a just-prefilled one may wait a step
         if reqs:
             rids = [r.rid for r in reqs]
+            caps = [self._draft_cap(r) for r in reqs]
+            lookup = self.speculator.look_ahead(reqs)  # NGRAM: the proposals, known before their lengths
+            classes = None
+            if lookup is not None:
+                caps = [min(c, len(p)) for c, p in zip(caps, lookup.proposals)]
+                classes = lookup.classes
             catch_up = getattr(self.speculator, "catch_up_tokens", None)
-            ks = self.policy.draft_lengths(rids, [self._draft_cap(r) for r in reqs],
-                                           catch_up=[catch_up(r) for r in reqs] if catch_up else None,
+            ks = self.policy.draft_lengths(rids, caps, catch_up=[catch_up(r) for r in reqs] if catch_up else None,
                                            remaining=[r.params.max_tokens - len(r.output_ids) for r in reqs],
-                                           waiting=self.num_waiting)
+                                           waiting=self.num_waiting, classes=classes)
             start = time.perf_counter()
-            results = self.speculator.decode_round(reqs, ks)
+            results = self.speculator.decode_round(reqs, ks, lookup)
             seconds = time.perf_counter() - start
-            self.policy.record(rids, ks, [x.proposed for x in results], [x.accepted for x in results], seconds)
+            self.policy.record(rids, ks, [x.proposed for x in results], [x.accepted for x in results], seconds,
+                               classes=classes)
             self._count_step(ks, results, seconds)
             with self._ending_together():
                 for r, result in zip(reqs, results):

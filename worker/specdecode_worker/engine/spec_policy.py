@@ -7,6 +7,10 @@ expected goodput, sum_r (1 + v_r E[accepted_r | k_r]) / step_time(round shape):
   the estimate's rate over all positions, a request's overall rate on the algorithm's, and the
   algorithm's on a fixed per-algorithm prior (see ``Acceptance``; every request's estimate is a
   row of ``RequestEstimates``, so a round costs a few numpy operations whatever the batch);
+  where the proposals are known before the round (NGRAM's lookups, ``speculative.Lookup``),
+  acceptance is also learnt per class of proposal (the matched suffix's length), and a request
+  leans on its proposal's class instead of the algorithm: a one-token match in open text is
+  rarely kept, a four-token match in a copied passage nearly always;
 - E[accepted | k] = sum_{i<=k} prod_{j<=i} a_j, so the gain of the i-th draft token of a request
   is prod_{j<=i} a_j and never grows with i: for a given verify width the best choice takes the
   largest gains, and the policy tries every width (and every draft depth) and keeps the best ratio;
@@ -22,20 +26,23 @@ expected goodput, sum_r (1 + v_r E[accepted_r | k_r]) / step_time(round shape):
 A request about to draft after rounds without drafting (or for the first time) first has its
 draft model cache the tokens committed since (``StepCost.catch_up``); that once-off cost is spread
 over the rounds the request has left and added to any round that turns it on. A new request
-expects at least its algorithm's fixed prior, however earlier requests did, and if that does not
-get it drafting it drafts once anyway (its first probe, at the length that costs least net of what
-it is expected to give, if a failed probe would cost at most ``first_probe_budget`` of its time
-without drafting), so that one that copies from its prompt is found out in its first rounds.
+expects at least its algorithm's fixed prior, however earlier requests did (where there are no
+classes to go by), and if that does not get it drafting it drafts once anyway (its first probe,
+at the length that costs least net of what it is expected to give, if a failed probe would cost
+at most ``first_probe_budget`` of its time without drafting), so that one that copies from its
+prompt is found out in its first rounds.
 A request drafting nothing gets no new observation, so now and then the requests held at k = 0
 by their estimates draft one token each, together, spaced so that probing costs at most
 ``probe_budget`` of the time: that is how speculation comes back once acceptance does. A lookup
 that found nothing to propose (NGRAM) is no evidence either way: no token was verified, so asking
 cost nothing, and it says nothing of how often a match is accepted (counting it as a rejection
 would scale a request's gains by how often it matches while its cost, priced per verified token,
-stays whole); a request whose first probe found nothing is probed again.
+stays whole). Where lookups come before the round, such a request's cap is 0 for it (its first
+probe waits for its first match); where they do not, a first probe that found nothing comes again.
 
-The fixed policy drafts K tokens for every request (today's behaviour); both honour a request's
-own cap (``speculative: false`` is a cap of 0). Nothing here needs torch.
+The fixed policy drafts all it can for every request: K tokens, or a lookup's whole proposal
+(today's behaviour); both honour a request's own cap (``speculative: false`` is a cap of 0).
+Nothing here needs torch.
 """
 
 from __future__ import annotations
@@ -125,12 +132,12 @@ class Acceptance:
 
 
 class RequestEstimates:
-    """Every request's ``Acceptance`` (parent: the algorithm's, floored at ``floor``) as rows of
-    two arrays, so that a round's estimates cost a few array operations, whatever the batch."""
+    """Every request's ``Acceptance`` as rows of two arrays, so that a round's estimates cost a few
+    array operations, whatever the batch. Each row's parent is given with the round (the
+    algorithm's estimate, or that of the class of the request's proposal this round)."""
 
-    def __init__(self, positions: int, floor: float, prior_weight: float = 1.0, decay: float = 0.8,
-                 position_weight: float = 1.0):
-        self.positions, self.floor = positions, floor
+    def __init__(self, positions: int, prior_weight: float = 1.0, decay: float = 0.8, position_weight: float = 1.0):
+        self.positions = positions
         self.prior_weight, self.decay, self.position_weight = prior_weight, decay, position_weight
         self.hits = np.zeros((8, positions))
         self.seen = np.zeros((8, positions))
@@ -150,18 +157,20 @@ class RequestEstimates:
                 self.hits[row] = self.seen[row] = 0.0
         return np.fromiter((self._row[rid] for rid in rids), dtype=np.int64, count=len(rids))
 
-    def rates(self, rows: np.ndarray, parent: Acceptance) -> np.ndarray:
-        """[requests, positions]: as ``Acceptance.rates`` of each request."""
-        parent_rates, parent_overall = np.array(parent.rates()), parent.overall()
+    def rates(self, rows: np.ndarray, parent_rates: np.ndarray, parent_overall: np.ndarray,
+              floor: float = 0.0) -> np.ndarray:
+        """[requests, positions]: as ``Acceptance.rates`` of each request, whose parent has the
+        rates ``parent_rates[i]`` by position and ``parent_overall[i]`` over all (floored at ``floor``)."""
         hits, seen = self.hits[rows], self.seen[rows]
-        overall = ((self.prior_weight * max(parent_overall, self.floor) + hits.sum(1))
+        overall = ((self.prior_weight * np.maximum(parent_overall, floor) + hits.sum(1))
                    / (self.prior_weight + seen.sum(1)))
-        centre = np.minimum(overall[:, None] * parent_rates[None, :] / max(parent_overall, 1e-9), 1.0)
+        centre = np.minimum(overall[:, None] * parent_rates / np.maximum(parent_overall, 1e-9)[:, None], 1.0)
         return (self.position_weight * centre + hits) / (self.position_weight + seen)
 
-    def gains(self, rows: np.ndarray, caps: np.ndarray, parent: Acceptance) -> np.ndarray:
+    def gains(self, rows: np.ndarray, caps: np.ndarray, parent_rates: np.ndarray, parent_overall: np.ndarray,
+              floor: float = 0.0) -> np.ndarray:
         """[requests, positions]: the expected extra tokens of each draft position, 0 past the cap."""
-        g = np.cumprod(self.rates(rows, parent), axis=1)
+        g = np.cumprod(self.rates(rows, parent_rates, parent_overall, floor), axis=1)
         return np.where(np.arange(self.positions)[None, :] < caps[:, None], g, 0.0)
 
     def observe(self, rows: np.ndarray, proposed: np.ndarray, accepted: np.ndarray) -> None:
@@ -192,11 +201,13 @@ class SpecPolicy:
     per_request: bool = True  # False: one k for the whole batch
     choices: tuple[int, ...] | None = None  # the k a uniform batch may take (None: 0..K)
     verified_per_request: int | None = None  # draft tokens each request verifies in a drafting round (None: its k)
+    classes: int = 0  # classes of proposals known before the round (``Lookup.classes``; 0: none)
     probe_every: int = 8  # the fewest rounds between two probes
     probe_budget: float = 0.02  # the share of round time that probing may cost
     first_probe_budget: float = 0.05  # the most a failed first probe may cost, as a share of the request's plain time
     trace: list | None = None  # a list to append each round's choice, prediction and measurement to
     algorithm_acceptance: Acceptance = field(init=False)
+    class_acceptance: list[Acceptance] = field(init=False)
     requests: RequestEstimates = field(init=False)
     _since_probe: int = field(init=False, default=0)
 
@@ -204,26 +215,47 @@ class SpecPolicy:
         if self.mode not in MODES:
             raise ValueError(f"unknown speculation policy {self.mode!r}; use one of {', '.join(MODES)}")
         prior = ALGORITHM_PRIORS.get(self.algorithm, 0.5)
+        self.prior = prior
         self.algorithm_acceptance = Acceptance(self.max_draft, prior, prior_weight=2.0, decay=0.95)
-        self.requests = RequestEstimates(self.max_draft, floor=prior)
+        self.class_acceptance = [Acceptance(self.max_draft, prior, prior_weight=2.0, decay=0.95)
+                                 for _ in range(self.classes)]
+        self.requests = RequestEstimates(self.max_draft)
 
     def acceptance(self, rid: int) -> list[float]:
-        """Request ``rid``'s acceptance by draft position, as the policy now estimates it."""
-        return self.requests.rates(self.requests.rows([rid]), self.algorithm_acceptance)[0].tolist()
+        """Request ``rid``'s acceptance by draft position, as the policy now estimates it (leaning
+        on the algorithm's estimate, whatever the class of its next proposal)."""
+        return self.requests.rates(self.requests.rows([rid]), *self._parents(1, None))[0].tolist()
+
+    def _parents(self, n: int, classes: list[int] | None) -> tuple[np.ndarray, np.ndarray, float]:
+        """What each of ``n`` requests' estimates leans on: rates by position [n, K], overall
+        rates [n], and the least overall rate taken from them. Where the round's proposals have
+        classes, a request leans on its proposal's class; otherwise on the algorithm's estimate,
+        floored at the algorithm's prior: a new request expects at least the prior, however badly
+        earlier requests did, so that one that copies from its prompt is tried within its first
+        rounds. Classes need no floor: what earlier requests taught of a class is what a new
+        proposal of that class is worth (a copied passage matches long suffixes, whose class keeps
+        its own, high, estimate, however often short matches failed)."""
+        if classes is not None and self.class_acceptance:
+            by_class = [(a.rates(), a.overall()) for a in self.class_acceptance]
+            return (np.array([by_class[c][0] for c in classes]), np.array([by_class[c][1] for c in classes]), 0.0)
+        return (np.tile(self.algorithm_acceptance.rates(), (n, 1)), np.full(n, self.algorithm_acceptance.overall()),
+                self.prior)
 
     def draft_lengths(self, rids: list[int], caps: list[int], catch_up: list[int] | None = None,
-                      remaining: list[int] | None = None, waiting: int = 0) -> list[int]:
+                      remaining: list[int] | None = None, waiting: int = 0,
+                      classes: list[int] | None = None) -> list[int]:
         """k per request; ``caps[i]`` is request i's own limit (0: no speculation). ``catch_up[i]``:
         committed tokens request i's draft model must cache before it drafts again (None: none);
         ``remaining[i]``: the most tokens request i has left to generate (None: unknown, many);
-        ``waiting``: requests queued for a place in the batch."""
+        ``waiting``: requests queued for a place in the batch; ``classes[i]``: the class of
+        request i's proposal this round, where it is known before the round (``Lookup``)."""
         caps = [max(0, min(c, self.max_draft)) for c in caps]
         if self.mode == FIXED or self.max_draft == 0 or not rids:
             return caps
         self._since_probe += 1
         cap = np.array(caps, dtype=np.int64)
         rows = self.requests.rows(rids)
-        gains = self.requests.gains(rows, cap, self.algorithm_acceptance)
+        gains = self.requests.gains(rows, cap, *self._parents(len(rids), classes))
         if not self.per_request:
             return self._uniform(gains, caps)
         value = self._token_values(gains, remaining, waiting)
@@ -234,16 +266,27 @@ class SpecPolicy:
         candidates = [weighted]
         if entry.any():
             candidates.append(np.where(entry[:, None] > 0, 0.0, weighted))
-        best, best_rate = np.zeros(len(rids), dtype=np.int64), None
-        for candidate in candidates:
-            for depth in range(self.max_draft + 1):
-                ks, rate = self._best_for_depth(candidate, min(cap.max(), depth), entry)
-                if best_rate is None or rate > best_rate:
-                    best, best_rate = ks, rate
+        n = len(rids)
+        best, best_rate = np.zeros(n, dtype=np.int64), n / self.cost(n, 0)
+        if self._drafting_may_pay(weighted, best_rate):
+            for candidate in candidates:
+                for depth in range(1, int(cap.max()) + 1):
+                    ks, rate = self._best_for_depth(candidate, depth, entry)
+                    if rate > best_rate:
+                        best, best_rate = ks, rate
         catch_up_seconds = (np.array([self.cost.catch_up(t) for t in catch_up]) if catch_up
                             else np.zeros(len(rids)))
         best = self._first_probe(rows, cap, best, catch_up_seconds, weighted, remaining)
         return self._probe(cap, best, catch_up_seconds, value).tolist()
+
+    def _drafting_may_pay(self, gains: np.ndarray, plain_rate: float) -> bool:
+        """Whether any drafting round could beat the plain one: every expected token for the price
+        of the cheapest drafting round (one pass, one verify token) is an upper bound, and where
+        acceptance is low it settles the round without trying each width."""
+        n = len(gains)
+        base, switch, per_token, per_pass, per_pass_request = self.cost.round_terms(n, 1)
+        cheapest = base + switch + per_pass + per_token * self._verified(n, 1) + per_pass_request
+        return (n + gains.sum()) / max(cheapest, 1e-9) > plain_rate
 
     def _token_values(self, gains: np.ndarray, remaining: list[int] | None, waiting: int) -> np.ndarray:
         """What a token drafted for each request is worth, as a share of an average token of the
@@ -377,16 +420,22 @@ class SpecPolicy:
         self._since_probe = 0
         return probed
 
-    def record(self, rids: list[int], ks: list[int], proposed: list[int], accepted: list[int], seconds: float) -> None:
-        """A finished round: acceptance per request and algorithm, and the measured step time. A
-        request that was asked for drafts and found none (an n-gram lookup that matched nothing)
-        is not observed: nothing of it was verified."""
+    def record(self, rids: list[int], ks: list[int], proposed: list[int], accepted: list[int], seconds: float,
+               classes: list[int] | None = None) -> None:
+        """A finished round: acceptance per request, algorithm and proposal class, and the measured
+        step time. A request that was asked for drafts and found none (an n-gram lookup that
+        matched nothing) is not observed: nothing of it was verified."""
         p, a = np.array(proposed, dtype=np.int64), np.array(accepted, dtype=np.int64)
         drafted = p > 0
         if drafted.any():
             rows = self.requests.rows([r for r, d in zip(rids, drafted) if d])
             self.requests.observe(rows, p[drafted], a[drafted])
             self.algorithm_acceptance.observe_many(p[drafted], a[drafted])
+            if classes is not None and self.class_acceptance:
+                kinds = np.array(classes)
+                for c in np.unique(kinds[drafted]):
+                    of_class = drafted & (kinds == c)
+                    self.class_acceptance[c].observe_many(p[of_class], a[of_class])
         if self.mode == FIXED:
             return
         shape = (len(rids), int(self._verified(len(rids), int(p.sum()))), int(p.max(initial=0)), int((p > 0).sum()))

@@ -41,6 +41,16 @@ class RoundResult:
     accepted: int  # how many of them it accepted
 
 
+@dataclass(frozen=True)
+class Lookup:
+    """A round's proposals, where a speculator knows them before their lengths are chosen (NGRAM:
+    a lookup costs no pass), and what class of evidence each is: drafts of one class are alike in
+    how often they are accepted, so the policy learns acceptance per class as well as per request."""
+
+    proposals: list[list[int]]  # each request's proposal, at most K tokens (empty: nothing found)
+    classes: list[int]  # each proposal's class, 0 .. Speculator.draft_classes - 1
+
+
 class Speculator(ABC):
     """Prefill and decode rounds of one speculative algorithm over the target's KV pool.
 
@@ -104,11 +114,20 @@ class Speculator(ABC):
     # Draft tokens every request of a drafting round verifies, whatever its draft length (None: its
     # draft length). A tree verifies all its nodes: its shapes are static.
     verified_per_request: int | None = None
+    # Classes of ``look_ahead``'s proposals (0: it has none).
+    draft_classes: int = 0
+
+    def look_ahead(self, reqs: list[Request]) -> Lookup | None:
+        """Each request's proposal before the round, where it costs no pass to know (None: the
+        drafts are made in the round)."""
+        return None
 
     @abstractmethod
-    def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None) -> list[RoundResult]:
+    def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None,
+                     lookup: Lookup | None = None) -> list[RoundResult]:
         """Advance every request by one verified round; request i drafts at most ``draft_lengths[i]``
-        tokens (default: the speculator's K). A length of 0 is a plain decode step for it."""
+        tokens (default: the speculator's K). A length of 0 is a plain decode step for it.
+        ``lookup``: this round's ``look_ahead``, whose proposals the round then drafts."""
 
 
 def first_uniforms(reqs: list[Request], counts, device) -> torch.Tensor | None:
@@ -152,14 +171,20 @@ def ragged_ids(chains: torch.Tensor, ks: list[int]) -> torch.Tensor:
     return chains.reshape(-1).index_select(0, to_device(flat, chains.device))
 
 
-def ngram_propose(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+def ngram_match(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> tuple[list[int], int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix,
+    and that suffix's length (0: no suffix of ``min_n`` tokens or more occurs earlier)."""
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         suffix = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
-    return []
+                return tokens[start + n : start + n + k], n
+    return [], 0
+
+
+def ngram_propose(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+    return ngram_match(tokens, k, max_n, min_n)[0]
 
 
 class StandaloneSpeculator(Speculator):
@@ -176,6 +201,15 @@ class StandaloneSpeculator(Speculator):
         self.ngram_max = ngram_max
         self.chunk_tokens = chunk_tokens  # most tokens of one draft catch-up pass (0: no cap)
         self.draft_tokens = 0  # tokens the draft model has processed (catch-up and proposals)
+        # An n-gram proposal's class is its matched suffix's length: a one-token match (a common
+        # word seen before) is rarely what follows, a four-token one in copied text nearly always.
+        self.draft_classes = ngram_max + 1 if algorithm == "NGRAM" else 0
+
+    def look_ahead(self, reqs: list[Request]) -> Lookup | None:
+        if self.algorithm != "NGRAM":
+            return None
+        matches = [ngram_match(r.all_ids, self.k, self.ngram_max) for r in reqs]
+        return Lookup([m[0] for m in matches], [m[1] for m in matches])
 
     def catch_up_tokens(self, r: Request) -> int:
         """Committed tokens the draft must cache before ``r`` can draft, beyond the one every
@@ -195,12 +229,13 @@ class StandaloneSpeculator(Speculator):
         logits = forward_segments(self.target, chunk_segments(self.target, reqs, ends), last_only=True)
         return self.first_tokens(reqs, ends, logits)
 
-    def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None) -> list[RoundResult]:
+    def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None,
+                     lookup: Lookup | None = None) -> list[RoundResult]:
         pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
         ks = [self.k] * len(reqs) if draft_lengths is None else [min(k, self.k) for k in draft_lengths]
         for r, k in zip(reqs, ks):
             alloc_positions(pool, alloc, r.req_idx, r.kv_len, r.kv_len + k + 1)
-        draft, draft_probs, found = self._propose(reqs, ks)
+        draft, draft_probs, found = self._propose(reqs, ks, lookup)
         # The verify pass's tokens stay on the device: each request's last token, then its proposals.
         chains = torch.cat([to_device([[r.all_ids[-1]] for r in reqs], self.target.device), draft], dim=1)
         width = chain_graph_width(self.chain_verify_graphs, len(reqs), max(found, default=0))
@@ -223,14 +258,16 @@ class StandaloneSpeculator(Speculator):
         free_position_ranges(pool, alloc, rejected)
         return results
 
-    def _propose(self, reqs: list[Request], ks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    def _propose(self, reqs: list[Request], ks: list[int], lookup: Lookup | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         """Proposals ``[B, max(ks)]`` on the target's device, the distributions they were drawn from
         (None: point masses), and each request's real draft length (a lookup may find fewer)."""
         device = self.target.device
         if self.algorithm == "NONE":
             return torch.zeros(len(reqs), 0, dtype=torch.int64, device=device), None, [0] * len(reqs)
         if self.algorithm == "NGRAM":
-            found = [ngram_propose(r.all_ids, k, self.ngram_max) if k else [] for r, k in zip(reqs, ks)]
+            lookup = lookup or self.look_ahead(reqs)
+            found = [p[:k] for p, k in zip(lookup.proposals, ks)]
             width = max((len(f) for f in found), default=0)
             padded = [f + [0] * (width - len(f)) for f in found]
             return (to_device(padded, device, torch.int64).reshape(len(reqs), width), None,
