@@ -531,7 +531,7 @@ class Engine:
         if reqs:
             rids = [r.rid for r in reqs]
             caps = [self._draft_cap(r) for r in reqs]
-            lookup = self.speculator.look_ahead(reqs)  # NGRAM: the proposals, known before their lengths
+            lookup = self.speculator.look_ahead(reqs, caps)  # NGRAM: the proposals, known before their lengths
             classes = None
             if lookup is not None:
                 caps = [min(c, len(p)) for c, p in zip(caps, lookup.proposals)]

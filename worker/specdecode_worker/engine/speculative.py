@@ -117,9 +117,9 @@ class Speculator(ABC):
     # Classes of ``look_ahead``'s proposals (0: it has none).
     draft_classes: int = 0
 
-    def look_ahead(self, reqs: list[Request]) -> Lookup | None:
+    def look_ahead(self, reqs: list[Request], caps: list[int]) -> Lookup | None:
         """Each request's proposal before the round, where it costs no pass to know (None: the
-        drafts are made in the round)."""
+        drafts are made in the round); a request capped at 0 tokens is not looked up."""
         return None
 
     @abstractmethod
@@ -205,10 +205,11 @@ class StandaloneSpeculator(Speculator):
         # word seen before) is rarely what follows, a four-token one in copied text nearly always.
         self.draft_classes = ngram_max + 1 if algorithm == "NGRAM" else 0
 
-    def look_ahead(self, reqs: list[Request]) -> Lookup | None:
+    def look_ahead(self, reqs: list[Request], caps: list[int]) -> Lookup | None:
         if self.algorithm != "NGRAM":
             return None
-        matches = [ngram_match(r.all_ids, self.k, self.ngram_max) for r in reqs]
+        matches = [ngram_match(r.all_ids, min(c, self.k), self.ngram_max) if c > 0 else ([], 0)
+                   for r, c in zip(reqs, caps)]
         return Lookup([m[0] for m in matches], [m[1] for m in matches])
 
     def catch_up_tokens(self, r: Request) -> int:
@@ -266,7 +267,7 @@ class StandaloneSpeculator(Speculator):
         if self.algorithm == "NONE":
             return torch.zeros(len(reqs), 0, dtype=torch.int64, device=device), None, [0] * len(reqs)
         if self.algorithm == "NGRAM":
-            lookup = lookup or self.look_ahead(reqs)
+            lookup = lookup or self.look_ahead(reqs, ks)
             found = [p[:k] for p, k in zip(lookup.proposals, ks)]
             width = max((len(f) for f in found), default=0)
             padded = [f + [0] * (width - len(f)) for f in found]
