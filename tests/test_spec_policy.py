@@ -314,6 +314,29 @@ def test_the_plain_round_follows_the_measured_curve():
     assert cost.plain(16) == pytest.approx(0.16) and cost.plain(32) > 0.16
 
 
+def test_a_warm_up_curve_that_falls_is_pooled():
+    """Timed while something else had the machine, the warm-up found 2 requests cheaper than 1:
+    a pass over more rows never costs less, so the two are pooled (and the rest kept)."""
+    cost = StepCost({(1, 0): 0.127, (16, 0): 0.32, (1, 4): 0.2, (16, 16): 0.4, (16, 64): 0.6},
+                    plain={1: 0.127, 2: 0.115, 4: 0.196, 16: 0.32}, learn=False)
+    assert cost.plain(1) == pytest.approx(0.121) and cost.plain(2) == pytest.approx(0.121)
+    assert cost.plain(4) == pytest.approx(0.196)
+
+
+def test_measured_plain_rounds_replace_the_warm_up_point_of_their_batch_size():
+    """The warm-up says 1 and 2 requests cost the same (0.1); the worker then measures plain
+    rounds of 1 request at 0.06 and of 2 at 0.1: from the third at a size, their median is the
+    curve's point there, so a request's place in a round of 2 is worth 0.04, not nothing."""
+    cost = StepCost({(1, 0): 0.1, (16, 0): 0.2, (1, 4): 0.15, (16, 16): 0.3, (16, 64): 0.5},
+                    plain={1: 0.1, 2: 0.1, 16: 0.2}, refit_every=1)
+    for seconds in (0.06, 0.07, 0.05):
+        cost.record(1, 0, 0, 0, seconds)
+    for _ in range(3):
+        cost.record(2, 0, 0, 0, 0.1)
+    assert cost.plain(1) == pytest.approx(0.06) and cost.plain(2) == pytest.approx(0.1)
+    assert cost.plain(2) - cost.plain(1) == pytest.approx(0.04)
+
+
 def test_a_lookup_that_finds_nothing_is_no_evidence():
     """Asked for 4 drafts, an n-gram lookup that matches nothing verifies no token: it leaves the
     request's estimate and the algorithm's as they were, while a rejected proposal lowers them."""

@@ -26,7 +26,11 @@ drafting while nobody drafts, say) keeps the warm-up's shape.
 Apart from the linear model, ``plain(n)`` gives a plain round of n requests from the warm-up's
 plain passes at several batch sizes (interpolated, at today's load): what a request still running
 costs the rounds it is in, which a linear term cannot say where the curve is flat (on a CPU, a
-pass of 2 to 4 rows costs what one of 4 does: the weights, not the rows, set its time).
+pass of 2 to 4 rows costs what one of 4 does: the weights, not the rows, set its time). Measured
+plain rounds refine it: at a batch size with a few recent plain rounds, their median replaces the
+warm-up's point; and the curve is made non-decreasing (pooling neighbours that contradict that),
+since a pass over more rows never costs less: a warm-up timed while something else had the
+machine may say otherwise.
 The fit is numpy over the window's rows; nothing here needs torch.
 """
 
@@ -70,9 +74,10 @@ class StepCost:
         self.seed = self._fit([(x, s, 1.0 / max(s, 1e-12) ** 2) for x, s in self.prior], self.terms)
         self.coef = list(self.seed)
         curve = plain if plain else {n: s for (n, m), s in target.items() if m == 0}
-        self._plain_n = np.array(sorted(curve), dtype=float)
-        self._plain_s = np.array([curve[n] for n in sorted(curve)], dtype=float)
+        self._warm_plain = {float(n): s for n, s in curve.items()}  # seconds at the warm-up's load
+        self._measured_plain: dict[int, deque[float]] = {}  # recent plain rounds by batch size
         self.load = 1.0  # measured / seeded prediction, over the window
+        self._plain_n, self._plain_s = self._plain_curve()
         self._since_fit = 0
 
     @classmethod
@@ -95,10 +100,10 @@ class StepCost:
         return self.catch_up_per_token * tokens * self.load
 
     def plain(self, requests: float) -> float:
-        """Seconds of a plain round of ``requests`` requests at today's load: the warm-up's plain
-        passes interpolated; beyond the widest, the linear model's slope; below the narrowest
-        (or with a single point), in proportion to it."""
-        n, s = self._plain_n, self._plain_s * self.load
+        """Seconds of a plain round of ``requests`` requests at today's load: the plain curve (the
+        warm-up's passes, refined by measured plain rounds) interpolated; beyond the widest, the
+        linear model's slope; below the narrowest (or with a single point), in proportion to it."""
+        n, s = self._plain_n, self._plain_s
         if not len(n):
             return self(int(requests), 0)
         if requests > n[-1] and len(n) > 1:
@@ -121,6 +126,8 @@ class StepCost:
         if not self.learn or seconds <= 0:
             return
         self.rounds.append((features(requests, drafts, depth, drafting), seconds))
+        if not drafts:
+            self._measured_plain.setdefault(requests, deque(maxlen=8)).append(seconds)
         self._since_fit += 1
         if self._since_fit >= self.refit_every:
             self.refit()
@@ -150,6 +157,17 @@ class StepCost:
                 break
             keep = kept
         self.coef = coef
+        self._plain_n, self._plain_s = self._plain_curve()
+
+    def _plain_curve(self) -> tuple[np.ndarray, np.ndarray]:
+        """Plain-round seconds by batch size at today's load: the warm-up's points rescaled, a
+        batch size's own recent plain rounds (their median, from 3 on) in place of its point, made
+        non-decreasing by pooling adjacent points that fall (a pass over more rows never costs
+        less)."""
+        points = {n: s * self.load for n, s in self._warm_plain.items()}
+        points.update({float(n): float(np.median(v)) for n, v in self._measured_plain.items() if len(v) >= 3})
+        sizes = sorted(points)
+        return np.array(sizes, dtype=float), np.array(non_decreasing([points[n] for n in sizes]))
 
     @staticmethod
     def _fit(rows, terms: list[int]) -> list[float]:
@@ -167,6 +185,18 @@ class StepCost:
             if not negative:
                 return coef
             free = [i for i in free if i not in negative]
+
+
+def non_decreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [sum, count] of pooled neighbours
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 def _dot(a, b) -> float:
