@@ -86,8 +86,8 @@ def record_rounds(eng) -> list[list[int]]:
     """Each round's verified draft lengths, request by request."""
     rounds, real = [], eng.speculator.decode_round
 
-    def decode_round(reqs, draft_lengths=None):
-        results = real(reqs, draft_lengths)
+    def decode_round(reqs, draft_lengths=None, lookup=None):
+        results = real(reqs, draft_lengths, lookup)
         rounds.append([x.proposed for x in results])
         return results
 
