@@ -427,3 +427,25 @@ def test_a_proposal_is_priced_by_its_class_not_by_the_prior_floor():
     assert policy(5).class_acceptance[1].overall() < 0.15 < 0.8 < policy(5).class_acceptance[4].overall()
     assert policy(0).algorithm_acceptance.overall() < 0.5
     assert policy(0).draft_lengths([20], [4], remaining=[32], classes=[1])[0] > 0  # no classes: the floor
+
+
+def test_the_depth_bound_never_rules_out_a_round_that_beats_plain():
+    """The policy skips the draft depths whose bound (every expected token at the cheapest round
+    of that depth) cannot beat a plain round: on random batches, every depth whose best round
+    does beat it is kept."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        cost = StepCost.linear(plain=(1.0, rng.uniform(0, 0.2)), per_draft_token=rng.uniform(0, 0.5),
+                               switch=(rng.uniform(0, 1), rng.uniform(0, 0.1)),
+                               draft_pass=(rng.uniform(0, 0.5), rng.uniform(0, 0.1)))
+        policy = SpecPolicy("adaptive", "STANDALONE", 4, cost)
+        n = int(rng.integers(1, 9))
+        gains = np.cumprod(rng.uniform(0, 1, (n, 4)), axis=1) * (rng.uniform(size=(n, 1)) < 0.8)
+        entry = rng.uniform(0, 0.3, n) * (rng.uniform(size=n) < 0.5)
+        plain_rate = n / cost(n, 0)
+        kept = policy._depths_that_may_pay(gains, entry, plain_rate, 4)
+        for depth in range(1, 5):
+            if policy._best_for_depth(gains, depth, entry)[1] > plain_rate:
+                assert depth in kept, (trial, depth)

@@ -268,25 +268,35 @@ class SpecPolicy:
             candidates.append(np.where(entry[:, None] > 0, 0.0, weighted))
         n = len(rids)
         best, best_rate = np.zeros(n, dtype=np.int64), n / self.cost(n, 0)
-        if self._drafting_may_pay(weighted, best_rate):
+        for depth in self._depths_that_may_pay(weighted, entry, best_rate, int(cap.max())):
             for candidate in candidates:
-                for depth in range(1, int(cap.max()) + 1):
-                    ks, rate = self._best_for_depth(candidate, depth, entry)
-                    if rate > best_rate:
-                        best, best_rate = ks, rate
+                ks, rate = self._best_for_depth(candidate, depth, entry)
+                if rate > best_rate:
+                    best, best_rate = ks, rate
         catch_up_seconds = (np.array([self.cost.catch_up(t) for t in catch_up]) if catch_up
                             else np.zeros(len(rids)))
         best = self._first_probe(rows, cap, best, catch_up_seconds, weighted, remaining)
         return self._probe(cap, best, catch_up_seconds, value).tolist()
 
-    def _drafting_may_pay(self, gains: np.ndarray, plain_rate: float) -> bool:
-        """Whether any drafting round could beat the plain one: every expected token for the price
-        of the cheapest drafting round (one pass, one verify token) is an upper bound, and where
-        acceptance is low it settles the round without trying each width."""
+    def _depths_that_may_pay(self, gains: np.ndarray, entry: np.ndarray, plain_rate: float, deepest: int) -> list[int]:
+        """The draft depths at which some round could beat the plain one. At depth d, every token
+        expected from the first d positions of every request, for the price of the cheapest round
+        of that depth (d passes, one verify token, the least catch-up of a request that may draft),
+        bounds the rate any choice reaches; where acceptance is low that settles the round
+        without trying each width."""
         n = len(gains)
-        base, switch, per_token, per_pass, per_pass_request = self.cost.round_terms(n, 1)
-        cheapest = base + switch + per_pass + per_token * self._verified(n, 1) + per_pass_request
-        return (n + gains.sum()) / max(cheapest, 1e-9) > plain_rate
+        may_draft = gains[:, 0] > 0
+        if not may_draft.any():
+            return []
+        least_entry = float(entry[may_draft].min())
+        expected = n + np.cumsum(gains.sum(0))  # by depth 1..K
+        out = []
+        for depth in range(1, deepest + 1):
+            base, switch, per_token, per_pass, per_pass_request = self.cost.round_terms(n, depth)
+            cheapest = base + switch + per_pass + per_token * self._verified(n, 1) + per_pass_request + least_entry
+            if expected[depth - 1] / max(cheapest, 1e-9) > plain_rate:
+                out.append(depth)
+        return out
 
     def _token_values(self, gains: np.ndarray, remaining: list[int] | None, waiting: int) -> np.ndarray:
         """What a token drafted for each request is worth, as a share of an average token of the
