@@ -296,8 +296,7 @@ def verdicts(rows, key: str = "tok_per_cpu_s") -> list[dict]:
         family = method.removesuffix(" adaptive")
         if family not in FAMILIES or method == family:
             continue
-        none = by.get((kind, c, "none"), by.get((kind, c, f"{family} none")))  # a run with a none per family
-        fixed = by[(kind, c, f"{family} fixed k=4")]
+        none, fixed = by[(kind, c, "none")], by[(kind, c, f"{family} fixed k=4")]
         ratios = [a / max(plain, f) for a, plain, f in zip(adaptive, none, fixed)]
         ratio = statistics.median(ratios)
         out.append({"workload": kind, "concurrency": c, "family": family, "ratio": ratio, "low": min(ratios),

@@ -206,6 +206,7 @@ class SpecPolicy:
     probe_budget: float = 0.02  # the share of round time that probing may cost
     first_probe_budget: float = 0.05  # the most a failed first probe may cost, as a share of the request's plain time
     trace: list | None = None  # a list to append each round's choice, prediction and measurement to
+    prior: float = field(init=False)  # the algorithm's first-position acceptance before any evidence
     algorithm_acceptance: Acceptance = field(init=False)
     class_acceptance: list[Acceptance] = field(init=False)
     requests: RequestEstimates = field(init=False)
@@ -214,10 +215,9 @@ class SpecPolicy:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"unknown speculation policy {self.mode!r}; use one of {', '.join(MODES)}")
-        prior = ALGORITHM_PRIORS.get(self.algorithm, 0.5)
-        self.prior = prior
-        self.algorithm_acceptance = Acceptance(self.max_draft, prior, prior_weight=2.0, decay=0.95)
-        self.class_acceptance = [Acceptance(self.max_draft, prior, prior_weight=2.0, decay=0.95)
+        self.prior = ALGORITHM_PRIORS.get(self.algorithm, 0.5)
+        self.algorithm_acceptance = Acceptance(self.max_draft, self.prior, prior_weight=2.0, decay=0.95)
+        self.class_acceptance = [Acceptance(self.max_draft, self.prior, prior_weight=2.0, decay=0.95)
                                  for _ in range(self.classes)]
         self.requests = RequestEstimates(self.max_draft)
 
