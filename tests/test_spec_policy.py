@@ -449,3 +449,19 @@ def test_the_depth_bound_never_rules_out_a_round_that_beats_plain():
         for depth in range(1, 5):
             if policy._best_for_depth(gains, depth, entry)[1] > plain_rate:
                 assert depth in kept, (trial, depth)
+
+
+def test_a_new_request_with_a_classed_proposal_gets_no_blind_first_probe():
+    """Short n-gram matches (class 1) were all rejected. A new request whose proposal is a short
+    match is not probed: its class says what the probe would find. Without classes the same
+    request is probed once (its estimate leans on the algorithm's, which earlier requests could
+    have dragged down whatever the new request copies)."""
+    def policy(classes: int) -> SpecPolicy:
+        p = SpecPolicy("adaptive", "NGRAM", 4, cpu_like(), probe_every=1000, classes=classes)
+        for rid in range(10):
+            p.record([rid], [4], [4], [0], 1.0, classes=[1] if classes else None)
+            p.forget(rid)
+        return p
+
+    assert policy(5).draft_lengths([20], [4], remaining=[32], classes=[1]) == [0]
+    assert policy(0).draft_lengths([20], [4], remaining=[32])[0] > 0

@@ -275,7 +275,8 @@ class SpecPolicy:
                     best, best_rate = ks, rate
         catch_up_seconds = (np.array([self.cost.catch_up(t) for t in catch_up]) if catch_up
                             else np.zeros(len(rids)))
-        best = self._first_probe(rows, cap, best, catch_up_seconds, weighted, remaining)
+        if classes is None:  # a classed proposal is priced by its class's evidence: no blind probe
+            best = self._first_probe(rows, cap, best, catch_up_seconds, weighted, remaining)
         return self._probe(cap, best, catch_up_seconds, value).tolist()
 
     def _depths_that_may_pay(self, gains: np.ndarray, entry: np.ndarray, plain_rate: float, deepest: int) -> list[int]:
@@ -330,7 +331,10 @@ class SpecPolicy:
         and only if, should nothing be accepted, it costs at most ``first_probe_budget`` of their
         time without drafting: then a probe that fails costs them at most that share. A request
         stays new until it has had a proposal verified (its estimate has an observation): a probe
-        whose lookup found nothing cost nothing and comes again."""
+        whose lookup found nothing cost nothing and comes again. Proposals with classes skip it:
+        the floor it makes up for is not applied to them, and what earlier requests taught of a
+        class is what a new proposal of it is worth (an open prompt's one-token matches, probed
+        blind, were rejected rounds in every new request)."""
         fresh = (ks == 0) & (caps > 0) & ~self.requests.observed(rows)
         if not fresh.any():
             return ks
