@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
+from specdecode_worker.engine.speculative import ngram_match  # noqa: E402
 from specdecode_worker.engine.step_cost import StepCost  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 
@@ -183,3 +184,33 @@ def test_sampling_stays_exact_when_the_draft_length_changes(tmp_path):
     assert 0 < eng.stats.accepted_tokens < eng.stats.proposed_tokens
     assert chi_square(counts, exact) < CHI2_CRIT[7]
     assert chi_square(counts, draft_marginal) > CHI2_CRIT[7]
+
+
+def test_an_undrafted_lookup_is_scored_against_the_token_the_round_committed(models, reference):
+    """NGRAM held at k = 0 in every round: each round's lookup is still scored, and each verdict is
+    the one a replay of the lookup over transformers' greedy output gives (its first token against
+    the next one), with the matched suffix's length as the class."""
+    eng = engine(models["target"], "NGRAM", spec_policy="adaptive")
+    eng.policy.draft_lengths = lambda rids, caps, **kw: [0] * len(rids)
+    scored: dict[int, list[tuple[bool, int]]] = {}
+    score = eng.policy.score
+
+    def record(rids, kept, classes=None):
+        for rid, k, c in zip(rids, kept, classes):
+            scored.setdefault(rid, []).append((k, c))
+        score(rids, kept, classes)
+
+    eng.policy.score = record
+    reqs = [Request(p, GREEDY) for p in PROMPTS]
+    run_all(eng, reqs)
+    k, max_n = eng.speculator.k, eng.speculator.ngram_max
+    for r, prompt, out in zip(reqs, PROMPTS, reference):
+        assert r.output_ids == out
+        expected = []
+        for i in range(1, len(out)):  # the first token comes from the prefill, each later one from a round
+            proposal, n = ngram_match(prompt + out[:i], k, max_n)
+            if proposal:
+                expected.append((proposal[0] == out[i], n))
+        assert scored.get(r.rid, []) == expected
+    assert any(kept for verdicts in scored.values() for kept, _ in verdicts)
+    assert not all(kept for verdicts in scored.values() for kept, _ in verdicts)

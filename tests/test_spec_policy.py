@@ -465,3 +465,24 @@ def test_a_new_request_with_a_classed_proposal_gets_no_blind_first_probe():
 
     assert policy(5).draft_lengths([20], [4], remaining=[32], classes=[1]) == [0]
     assert policy(0).draft_lengths([20], [4], remaining=[32])[0] > 0
+
+
+def test_scored_proposals_bring_drafting_back_without_probes():
+    """Long matches (class 4) were all rejected, so two new requests start at k = 0. Their
+    proposals are scored against the committed token each round they are not drafted: request 20's
+    keep matching and it drafts again within a few rounds; request 21's never do and it is never
+    drafted, not even by a probe (due every round here, at no limit on its cost)."""
+    p = SpecPolicy("adaptive", "NGRAM", 4, overhead_bound(), classes=5, probe_every=1, probe_budget=1.0)
+    for rid in range(10):
+        p.record([rid], [4], [4], [0], 1.0, classes=[4])
+        p.forget(rid)
+    chosen = []
+    for _ in range(8):
+        ks = p.draft_lengths([20, 21], [4, 4], remaining=[32, 32], waiting=1, classes=[4, 4])
+        chosen.append(ks)
+        p.record([20, 21], ks, ks, [k if rid == 20 else 0 for rid, k in zip([20, 21], ks)], 1.0, classes=[4, 4])
+        undrafted = [rid for rid, k in zip([20, 21], ks) if k == 0]
+        p.score(undrafted, [rid == 20 for rid in undrafted], [4] * len(undrafted))
+    assert chosen[0] == [0, 0]
+    assert all(ks[1] == 0 for ks in chosen), chosen
+    assert chosen[-1][0] == 4, chosen

@@ -51,7 +51,7 @@ from .phases import Phase, PhaseError
 from .pools import KV_CACHE_DTYPES, MemoryPoolConfig
 from .request import Request, make_generator
 from .spec_policy import FIXED, MODES, SpecPolicy
-from .speculative import RoundResult, Speculator, StandaloneSpeculator
+from .speculative import Lookup, RoundResult, Speculator, StandaloneSpeculator
 from .step_cost import StepCost
 from .step_timing import draft_points, target_points
 from .vocab_map import DraftVocabulary
@@ -545,11 +545,20 @@ class Engine:
             seconds = time.perf_counter() - start
             self.policy.record(rids, ks, [x.proposed for x in results], [x.accepted for x in results], seconds,
                                classes=classes)
+            if lookup is not None:
+                self._score_undrafted(rids, ks, lookup, results)
             self._count_step(ks, results, seconds)
             with self._ending_together():
                 for r, result in zip(reqs, results):
                     self._count_round(r, result)
                     self._commit(r, result.tokens)
+
+    def _score_undrafted(self, rids: list[int], ks: list[int], lookup: Lookup, results: list[RoundResult]) -> None:
+        """Each proposal the round did not draft, against the token the round committed instead."""
+        undrafted = [i for i, (k, p) in enumerate(zip(ks, lookup.proposals)) if k == 0 and p]
+        self.policy.score([rids[i] for i in undrafted],
+                          [lookup.proposals[i][0] == results[i].tokens[0] for i in undrafted],
+                          [lookup.classes[i] for i in undrafted])
 
     def _draft_cap(self, r: Request) -> int:
         if not r.speculative:

@@ -33,7 +33,9 @@ at most ``first_probe_budget`` of its time without drafting), so that one that c
 prompt is found out in its first rounds.
 A request drafting nothing gets no new observation, so now and then the requests held at k = 0
 by their estimates draft one token each, together, spaced so that probing costs at most
-``probe_budget`` of the time: that is how speculation comes back once acceptance does. A lookup
+``probe_budget`` of the time: that is how speculation comes back once acceptance does. Proposals
+known before the round need neither probe: one not drafted is scored against the token the round
+committed (``score``), which is what verifying its first token would have told, for nothing. A lookup
 that found nothing to propose (NGRAM) is no evidence either way: no token was verified, so asking
 cost nothing, and it says nothing of how often a match is accepted (counting it as a rejection
 would scale a request's gains by how often it matches while its cost, priced per verified token,
@@ -275,8 +277,9 @@ class SpecPolicy:
                     best, best_rate = ks, rate
         catch_up_seconds = (np.array([self.cost.catch_up(t) for t in catch_up]) if catch_up
                             else np.zeros(len(rids)))
-        if classes is None:  # a classed proposal is priced by its class's evidence: no blind probe
-            best = self._first_probe(rows, cap, best, catch_up_seconds, weighted, remaining)
+        if classes is not None:  # proposals known before the round are scored whether drafted or not
+            return best.tolist()
+        best = self._first_probe(rows, cap, best, catch_up_seconds, weighted, remaining)
         return self._probe(cap, best, catch_up_seconds, value).tolist()
 
     def _depths_that_may_pay(self, gains: np.ndarray, entry: np.ndarray, plain_rate: float, deepest: int) -> list[int]:
@@ -331,10 +334,9 @@ class SpecPolicy:
         and only if, should nothing be accepted, it costs at most ``first_probe_budget`` of their
         time without drafting: then a probe that fails costs them at most that share. A request
         stays new until it has had a proposal verified (its estimate has an observation): a probe
-        whose lookup found nothing cost nothing and comes again. Proposals with classes skip it:
-        the floor it makes up for is not applied to them, and what earlier requests taught of a
-        class is what a new proposal of it is worth (an open prompt's one-token matches, probed
-        blind, were rejected rounds in every new request)."""
+        whose lookup found nothing cost nothing and comes again. Proposals known before the round
+        skip it: one that is not drafted is scored anyway (``score``), so a new request has its
+        first evidence after its first round, at no cost."""
         fresh = (ks == 0) & (caps > 0) & ~self.requests.observed(rows)
         if not fresh.any():
             return ks
@@ -457,6 +459,23 @@ class SpecPolicy:
             self.trace.append({"requests": shape[0], "ks": list(ks), "proposed": list(proposed),
                                "accepted": list(accepted), "predicted": self.cost(*shape), "seconds": seconds})
         self.cost.record(*shape, seconds)
+
+    def score(self, rids: list[int], kept: list[bool], classes: list[int] | None = None) -> None:
+        """Proposals known before a round that were not drafted, each scored against the token the
+        round committed for its request: ``kept[i]``, whether it was the proposal's first token. For
+        a lookup's proposal (a point mass) that is what verifying its first token would have said:
+        greedy, the same token; sampling, a token drawn from the same distribution, kept with the
+        same probability. First-position evidence for the request, its class and the algorithm,
+        every round, without a verify pass; later positions are learnt from drafted rounds."""
+        if not rids:
+            return
+        ones, hits = np.ones(len(rids), dtype=np.int64), np.array(kept, dtype=np.int64)
+        self.requests.observe(self.requests.rows(rids), ones, hits)
+        self.algorithm_acceptance.observe_many(ones, hits)
+        if classes is not None and self.class_acceptance:
+            kinds = np.array(classes)
+            for c in np.unique(kinds):
+                self.class_acceptance[c].observe_many(ones[kinds == c], hits[kinds == c])
 
     def forget(self, rid: int) -> None:
         self.requests.forget(rid)
