@@ -275,10 +275,10 @@ class SpecPolicy:
                 ks, rate = self._best_for_depth(candidate, depth, entry)
                 if rate > best_rate:
                     best, best_rate = ks, rate
-        catch_up_seconds = (np.array([self.cost.catch_up(t) for t in catch_up]) if catch_up
-                            else np.zeros(len(rids)))
         if classes is not None:  # proposals known before the round are scored whether drafted or not
             return best.tolist()
+        catch_up_seconds = (np.array([self.cost.catch_up(t) for t in catch_up]) if catch_up
+                            else np.zeros(len(rids)))
         best = self._first_probe(rows, cap, best, catch_up_seconds, weighted, remaining)
         return self._probe(cap, best, catch_up_seconds, value).tolist()
 
