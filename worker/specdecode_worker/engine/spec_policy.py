@@ -444,14 +444,8 @@ class SpecPolicy:
         p, a = np.array(proposed, dtype=np.int64), np.array(accepted, dtype=np.int64)
         drafted = p > 0
         if drafted.any():
-            rows = self.requests.rows([r for r, d in zip(rids, drafted) if d])
-            self.requests.observe(rows, p[drafted], a[drafted])
-            self.algorithm_acceptance.observe_many(p[drafted], a[drafted])
-            if classes is not None and self.class_acceptance:
-                kinds = np.array(classes)
-                for c in np.unique(kinds[drafted]):
-                    of_class = drafted & (kinds == c)
-                    self.class_acceptance[c].observe_many(p[of_class], a[of_class])
+            self._observe([r for r, d in zip(rids, drafted) if d], p[drafted], a[drafted],
+                          None if classes is None else np.array(classes)[drafted])
         if self.mode == FIXED:
             return
         shape = (len(rids), int(self._verified(len(rids), int(p.sum()))), int(p.max(initial=0)), int((p > 0).sum()))
@@ -467,15 +461,17 @@ class SpecPolicy:
         greedy, the same token; sampling, a token drawn from the same distribution, kept with the
         same probability. First-position evidence for the request, its class and the algorithm,
         every round, without a verify pass; later positions are learnt from drafted rounds."""
-        if not rids:
-            return
-        ones, hits = np.ones(len(rids), dtype=np.int64), np.array(kept, dtype=np.int64)
-        self.requests.observe(self.requests.rows(rids), ones, hits)
-        self.algorithm_acceptance.observe_many(ones, hits)
+        if rids:
+            self._observe(rids, np.ones(len(rids), dtype=np.int64), np.array(kept, dtype=np.int64),
+                          None if classes is None else np.array(classes))
+
+    def _observe(self, rids: list[int], proposed: np.ndarray, accepted: np.ndarray, classes: np.ndarray | None) -> None:
+        """Verified (or scored) proposals as evidence for their requests, the algorithm and their classes."""
+        self.requests.observe(self.requests.rows(rids), proposed, accepted)
+        self.algorithm_acceptance.observe_many(proposed, accepted)
         if classes is not None and self.class_acceptance:
-            kinds = np.array(classes)
-            for c in np.unique(kinds):
-                self.class_acceptance[c].observe_many(ones[kinds == c], hits[kinds == c])
+            for c in np.unique(classes):
+                self.class_acceptance[c].observe_many(proposed[classes == c], accepted[classes == c])
 
     def forget(self, rid: int) -> None:
         self.requests.forget(rid)
