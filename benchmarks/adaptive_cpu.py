@@ -14,9 +14,11 @@ that finishes early lets the next one in.
 On a shared machine, load moves speeds by a factor within minutes and by tens of percent from one
 second to the next (other processes take the memory bus a decode pass streams its weights over).
 So the methods of a point run together, in lockstep: each engine decodes its own copy of the
-point's requests, and the engines take one step each in turn (in a rotating order) until all
-have finished, each step's CPU time charged to its method; whatever else the machine does then
-falls on every method alike. And every engine's target shares the first engine's weight
+point's requests, and the engines take one step each in turn (each turn in a fresh random
+order, seeded by the point and the repeat, since a step starts with the caches the step before it
+left: in a cycle every method would always follow the same other one) until all have finished,
+each step's CPU time charged to its method; whatever else the machine does then falls on every
+method alike. And every engine's target shares the first engine's weight
 tensors, so that no method gains or loses by where its weights landed in memory (without that,
 of two NONE engines built alike and stepped in lockstep, one was 1.2-2.5% faster in each of four
 runs). A point runs
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -111,10 +114,14 @@ def share_target_weights(source: Engine, s: Engine) -> None:
         p.data = weights[name].data
 
 
-def run_together(methods: dict[str, Engine], order: list[str], prompts: list[list[int]], max_new: int):
-    """Every method decodes its own copy of ``prompts``; the engines step in turn (in ``order``),
-    one step each, until all have finished, each step's CPU and wall time charged to its method.
-    Per method: outputs, wall seconds, and what its policy did meanwhile (as ``run``)."""
+def run_together(methods: dict[str, Engine], order: list[str], prompts: list[list[int]], max_new: int,
+                 seed: int | None = None):
+    """Every method decodes its own copy of ``prompts``; the engines step in turn, one step each,
+    until all have finished, each step's CPU and wall time charged to its method. With ``seed``,
+    each turn takes the engines in a fresh random order (seeded): a step starts with the caches the
+    step before it used, and in a fixed cycle (rotated or not) every method would always follow
+    the same other method, the one always after a method that drafts paying for it. Without, in
+    ``order``. Per method: outputs, wall seconds, and what its policy did meanwhile (as ``run``)."""
     state = {}
     for name in order:
         s = methods[name]
@@ -126,8 +133,12 @@ def run_together(methods: dict[str, Engine], order: list[str], prompts: list[lis
         for r in reqs:
             s.submit(r)
     pending = list(order)
+    shuffle = random.Random(seed).shuffle if seed is not None else None
     while pending:
-        for name in list(pending):
+        turn = list(pending)
+        if shuffle:
+            shuffle(turn)
+        for name in turn:
             st = state[name]
             start, cpu_start = time.perf_counter(), time.process_time()
             methods[name].step()
@@ -225,8 +236,8 @@ def main(argv=None) -> int:
             prompts = workload_prompts(kind, c * max(1, args.queue))
             runs: dict[str, list[dict]] = {m: [] for m in names}
             for rep in range(args.repeats):
-                order = names[rep % len(names):] + names[: rep % len(names)]  # no method always steps first
-                together = run_together(methods, order, [ids[p] for p in prompts], n)
+                together = run_together(methods, names, [ids[p] for p in prompts], n,
+                                        seed=1000 * c + 10 * WORKLOADS.index(kind) + rep)
                 for method, (outs, secs, info) in together.items():
                     tokens = sum(len(o) for o in outs)
                     runs[method].append({"tokens": tokens, "seconds": secs, "tok_per_s": tokens / secs,

@@ -36,3 +36,44 @@ def test_a_single_run_per_point_tabulates():
     rows = [row("copy", 1, "none", [10.0]), row("copy", 1, "NGRAM fixed k=4", [20.0]),
             row("copy", 1, "NGRAM adaptive", [21.0])]
     assert verdicts(rows)[0]["ratio"] == pytest.approx(1.05)
+
+
+class _Stepper:
+    """Just what run_together drives: requests that finish after ``steps`` steps, and a log of who stepped."""
+
+    def __init__(self, name: str, log: list[str], steps: int):
+        from types import SimpleNamespace
+        self.name, self.log, self.steps = name, log, steps
+        self.policy = SimpleNamespace(trace=None)
+        self.stats = SimpleNamespace(decode_steps=0, steps_without_speculation=0)
+        self.reqs = []
+
+    def submit(self, r):
+        self.reqs.append(r)
+
+    def step(self):
+        self.log.append(self.name)
+        self.stats.decode_steps += 1
+        if self.stats.decode_steps >= self.steps:
+            for r in self.reqs:
+                r.done.set()
+
+
+def _successions(log: list[str]) -> set[tuple[str, str]]:
+    return {(a, b) for a, b in zip(log, log[1:]) if a != b}
+
+
+def test_lockstep_turns_are_shuffled_so_no_method_always_follows_the_same_one():
+    from benchmarks.adaptive_cpu import run_together
+
+    names = ["none", "fixed", "adaptive"]
+    log: list[str] = []
+    run_together({n: _Stepper(n, log, 30) for n in names}, names, [[1, 2, 3]], 4)
+    assert _successions(log) == {("none", "fixed"), ("fixed", "adaptive"), ("adaptive", "none")}  # a cycle
+    log.clear()
+    out = run_together({n: _Stepper(n, log, 30) for n in names}, names, [[1, 2, 3]], 4, seed=7)
+    assert _successions(log) == {(a, b) for a in names for b in names if a != b}
+    assert sorted(log) == sorted(names * 30) and set(out) == set(names)  # every method still took all its steps
+    log2: list[str] = []
+    run_together({n: _Stepper(n, log2, 30) for n in names}, names, [[1, 2, 3]], 4, seed=7)
+    assert log2 == log  # seeded: the same turns again
