@@ -36,6 +36,7 @@ The fit is numpy over the window's rows; nothing here needs torch.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 
 import numpy as np
@@ -165,7 +166,7 @@ class StepCost:
         non-decreasing by pooling adjacent points that fall (a pass over more rows never costs
         less)."""
         points = {n: s * self.load for n, s in self._warm_plain.items()}
-        points.update({float(n): float(np.median(v)) for n, v in self._measured_plain.items() if len(v) >= 3})
+        points.update({float(n): statistics.median(v) for n, v in self._measured_plain.items() if len(v) >= 3})
         sizes = sorted(points)
         return np.array(sizes, dtype=float), np.array(non_decreasing([points[n] for n in sizes]))
 
@@ -210,7 +211,7 @@ def _solve_normal(x: np.ndarray, y: np.ndarray, w: np.ndarray, free: list[int], 
     a = (xs * w[:, None]).T @ xs
     rhs = (xs * w[:, None]).T @ y
     a[np.diag_indices_from(a)] += ridge * (np.diag(a) + 1.0)
-    sol = np.linalg.lstsq(a, rhs, rcond=None)[0]
+    sol = np.linalg.solve(a, rhs)  # the ridge makes a positive definite
     coef = [0.0] * len(FEATURES)
     for i, v in zip(free, sol):
         coef[i] = float(v)
