@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
-from specdecode_worker.engine.spec_policy import Acceptance, SpecPolicy
+from specdecode_worker.engine.spec_policy import Acceptance, RequestEstimates, SpecPolicy
 from specdecode_worker.engine.step_cost import StepCost
 
 
@@ -48,14 +49,17 @@ def test_acceptance_counts_positions_up_to_the_first_rejection():
 
 
 def test_a_request_with_evidence_grows_its_estimate_at_once():
-    """One round that kept 4 of 4 lifts every position of that request, the undrafted ones too,
-    above the algorithm's; a rejection at position 1 pulls its estimate below."""
-    algorithm = Acceptance(4, prior=0.5, prior_weight=2.0, decay=0.95)
-    copying, other = Acceptance(4, algorithm), Acceptance(4, algorithm)
-    copying.observe(proposed=4, accepted=4)
-    other.observe(proposed=1, accepted=0)
-    assert min(copying.rates()) > 0.7 > 0.5 > max(other.rates())
-    assert algorithm.rates() == pytest.approx([0.5] * 4)  # the parent learns only what it is told
+    """One round that kept 4 of 4, where its parent expected half of each, lifts every position of
+    that request, the undrafted ones too, above the parent's; a rejection at position 1 pulls its
+    estimate below."""
+    est = RequestEstimates(4)
+    rows = est.rows([1, 2])
+    half = np.full((2, 4), 0.5)
+    est.observe(rows, np.array([4, 1]), np.array([4, 0]), half)
+    copying, other = est.rates(rows, half, np.array([0.5, 0.5]))
+    # Copying: kept 4 where 2 were expected -> factor (1 + 4) / (1 + 2); per position (1 + 1) / (1 + 5/3 * 0.5).
+    assert copying == pytest.approx([0.5 * 5 / 3 * 2 / (1 + 5 / 6)] * 4)
+    assert min(copying) > 0.7 > 0.5 > max(other)
 
 
 def test_speculation_turns_off_when_acceptance_collapses_and_returns_when_it_comes_back():
@@ -263,26 +267,52 @@ def test_round_terms_add_up_to_the_model():
     assert base + switch + per_token * 20 + per_pass + per_request * 6 == pytest.approx(model(8, 20, 3, 6))
 
 
+class OneRequest:
+    """One request's estimate as ``RequestEstimates`` describes it, position by position in plain
+    Python: an independent reference for the batched rows."""
+
+    def __init__(self, positions: int, decay: float = 0.8):
+        self.decay = decay
+        self.hits, self.seen, self.expected = [0.0] * positions, [0.0] * positions, [0.0] * positions
+
+    def observe(self, proposed: int, accepted: int, predicted: list[float]) -> None:
+        for i in range(min(proposed, accepted + 1, len(self.hits))):
+            self.seen[i] = self.decay * self.seen[i] + 1
+            self.hits[i] = self.decay * self.hits[i] + (i < accepted)
+            self.expected[i] = self.decay * self.expected[i] + predicted[i]
+
+    def rates(self, parent: list[float]) -> list[float]:
+        factor = (1 + sum(self.hits)) / (1 + sum(self.expected))
+        return [min(1.0, a * factor * (1 + h) / (1 + factor * e)) for a, h, e in zip(parent, self.hits, self.expected)]
+
+
+def floored(algorithm: Acceptance, floor: float) -> list[float]:
+    """The algorithm's rates, raised in proportion where its overall rate is below ``floor``."""
+    lift = max(algorithm.overall(), floor) / algorithm.overall()
+    return [min(1.0, a * lift) for a in algorithm.rates()]
+
+
 def test_the_batched_estimates_are_the_per_request_estimates():
-    """The policy keeps every request's estimate as rows of arrays; they must equal the
-    ``Acceptance`` of each request (parent: the algorithm's, floored at its prior), round after
+    """The policy keeps every request's estimate as rows of arrays; they must equal each request's
+    estimate computed on its own (parent: the algorithm's, floored at its prior), round after
     round, and the algorithm's batched update must equal its updates one by one."""
     rng = random.Random(3)
     policy = SpecPolicy("adaptive", "STANDALONE", 4, overhead_bound())
     algorithm = Acceptance(4, 0.7, prior_weight=2.0, decay=0.95)
-    own = {rid: Acceptance(4, algorithm, floor=0.7) for rid in range(6)}
+    own = {rid: OneRequest(4) for rid in range(6)}
     for _ in range(30):
         rids = rng.sample(range(6), rng.randrange(1, 7))
         proposed = [rng.randrange(0, 5) for _ in rids]
         accepted = [rng.randrange(0, p + 1) for p in proposed]
         policy.record(rids, proposed, proposed, accepted, 1.0)
+        predicted = floored(algorithm, 0.7)
         for rid, p, a in zip(rids, proposed, accepted):
             if p:
-                own[rid].observe(p, a)
+                own[rid].observe(p, a, predicted)
                 algorithm.observe(p, a)
         assert policy.algorithm_acceptance.rates() == pytest.approx(algorithm.rates(), abs=1e-12)
         for rid in range(6):
-            assert policy.acceptance(rid) == pytest.approx(own[rid].rates(), abs=1e-12)
+            assert policy.acceptance(rid) == pytest.approx(own[rid].rates(floored(algorithm, 0.7)), abs=1e-12)
 
 
 def test_a_request_the_others_outlast_drafts_only_if_leaving_early_saves_time():
@@ -486,3 +516,19 @@ def test_scored_proposals_bring_drafting_back_without_probes():
     assert chosen[0] == [0, 0]
     assert all(ks[1] == 0 for ks in chosen), chosen
     assert chosen[-1][0] == 4, chosen
+
+
+def test_a_kept_long_match_does_not_make_a_request_draft_its_short_ones():
+    """Short matches (class 1) are rarely kept, long ones (class 2) mostly: a request whose first,
+    long, match kept 2 of 4 has done about what its class promised, which says nothing good of its
+    next, short, match. Read against what its proposal's class predicted, its evidence leaves the
+    short match at class 1's rate, and it is not drafted; its next long match is."""
+    p = SpecPolicy("adaptive", "NGRAM", 4, half_a_step_per_token(), probe_every=1000, classes=5)
+    for rid in range(20):
+        p.record([rid], [4], [4], [0 if rid % 10 else 1], 1.0, classes=[1])  # class 1: 1 kept in 10
+        p.record([rid], [4], [4], [2 if rid % 2 else 4], 1.0, classes=[2])  # class 2: mostly kept
+        p.forget(rid)
+    assert p.class_acceptance[1].overall() < 0.2 and p.class_acceptance[2].overall() > 0.7
+    p.record([50], [4], [4], [2], 1.0, classes=[2])
+    assert p.draft_lengths([50], [4], remaining=[32], waiting=1, classes=[1]) == [0]
+    assert p.draft_lengths([50], [4], remaining=[32], waiting=1, classes=[2])[0] > 0

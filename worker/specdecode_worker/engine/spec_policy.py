@@ -3,14 +3,16 @@
 The adaptive policy picks each request's draft length k in 0..K that maximises the batch's
 expected goodput, sum_r (1 + v_r E[accepted_r | k_r]) / step_time(round shape):
 - acceptance is estimated by draft position, as the conditional rate P(accept i | accepted
-  i - 1), per request and per algorithm: forgetting Beta estimates; a position's rate leans on
-  the estimate's rate over all positions, a request's overall rate on the algorithm's, and the
-  algorithm's on a fixed per-algorithm prior (see ``Acceptance``; every request's estimate is a
-  row of ``RequestEstimates``, so a round costs a few numpy operations whatever the batch);
-  where the proposals are known before the round (NGRAM's lookups, ``speculative.Lookup``),
-  acceptance is also learnt per class of proposal (the matched suffix's length), and a request
-  leans on its proposal's class instead of the algorithm: a one-token match in open text is
-  rarely kept, a four-token match in a copied passage nearly always;
+  i - 1), per algorithm and per request. The algorithm's is a forgetting Beta estimate whose
+  positions lean on its rate over all positions, and that on a fixed per-algorithm prior
+  (``Acceptance``). Where the proposals are known before the round (NGRAM's lookups,
+  ``speculative.Lookup``), acceptance is also learnt per class of proposal (the matched suffix's
+  length), and a request leans on its proposal's class instead of the algorithm: a one-token
+  match in open text is rarely kept, a four-token match in a copied passage nearly always. A
+  request's own estimate is its parent's (its class's, or the algorithm's) times a factor, its
+  kept tokens over what its parents expected it to keep, so that a request that kept a long match
+  as long matches are kept is not expected to keep its next short one (``RequestEstimates``: every
+  request is a row of arrays, so a round costs a few numpy operations whatever the batch);
 - E[accepted | k] = sum_{i<=k} prod_{j<=i} a_j, so the gain of the i-th draft token of a request
   is prod_{j<=i} a_j and never grows with i: for a given verify width the best choice takes the
   largest gains, and the policy tries every width (and every draft depth) and keeps the best ratio;
@@ -63,45 +65,26 @@ ALGORITHM_PRIORS = {"NGRAM": 0.5, "STANDALONE": 0.7, "EAGLE": 0.7, "EAGLE3": 0.7
 
 
 class Acceptance:
-    """Conditional acceptance by draft position: forgetting Beta estimates, shrunk toward a parent.
+    """Conditional acceptance by draft position, pooled over many requests (an algorithm's, or a
+    class of proposals'): forgetting Beta estimates, shrunk toward a fixed prior in two levels, so
+    that evidence counts at once: a position's rate leans on the rate over all positions (proposals
+    that kept their first drafts are expected to keep later ones, before any has drafted that
+    far), and that rate on the prior."""
 
-    Two levels of pooling, so that evidence counts at once: a position's rate leans on this
-    estimate's rate over all positions (a request that kept its first drafts is expected to keep
-    later ones too, before it has drafted that far), and that overall rate leans on the parent's
-    (the algorithm's estimate for a request; the algorithm's fixed prior for the algorithm)."""
-
-    def __init__(self, positions: int, prior: "Acceptance | float", prior_weight: float = 1.0, decay: float = 0.8,
-                 position_weight: float = 1.0, floor: float = 0.0):
-        """``floor``: the least overall rate taken from the parent. A new request expects at least
-        its algorithm's fixed prior, however badly earlier requests did, so that one that copies
-        from its prompt is tried within its first rounds; its own evidence soon outweighs that."""
+    def __init__(self, positions: int, prior: float, prior_weight: float = 1.0, decay: float = 0.8,
+                 position_weight: float = 1.0):
         self.prior, self.prior_weight, self.decay, self.position_weight = prior, prior_weight, decay, position_weight
-        self.floor = floor
         self.hits = [0.0] * positions
         self.seen = [0.0] * positions
 
     def overall(self) -> float:
-        """Acceptance over all positions, leaning on the parent's."""
-        parent = self.prior.overall() if isinstance(self.prior, Acceptance) else self.prior
-        return (self.prior_weight * max(parent, self.floor) + sum(self.hits)) / (self.prior_weight + sum(self.seen))
+        """Acceptance over all positions, leaning on the prior."""
+        return (self.prior_weight * self.prior + sum(self.hits)) / (self.prior_weight + sum(self.seen))
 
-    def rates(self, parent: tuple[list[float], float] | None = None) -> list[float]:
-        """P(the draft token at position i (0-based) is accepted | all before it were), by position.
-        ``parent``: the parent's (rates(), overall()) when the caller has them already."""
-        if parent is None and isinstance(self.prior, Acceptance):
-            parent = self.prior.rates(), self.prior.overall()
-        if parent is None:
-            overall = (self.prior_weight * self.prior + sum(self.hits)) / (self.prior_weight + sum(self.seen))
-        else:
-            parent_overall = max(parent[1], self.floor)
-            overall = (self.prior_weight * parent_overall + sum(self.hits)) / (self.prior_weight + sum(self.seen))
-        out = []
-        for i in range(len(self.hits)):
-            # A request's own overall rate, with the algorithm's profile over positions on top of it.
-            centre = overall if parent is None else overall * parent[0][i] / max(parent[1], 1e-9)
-            centre = min(centre, 1.0)
-            out.append((self.position_weight * centre + self.hits[i]) / (self.position_weight + self.seen[i]))
-        return out
+    def rates(self) -> list[float]:
+        """P(the draft token at position i (0-based) is accepted | all before it were), by position."""
+        overall = self.overall()
+        return [(self.position_weight * overall + h) / (self.position_weight + n) for h, n in zip(self.hits, self.seen)]
 
     def rate(self, i: int) -> float:
         return self.rates()[i]
@@ -124,25 +107,42 @@ class Acceptance:
         self.seen = (keep * np.array(self.seen) + weight.sum(0)).tolist()
         self.hits = (keep * np.array(self.hits) + (weight * kept).sum(0)).tolist()
 
-    def gains(self, k: int, parent: tuple[list[float], float] | None = None) -> list[float]:
+    def gains(self, k: int) -> list[float]:
         """Expected extra tokens from the 1st..k-th draft token: prod_{j<=i} a_j."""
         out, p = [], 1.0
-        for a in self.rates(parent)[:k]:
+        for a in self.rates()[:k]:
             p *= a
             out.append(p)
         return out
 
 
+def lifted(parent_rates: np.ndarray, parent_overall: np.ndarray, floor: float) -> np.ndarray:
+    """[requests, positions]: each parent's rates, raised in proportion where its overall rate is
+    below ``floor`` (a new request expects at least its algorithm's prior), at most 1."""
+    lift = np.maximum(parent_overall, floor) / np.maximum(parent_overall, 1e-9)
+    return np.minimum(parent_rates * lift[:, None], 1.0)
+
+
 class RequestEstimates:
-    """Every request's ``Acceptance`` as rows of two arrays, so that a round's estimates cost a few
-    array operations, whatever the batch. Each row's parent is given with the round (the
-    algorithm's estimate, or that of the class of the request's proposal this round)."""
+    """Every request's acceptance, relative to what it was expected to accept, as rows of arrays,
+    so that a round's estimates cost a few array operations, whatever the batch.
+
+    A request's proposals lean on a parent that can change from round to round (the algorithm's
+    estimate, or the class of this round's proposal), so its own evidence is read against what
+    its parent predicted for each token it had verified: a request is its parent's rates times a
+    factor, its kept tokens over the tokens its parents expected it to keep, shrunk toward 1 (a
+    gamma prior worth ``prior_weight`` expected tokens), with a factor per position on top
+    (``position_weight``). A request that kept a long match's tokens as often as long matches are
+    kept has a factor of 1, and its next short match is priced as short matches are; one that kept
+    more than its proposals promised is priced above its parents wherever it goes, and one that
+    kept less, below."""
 
     def __init__(self, positions: int, prior_weight: float = 1.0, decay: float = 0.8, position_weight: float = 1.0):
         self.positions = positions
         self.prior_weight, self.decay, self.position_weight = prior_weight, decay, position_weight
-        self.hits = np.zeros((8, positions))
-        self.seen = np.zeros((8, positions))
+        self.hits = np.zeros((8, positions))  # decayed tokens kept, by position
+        self.seen = np.zeros((8, positions))  # decayed tokens verified (a position judged)
+        self.expected = np.zeros((8, positions))  # decayed sum of the parent's rate for each judged position
         self._row: dict[int, int] = {}
         self._free = list(range(7, -1, -1))
 
@@ -152,22 +152,22 @@ class RequestEstimates:
             if rid not in self._row:
                 if not self._free:
                     size = len(self.hits)
-                    self.hits = np.vstack([self.hits, np.zeros_like(self.hits)])
-                    self.seen = np.vstack([self.seen, np.zeros_like(self.seen)])
+                    for name in ("hits", "seen", "expected"):
+                        setattr(self, name, np.vstack([getattr(self, name), np.zeros_like(self.hits)]))
                     self._free = list(range(2 * size - 1, size - 1, -1))
                 row = self._row[rid] = self._free.pop()
-                self.hits[row] = self.seen[row] = 0.0
+                self.hits[row] = self.seen[row] = self.expected[row] = 0.0
         return np.fromiter((self._row[rid] for rid in rids), dtype=np.int64, count=len(rids))
 
     def rates(self, rows: np.ndarray, parent_rates: np.ndarray, parent_overall: np.ndarray,
               floor: float = 0.0) -> np.ndarray:
-        """[requests, positions]: as ``Acceptance.rates`` of each request, whose parent has the
-        rates ``parent_rates[i]`` by position and ``parent_overall[i]`` over all (floored at ``floor``)."""
-        hits, seen = self.hits[rows], self.seen[rows]
-        overall = ((self.prior_weight * np.maximum(parent_overall, floor) + hits.sum(1))
-                   / (self.prior_weight + seen.sum(1)))
-        centre = np.minimum(overall[:, None] * parent_rates / np.maximum(parent_overall, 1e-9)[:, None], 1.0)
-        return (self.position_weight * centre + hits) / (self.position_weight + seen)
+        """[requests, positions]: P(request i keeps the draft token at each position | it kept
+        those before), where its parent's rates are ``parent_rates[i]`` by position and
+        ``parent_overall[i]`` over all (floored at ``floor``)."""
+        hits, expected = self.hits[rows], self.expected[rows]
+        factor = (self.prior_weight + hits.sum(1)) / (self.prior_weight + expected.sum(1))
+        by_position = (self.position_weight + hits) / (self.position_weight + factor[:, None] * expected)
+        return np.minimum(lifted(parent_rates, parent_overall, floor) * factor[:, None] * by_position, 1.0)
 
     def gains(self, rows: np.ndarray, caps: np.ndarray, parent_rates: np.ndarray, parent_overall: np.ndarray,
               floor: float = 0.0) -> np.ndarray:
@@ -175,12 +175,15 @@ class RequestEstimates:
         g = np.cumprod(self.rates(rows, parent_rates, parent_overall, floor), axis=1)
         return np.where(np.arange(self.positions)[None, :] < caps[:, None], g, 0.0)
 
-    def observe(self, rows: np.ndarray, proposed: np.ndarray, accepted: np.ndarray) -> None:
+    def observe(self, rows: np.ndarray, proposed: np.ndarray, accepted: np.ndarray, predicted: np.ndarray) -> None:
+        """Verified rounds: ``predicted[i]``, request i's parent's (lifted) rates by position when
+        its proposal was made, what each judged position counts as expected."""
         pos = np.arange(self.positions)[None, :]
         counted = pos < np.minimum(proposed, accepted + 1)[:, None]
         kept = (pos < accepted[:, None]).astype(float)
-        self.seen[rows] = np.where(counted, self.decay * self.seen[rows] + 1.0, self.seen[rows])
-        self.hits[rows] = np.where(counted, self.decay * self.hits[rows] + kept, self.hits[rows])
+        for name, value in (("seen", 1.0), ("hits", kept), ("expected", predicted)):
+            table = getattr(self, name)
+            table[rows] = np.where(counted, self.decay * table[rows] + value, table[rows])
 
     def observed(self, rows: np.ndarray) -> np.ndarray:
         """Whether each request has had a draft token verified (a first position judged)."""
@@ -467,7 +470,8 @@ class SpecPolicy:
 
     def _observe(self, rids: list[int], proposed: np.ndarray, accepted: np.ndarray, classes: np.ndarray | None) -> None:
         """Verified (or scored) proposals as evidence for their requests, the algorithm and their classes."""
-        self.requests.observe(self.requests.rows(rids), proposed, accepted)
+        predicted = lifted(*self._parents(len(rids), None if classes is None else classes.tolist()))
+        self.requests.observe(self.requests.rows(rids), proposed, accepted, predicted)
         self.algorithm_acceptance.observe_many(proposed, accepted)
         if classes is not None and self.class_acceptance:
             for c in np.unique(classes):
