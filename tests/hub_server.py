@@ -258,11 +258,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(name, value)
         self.end_headers()
         if self.command != "HEAD" and body:
-            if counted:
+            if counted:  # before the write, as in _stream
                 self.server.throttle.wait(len(body))
-            self.wfile.write(body)
-            if counted:
                 self.server.stats.sent(None, len(body))
+            self.wfile.write(body)
 
     def _json(self, obj: object, counted: bool = True) -> None:
         self._send(200, json.dumps(obj).encode(), counted=counted)
@@ -368,12 +367,15 @@ class _Handler(BaseHTTPRequestHandler):
                     self.close_connection = True
                     return
                 self.server.throttle.wait(len(chunk))
+                # Counted before the write: a client that has read a chunk must find it counted
+                # (counted after, a test could read the counter between the two).
+                self.server.stats.sent(key, len(chunk))
                 try:
                     self.wfile.write(chunk)
                 except (BrokenPipeError, ConnectionResetError):
+                    self.server.stats.sent(key, -len(chunk))
                     self.close_connection = True
                     return
-                self.server.stats.sent(key, len(chunk))
                 left -= len(chunk)
 
 
