@@ -532,3 +532,23 @@ def test_a_kept_long_match_does_not_make_a_request_draft_its_short_ones():
     p.record([50], [4], [4], [2], 1.0, classes=[2])
     assert p.draft_lengths([50], [4], remaining=[32], waiting=1, classes=[1]) == [0]
     assert p.draft_lengths([50], [4], remaining=[32], waiting=1, classes=[2])[0] > 0
+
+
+def test_a_request_with_one_long_match_is_not_counted_as_leaving_the_batch_early():
+    """A draining batch of two copying requests and two open ones, on a CPU-like curve: a plain
+    round of 1 request costs far less than one of 2, one of 2 what one of 4 does. The copying
+    requests would finish early, but the batch would then run with the 2 open ones, at the price
+    of 4: their drafting saves nothing, and they do not draft. One open request has a long match
+    this round; that does not put it on course to finish early (it has kept 1 token a round so
+    far), so the batch is not priced as if it would drop to 1 request. With one open request
+    beside it, a copying request's early finish does save: the batch drops to 1."""
+    curve = {1: 0.065, 2: 0.112, 4: 0.116}
+    cost = StepCost({(1, 0): 0.0706, (4, 0): 0.1144, (1, 4): 0.1082, (4, 4): 0.152, (4, 16): 0.1748},
+                    plain=curve, learn=False)
+    policy = SpecPolicy("adaptive", "NGRAM", 4, cost, probe_every=1000, classes=5)
+    for rid in range(100, 120):  # earlier requests kept every long match
+        policy.record([rid], [4], [4], [4], 0.15, classes=[4 if rid % 2 else 2])
+        policy.forget(rid)
+    # requests 0 and 2 copy (a 4-token match), 1 has a 2-token match, 3 none
+    assert policy.draft_lengths([0, 1, 2, 3], [4, 4, 4, 0], remaining=[31] * 4, classes=[4, 2, 4, 0]) == [0] * 4
+    assert policy.draft_lengths([0, 3], [4, 0], remaining=[31, 31], classes=[4, 0]) == [4, 0]

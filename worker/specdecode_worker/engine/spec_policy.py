@@ -143,6 +143,7 @@ class RequestEstimates:
         self.hits = np.zeros((8, positions))  # decayed tokens kept, by position
         self.seen = np.zeros((8, positions))  # decayed tokens verified (a position judged)
         self.expected = np.zeros((8, positions))  # decayed sum of the parent's rate for each judged position
+        self.pace = np.ones(8)  # tokens a round, recently (a moving average; 1 for a new request)
         self._row: dict[int, int] = {}
         self._free = list(range(7, -1, -1))
 
@@ -154,9 +155,11 @@ class RequestEstimates:
                     size = len(self.hits)
                     for name in ("hits", "seen", "expected"):
                         setattr(self, name, np.vstack([getattr(self, name), np.zeros_like(self.hits)]))
+                    self.pace = np.concatenate([self.pace, np.ones(size)])
                     self._free = list(range(2 * size - 1, size - 1, -1))
                 row = self._row[rid] = self._free.pop()
                 self.hits[row] = self.seen[row] = self.expected[row] = 0.0
+                self.pace[row] = 1.0
         return np.fromiter((self._row[rid] for rid in rids), dtype=np.int64, count=len(rids))
 
     def rates(self, rows: np.ndarray, parent_rates: np.ndarray, parent_overall: np.ndarray,
@@ -184,6 +187,10 @@ class RequestEstimates:
         for name, value in (("seen", 1.0), ("hits", kept), ("expected", predicted)):
             table = getattr(self, name)
             table[rows] = np.where(counted, self.decay * table[rows] + value, table[rows])
+
+    def advance(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """A round committed ``tokens[i]`` tokens for request i (its accepted drafts and one more)."""
+        self.pace[rows] = self.decay * self.pace[rows] + (1.0 - self.decay) * tokens
 
     def observed(self, rows: np.ndarray) -> np.ndarray:
         """Whether each request has had a draft token verified (a first position judged)."""
@@ -263,7 +270,7 @@ class SpecPolicy:
         gains = self.requests.gains(rows, cap, *self._parents(len(rids), classes))
         if not self.per_request:
             return self._uniform(gains, caps)
-        value = self._token_values(gains, remaining, waiting)
+        value = self._token_values(gains, remaining, waiting, rows)
         weighted = gains * value[:, None]
         entry = self._entry_costs(gains, catch_up, remaining)
         # Taking the largest gains first ignores what turning a request on costs: so also try the
@@ -305,14 +312,19 @@ class SpecPolicy:
                 out.append(depth)
         return out
 
-    def _token_values(self, gains: np.ndarray, remaining: list[int] | None, waiting: int) -> np.ndarray:
+    def _token_values(self, gains: np.ndarray, remaining: list[int] | None, waiting: int,
+                      rows: np.ndarray) -> np.ndarray:
         """What a token drafted for each request is worth, as a share of an average token of the
         round. With requests waiting, or with one request, every token is worth as much: a request
         that finishes early lets the next one in, or ends the batch. Otherwise the batch drains,
         and lasts as long as its slowest request: a request that the others outlast saves, by
         finishing early, only its own share of the rounds it leaves (the plain round of n requests
-        against one without it: on a CPU, little between 2 and 4 requests); only the rounds it
-        would run past every other request count in full."""
+        against one without the requests that leave early: on a CPU, little between 2 and 4
+        requests, much between 1 and 2); only the rounds it would run past every other request
+        count in full. Which requests leave early is read from the pace each has kept (its recent
+        tokens a round) as well as from this round's proposals: an open request with one long
+        match this round is not on course to finish early, and where a round of 1 request costs
+        far less than one of 2, counting it would price the batch as if it would drop to 1."""
         n = len(gains)
         if waiting or remaining is None or n < 2:
             return np.ones(n)
@@ -322,7 +334,10 @@ class SpecPolicy:
         others = np.where(np.arange(n) == top[0], fast[top[1]], fast[top[0]])  # the longest of the others
         tail = np.clip(slow - others, 0.0, None) / np.maximum(slow - fast, 1e-9)
         tail = np.where(slow - fast > 1e-9, np.minimum(tail, 1.0), 1.0)
-        leaving = max(1, int((tail < 0.5).sum()))
+        # The requests that leave early: those that could (tail < 0.5) and are on their way at the
+        # pace they have kept; at least one, the request whose drafting is priced.
+        going = slow / self.requests.pace[rows]  # rounds left at the pace it has kept
+        leaving = max(1, int(((tail < 0.5) & (going < 0.5 * going.max())).sum()))
         marginal = (self.cost.plain(n) - self.cost.plain(n - leaving)) / leaving
         share = min(1.0, max(0.0, marginal / (self.cost.plain(n) / n)))
         return tail + (1.0 - tail) * share
@@ -451,6 +466,7 @@ class SpecPolicy:
                           None if classes is None else np.array(classes)[drafted])
         if self.mode == FIXED:
             return
+        self.requests.advance(self.requests.rows(rids), 1.0 + a)
         shape = (len(rids), int(self._verified(len(rids), int(p.sum()))), int(p.max(initial=0)), int((p > 0).sum()))
         if self.trace is not None:
             self.trace.append({"requests": shape[0], "ks": list(ks), "proposed": list(proposed),
