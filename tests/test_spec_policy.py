@@ -552,3 +552,16 @@ def test_a_request_with_one_long_match_is_not_counted_as_leaving_the_batch_early
     # requests 0 and 2 copy (a 4-token match), 1 has a 2-token match, 3 none
     assert policy.draft_lengths([0, 1, 2, 3], [4, 4, 4, 0], remaining=[31] * 4, classes=[4, 2, 4, 0]) == [0] * 4
     assert policy.draft_lengths([0, 3], [4, 0], remaining=[31, 31], classes=[4, 0]) == [4, 0]
+
+
+def test_request_rows_grow_together_and_keep_their_evidence():
+    """Past the rows it starts with, every table doubles alike, and a request's evidence stays its own."""
+    est = RequestEstimates(4)
+    first = est.rows([0])
+    est.observe(first, np.array([4]), np.array([4]), np.full((1, 4), 0.5))
+    before = est.rates(first, np.full((1, 4), 0.5), np.array([0.5]))
+    rows = est.rows(list(range(1, 20)))
+    assert len(set(rows.tolist()) | {int(first[0])}) == 20
+    assert est.hits.shape == est.seen.shape == est.expected.shape and len(est.pace) == len(est.hits) >= 20
+    assert est.rates(est.rows([0]), np.full((1, 4), 0.5), np.array([0.5])) == pytest.approx(before)
+    assert est.rates(rows, np.full((19, 4), 0.5), np.full(19, 0.5)) == pytest.approx(np.full((19, 4), 0.5))

@@ -154,7 +154,8 @@ class RequestEstimates:
                 if not self._free:
                     size = len(self.hits)
                     for name in ("hits", "seen", "expected"):
-                        setattr(self, name, np.vstack([getattr(self, name), np.zeros_like(self.hits)]))
+                        table = getattr(self, name)
+                        setattr(self, name, np.vstack([table, np.zeros_like(table)]))
                     self.pace = np.concatenate([self.pace, np.ones(size)])
                     self._free = list(range(2 * size - 1, size - 1, -1))
                 row = self._row[rid] = self._free.pop()
