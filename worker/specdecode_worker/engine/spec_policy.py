@@ -86,9 +86,6 @@ class Acceptance:
         overall = self.overall()
         return [(self.position_weight * overall + h) / (self.position_weight + n) for h, n in zip(self.hits, self.seen)]
 
-    def rate(self, i: int) -> float:
-        return self.rates()[i]
-
     def observe(self, proposed: int, accepted: int) -> None:
         """One verified round: positions before ``accepted`` were kept, the next one was rejected."""
         for i in range(min(proposed, accepted + 1, len(self.hits))):
@@ -249,7 +246,7 @@ class SpecPolicy:
         proposal of that class is worth (a copied passage matches long suffixes, whose class keeps
         its own, high, estimate, however often short matches failed)."""
         if classes is not None and self.class_acceptance:
-            by_class = [(a.rates(), a.overall()) for a in self.class_acceptance]
+            by_class = {c: (self.class_acceptance[c].rates(), self.class_acceptance[c].overall()) for c in set(classes)}
             return (np.array([by_class[c][0] for c in classes]), np.array([by_class[c][1] for c in classes]), 0.0)
         return (np.tile(self.algorithm_acceptance.rates(), (n, 1)), np.full(n, self.algorithm_acceptance.overall()),
                 self.prior)
