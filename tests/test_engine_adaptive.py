@@ -214,3 +214,32 @@ def test_an_undrafted_lookup_is_scored_against_the_token_the_round_committed(mod
         assert scored.get(r.rid, []) == expected
     assert any(kept for verdicts in scored.values() for kept, _ in verdicts)
     assert not all(kept for verdicts in scored.values() for kept, _ in verdicts)
+
+
+def test_a_new_standalone_request_is_guessed_at_for_free_from_its_own_context(models, reference):
+    """STANDALONE held at k = 0: each round's free guess at a request's next token is scored, and
+    the verdicts are those of a replay of the n-gram lookup over transformers' greedy output; the
+    guesses cost the draft nothing."""
+    eng = engine(models["target"], "STANDALONE", models["copy"], spec_policy="adaptive")
+    eng.policy.draft_lengths = lambda rids, caps, **kw: [0] * len(rids)
+    scored: dict[int, list[bool]] = {}
+    score = eng.policy.score_guesses
+
+    def record(rids, kept):
+        for rid, k in zip(rids, kept):
+            scored.setdefault(rid, []).append(k)
+        score(rids, kept)
+
+    eng.policy.score_guesses = record
+    reqs = [Request(p, GREEDY) for p in PROMPTS]
+    run_all(eng, reqs)
+    for r, prompt, out in zip(reqs, PROMPTS, reference):
+        assert r.output_ids == out
+        expected = []
+        for i in range(1, len(out)):
+            proposal, _ = ngram_match(prompt + out[:i], 1, eng.args.ngram_max)
+            if proposal:
+                expected.append(proposal[0] == out[i])
+        assert scored.get(r.rid, []) == expected
+    assert any(any(v) for v in scored.values())
+    assert eng.speculator.draft_tokens == 0 and eng.policy.guesses == {}

@@ -410,6 +410,39 @@ def test_a_failed_first_probe_costs_at_most_its_share_of_the_request():
     assert first(0, 17) == 1 and first(0, 15) == 0  # 0.8 against 0.85 and 0.75
 
 
+def test_guesses_that_come_true_price_a_first_probe_at_their_odds():
+    """A round costs 1 a request and each verify token 0.8: drafting pays only for a request that
+    keeps nearly every draft. A first probe whose catch-up and verify token (1.8) are over its
+    share of the request (5% of 30 plain rounds, 1.5) is not tried blind; a request whose free
+    guesses came true 2 times in 2 fails it at odds of 1/3 (one guess of prior weight counted as
+    failed), 0.6, and is probed. Guesses that failed leave the odds at 1. Beside a request with
+    no guesses, the one with kept guesses is probed alone."""
+    cost = StepCost.linear(plain=(0.0, 1.0), per_draft_token=0.8, catch_up_per_token=0.01)
+
+    def first(guesses):
+        policy = SpecPolicy("adaptive", "STANDALONE", 4, cost, probe_every=1000)
+        for rid, kept in guesses.items():
+            policy.score_guesses([rid] * len(kept), kept)
+        rids = sorted(set(guesses) | {1})
+        return policy.draft_lengths(rids, [4] * len(rids), catch_up=[100] * len(rids), remaining=[30] * len(rids))
+
+    assert first({}) == [0]
+    assert first({1: [True, True]}) == [1]
+    assert first({1: [False, False]}) == [0]
+    assert first({1: [True, True], 2: []}) == [1, 0]
+
+
+def test_only_new_requests_that_may_draft_want_guesses():
+    policy = SpecPolicy("adaptive", "STANDALONE", 4, overhead_bound(), probe_every=1000)
+    assert policy.wants_guesses([1, 2], [4, 0]) == [True, False]
+    policy.record([1], [2], [2], [1], 1.0)  # a verified proposal: request 1 is no longer new
+    assert policy.wants_guesses([1, 2], [4, 4]) == [False, True]
+    policy.score_guesses([2], [True])
+    policy.forget(2)
+    assert policy.guesses == {}
+    assert SpecPolicy("fixed", "STANDALONE", 4, overhead_bound()).wants_guesses([1], [4]) == [False]
+
+
 @pytest.mark.parametrize("per_token,chain,tree", [(0.1, [2] * 4, [4] * 4), (0.15, [1] * 4, [0] * 4)])
 def test_a_tree_round_is_priced_by_every_node_it_verifies(per_token, chain, tree):
     """A tree verifies all N = 4 nodes of every request once any drafts, whatever k: four requests

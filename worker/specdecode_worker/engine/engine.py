@@ -47,6 +47,7 @@ from .eagle_speculator import EagleRunner, EagleSpeculator, check_tree_args
 from .memory import MemoryProfile, free_device_bytes, profile_memory
 from .mtp_runner import MTPRunner, check_mtp_args
 from .model_runner import ModelRunner
+from .ngram_index import ContextGuesses
 from .phases import Phase, PhaseError
 from .pools import KV_CACHE_DTYPES, MemoryPoolConfig
 from .request import Request, make_generator
@@ -144,6 +145,7 @@ class Engine:
         self.dynamic_peak: DynamicPeak | None = None  # phase 3's warm-up: planned vs measured
         self.speculator: Speculator | None = None
         self.policy: SpecPolicy | None = None
+        self.guesses: ContextGuesses | None = None  # free next-token guesses where drafts cost a pass
         self.stats = Stats()
         self._waiting: queue.Queue[Request] = queue.Queue()
         self._running: list[Request] = []  # admitted (prefilling or decoding), oldest first
@@ -319,6 +321,7 @@ class Engine:
         self.policy = SpecPolicy(args.spec_policy, args.algorithm, k, self._step_cost(k),
                                  per_request=spec.per_request_draft_lengths, choices=spec.draft_length_choices,
                                  verified_per_request=spec.verified_per_request, classes=spec.draft_classes)
+        self.guesses = ContextGuesses(args.ngram_max)
 
     def _step_cost(self, k: int) -> StepCost:
         """Measured on one device (a few passes at batch 1 and full, width 1, 2 and k + 1); with
@@ -536,6 +539,7 @@ class Engine:
             if lookup is not None:
                 caps = [min(c, len(p)) for c, p in zip(caps, lookup.proposals)]
                 classes = lookup.classes
+            guesses = self.guesses.guess(reqs, self.policy.wants_guesses(rids, caps)) if lookup is None else None
             catch_up = getattr(self.speculator, "catch_up_tokens", None)
             ks = self.policy.draft_lengths(rids, caps, catch_up=[catch_up(r) for r in reqs] if catch_up else None,
                                            remaining=[r.params.max_tokens - len(r.output_ids) for r in reqs],
@@ -547,6 +551,8 @@ class Engine:
                                classes=classes)
             if lookup is not None:
                 self._score_undrafted(rids, ks, lookup, results)
+            if guesses is not None:
+                self._score_guesses(rids, ks, guesses, results)
             self._count_step(ks, results, seconds)
             with self._ending_together():
                 for r, result in zip(reqs, results):
@@ -559,6 +565,12 @@ class Engine:
         self.policy.score([rids[i] for i in undrafted],
                           [lookup.proposals[i][0] == results[i].tokens[0] for i in undrafted],
                           [lookup.classes[i] for i in undrafted])
+
+    def _score_guesses(self, rids: list[int], ks: list[int], guesses: list[int | None],
+                       results: list[RoundResult]) -> None:
+        """Each free guess of a round that drafted nothing for its request, against the token committed."""
+        scored = [i for i, (k, g) in enumerate(zip(ks, guesses)) if k == 0 and g is not None]
+        self.policy.score_guesses([rids[i] for i in scored], [guesses[i] == results[i].tokens[0] for i in scored])
 
     def _draft_cap(self, r: Request) -> int:
         if not r.speculative:
@@ -609,6 +621,7 @@ class Engine:
             self._running.remove(r)
         if self.policy is not None:
             self.policy.forget(r.rid)
+            self.guesses.release(r.rid)
         if r.req_idx is not None:
             self._release_slots(r)
             r.req_idx = None

@@ -33,3 +33,33 @@ class NgramIndex:
             if end is not None:
                 return tokens[end : end + k], n
         return [], 0
+
+
+class ContextGuesses:
+    """Free guesses at requests' next tokens where the drafts cost a pass (STANDALONE, EAGLE, MTP):
+    each request's own context looked up, as NGRAM would, and only its first token kept. Scored
+    against what the round commits, they tell the policy which new request copies before it pays
+    for a probe of the draft (``SpecPolicy.score_guesses``)."""
+
+    def __init__(self, max_n: int):
+        self.max_n = max_n
+        self._indexes: dict[int, NgramIndex] = {}  # by request id, while its guesses are wanted
+
+    def guess(self, reqs: list, wanted: list[bool]) -> list[int | None]:
+        """Each wanted request's guess (None: not wanted, or nothing found); a request no longer
+        wanted has its index dropped."""
+        out: list[int | None] = []
+        for r, want in zip(reqs, wanted):
+            if not want:
+                self._indexes.pop(r.rid, None)
+                out.append(None)
+                continue
+            index = self._indexes.get(r.rid)
+            if index is None:
+                index = self._indexes[r.rid] = NgramIndex(self.max_n)
+            proposal, _ = index.match(r.all_ids, 1)
+            out.append(proposal[0] if proposal else None)
+        return out
+
+    def release(self, rid: int) -> None:
+        self._indexes.pop(rid, None)

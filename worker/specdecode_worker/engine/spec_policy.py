@@ -32,7 +32,9 @@ expects at least its algorithm's fixed prior, however earlier requests did (wher
 classes to go by), and if that does not get it drafting it drafts once anyway (its first probe,
 at the length that costs least net of what it is expected to give, if a failed probe would cost
 at most ``first_probe_budget`` of its time without drafting), so that one that copies from its
-prompt is found out in its first rounds.
+prompt is found out in its first rounds. Where drafts cost a pass, a new request's next tokens
+are also guessed at for free, by a lookup of its own context (``score_guesses``): a request whose
+guesses come true copies, and its failed probe is priced at the odds its guesses give.
 A request drafting nothing gets no new observation, so now and then the requests held at k = 0
 by their estimates draft one token each, together, spaced so that probing costs at most
 ``probe_budget`` of the time: that is how speculation comes back once acceptance does. Proposals
@@ -220,6 +222,7 @@ class SpecPolicy:
     algorithm_acceptance: Acceptance = field(init=False)
     class_acceptance: list[Acceptance] = field(init=False)
     requests: RequestEstimates = field(init=False)
+    guesses: dict[int, list[int]] = field(init=False, default_factory=dict)  # rid -> [kept, scored] free guesses
     _since_probe: int = field(init=False, default=0)
 
     def __post_init__(self):
@@ -287,7 +290,7 @@ class SpecPolicy:
             return best.tolist()
         catch_up_seconds = (np.array([self.cost.catch_up(t) for t in catch_up]) if catch_up
                             else np.zeros(len(rids)))
-        best = self._first_probe(rows, cap, best, catch_up_seconds, weighted, remaining)
+        best = self._first_probe(rows, cap, best, catch_up_seconds, weighted, remaining, self._failure_odds(rids))
         return self._probe(cap, best, catch_up_seconds, value).tolist()
 
     def _depths_that_may_pay(self, gains: np.ndarray, entry: np.ndarray, plain_rate: float, deepest: int) -> list[int]:
@@ -341,37 +344,52 @@ class SpecPolicy:
         return tail + (1.0 - tail) * share
 
     def _first_probe(self, rows: np.ndarray, caps: np.ndarray, ks: np.ndarray, catch_up: np.ndarray,
-                     gains: np.ndarray, remaining: list[int] | None) -> np.ndarray:
+                     gains: np.ndarray, remaining: list[int] | None, odds: np.ndarray) -> np.ndarray:
         """New requests the estimates hold at k = 0 draft once, together, early in their life: a
         request that copies from its prompt is then found out within its first rounds, whatever
         earlier requests did. They draft the length whose round costs least net of the tokens it
         is expected to give (its verify tokens, the switch, its draft passes and the draft caches
         it must build, against the expected tokens at the value of an average token of the round),
-        and only if, should nothing be accepted, it costs at most ``first_probe_budget`` of their
-        time without drafting: then a probe that fails costs them at most that share. A request
-        stays new until it has had a proposal verified (its estimate has an observation): a probe
-        whose lookup found nothing cost nothing and comes again. Proposals known before the round
-        skip it: one that is not drafted is scored anyway (``score``), so a new request has its
-        first evidence after its first round, at no cost."""
+        and only if what it costs should nothing be accepted, at the odds of that (``odds``: 1, or
+        less for a request whose free guesses came true), is at most ``first_probe_budget`` of
+        their time without drafting: a probe that fails then costs them at most that share, by
+        expectation. If all new requests together are over it, those with better odds are tried
+        alone. A request stays new until it has had a proposal verified (its estimate has an
+        observation): a probe whose lookup found nothing cost nothing and comes again. Proposals
+        known before the round skip it: one that is not drafted is scored anyway (``score``), so a
+        new request has its first evidence after its first round, at no cost."""
         fresh = (ks == 0) & (caps > 0) & ~self.requests.observed(rows)
         if not fresh.any():
             return ks
         n = len(ks)
         now = self._cost_of(ks)
-        best, best_net = None, None
-        for k in range(1, int(caps[fresh].max()) + 1):
-            probed = np.where(fresh, np.minimum(caps, k), ks)
-            expected = gains[fresh, :k].sum()
-            net = self._cost_of(probed) - now + catch_up[fresh].sum() - expected * now / n
-            if best_net is None or net < best_net:
-                best, best_net = probed, net
-        # Bounded by what it costs if nobody accepts: the round's extra time and the draft catch-up,
-        # against the new requests' plain rounds to go (each a request's share of a plain round).
-        failed = self._cost_of(best) - now + catch_up[fresh].sum()
-        left = np.inf if remaining is None else float(np.array(remaining, dtype=float)[fresh].sum())
-        if failed > self.first_probe_budget * left * now / n:
-            return ks
-        return best
+        for group in self._probe_groups(fresh, odds):
+            best, best_net = ks, None
+            for k in range(1, int(caps[group].max()) + 1):
+                probed = np.where(group, np.minimum(caps, k), ks)
+                expected = gains[group, :k].sum()
+                net = self._cost_of(probed) - now + catch_up[group].sum() - expected * now / n
+                if best_net is None or net < best_net:
+                    best, best_net = probed, net
+            # What it costs if nobody accepts: the round's extra time and the draft catch-up, against
+            # the new requests' plain rounds to go (each a request's share of a plain round).
+            failed = (self._cost_of(best) - now + catch_up[group].sum()) * float(odds[group].max())
+            left = np.inf if remaining is None else float(np.array(remaining, dtype=float)[group].sum())
+            if failed <= self.first_probe_budget * left * now / n:
+                return best
+        return ks
+
+    @staticmethod
+    def _probe_groups(fresh: np.ndarray, odds: np.ndarray) -> list[np.ndarray]:
+        """Every new request; then, where their odds differ, those with the better half of the
+        odds; then those with the best."""
+        groups = [fresh]
+        levels = np.unique(odds[fresh])
+        for level in (levels[(len(levels) - 1) // 2], levels[0]):
+            group = fresh & (odds <= level)
+            if not any((group == g).all() for g in groups):
+                groups.append(group)
+        return groups
 
     def _cost_of(self, ks: np.ndarray) -> float:
         m = int(ks.sum())
@@ -482,6 +500,31 @@ class SpecPolicy:
             self._observe(rids, np.ones(len(rids), dtype=np.int64), np.array(kept, dtype=np.int64),
                           None if classes is None else np.array(classes))
 
+    def wants_guesses(self, rids: list[int], caps: list[int]) -> list[bool]:
+        """Which requests' next token is worth a free guess (``score_guesses``): new ones, in the
+        adaptive mode, that may draft and have had no proposal verified yet."""
+        if self.mode == FIXED or self.max_draft == 0 or not rids:
+            return [False] * len(rids)
+        observed = self.requests.observed(self.requests.rows(rids))
+        return [c > 0 and not o for c, o in zip(caps, observed)]
+
+    def score_guesses(self, rids: list[int], kept: list[bool]) -> None:
+        """Free guesses at new requests' next tokens (a lookup of each one's own context, where the
+        drafts cost a pass), each scored against the token the round committed. They are not
+        the draft's proposals, so they do not enter the acceptance estimates; they say how likely
+        a first probe is to fail: a request that copies from its context has its guesses come
+        true, and its draft's proposals too (copied text is what any draft predicts best)."""
+        for rid, k in zip(rids, kept):
+            counts = self.guesses.setdefault(rid, [0, 0])
+            counts[0] += bool(k)
+            counts[1] += 1
+
+    def _failure_odds(self, rids: list[int]) -> np.ndarray:
+        """The odds that a request's first probe is rejected: 1 less its guesses' kept share, with
+        one guess of prior weight counted as failed (1 for a request with no guesses)."""
+        counts = np.array([self.guesses.get(r, (0, 0)) for r in rids], dtype=float).reshape(len(rids), 2)
+        return 1.0 - counts[:, 0] / (counts[:, 1] + 1.0)
+
     def _observe(self, rids: list[int], proposed: np.ndarray, accepted: np.ndarray, classes: np.ndarray | None) -> None:
         """Verified (or scored) proposals as evidence for their requests, the algorithm and their classes."""
         predicted = lifted(*self._parents(len(rids), None if classes is None else classes.tolist()))
@@ -493,3 +536,4 @@ class SpecPolicy:
 
     def forget(self, rid: int) -> None:
         self.requests.forget(rid)
+        self.guesses.pop(rid, None)
