@@ -414,22 +414,24 @@ def test_guesses_that_come_true_price_a_first_probe_at_their_odds():
     """A round costs 1 a request and each verify token 0.8: drafting pays only for a request that
     keeps nearly every draft. A first probe whose catch-up and verify token (1.8) are over its
     share of the request (5% of 30 plain rounds, 1.5) is not tried blind; a request whose free
-    guesses came true 2 times in 2 fails it at odds of 1/3 (one guess of prior weight counted as
-    failed), 0.6, and is probed. Guesses that failed leave the odds at 1. Beside a request with
-    no guesses, the one with kept guesses is probed alone."""
+    guesses came true 4 times in 4 fails it at odds of 1/3 (two guesses of prior weight counted
+    as failed), 0.6, and is probed. 2 in 2 leave even odds, 0.9: under a 1.5 bound, over one of
+    0.75 (a budget of 2.5%), where 4 in 4 still pass. Guesses that failed leave the odds at 1.
+    Beside a request with no guesses, the one with kept guesses is probed alone."""
     cost = StepCost.linear(plain=(0.0, 1.0), per_draft_token=0.8, catch_up_per_token=0.01)
 
-    def first(guesses):
-        policy = SpecPolicy("adaptive", "STANDALONE", 4, cost, probe_every=1000)
+    def first(guesses, budget=0.05):
+        policy = SpecPolicy("adaptive", "STANDALONE", 4, cost, probe_every=1000, first_probe_budget=budget)
         for rid, kept in guesses.items():
             policy.score_guesses([rid] * len(kept), kept)
         rids = sorted(set(guesses) | {1})
         return policy.draft_lengths(rids, [4] * len(rids), catch_up=[100] * len(rids), remaining=[30] * len(rids))
 
     assert first({}) == [0]
-    assert first({1: [True, True]}) == [1]
-    assert first({1: [False, False]}) == [0]
-    assert first({1: [True, True], 2: []}) == [1, 0]
+    assert first({1: [True] * 4}) == [1] and first({1: [True] * 2}) == [1]
+    assert first({1: [True] * 2}, budget=0.025) == [0] and first({1: [True] * 4}, budget=0.025) == [1]
+    assert first({1: [False] * 4}) == [0]
+    assert first({1: [True] * 4, 2: []}) == [1, 0]
 
 
 def test_only_new_requests_that_may_draft_want_guesses():
@@ -598,3 +600,15 @@ def test_request_rows_grow_together_and_keep_their_evidence():
     assert est.hits.shape == est.seen.shape == est.expected.shape and len(est.pace) == len(est.hits) >= 20
     assert est.rates(est.rows([0]), np.full((1, 4), 0.5), np.array([0.5])) == pytest.approx(before)
     assert est.rates(rows, np.full((19, 4), 0.5), np.full(19, 0.5)) == pytest.approx(np.full((19, 4), 0.5))
+
+
+def test_a_round_is_fitted_without_the_catch_up_it_ran():
+    """A round in which a draft cached 100 committed tokens first (1.0 s at 0.01 a token) is
+    recorded for its shape without them: the catch-up is priced on its own. A catch-up priced
+    above what the round took leaves half the round, never a negative time."""
+    cost = StepCost.linear(plain=(1.0, 0.0), per_draft_token=0.1, catch_up_per_token=0.01)
+    policy = SpecPolicy("adaptive", "STANDALONE", 4, cost, trace=[])
+    policy.record([1], [2], [2], [2], 3.0, caught_up=100)
+    policy.record([1], [2], [2], [2], 1.2, caught_up=100)
+    policy.record([1], [2], [2], [2], 1.2)
+    assert [t["seconds"] for t in policy.trace] == pytest.approx([2.0, 0.6, 1.2])

@@ -540,15 +540,16 @@ class Engine:
                 caps = [min(c, len(p)) for c, p in zip(caps, lookup.proposals)]
                 classes = lookup.classes
             guesses = self.guesses.guess(reqs, self.policy.wants_guesses(rids, caps)) if lookup is None else None
-            catch_up = getattr(self.speculator, "catch_up_tokens", None)
-            ks = self.policy.draft_lengths(rids, caps, catch_up=[catch_up(r) for r in reqs] if catch_up else None,
+            catch_up_tokens = getattr(self.speculator, "catch_up_tokens", None)
+            catch_up = [catch_up_tokens(r) for r in reqs] if catch_up_tokens else None
+            ks = self.policy.draft_lengths(rids, caps, catch_up=catch_up,
                                            remaining=[r.params.max_tokens - len(r.output_ids) for r in reqs],
                                            waiting=self.num_waiting, classes=classes)
             start = time.perf_counter()
             results = self.speculator.decode_round(reqs, ks, lookup)
             seconds = time.perf_counter() - start
             self.policy.record(rids, ks, [x.proposed for x in results], [x.accepted for x in results], seconds,
-                               classes=classes)
+                               classes=classes, caught_up=sum(t for t, k in zip(catch_up, ks) if k) if catch_up else 0)
             if lookup is not None:
                 self._score_undrafted(rids, ks, lookup, results)
             if guesses is not None:

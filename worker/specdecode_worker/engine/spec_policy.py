@@ -217,6 +217,7 @@ class SpecPolicy:
     probe_every: int = 8  # the fewest rounds between two probes
     probe_budget: float = 0.02  # the share of round time that probing may cost
     first_probe_budget: float = 0.05  # the most a failed first probe may cost, as a share of the request's plain time
+    guess_prior: float = 2.0  # free guesses counted as failed before any is scored (``_failure_odds``)
     trace: list | None = None  # a list to append each round's choice, prediction and measurement to
     prior: float = field(init=False)  # the algorithm's first-position acceptance before any evidence
     algorithm_acceptance: Acceptance = field(init=False)
@@ -471,10 +472,12 @@ class SpecPolicy:
         return probed
 
     def record(self, rids: list[int], ks: list[int], proposed: list[int], accepted: list[int], seconds: float,
-               classes: list[int] | None = None) -> None:
+               classes: list[int] | None = None, caught_up: int = 0) -> None:
         """A finished round: acceptance per request, algorithm and proposal class, and the measured
         step time. A request that was asked for drafts and found none (an n-gram lookup that
-        matched nothing) is not observed: nothing of it was verified."""
+        matched nothing) is not observed: nothing of it was verified. ``caught_up``: committed
+        tokens the round's draft model cached before it drafted; their time is the catch-up's,
+        priced on its own, so the round's shape is fitted to what is left."""
         p, a = np.array(proposed, dtype=np.int64), np.array(accepted, dtype=np.int64)
         drafted = p > 0
         if drafted.any():
@@ -484,6 +487,8 @@ class SpecPolicy:
             return
         self.requests.advance(self.requests.rows(rids), 1.0 + a)
         shape = (len(rids), int(self._verified(len(rids), int(p.sum()))), int(p.max(initial=0)), int((p > 0).sum()))
+        # A catch-up priced above what the round took leaves half the round: never a negative time.
+        seconds = max(seconds - self.cost.catch_up(caught_up), 0.5 * seconds) if caught_up else seconds
         if self.trace is not None:
             self.trace.append({"requests": shape[0], "ks": list(ks), "proposed": list(proposed),
                                "accepted": list(accepted), "predicted": self.cost(*shape), "seconds": seconds})
@@ -521,9 +526,11 @@ class SpecPolicy:
 
     def _failure_odds(self, rids: list[int]) -> np.ndarray:
         """The odds that a request's first probe is rejected: 1 less its guesses' kept share, with
-        one guess of prior weight counted as failed (1 for a request with no guesses)."""
+        ``guess_prior`` guesses counted as failed (1 for a request with no guesses). A probe that
+        fails costs a short request several percent (on a CPU, its prompt's catch-up), so a few
+        lucky guesses in open text must not be enough: 2 kept of 2 leave even odds."""
         counts = np.array([self.guesses.get(r, (0, 0)) for r in rids], dtype=float).reshape(len(rids), 2)
-        return 1.0 - counts[:, 0] / (counts[:, 1] + 1.0)
+        return 1.0 - counts[:, 0] / (counts[:, 1] + self.guess_prior)
 
     def _observe(self, rids: list[int], proposed: np.ndarray, accepted: np.ndarray, classes: np.ndarray | None) -> None:
         """Verified (or scored) proposals as evidence for their requests, the algorithm and their classes."""
