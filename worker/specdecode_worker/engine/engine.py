@@ -532,33 +532,39 @@ class Engine:
         room = self.target_runner.token_to_kv_pool_allocator.available_size() // self.speculator.slots_per_round
         reqs = [r for r in self._running if r.prefill_ids is None][:room]  # a just-prefilled one may wait a step
         if reqs:
-            rids = [r.rid for r in reqs]
-            caps = [self._draft_cap(r) for r in reqs]
-            lookup = self.speculator.look_ahead(reqs, caps)  # NGRAM: the proposals, known before their lengths
-            classes = None
-            if lookup is not None:
-                caps = [min(c, len(p)) for c, p in zip(caps, lookup.proposals)]
-                classes = lookup.classes
-            guesses = self.guesses.guess(reqs, self.policy.wants_guesses(rids, caps)) if lookup is None else None
-            catch_up_tokens = getattr(self.speculator, "catch_up_tokens", None)
-            catch_up = [catch_up_tokens(r) for r in reqs] if catch_up_tokens else None
-            ks = self.policy.draft_lengths(rids, caps, catch_up=catch_up,
-                                           remaining=[r.params.max_tokens - len(r.output_ids) for r in reqs],
-                                           waiting=self.num_waiting, classes=classes)
-            start = time.perf_counter()
-            results = self.speculator.decode_round(reqs, ks, lookup)
-            seconds = time.perf_counter() - start
-            self.policy.record(rids, ks, [x.proposed for x in results], [x.accepted for x in results], seconds,
-                               classes=classes, caught_up=sum(t for t, k in zip(catch_up, ks) if k) if catch_up else 0)
-            if lookup is not None:
-                self._score_undrafted(rids, ks, lookup, results)
-            if guesses is not None:
-                self._score_guesses(rids, ks, guesses, results)
-            self._count_step(ks, results, seconds)
-            with self._ending_together():
-                for r, result in zip(reqs, results):
-                    self._count_round(r, result)
-                    self._commit(r, result.tokens)
+            self._decode_round(reqs)
+
+    def _decode_round(self, reqs: list[Request]) -> None:
+        """One speculative round: what is known before it (NGRAM's lookups, or free guesses where
+        drafts cost a pass; each draft's catch-up), the policy's draft lengths, the round, and what
+        it tells the policy; then commit."""
+        rids = [r.rid for r in reqs]
+        caps = [self._draft_cap(r) for r in reqs]
+        lookup = self.speculator.look_ahead(reqs, caps)  # NGRAM: the proposals, known before their lengths
+        classes = None
+        if lookup is not None:
+            caps = [min(c, len(p)) for c, p in zip(caps, lookup.proposals)]
+            classes = lookup.classes
+        guesses = self.guesses.guess(reqs, self.policy.wants_guesses(rids, caps)) if lookup is None else None
+        catch_up_tokens = getattr(self.speculator, "catch_up_tokens", None)
+        catch_up = [catch_up_tokens(r) for r in reqs] if catch_up_tokens else None
+        ks = self.policy.draft_lengths(rids, caps, catch_up=catch_up,
+                                       remaining=[r.params.max_tokens - len(r.output_ids) for r in reqs],
+                                       waiting=self.num_waiting, classes=classes)
+        start = time.perf_counter()
+        results = self.speculator.decode_round(reqs, ks, lookup)
+        seconds = time.perf_counter() - start
+        self.policy.record(rids, ks, [x.proposed for x in results], [x.accepted for x in results], seconds,
+                           classes=classes, caught_up=sum(t for t, k in zip(catch_up, ks) if k) if catch_up else 0)
+        if lookup is not None:
+            self._score_undrafted(rids, ks, lookup, results)
+        if guesses is not None:
+            self._score_guesses(rids, ks, guesses, results)
+        self._count_step(ks, results, seconds)
+        with self._ending_together():
+            for r, result in zip(reqs, results):
+                self._count_round(r, result)
+                self._commit(r, result.tokens)
 
     def _score_undrafted(self, rids: list[int], ks: list[int], lookup: Lookup, results: list[RoundResult]) -> None:
         """Each proposal the round did not draft, against the token the round committed instead."""
