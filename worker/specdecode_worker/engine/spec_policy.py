@@ -479,13 +479,13 @@ class SpecPolicy:
         tokens the round's draft model cached before it drafted; their time is the catch-up's,
         priced on its own, so the round's shape is fitted to what is left."""
         p, a = np.array(proposed, dtype=np.int64), np.array(accepted, dtype=np.int64)
+        rows = self.requests.rows(rids)
         drafted = p > 0
         if drafted.any():
-            self._observe([r for r, d in zip(rids, drafted) if d], p[drafted], a[drafted],
-                          None if classes is None else np.array(classes)[drafted])
+            self._observe(rows[drafted], p[drafted], a[drafted], None if classes is None else np.array(classes)[drafted])
         if self.mode == FIXED:
             return
-        self.requests.advance(self.requests.rows(rids), 1.0 + a)
+        self.requests.advance(rows, 1.0 + a)
         shape = (len(rids), int(self._verified(len(rids), int(p.sum()))), int(p.max(initial=0)), int((p > 0).sum()))
         # A catch-up priced above what the round took leaves half the round: never a negative time.
         seconds = max(seconds - self.cost.catch_up(caught_up), 0.5 * seconds) if caught_up else seconds
@@ -502,7 +502,7 @@ class SpecPolicy:
         same probability. First-position evidence for the request, its class and the algorithm,
         every round, without a verify pass; later positions are learnt from drafted rounds."""
         if rids:
-            self._observe(rids, np.ones(len(rids), dtype=np.int64), np.array(kept, dtype=np.int64),
+            self._observe(self.requests.rows(rids), np.ones(len(rids), dtype=np.int64), np.array(kept, dtype=np.int64),
                           None if classes is None else np.array(classes))
 
     def wants_guesses(self, rids: list[int], caps: list[int]) -> list[bool]:
@@ -532,10 +532,10 @@ class SpecPolicy:
         counts = np.array([self.guesses.get(r, (0, 0)) for r in rids], dtype=float).reshape(len(rids), 2)
         return 1.0 - counts[:, 0] / (counts[:, 1] + self.guess_prior)
 
-    def _observe(self, rids: list[int], proposed: np.ndarray, accepted: np.ndarray, classes: np.ndarray | None) -> None:
-        """Verified (or scored) proposals as evidence for their requests, the algorithm and their classes."""
-        predicted = lifted(*self._parents(len(rids), None if classes is None else classes.tolist()))
-        self.requests.observe(self.requests.rows(rids), proposed, accepted, predicted)
+    def _observe(self, rows: np.ndarray, proposed: np.ndarray, accepted: np.ndarray, classes: np.ndarray | None) -> None:
+        """Verified (or scored) proposals as evidence for their requests' rows, the algorithm and their classes."""
+        predicted = lifted(*self._parents(len(rows), None if classes is None else classes.tolist()))
+        self.requests.observe(rows, proposed, accepted, predicted)
         self.algorithm_acceptance.observe_many(proposed, accepted)
         if classes is not None and self.class_acceptance:
             for c in np.unique(classes):
