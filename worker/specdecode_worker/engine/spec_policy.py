@@ -482,7 +482,8 @@ class SpecPolicy:
         rows = self.requests.rows(rids)
         drafted = p > 0
         if drafted.any():
-            self._observe(rows[drafted], p[drafted], a[drafted], None if classes is None else np.array(classes)[drafted])
+            self._observe(rows[drafted], p[drafted], a[drafted],
+                          None if classes is None else np.array(classes)[drafted])
         if self.mode == FIXED:
             return
         self.requests.advance(rows, 1.0 + a)
@@ -532,7 +533,8 @@ class SpecPolicy:
         counts = np.array([self.guesses.get(r, (0, 0)) for r in rids], dtype=float).reshape(len(rids), 2)
         return 1.0 - counts[:, 0] / (counts[:, 1] + self.guess_prior)
 
-    def _observe(self, rows: np.ndarray, proposed: np.ndarray, accepted: np.ndarray, classes: np.ndarray | None) -> None:
+    def _observe(self, rows: np.ndarray, proposed: np.ndarray, accepted: np.ndarray,
+                 classes: np.ndarray | None) -> None:
         """Verified (or scored) proposals as evidence for their requests' rows, the algorithm and their classes."""
         predicted = lifted(*self._parents(len(rows), None if classes is None else classes.tolist()))
         self.requests.observe(rows, proposed, accepted, predicted)
