@@ -35,6 +35,24 @@ class NgramIndex:
         return [], 0
 
 
+class RequestIndexes:
+    """One ``NgramIndex`` per running request, made on its first lookup and dropped on ``release``."""
+
+    def __init__(self, max_n: int):
+        self.max_n = max_n
+        self._indexes: dict[int, NgramIndex] = {}  # by request id
+
+    def match(self, r, k: int) -> tuple[list[int], int]:
+        """``NgramIndex.match`` over request ``r``'s tokens (``r.rid``, ``r.all_ids``)."""
+        index = self._indexes.get(r.rid)
+        if index is None:
+            index = self._indexes[r.rid] = NgramIndex(self.max_n)
+        return index.match(r.all_ids, k)
+
+    def release(self, rid: int) -> None:
+        self._indexes.pop(rid, None)
+
+
 class ContextGuesses:
     """Free guesses at requests' next tokens where the drafts cost a pass (STANDALONE, EAGLE, MTP):
     each request's own context looked up, as NGRAM would, and only its first token kept. Scored
@@ -42,8 +60,7 @@ class ContextGuesses:
     for a probe of the draft (``SpecPolicy.score_guesses``)."""
 
     def __init__(self, max_n: int):
-        self.max_n = max_n
-        self._indexes: dict[int, NgramIndex] = {}  # by request id, while its guesses are wanted
+        self._indexes = RequestIndexes(max_n)  # while a request's guesses are wanted
 
     def guess(self, reqs: list, wanted: list[bool]) -> list[int | None]:
         """Each wanted request's guess (None: not wanted, or nothing found); a request no longer
@@ -51,15 +68,12 @@ class ContextGuesses:
         out: list[int | None] = []
         for r, want in zip(reqs, wanted):
             if not want:
-                self._indexes.pop(r.rid, None)
+                self._indexes.release(r.rid)
                 out.append(None)
                 continue
-            index = self._indexes.get(r.rid)
-            if index is None:
-                index = self._indexes[r.rid] = NgramIndex(self.max_n)
-            proposal, _ = index.match(r.all_ids, 1)
+            proposal, _ = self._indexes.match(r, 1)
             out.append(proposal[0] if proposal else None)
         return out
 
     def release(self, rid: int) -> None:
-        self._indexes.pop(rid, None)
+        self._indexes.release(rid)

@@ -25,7 +25,7 @@ from .forward_batch import to_device
 from .batch import (PaddedChains, Segment, alloc_positions, chunk_segments, forward_segments, free_position_ranges,
                     padded_chain_batch)
 from .model_runner import ModelRunner
-from .ngram_index import NgramIndex
+from .ngram_index import RequestIndexes
 from .request import Request
 from .batch_sampling import chain_rows, choose_tokens, to_host, uniforms, verify_chains
 
@@ -205,22 +205,16 @@ class StandaloneSpeculator(Speculator):
         # An n-gram proposal's class is its matched suffix's length: a one-token match (a common
         # word seen before) is rarely what follows, a four-token one in copied text nearly always.
         self.draft_classes = ngram_max + 1 if algorithm == "NGRAM" else 0
-        self._ngram_indexes: dict[int, NgramIndex] = {}  # by request id, while the request runs
+        self._ngram_indexes = RequestIndexes(ngram_max)  # while each request runs
 
     def look_ahead(self, reqs: list[Request], caps: list[int]) -> Lookup | None:
         if self.algorithm != "NGRAM":
             return None
-        matches = [self._ngram_index(r).match(r.all_ids, min(c, self.k)) if c > 0 else ([], 0)
-                   for r, c in zip(reqs, caps)]
+        matches = [self._ngram_indexes.match(r, min(c, self.k)) if c > 0 else ([], 0) for r, c in zip(reqs, caps)]
         return Lookup([m[0] for m in matches], [m[1] for m in matches])
 
-    def _ngram_index(self, r: Request) -> NgramIndex:
-        if r.rid not in self._ngram_indexes:
-            self._ngram_indexes[r.rid] = NgramIndex(self.ngram_max)
-        return self._ngram_indexes[r.rid]
-
     def release(self, r: Request) -> None:
-        self._ngram_indexes.pop(r.rid, None)
+        self._ngram_indexes.release(r.rid)
 
     def catch_up_tokens(self, r: Request) -> int:
         """Committed tokens the draft must cache before ``r`` can draft, beyond the one every
