@@ -131,6 +131,21 @@ def test_catching_the_draft_up_is_charged_to_the_request_that_resumes():
     assert ks[0] == 0 and ks[1] > 0, ks
 
 
+def test_a_catch_up_is_priced_by_what_its_tokens_add_to_a_draft_pass():
+    """A draft pass of w tokens costs 0.03 + 0.002 w (the CPU's int8 draft, about): the catch-up
+    rides in the first proposal pass, so a token of it costs 0.002, not a 32-token pass's 0.0029
+    a token; a pass timed no dearer for its width prices nothing."""
+    from specdecode_worker.engine.step_timing import catch_up_seconds
+
+    def pass_seconds(w):
+        return 0.03 + 0.002 * w
+
+    assert catch_up_seconds(pass_seconds(1), pass_seconds(32), 32) == pytest.approx(0.002)
+    assert pass_seconds(1) + 86 * catch_up_seconds(pass_seconds(1), pass_seconds(32), 32) == pytest.approx(
+        pass_seconds(87))
+    assert catch_up_seconds(0.05, 0.04, 32) == 0.0
+
+
 def test_probes_count_the_catch_up_of_the_requests_they_turn_on():
     """A probe round costs 0.8 more than a plain one of 1.8: at a budget of 10% probes come every
     5 rounds. When it must also cache 10 tokens in each of 8 draft models (0.8 more), every 9."""

@@ -54,7 +54,7 @@ from .request import Request, make_generator
 from .spec_policy import FIXED, MODES, SpecPolicy
 from .speculative import Lookup, RoundResult, Speculator, StandaloneSpeculator
 from .step_cost import StepCost
-from .step_timing import draft_points, target_points
+from .step_timing import catch_up_seconds, draft_points, target_points
 from .vocab_map import DraftVocabulary
 from .warmup import DynamicPeak, WarmUpOutOfMemory, measurable, warm_up
 
@@ -342,7 +342,7 @@ class Engine:
             # A sharded draft cannot be timed alone either: its decode cost scales with its weight bytes.
             share = self.draft_runner.weight_bytes / max(self.target_runner.weight_bytes, 1)
             draft = {j: s * share for j, s in plain.items()}
-            catch_up = share * target[(1, k)] / (k + 1)
+            catch_up = share * catch_up_seconds(target[(1, 0)], target[(1, k)], k + 1)
         elif args.algorithm == "STANDALONE":
             draft, catch_up = draft_points(self.draft_runner, batch, args.context_len)
         elif args.algorithm == "NGRAM":

@@ -94,7 +94,15 @@ CATCH_UP_TOKENS = 32  # the width of the timed catch-up pass
 
 def draft_points(runner: ModelRunner, batch: int, context_len: int) -> tuple[dict[int, float], float]:
     """Seconds of one draft pass (one token per request) by the number of requests in it, and
-    seconds per token of a catch-up pass (one request caching many committed tokens)."""
+    seconds per token that a request's committed tokens add to a draft pass (``catch_up_seconds``)."""
     timed = time_passes(runner, sorted({(1, 1), (batch, 1), (1, CATCH_UP_TOKENS)}), context_len)
     passes = {b: s for (b, w), s in timed.items() if w == 1}
-    return passes, timed[(1, CATCH_UP_TOKENS)] / CATCH_UP_TOKENS
+    return passes, catch_up_seconds(timed[(1, 1)], timed[(1, CATCH_UP_TOKENS)], CATCH_UP_TOKENS)
+
+
+def catch_up_seconds(one: float, wide: float, width: int) -> float:
+    """Seconds per committed token a draft caches, from a pass of one token and one of ``width``:
+    the tokens ride in the first proposal pass, whose one-token cost a drafting round already
+    pays, so each adds only the pass's cost per token beyond the first (on a CPU the fixed part of
+    a pass is a third of a 32-token one: counting it would price a catch-up half again too dear)."""
+    return max(wide - one, 0.0) / (width - 1)
