@@ -4,8 +4,8 @@ in what the round measured, on a synthetic batch (no model: the policy is numpy 
 Half of the requests accept everything they draft and half nothing; every 32 rounds a request
 finishes and a new one takes its place, as under load. The cost model learns from the rounds
 (a refit every 4), as in the engine. Printed: milliseconds per round (median of 3 runs of 300
-rounds) for NGRAM (proposal classes known before the round) and STANDALONE, at 1, 16 and 64
-requests.
+rounds) for NGRAM (proposal classes known before the round, undrafted ones scored) and STANDALONE
+(rounds classed by free guesses, first probes and probes), at 1, 16 and 64 requests.
 
 Run:  python benchmarks/policy_time.py [--rounds 300] [--requests 1 16 64]
 """
@@ -38,14 +38,14 @@ def time_rounds(algorithm: str, requests: int, rounds: int, seed: int = 0) -> fl
     """Seconds per round of choice and update."""
     rng = random.Random(seed)
     ngram = algorithm == "NGRAM"
-    policy = SpecPolicy("adaptive", algorithm, K, cpu_like_cost(), classes=K + 1 if ngram else 0)
+    policy = SpecPolicy("adaptive", algorithm, K, cpu_like_cost(), classes=K + 1, classes_scored=ngram)
     rids = list(range(requests))
     left = {rid: rng.randrange(1, 33) for rid in rids}
     next_rid = requests
     spent = 0.0
     for _ in range(rounds):
-        classes = [rng.randrange(K + 1) for _ in rids] if ngram else None
-        caps = [K if not ngram or c else 0 for c in (classes or rids)]
+        classes = [rng.randrange(K + 1) for _ in rids]
+        caps = [K if not ngram or c else 0 for c in classes]
         start = time.perf_counter()
         ks = policy.draft_lengths(rids, caps, catch_up=None if ngram else [0] * len(rids),
                                   remaining=[left[r] for r in rids], waiting=1, classes=classes)

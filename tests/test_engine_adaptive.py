@@ -218,10 +218,17 @@ def test_an_undrafted_lookup_is_scored_against_the_token_the_round_committed(mod
 
 def test_a_new_standalone_request_is_guessed_at_for_free_from_its_own_context(models, reference):
     """STANDALONE held at k = 0: each round's free guess at a request's next token is scored, and
-    the verdicts are those of a replay of the n-gram lookup over transformers' greedy output; the
-    guesses cost the draft nothing."""
+    the verdicts are those of a replay of the n-gram lookup over transformers' greedy output; each
+    round's class is that lookup's matched length; the guesses cost the draft nothing."""
     eng = engine(models["target"], "STANDALONE", models["copy"], spec_policy="adaptive")
-    eng.policy.draft_lengths = lambda rids, caps, **kw: [0] * len(rids)
+    classes: dict[int, list[int]] = {}
+
+    def hold(rids, caps, **kw):
+        for rid, c in zip(rids, kw["classes"]):
+            classes.setdefault(rid, []).append(c)
+        return [0] * len(rids)
+
+    eng.policy.draft_lengths = hold
     scored: dict[int, list[bool]] = {}
     score = eng.policy.score_guesses
 
@@ -235,11 +242,14 @@ def test_a_new_standalone_request_is_guessed_at_for_free_from_its_own_context(mo
     run_all(eng, reqs)
     for r, prompt, out in zip(reqs, PROMPTS, reference):
         assert r.output_ids == out
-        expected = []
+        expected, matched = [], []
         for i in range(1, len(out)):
-            proposal, _ = ngram_match(prompt + out[:i], 1, eng.args.ngram_max)
+            proposal, n = ngram_match(prompt + out[:i], 1, eng.args.ngram_max)
+            matched.append(n)
             if proposal:
                 expected.append(proposal[0] == out[i])
         assert scored.get(r.rid, []) == expected
+        assert classes[r.rid] == matched
     assert any(any(v) for v in scored.values())
+    assert len({c for cs in classes.values() for c in cs}) > 1
     assert eng.speculator.draft_tokens == 0 and eng.policy.guesses == {}

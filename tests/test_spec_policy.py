@@ -449,15 +449,71 @@ def test_guesses_that_come_true_price_a_first_probe_at_their_odds():
     assert first({1: [True] * 4, 2: []}) == [1, 0]
 
 
-def test_only_new_requests_that_may_draft_want_guesses():
+def test_only_new_requests_guesses_count_and_forget_drops_them():
     policy = SpecPolicy("adaptive", "STANDALONE", 4, overhead_bound(), probe_every=1000)
-    assert policy.wants_guesses([1, 2], [4, 0]) == [True, False]
     policy.record([1], [2], [2], [1], 1.0)  # a verified proposal: request 1 is no longer new
-    assert policy.wants_guesses([1, 2], [4, 4]) == [False, True]
-    policy.score_guesses([2], [True])
+    policy.score_guesses([1, 2], [True, True])
+    assert policy.guesses == {2: [1, 1]}
     policy.forget(2)
     assert policy.guesses == {}
-    assert SpecPolicy("fixed", "STANDALONE", 4, overhead_bound()).wants_guesses([1], [4]) == [False]
+
+
+def draft_model_cost() -> StepCost:
+    """A draft pass costs a quarter of a plain round and the switch to verifying 0.3: a round of 4
+    drafts pays only where nearly all are kept."""
+    return StepCost.linear(plain=(1.0, 0.1), per_draft_token=0.1, switch=(0.3, 0.0), draft_pass=(0.25, 0.0))
+
+
+def test_a_draft_models_round_is_priced_by_its_guess_class():
+    """Earlier copying requests rejected their first drafted round, where the context's lookup
+    matched one token (class 1), and then kept 4 of 4 where it matched four (class 4). A new
+    copying request has just rejected its first round too. Priced by class, that rejection was
+    what class 1 promised: at class 4 it drafts all 4, and another new request at class 1 is not
+    drafted. Priced by the algorithm's estimate (no classes), the same rejection sinks the
+    copying request below what pays, and the estimate the copy requests left makes the other new
+    request draft all 4 at once, whatever its text."""
+    def policy(classes: int) -> SpecPolicy:
+        p = SpecPolicy("adaptive", "STANDALONE", 4, draft_model_cost(), probe_every=1000, first_probe_budget=0.0,
+                       classes=classes, classes_scored=False)
+        for rid in range(10):
+            p.record([rid], [4], [4], [0], 1.0, classes=[1] if classes else None)
+            for _ in range(6):
+                p.record([rid], [4], [4], [4], 1.0, classes=[4] if classes else None)
+            p.forget(rid)
+        p.record([20], [4], [4], [0], 1.0, classes=[1] if classes else None)
+        return p
+
+    by_class = policy(5)
+    assert by_class.draft_lengths([20], [4], remaining=[28], classes=[4]) == [4]
+    assert by_class.draft_lengths([21], [4], remaining=[28], classes=[1]) == [0]
+    by_algorithm = policy(0)
+    assert by_algorithm.draft_lengths([20], [4], remaining=[28]) == [0]
+    assert by_algorithm.draft_lengths([21], [4], remaining=[28]) == [4]
+
+
+def test_unscored_classes_keep_the_probes_until_drafted_rounds_teach_them():
+    """A draft model's classes come from guesses, not from its proposals, so a round it did not
+    draft says nothing of them. Class 1 has been taught by rejected rounds: a new request in it
+    is not probed first, since its class says what the probe would find; a new request in class
+    3, which no round has taught, gets its first probe. A request the policy has observed still
+    gets the spaced one-token probes. Where the classed proposals are scored (NGRAM), neither
+    probe comes. A verify token costs 0.8 of a plain round: drafting at the prior (0.7) does not pay."""
+    def policy(scored: bool) -> SpecPolicy:
+        p = SpecPolicy("adaptive", "STANDALONE", 4, StepCost.linear(plain=(1.0, 0.0), per_draft_token=0.8),
+                       probe_every=4, probe_budget=1.0, classes=5, classes_scored=scored)
+        for rid in range(10):
+            p.record([rid], [4], [4], [0], 1.0, classes=[1])
+            p.forget(rid)
+        return p
+
+    assert policy(False).draft_lengths([20], [4], remaining=[32], classes=[3]) == [1]
+    assert policy(False).draft_lengths([20], [4], remaining=[32], classes=[1]) == [0]
+    assert policy(True).draft_lengths([20], [4], remaining=[32], classes=[3]) == [0]
+    for scored, probes in ((False, True), (True, False)):
+        p = policy(scored)
+        p.record([30], [1], [1], [0], 1.0, classes=[1])  # observed: no first probe
+        ks = [p.draft_lengths([30], [4], remaining=[32], classes=[1])[0] for _ in range(8)]
+        assert (1 in ks) is probes and set(ks) <= {0, 1}, ks
 
 
 @pytest.mark.parametrize("per_token,chain,tree", [(0.1, [2] * 4, [4] * 4), (0.15, [1] * 4, [0] * 4)])

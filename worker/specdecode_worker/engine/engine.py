@@ -145,7 +145,7 @@ class Engine:
         self.dynamic_peak: DynamicPeak | None = None  # phase 3's warm-up: planned vs measured
         self.speculator: Speculator | None = None
         self.policy: SpecPolicy | None = None
-        self.guesses: ContextGuesses | None = None  # free next-token guesses where drafts cost a pass
+        self.guesses: ContextGuesses | None = None  # classes and free guesses where drafts cost a pass (adaptive)
         self.stats = Stats()
         self._waiting: queue.Queue[Request] = queue.Queue()
         self._running: list[Request] = []  # admitted (prefilling or decoding), oldest first
@@ -318,10 +318,15 @@ class Engine:
     def _make_policy(self) -> None:
         args, spec = self.args, self.speculator
         k = 0 if args.algorithm == "NONE" else args.num_draft_tokens
+        # Where the drafts cost a pass, the adaptive policy classes rounds by free guesses instead
+        # of by the proposals (which NGRAM's lookups know before the round, and draft models do not).
+        guessed = args.spec_policy != FIXED and k > 0 and not spec.draft_classes
+        self.guesses = ContextGuesses(args.ngram_max) if guessed else None
         self.policy = SpecPolicy(args.spec_policy, args.algorithm, k, self._step_cost(k),
                                  per_request=spec.per_request_draft_lengths, choices=spec.draft_length_choices,
-                                 verified_per_request=spec.verified_per_request, classes=spec.draft_classes)
-        self.guesses = ContextGuesses(args.ngram_max)
+                                 verified_per_request=spec.verified_per_request,
+                                 classes=self.guesses.classes if guessed else spec.draft_classes,
+                                 classes_scored=not guessed)
 
     def _step_cost(self, k: int) -> StepCost:
         """Measured on one device (a few passes at batch 1 and full, width 1, 2 and k + 1); with
@@ -541,11 +546,12 @@ class Engine:
         rids = [r.rid for r in reqs]
         caps = [self._draft_cap(r) for r in reqs]
         lookup = self.speculator.look_ahead(reqs, caps)  # NGRAM: the proposals, known before their lengths
-        classes = None
+        classes = guesses = None
         if lookup is not None:
             caps = [min(c, len(p)) for c, p in zip(caps, lookup.proposals)]
             classes = lookup.classes
-        guesses = self.guesses.guess(reqs, self.policy.wants_guesses(rids, caps)) if lookup is None else None
+        elif self.guesses is not None:
+            guesses, classes = self.guesses.guess(reqs)
         catch_up_tokens = getattr(self.speculator, "catch_up_tokens", None)
         catch_up = [catch_up_tokens(r) for r in reqs] if catch_up_tokens else None
         ks = self.policy.draft_lengths(rids, caps, catch_up=catch_up,
@@ -628,6 +634,7 @@ class Engine:
             self._running.remove(r)
         if self.policy is not None:
             self.policy.forget(r.rid)
+        if self.guesses is not None:
             self.guesses.release(r.rid)
         if r.req_idx is not None:
             self._release_slots(r)

@@ -55,25 +55,25 @@ class RequestIndexes:
 
 class ContextGuesses:
     """Free guesses at requests' next tokens where the drafts cost a pass (STANDALONE, EAGLE, MTP):
-    each request's own context looked up, as NGRAM would, and only its first token kept. Scored
-    against what the round commits, they tell the policy which new request copies before it pays
-    for a probe of the draft (``SpecPolicy.score_guesses``)."""
+    each request's own context looked up, as NGRAM would, and only its first token kept. The
+    matched suffix's length classes the request's round, as it classes NGRAM's proposals: a draft
+    is kept far more often where the text copies its context than where nothing matches, so the
+    policy learns a draft's acceptance per class (``SpecPolicy``). Scored against what the round
+    commits, the guesses also tell which new request copies before it pays for a probe of the
+    draft (``SpecPolicy.score_guesses``)."""
 
     def __init__(self, max_n: int):
-        self._indexes = RequestIndexes(max_n)  # while a request's guesses are wanted
+        self.classes = max_n + 1  # matched suffix lengths 0 (none) .. max_n
+        self._indexes = RequestIndexes(max_n)  # while each request runs
 
-    def guess(self, reqs: list, wanted: list[bool]) -> list[int | None]:
-        """Each wanted request's guess (None: not wanted, or nothing found); a request no longer
-        wanted has its index dropped."""
-        out: list[int | None] = []
-        for r, want in zip(reqs, wanted):
-            if not want:
-                self._indexes.release(r.rid)
-                out.append(None)
-                continue
-            proposal, _ = self._indexes.match(r, 1)
-            out.append(proposal[0] if proposal else None)
-        return out
+    def guess(self, reqs: list) -> tuple[list[int | None], list[int]]:
+        """Each request's guess (None: nothing matched) and its class, the matched suffix's length."""
+        guesses, classes = [], []
+        for r in reqs:
+            proposal, n = self._indexes.match(r, 1)
+            guesses.append(proposal[0] if proposal else None)
+            classes.append(n)
+        return guesses, classes
 
     def release(self, rid: int) -> None:
         self._indexes.release(rid)

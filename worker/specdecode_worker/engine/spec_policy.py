@@ -8,7 +8,12 @@ expected goodput, sum_r (1 + v_r E[accepted_r | k_r]) / step_time(round shape):
   (``Acceptance``). Where the proposals are known before the round (NGRAM's lookups,
   ``speculative.Lookup``), acceptance is also learnt per class of proposal (the matched suffix's
   length), and a request leans on its proposal's class instead of the algorithm: a one-token
-  match in open text is rarely kept, a four-token match in a copied passage nearly always. A
+  match in open text is rarely kept, a four-token match in a copied passage nearly always. Where
+  the drafts cost a pass, a free lookup of the request's own context classes its round the same
+  way (``ngram_index.ContextGuesses``), and each class learns the draft's acceptance from the
+  rounds that drafted in it: a draft model too keeps a copied passage's tokens far more often
+  than open text's, and a request is then read by the text it is at, not by the requests before
+  it. A
   request's own estimate is its parent's (its class's, or the algorithm's) times a factor, its
   kept tokens over what its parents expected it to keep, so that a request that kept a long match
   as long matches are kept is not expected to keep its next short one (``RequestEstimates``: every
@@ -32,14 +37,16 @@ expects at least its algorithm's fixed prior, however earlier requests did (wher
 classes to go by), and if that does not get it drafting it drafts once anyway (its first probe,
 at the length that costs least net of what it is expected to give, if a failed probe would cost
 at most ``first_probe_budget`` of its time without drafting), so that one that copies from its
-prompt is found out in its first rounds. Where drafts cost a pass, a new request's next tokens
-are also guessed at for free, by a lookup of its own context (``score_guesses``): a request whose
-guesses come true copies, and its failed probe is priced at the odds its guesses give.
+prompt is found out in its first rounds; where rounds are classed, only in a class that drafted
+rounds have yet to teach. Where drafts cost a pass, the free lookup's first token is also scored
+as a guess at the request's next token (``score_guesses``): a request whose guesses come true
+copies, and its failed probe is priced at the odds its guesses give.
 A request drafting nothing gets no new observation, so now and then the requests held at k = 0
 by their estimates draft one token each, together, spaced so that probing costs at most
 ``probe_budget`` of the time: that is how speculation comes back once acceptance does. Proposals
 known before the round need neither probe: one not drafted is scored against the token the round
-committed (``score``), which is what verifying its first token would have told, for nothing. A lookup
+committed (``score``), which is what verifying its first token would have told, for nothing (a
+draft model's guesses are not its proposals, so its classed rounds keep both probes). A lookup
 that found nothing to propose (NGRAM) is no evidence either way: no token was verified, so asking
 cost nothing, and it says nothing of how often a match is accepted (counting it as a rejection
 would scale a request's gains by how often it matches while its cost, priced per verified token,
@@ -213,7 +220,8 @@ class SpecPolicy:
     per_request: bool = True  # False: one k for the whole batch
     choices: tuple[int, ...] | None = None  # the k a uniform batch may take (None: 0..K)
     verified_per_request: int | None = None  # draft tokens each request verifies in a drafting round (None: its k)
-    classes: int = 0  # classes of proposals known before the round (``Lookup.classes``; 0: none)
+    classes: int = 0  # classes of rounds known before them (``Lookup.classes``, ``ContextGuesses``; 0: none)
+    classes_scored: bool = True  # whether a classed round not drafted is scored (NGRAM's proposals are known)
     probe_every: int = 8  # the fewest rounds between two probes
     probe_budget: float = 0.02  # the share of round time that probing may cost
     first_probe_budget: float = 0.05  # the most a failed first probe may cost, as a share of the request's plain time
@@ -287,11 +295,12 @@ class SpecPolicy:
                 ks, rate = self._best_for_depth(candidate, depth, entry)
                 if rate > best_rate:
                     best, best_rate = ks, rate
-        if classes is not None:  # proposals known before the round are scored whether drafted or not
+        if classes is not None and self.classes_scored:  # proposals known before the round are scored anyway
             return best.tolist()
         catch_up_seconds = (np.array([self.cost.catch_up(t) for t in catch_up]) if catch_up
                             else np.zeros(len(rids)))
-        best = self._first_probe(rows, cap, best, catch_up_seconds, weighted, remaining, self._failure_odds(rids))
+        new = ~self.requests.observed(rows) & self._untaught(classes)
+        best = self._first_probe(new, cap, best, catch_up_seconds, weighted, remaining, self._failure_odds(rids))
         return self._probe(cap, best, catch_up_seconds, value).tolist()
 
     def _depths_that_may_pay(self, gains: np.ndarray, entry: np.ndarray, plain_rate: float, deepest: int) -> list[int]:
@@ -344,22 +353,32 @@ class SpecPolicy:
         share = min(1.0, max(0.0, marginal / (self.cost.plain(n) / n)))
         return tail + (1.0 - tail) * share
 
-    def _first_probe(self, rows: np.ndarray, caps: np.ndarray, ks: np.ndarray, catch_up: np.ndarray,
+    def _untaught(self, classes: list[int] | None) -> np.ndarray | bool:
+        """Whether each round's class has yet to be taught by drafted rounds (less evidence than its
+        prior's weight); without classes, every round is (the algorithm's estimate is no guide to
+        a new request's text)."""
+        if classes is None:
+            return True
+        return np.array([self.class_acceptance[c].seen[0] < self.class_acceptance[c].prior_weight for c in classes])
+
+    def _first_probe(self, new: np.ndarray, caps: np.ndarray, ks: np.ndarray, catch_up: np.ndarray,
                      gains: np.ndarray, remaining: list[int] | None, odds: np.ndarray) -> np.ndarray:
         """New requests the estimates hold at k = 0 draft once, together, early in their life: a
         request that copies from its prompt is then found out within its first rounds, whatever
-        earlier requests did. They draft the length whose round costs least net of the tokens it
-        is expected to give (its verify tokens, the switch, its draft passes and the draft caches
-        it must build, against the expected tokens at the value of an average token of the round),
-        and only if what it costs should nothing be accepted, at the odds of that (``odds``: 1, or
-        less for a request whose free guesses came true), is at most ``first_probe_budget`` of
-        their time without drafting: a probe that fails then costs them at most that share, by
-        expectation. If all new requests together are over it, those with better odds are tried
-        alone. A request stays new until it has had a proposal verified (its estimate has an
-        observation): a probe whose lookup found nothing cost nothing and comes again. Proposals
-        known before the round skip it: one that is not drafted is scored anyway (``score``), so a
-        new request has its first evidence after its first round, at no cost."""
-        fresh = (ks == 0) & (caps > 0) & ~self.requests.observed(rows)
+        earlier requests did. ``new``: the requests that may need it, those with no proposal
+        verified yet whose round's class (where rounds are classed) drafted rounds have yet to
+        teach: a taught class says what the probe would find. They draft the length whose round
+        costs least net of the tokens it is expected to give (its verify tokens, the switch, its
+        draft passes and the draft caches it must build, against the expected tokens at the value
+        of an average token of the round), and only if what it costs should nothing be accepted,
+        at the odds of that (``odds``: 1, or less for a request whose free guesses came true), is
+        at most ``first_probe_budget`` of their time without drafting: a probe that fails then
+        costs them at most that share, by expectation. If all new requests together are over it,
+        those with better odds are tried alone. A probe whose lookup found nothing cost nothing,
+        and the request is still new. Proposals known before the round skip it: one that is not
+        drafted is scored anyway (``score``), so a new request has its first evidence after its
+        first round, at no cost."""
+        fresh = (ks == 0) & (caps > 0) & new
         if not fresh.any():
             return ks
         n = len(ks)
@@ -506,21 +525,17 @@ class SpecPolicy:
             self._observe(self.requests.rows(rids), np.ones(len(rids), dtype=np.int64), np.array(kept, dtype=np.int64),
                           None if classes is None else np.array(classes))
 
-    def wants_guesses(self, rids: list[int], caps: list[int]) -> list[bool]:
-        """Which requests' next token is worth a free guess (``score_guesses``): new ones, in the
-        adaptive mode, that may draft and have had no proposal verified yet."""
-        if self.mode == FIXED or self.max_draft == 0 or not rids:
-            return [False] * len(rids)
-        observed = self.requests.observed(self.requests.rows(rids))
-        return [c > 0 and not o for c, o in zip(caps, observed)]
-
     def score_guesses(self, rids: list[int], kept: list[bool]) -> None:
-        """Free guesses at new requests' next tokens (a lookup of each one's own context, where the
-        drafts cost a pass), each scored against the token the round committed. They are not
-        the draft's proposals, so they do not enter the acceptance estimates; they say how likely
-        a first probe is to fail: a request that copies from its context has its guesses come
-        true, and its draft's proposals too (copied text is what any draft predicts best)."""
-        for rid, k in zip(rids, kept):
+        """Free guesses at requests' next tokens (a lookup of each one's own context, where the
+        drafts cost a pass), each scored against the token the round committed; only a new
+        request's count (one with no proposal verified yet). They are not the draft's proposals,
+        so they do not enter the acceptance estimates; they say how likely a first probe is to
+        fail: a request that copies from its context has its guesses come true, and its draft's
+        proposals too (copied text is what any draft predicts best)."""
+        if not rids:
+            return
+        new = ~self.requests.observed(self.requests.rows(rids))
+        for rid, k in zip(np.array(rids)[new].tolist(), np.array(kept)[new].tolist()):
             counts = self.guesses.setdefault(rid, [0, 0])
             counts[0] += bool(k)
             counts[1] += 1
