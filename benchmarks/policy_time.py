@@ -7,7 +7,11 @@ finishes and a new one takes its place, as under load. The cost model learns fro
 rounds) for NGRAM (proposal classes known before the round, undrafted ones scored) and STANDALONE
 (rounds classed by free guesses, first probes and probes), at 1, 16 and 64 requests.
 
-Run:  python benchmarks/policy_time.py [--rounds 300] [--requests 1 16 64]
+Also printed: the worker's context lookup that classes a draft model's rounds
+(``ContextGuesses``, NGRAM's index), per round at the same batch sizes over 8k-token contexts, and
+the first lookup of such a context (the index of its prompt is built then).
+
+Run:  python benchmarks/policy_time.py [--rounds 300] [--requests 1 16 64] [--context 8192]
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "worker"))
 
+from specdecode_worker.engine.ngram_index import ContextGuesses  # noqa: E402
 from specdecode_worker.engine.spec_policy import SpecPolicy  # noqa: E402
 from specdecode_worker.engine.step_cost import StepCost  # noqa: E402
 
@@ -62,10 +67,38 @@ def time_rounds(algorithm: str, requests: int, rounds: int, seed: int = 0) -> fl
     return spent / rounds
 
 
+class _Context:
+    """A request as the lookup sees it: an id and its tokens."""
+
+    def __init__(self, rid: int, tokens: list[int]):
+        self.rid, self.all_ids = rid, tokens
+
+
+def time_lookups(requests: int, rounds: int, context: int = 8192, seed: int = 0) -> tuple[float, float]:
+    """Seconds of the first lookup of a ``context``-token request (its prompt indexed), and per
+    round of looking every request up after each commits 1-5 tokens (text of 2,000 distinct tokens)."""
+    rng = random.Random(seed)
+    reqs = [_Context(i, [rng.randrange(2000) for _ in range(context)]) for i in range(requests)]
+    guesses = ContextGuesses(4)
+    start = time.perf_counter()
+    guesses.guess(reqs[:1])
+    first = time.perf_counter() - start
+    guesses.guess(reqs)
+    spent = 0.0
+    for _ in range(rounds):
+        for r in reqs:
+            r.all_ids.extend(rng.randrange(2000) for _ in range(rng.randrange(1, 6)))
+        start = time.perf_counter()
+        guesses.guess(reqs)
+        spent += time.perf_counter() - start
+    return first, spent / rounds
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--requests", type=int, nargs="*", default=[1, 16, 64])
+    ap.add_argument("--context", type=int, default=8192, help="tokens of each request's context for the lookups")
     args = ap.parse_args(argv)
     print("| algorithm | " + " | ".join(f"{n} requests" for n in args.requests) + " |")
     print("|---|" + "---:|" * len(args.requests))
@@ -73,6 +106,13 @@ def main(argv=None) -> int:
         cells = [statistics.median(time_rounds(algorithm, n, args.rounds, seed) for seed in range(3)) * 1e3
                  for n in args.requests]
         print(f"| {algorithm} | " + " | ".join(f"{ms:.2f} ms" for ms in cells) + " |")
+    lookups = {n: [time_lookups(n, 50, args.context, seed) for seed in range(3)] for n in args.requests}
+    print(f"\n| context lookup ({args.context} tokens) | " + " | ".join(f"{n} requests" for n in args.requests) + " |")
+    print("|---|" + "---:|" * len(args.requests))
+    cells = [statistics.median(t[1] for t in lookups[n]) * 1e3 for n in args.requests]
+    print("| per round | " + " | ".join(f"{ms:.2f} ms" for ms in cells) + " |")
+    first = statistics.median(t[0] for runs in lookups.values() for t in runs) * 1e3
+    print(f"\nfirst lookup of a {args.context}-token context (its prompt indexed): {first:.1f} ms")
     return 0
 
 

@@ -13,10 +13,9 @@ expected goodput, sum_r (1 + v_r E[accepted_r | k_r]) / step_time(round shape):
   way (``ngram_index.ContextGuesses``), and each class learns the draft's acceptance from the
   rounds that drafted in it: a draft model too keeps a copied passage's tokens far more often
   than open text's, and a request is then read by the text it is at, not by the requests before
-  it. A
-  request's own estimate is its parent's (its class's, or the algorithm's) times a factor, its
-  kept tokens over what its parents expected it to keep, so that a request that kept a long match
-  as long matches are kept is not expected to keep its next short one (``RequestEstimates``: every
+  it. A request's own estimate is its parent's (its class's, or the algorithm's) times a factor,
+  its kept tokens over what its parents expected it to keep, so that a request that kept a long
+  match as long matches are kept is not expected to keep its next short one (``RequestEstimates``: every
   request is a row of arrays, so a round costs a few numpy operations whatever the batch);
 - E[accepted | k] = sum_{i<=k} prod_{j<=i} a_j, so the gain of the i-th draft token of a request
   is prod_{j<=i} a_j and never grows with i: for a given verify width the best choice takes the
