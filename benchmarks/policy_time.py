@@ -81,15 +81,15 @@ def time_lookups(requests: int, rounds: int, context: int = 8192, seed: int = 0)
     reqs = [_Context(i, [rng.randrange(2000) for _ in range(context)]) for i in range(requests)]
     guesses = ContextGuesses(4)
     start = time.perf_counter()
-    guesses.guess(reqs[:1])
+    guesses.guess(reqs[:1], [K])
     first = time.perf_counter() - start
-    guesses.guess(reqs)
+    guesses.guess(reqs, [K] * requests)
     spent = 0.0
     for _ in range(rounds):
         for r in reqs:
             r.all_ids.extend(rng.randrange(2000) for _ in range(rng.randrange(1, 6)))
         start = time.perf_counter()
-        guesses.guess(reqs)
+        guesses.guess(reqs, [K] * requests)
         spent += time.perf_counter() - start
     return first, spent / rounds
 

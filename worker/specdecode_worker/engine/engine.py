@@ -551,7 +551,7 @@ class Engine:
             caps = [min(c, len(p)) for c, p in zip(caps, lookup.proposals)]
             classes = lookup.classes
         elif self.guesses is not None:
-            guesses, classes = self.guesses.guess(reqs)
+            guesses, classes = self.guesses.guess(reqs, caps)
         catch_up_tokens = getattr(self.speculator, "catch_up_tokens", None)
         catch_up = [catch_up_tokens(r) for r in reqs] if catch_up_tokens else None
         ks = self.policy.draft_lengths(rids, caps, catch_up=catch_up,

@@ -66,10 +66,16 @@ class ContextGuesses:
         self.classes = max_n + 1  # matched suffix lengths 0 (none) .. max_n
         self._indexes = RequestIndexes(max_n)  # while each request runs
 
-    def guess(self, reqs: list) -> tuple[list[int | None], list[int]]:
-        """Each request's guess (None: nothing matched) and its class, the matched suffix's length."""
+    def guess(self, reqs: list, caps: list[int]) -> tuple[list[int | None], list[int]]:
+        """Each request's guess (None: nothing matched) and its class, the matched suffix's length.
+        A request that may not draft (``caps[i]`` 0) is not looked up, as NGRAM's lookups skip it:
+        its class cannot matter, and it keeps no index."""
         guesses, classes = [], []
-        for r in reqs:
+        for r, cap in zip(reqs, caps):
+            if cap <= 0:
+                guesses.append(None)
+                classes.append(0)
+                continue
             proposal, n = self._indexes.match(r, 1)
             guesses.append(proposal[0] if proposal else None)
             classes.append(n)

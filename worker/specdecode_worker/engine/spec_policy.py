@@ -299,7 +299,7 @@ class SpecPolicy:
         catch_up_seconds = (np.array([self.cost.catch_up(t) for t in catch_up]) if catch_up
                             else np.zeros(len(rids)))
         new = ~self.requests.observed(rows) & self._untaught(classes)
-        best = self._first_probe(new, cap, best, catch_up_seconds, weighted, remaining, self._failure_odds(rids))
+        best = self._first_probe(new, cap, best, catch_up_seconds, weighted, remaining, rids)
         return self._probe(cap, best, catch_up_seconds, value).tolist()
 
     def _depths_that_may_pay(self, gains: np.ndarray, entry: np.ndarray, plain_rate: float, deepest: int) -> list[int]:
@@ -361,7 +361,7 @@ class SpecPolicy:
         return np.array([self.class_acceptance[c].seen[0] < self.class_acceptance[c].prior_weight for c in classes])
 
     def _first_probe(self, new: np.ndarray, caps: np.ndarray, ks: np.ndarray, catch_up: np.ndarray,
-                     gains: np.ndarray, remaining: list[int] | None, odds: np.ndarray) -> np.ndarray:
+                     gains: np.ndarray, remaining: list[int] | None, rids: list[int]) -> np.ndarray:
         """New requests the estimates hold at k = 0 draft once, together, early in their life: a
         request that copies from its prompt is then found out within its first rounds, whatever
         earlier requests did. ``new``: the requests that may need it, those with no proposal
@@ -370,7 +370,7 @@ class SpecPolicy:
         costs least net of the tokens it is expected to give (its verify tokens, the switch, its
         draft passes and the draft caches it must build, against the expected tokens at the value
         of an average token of the round), and only if what it costs should nothing be accepted,
-        at the odds of that (``odds``: 1, or less for a request whose free guesses came true), is
+        at the odds of that (``_failure_odds``: 1, or less for a request whose free guesses came true), is
         at most ``first_probe_budget`` of their time without drafting: a probe that fails then
         costs them at most that share, by expectation. If all new requests together are over it,
         those with better odds are tried alone. A probe whose lookup found nothing cost nothing,
@@ -380,6 +380,7 @@ class SpecPolicy:
         fresh = (ks == 0) & (caps > 0) & new
         if not fresh.any():
             return ks
+        odds = self._failure_odds(rids)
         n = len(ks)
         now = self._cost_of(ks)
         for group in self._probe_groups(fresh, odds):
