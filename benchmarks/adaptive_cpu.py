@@ -6,6 +6,9 @@ For concurrency 1, 2, 4, 8 and 16 (that many requests decoded together) and thre
   mixed: half of each, in one batch;
 the methods: no speculation, NGRAM with 4 drafts every round (fixed), NGRAM with the adaptive policy
 (and with --standalone: STANDALONE over a dynamically int8-quantised copy, fixed and adaptive).
+On the mixed workload each family also runs an oracle: fixed drafting for the copy prompts only
+(the others sent with ``speculative: false``), what a policy that knew which requests copy would
+do; its ratio to the better of none and fixed is how much any choice of draft lengths could gain.
 Each engine is built once and serves every point, as a worker would. With ``--queue Q``, each point
 instead submits Q x c requests at once to engines that run at most c at a time (their
 maxRunningRequests): c requests decode while the rest wait, a worker under load, where a request
@@ -77,6 +80,11 @@ QUESTIONS = [
 ]
 
 
+def copies(kind: str, n: int) -> list[bool]:
+    """Which of ``workload_prompts(kind, n)`` ask to repeat a paragraph."""
+    return [kind == "copy" or (kind == "mixed" and i % 2 == 0) for i in range(n)]
+
+
 def workload_prompts(kind: str, n: int) -> list[str]:
     copy = [f"Repeat the following paragraph exactly, word for word:\n\n{PARAGRAPHS[i % len(PARAGRAPHS)]}"
             for i in range(n)]
@@ -115,17 +123,20 @@ def share_target_weights(source: Engine, s: Engine) -> None:
 
 
 def run_together(methods: dict[str, Engine], order: list[str], prompts: list[list[int]], max_new: int,
-                 seed: int | None = None):
+                 seed: int | None = None, may_draft: dict[str, list[bool]] | None = None):
     """Every method decodes its own copy of ``prompts``; the engines step in turn, one step each,
     until all have finished, each step's CPU and wall time charged to its method. With ``seed``,
     each turn takes the engines in a fresh random order (seeded): a step starts with the caches the
     step before it used, and in a fixed cycle (rotated or not) every method would always follow
     the same other method, the one always after a method that drafts paying for it. Without, in
-    ``order``. Per method: outputs, wall seconds, and what its policy did meanwhile (as ``run``)."""
+    ``order``. ``may_draft[method]``: which of the prompts that method's requests may draft for (the
+    others are sent with ``speculative: false``; default all). Per method: outputs, wall seconds,
+    and what its policy did meanwhile (as ``run``)."""
     state = {}
     for name in order:
         s = methods[name]
-        reqs = [Request(p, SamplingParams(max_tokens=max_new)) for p in prompts]
+        drafts = (may_draft or {}).get(name, [True] * len(prompts))
+        reqs = [Request(p, SamplingParams(max_tokens=max_new), speculative=d) for p, d in zip(prompts, drafts)]
         if s.policy.trace is not None:
             s.policy.trace.clear()
         state[name] = {"reqs": reqs, "cpu": 0.0, "wall": 0.0,
@@ -218,6 +229,14 @@ def main(argv=None) -> int:
                                                           max_running=max_running)
             methods["STANDALONE int8 adaptive"] = engine(model_dir, "STANDALONE", "adaptive", model_dir, "int8",
                                                          max_running=max_running)
+        if "mixed" in args.workloads and not args.queue:
+            # What a policy that knew which requests copy would do: fixed drafting for the copy
+            # prompts, none for the others (run on the mixed workload only).
+            for family in [f for f in FAMILIES if f"{f} fixed k=4" in methods]:
+                algorithm = family.split()[0]
+                methods[f"{family} oracle"] = engine(model_dir, algorithm, "fixed", model_dir if algorithm ==
+                                                     "STANDALONE" else None, "int8" if algorithm == "STANDALONE"
+                                                     else None, max_running=max_running)
         first = methods["none"]
         for s in methods.values():
             if s is not first:
@@ -231,13 +250,14 @@ def main(argv=None) -> int:
         if args.queue:  # a worker that runs at most c requests, with the rest of the point's queued
             methods = None  # the previous point's engines go before the next ones load
             methods = build(c)
-        names = list(methods)
         for kind in args.workloads:
+            names = [m for m in methods if kind == "mixed" or not m.endswith(" oracle")]
             prompts = workload_prompts(kind, c * max(1, args.queue))
+            oracle = {m: copies(kind, len(prompts)) for m in names if m.endswith(" oracle")}
             runs: dict[str, list[dict]] = {m: [] for m in names}
             for rep in range(args.repeats):
                 together = run_together(methods, names, [ids[p] for p in prompts], n,
-                                        seed=1000 * c + 10 * WORKLOADS.index(kind) + rep)
+                                        seed=1000 * c + 10 * WORKLOADS.index(kind) + rep, may_draft=oracle)
                 for method, (outs, secs, info) in together.items():
                     tokens = sum(len(o) for o in outs)
                     runs[method].append({"tokens": tokens, "seconds": secs, "tok_per_s": tokens / secs,
@@ -297,6 +317,23 @@ FAMILIES = ("NGRAM", "STANDALONE int8")
 METRIC = "tok_per_cpu_s"
 
 
+def oracle_verdicts(rows, key: str = "tok_per_cpu_s") -> list[dict]:
+    """Per mixed point and family: what knowing which requests copy would give (fixed drafting for
+    those, none for the rest) over the better of none and fixed, run by run, as ``verdicts``
+    pairs adaptive: the most any draft-length policy could be expected to gain there."""
+    by = {(r["workload"], r["concurrency"], r["method"]): r["runs_" + key] for r in rows}
+    out = []
+    for (kind, c, method), oracle in by.items():
+        family = method.removesuffix(" oracle")
+        if family not in FAMILIES or method == family:
+            continue
+        none, fixed = by[(kind, c, "none")], by[(kind, c, f"{family} fixed k=4")]
+        ratios = [o / max(plain, f) for o, plain, f in zip(oracle, none, fixed)]
+        out.append({"workload": kind, "concurrency": c, "family": family, "ratio": statistics.median(ratios),
+                    "low": min(ratios), "high": max(ratios)})
+    return out
+
+
 def verdicts(rows, key: str = "tok_per_cpu_s") -> list[dict]:
     """Per point and family: adaptive over the better of none and fixed, run by run (the runs of
     one repeat were back to back), the median of those ratios, its spread, and whether the goal
@@ -319,7 +356,7 @@ def print_table(rows) -> None:
     """Markdown: median tokens per CPU second per method (min-max over the runs), and adaptive
     against the better of none and fixed, paired run by run: median (min-max), by that measure;
     the median by wall-clock time in brackets."""
-    methods = list(dict.fromkeys(r["method"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows if not r["method"].endswith(" oracle")))
     by = {(r["workload"], r["concurrency"], r["method"]): r for r in rows}
     ratio = {(v["workload"], v["concurrency"], v["family"]): v for v in verdicts(rows)}
     wall = {(v["workload"], v["concurrency"], v["family"]): v for v in verdicts(rows, "tok_per_s")}
@@ -341,6 +378,17 @@ def print_table(rows) -> None:
                              f"({wall[(kind, c, f)]['ratio']:.2f})")
             cells.append(", ".join(f"{by[(kind, c, f + ' adaptive')]['drafting_rounds']:.0%}" for f in families))
             print(f"| {kind} | {c} | " + " | ".join(cells) + " |")
+    oracle = oracle_verdicts(rows)
+    if oracle:
+        print("\nMixed, with an oracle that drafts (fixed) for the copy prompts only:\n")
+        print("| c | family | none | fixed k=4 | oracle | adaptive | oracle / best, runs | adaptive / best |")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|")
+        for v in oracle:
+            c, f = v["concurrency"], v["family"]
+            cells = [f"{statistics.median(by[('mixed', c, m)]['runs_' + METRIC]):.1f}"
+                     for m in ("none", f"{f} fixed k=4", f"{f} oracle", f"{f} adaptive")]
+            print(f"| {c} | {f} | " + " | ".join(cells) + f" | {v['ratio']:.2f} ({v['low']:.2f}-{v['high']:.2f}) | "
+                  f"{ratio[('mixed', c, f)]['ratio']:.2f} |")
 
 
 def plot(rows, path: str) -> None:
@@ -356,7 +404,9 @@ def plot(rows, path: str) -> None:
         for method in methods:
             pts = sorted((r["concurrency"], r[METRIC]) for r in rows
                          if r["workload"] == kind and r["method"] == method)
-            style = "-" if "adaptive" in method else "--" if "fixed" in method else ":"
+            if not pts:  # the oracles run on the mixed workload only
+                continue
+            style = "-" if "adaptive" in method else "--" if "fixed" in method else "-." if "oracle" in method else ":"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=method)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({r["concurrency"] for r in rows}))

@@ -77,3 +77,21 @@ def test_lockstep_turns_are_shuffled_so_no_method_always_follows_the_same_one():
     log2: list[str] = []
     run_together({n: _Stepper(n, log2, 30) for n in names}, names, [[1, 2, 3]], 4, seed=7)
     assert log2 == log  # seeded: the same turns again
+
+
+def test_the_oracle_drafts_only_for_the_copy_prompts_and_is_paired_like_adaptive():
+    from benchmarks.adaptive_cpu import copies, oracle_verdicts, run_together, workload_prompts
+
+    prompts = workload_prompts("mixed", 4)
+    assert copies("mixed", 4) == [p.startswith("Repeat") for p in prompts] == [True, False, True, False]
+    assert copies("copy", 2) == [True, True] and copies("open", 2) == [False, False]
+    log: list[str] = []
+    steppers = {n: _Stepper(n, log, 2) for n in ("fixed", "oracle")}
+    run_together(steppers, list(steppers), [[1], [2], [3], [4]], 4, may_draft={"oracle": copies("mixed", 4)})
+    assert [r.speculative for r in steppers["oracle"].reqs] == [True, False, True, False]
+    assert all(r.speculative for r in steppers["fixed"].reqs)
+    rows = [row("mixed", 4, "none", [10.0, 20.0]), row("mixed", 4, "NGRAM fixed k=4", [12.0, 10.0]),
+            row("mixed", 4, "NGRAM oracle", [15.0, 19.0]), row("mixed", 4, "NGRAM adaptive", [13.0, 20.0])]
+    (v,) = oracle_verdicts(rows)
+    assert (v["family"], v["ratio"], v["low"], v["high"]) == ("NGRAM", pytest.approx(1.1), pytest.approx(0.95),
+                                                               pytest.approx(1.25))
