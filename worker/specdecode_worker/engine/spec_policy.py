@@ -142,9 +142,6 @@ class RequestEstimates:
     more than its proposals promised is priced above its parents wherever it goes, and one that
     kept less, below."""
 
-    # Every per-request table, with what a new request's row starts at.
-    _FRESH = {"hits": 0.0, "seen": 0.0, "expected": 0.0, "pace": 1.0, "undrafted": 0.0}
-
     def __init__(self, positions: int, prior_weight: float = 1.0, decay: float = 0.8, position_weight: float = 1.0):
         self.positions = positions
         self.prior_weight, self.decay, self.position_weight = prior_weight, decay, position_weight
@@ -152,7 +149,6 @@ class RequestEstimates:
         self.seen = np.zeros((8, positions))  # decayed tokens verified (a position judged)
         self.expected = np.zeros((8, positions))  # decayed sum of the parent's rate for each judged position
         self.pace = np.ones(8)  # tokens a round, recently (a moving average; 1 for a new request)
-        self.undrafted = np.zeros(8)  # rounds since the request last drafted (or since it came)
         self._row: dict[int, int] = {}
         self._free = list(range(7, -1, -1))
 
@@ -162,13 +158,14 @@ class RequestEstimates:
             if rid not in self._row:
                 if not self._free:
                     size = len(self.hits)
-                    for name in self._FRESH:
+                    for name in ("hits", "seen", "expected"):
                         table = getattr(self, name)
-                        setattr(self, name, np.concatenate([table, np.zeros_like(table)]))
+                        setattr(self, name, np.vstack([table, np.zeros_like(table)]))
+                    self.pace = np.concatenate([self.pace, np.ones(size)])
                     self._free = list(range(2 * size - 1, size - 1, -1))
                 row = self._row[rid] = self._free.pop()
-                for name, value in self._FRESH.items():
-                    getattr(self, name)[row] = value
+                self.hits[row] = self.seen[row] = self.expected[row] = 0.0
+                self.pace[row] = 1.0
         return np.fromiter((self._row[rid] for rid in rids), dtype=np.int64, count=len(rids))
 
     def rates(self, rows: np.ndarray, parent_rates: np.ndarray, parent_overall: np.ndarray,
@@ -224,8 +221,8 @@ class SpecPolicy:
     verified_per_request: int | None = None  # draft tokens each request verifies in a drafting round (None: its k)
     classes: int = 0  # classes of rounds known before them (``Lookup.classes``, ``ContextGuesses``; 0: none)
     classes_scored: bool = True  # whether a classed round not drafted is scored (NGRAM's proposals are known)
-    probe_every: int = 8  # the fewest rounds without drafting before a request is probed
-    probe_budget: float = 0.02  # the share of a request's time that probing it may cost
+    probe_every: int = 8  # the fewest rounds between two probes
+    probe_budget: float = 0.02  # the share of round time that probing may cost
     first_probe_budget: float = 0.05  # the most a failed first probe may cost, as a share of the request's plain time
     guess_prior: float = 2.0  # free guesses counted as failed before any is scored (``_failure_odds``)
     trace: list | None = None  # a list to append each round's choice, prediction and measurement to
@@ -234,6 +231,7 @@ class SpecPolicy:
     class_acceptance: list[Acceptance] = field(init=False)
     requests: RequestEstimates = field(init=False)
     guesses: dict[int, list[int]] = field(init=False, default_factory=dict)  # rid -> [kept, scored] free guesses
+    _since_probe: int = field(init=False, default=0)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -275,18 +273,12 @@ class SpecPolicy:
         caps = [max(0, min(c, self.max_draft)) for c in caps]
         if self.mode == FIXED or self.max_draft == 0 or not rids:
             return caps
-        rows = self.requests.rows(rids)
-        self.requests.undrafted[rows] += 1  # this round counts as one without drafting until it drafts
-        ks = self._adaptive_lengths(rids, rows, caps, catch_up, remaining, waiting, classes)
-        self.requests.undrafted[rows[ks > 0]] = 0
-        return ks.tolist()
-
-    def _adaptive_lengths(self, rids: list[int], rows: np.ndarray, caps: list[int], catch_up: list[int] | None,
-                          remaining: list[int] | None, waiting: int, classes: list[int] | None) -> np.ndarray:
+        self._since_probe += 1
         cap = np.array(caps, dtype=np.int64)
+        rows = self.requests.rows(rids)
         gains = self.requests.gains(rows, cap, *self._parents(len(rids), classes))
         if not self.per_request:
-            return np.array(self._uniform(gains, caps), dtype=np.int64)
+            return self._uniform(gains, caps)
         value = self._token_values(gains, remaining, waiting, rows)
         weighted = gains * value[:, None]
         entry = self._entry_costs(gains, catch_up, remaining)
@@ -303,12 +295,12 @@ class SpecPolicy:
                 if rate > best_rate:
                     best, best_rate = ks, rate
         if classes is not None and self.classes_scored:  # proposals known before the round are scored anyway
-            return best
+            return best.tolist()
         catch_up_seconds = (np.array([self.cost.catch_up(t) for t in catch_up]) if catch_up
                             else np.zeros(len(rids)))
         new = ~self.requests.observed(rows) & self._untaught(classes)
         best = self._first_probe(new, cap, best, catch_up_seconds, weighted, remaining, rids)
-        return self._probe(rows, cap, best, catch_up_seconds, value)
+        return self._probe(cap, best, catch_up_seconds, value).tolist()
 
     def _depths_that_may_pay(self, gains: np.ndarray, entry: np.ndarray, plain_rate: float, deepest: int) -> list[int]:
         """The draft depths at which some round could beat the plain one. At depth d, every token
@@ -478,29 +470,24 @@ class SpecPolicy:
                 best_k, best_rate = k, rate
         return [min(best_k, c) for c in caps]
 
-    def _probe(self, rows: np.ndarray, caps: np.ndarray, ks: np.ndarray, catch_up: np.ndarray,
-               value: np.ndarray) -> np.ndarray:
+    def _probe(self, caps: np.ndarray, ks: np.ndarray, catch_up: np.ndarray, value: np.ndarray) -> np.ndarray:
         """Requests held at k = 0 by their estimates draft one token each, all in the same round:
         that is how speculation comes back once acceptance does, and the round's switch to the
         verify path is paid once for all of them. A probe round costs extra time (on a CPU a
-        verify round can cost twice a plain one), and that time is the probed requests': each may
-        spend on probes at most ``probe_budget`` of its own time, its share of the rounds it has
-        run without drafting. So a request is probed after ``probe_every`` such rounds at the
-        earliest, later where a probe round costs more, and a short request alone in a batch
-        where a verify round is dear is never probed: one probe would cost it more than its
-        budget, where a budget pooled over all the worker's rounds would let one request pay for
-        the rounds of those before it. A request held back by its tokens' worth, not its
-        acceptance (the others outlast it), is not probed: its estimate is not what holds it."""
-        waited = self.requests.undrafted[rows]
-        due = (ks == 0) & (caps > 0) & (value >= 1.0) & (waited >= self.probe_every)
-        if not due.any():
+        verify round can cost twice a plain one), so probes are spaced to spend at most
+        ``probe_budget`` of the time: at least ``probe_every`` rounds apart, and further where a
+        probe round costs more. A request held back by its tokens' worth, not its acceptance
+        (the others outlast it), is not probed: its estimate is not what holds it."""
+        idle = (ks == 0) & (caps > 0) & (value >= 1.0)
+        if not idle.any() or self._since_probe < self.probe_every:
             return ks
         now = self._cost_of(ks)
-        probed = np.where(due, 1, ks)
+        probed = np.where(idle, 1, ks)
         # A probe round pays in full for the catch-up of the draft caches it turns on.
-        extra = self._cost_of(probed) - now + catch_up[due].sum()
-        if self.probe_budget * waited[due].sum() * now / len(ks) < extra:
+        extra = (self._cost_of(probed) + catch_up[idle].sum()) / now - 1
+        if self._since_probe * self.probe_budget < extra:
             return ks
+        self._since_probe = 0
         return probed
 
     def record(self, rids: list[int], ks: list[int], proposed: list[int], accepted: list[int], seconds: float,
