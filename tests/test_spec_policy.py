@@ -271,6 +271,29 @@ def test_one_slow_round_among_few_drafting_rounds_does_not_make_drafting_look_de
     assert model(1, 0) == pytest.approx(0.07, rel=0.02)
 
 
+def test_a_round_is_the_plain_curve_plus_what_drafting_adds():
+    """On a CPU a plain round of 2 requests costs far more than one of 1 (0.11 against 0.07) and
+    little less than one of 4. A round's plain part is the curve's, so drafting terms learnt on
+    rounds of 1 request price a round of 2 on top of what a plain round of 2 took, not on a linear
+    term that put it at 0.08."""
+    curve = {1: 0.07, 2: 0.11, 4: 0.125, 8: 0.16, 16: 0.2}
+    target = {(1, 0): 0.07, (16, 0): 0.2, (1, 4): 0.112, (16, 16): 0.278, (16, 64): 0.422}
+    model = StepCost(target, {1: 0.04, 16: 0.115}, plain=curve, learn=True)
+    for _ in range(6):
+        model.record(1, 4, 4, 1, 0.23)
+        model.record(1, 0, 0, 0, 0.07)
+        model.record(2, 0, 0, 0, 0.11)
+    assert model(2, 0) == pytest.approx(0.11) and model.plain(2) == pytest.approx(0.11)
+    assert model(1, 4, 4, 1) == pytest.approx(0.23, rel=0.05)
+    base, switch, per_token, per_pass, per_request = model.round_terms(2, 4)
+    assert base == pytest.approx(0.11)
+    assert model(2, 8, 4, 2) == pytest.approx(base + switch + 8 * per_token + per_pass + 2 * per_request)
+    # What a second drafting request adds: its switch share, its 4 verify tokens, its draft rows.
+    _, switch_one, _, _, _ = model.round_terms(1, 4)
+    assert model(2, 8, 4, 2) - model(2, 0) == pytest.approx(
+        model(1, 4, 4, 1) - model(1, 0) + (switch - switch_one) + 4 * per_token + per_request)
+
+
 def test_cost_model_learns_a_cheaper_verify_path_from_measured_rounds():
     """The warm-up priced each verify token at a whole plain step per request; the rounds say
     tokens are nearly free at today's load (which is twice the warm-up's): the fit follows them."""
@@ -351,8 +374,10 @@ def test_a_request_the_others_outlast_drafts_only_if_leaving_early_saves_time():
     it, as on a CPU), their drafting buys nothing and they do not draft; where every request adds
     its share, or where requests wait for their place (an early finish lets the next one in), they do."""
     def copy_two(plain_curve, waiting):
-        cost = StepCost({(1, 0): 1.0, (4, 0): 1.3, (1, 4): 1.4, (4, 4): 1.6, (4, 16): 1.9}, plain=plain_curve,
-                        learn=False)
+        # The warm-up's verify passes cost what they add to its plain passes of the same batch.
+        one, four = plain_curve[1], plain_curve[4]
+        cost = StepCost({(1, 0): one, (4, 0): four, (1, 4): one + 0.4, (4, 4): four + 0.3, (4, 16): four + 0.6},
+                        plain=plain_curve, learn=False)
         policy = SpecPolicy("adaptive", "NGRAM", 4, cost, probe_every=1000)
         rids = [0, 1, 2, 3]
         for left in range(32, 20, -1):

@@ -1,9 +1,9 @@
 """The speculation policy's cost model: seconds of one decode round, from the round's shape.
 
 A round of ``requests`` requests verifying ``drafts`` draft tokens in all, after ``depth`` draft
-passes over ``drafting`` requests each, costs (a linear model in these features)
+passes over ``drafting`` requests each, costs
 
-    plain(requests)                           a + b * requests
+    plain(requests)                           the plain curve (below)
   + switching to the verify path, if drafts   e + d * requests
   + the verify tokens                         c * drafts
   + the draft passes                          depth * (f + g * drafting)
@@ -16,21 +16,23 @@ The switch term is there because a round in which nobody drafts runs the cheaper
 (one token per request: batched decode attention, a CUDA graph on a GPU) and any draft token moves
 the whole batch onto the verify path.
 
-Seeded by the warm-up's timed passes, refined online by a least-squares fit over the last
-``window`` rounds. Machine load scales every step time by a common factor, and the policy's choice
-only depends on ratios of step times at the same moment; so the warm-up points enter the fit as
-pseudo-rounds rescaled by the current load factor (the median of measured over seeded prediction
-in the window). Load thus cancels, and whatever the recent rounds do not pin down (the cost of
-drafting while nobody drafts, say) keeps the warm-up's shape.
-
-Apart from the linear model, ``plain(n)`` gives a plain round of n requests from the warm-up's
-plain passes at several batch sizes (interpolated, at today's load): what a request still running
-costs the rounds it is in, which a linear term cannot say where the curve is flat (on a CPU, a
-pass of 2 to 4 rows costs what one of 4 does: the weights, not the rows, set its time). Measured
+``plain(n)`` is a plain round of n requests from the warm-up's plain passes at several batch
+sizes (interpolated, at today's load), not a linear term: on a CPU a pass of 2 to 4 rows costs
+what one of 4 does (the weights, not the rows, set its time), and a pass of 1 far less. Measured
 plain rounds refine it: at a batch size with a few recent plain rounds, their median replaces the
 warm-up's point; and the curve is made non-decreasing (pooling neighbours that contradict that),
 since a pass over more rows never costs less: a warm-up timed while something else had the
-machine may say otherwise.
+machine may say otherwise. The curve also says what a request still running costs the rounds
+it is in (the policy's token values).
+
+The drafting terms (e, d, c, f, g) are seeded by the warm-up's timed passes, less the plain curve
+at their batch sizes, and refined online by a robust least-squares fit over the last ``window``
+rounds, each less the plain round of its batch size. Machine load scales every step time by a
+common factor, and the policy's choice only depends on ratios of step times at the same moment;
+so the warm-up points enter the fit as pseudo-rounds rescaled by the current load factor (the
+median of measured over seeded time in the window, the seed being a linear model of the warm-up
+points). Load thus cancels, and whatever the recent rounds do not pin down (the cost of drafting
+while nobody drafts, say) keeps the warm-up's shape.
 The fit is numpy over the window's rows; nothing here needs torch.
 """
 
@@ -73,15 +75,18 @@ class StepCost:
         self.prior = [(features(n, m), s) for (n, m), s in target.items()]
         self.prior += [((0.0,) * 5 + (1.0, float(j)), s) for j, s in (draft or {}).items()]
         self.terms = list(range(len(FEATURES) if draft else 5))
+        self._marginal_terms = [i for i in self.terms if i in _MARGINAL]
         self.prior_weight, self.refit_every, self.learn = prior_weight, refit_every, learn
         self.rounds: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        # The whole linear model over the warm-up's points: what load is measured against.
         self.seed = self._fit([(x, s, 1.0 / max(s, 1e-12) ** 2) for x, s in self.prior], self.terms)
-        self.coef = list(self.seed)
         curve = plain if plain else {n: s for (n, m), s in target.items() if m == 0}
         self._warm_plain = {float(n): s for n, s in curve.items()}  # seconds at the warm-up's load
         self._measured_plain: dict[int, deque[float]] = {}  # recent plain rounds by batch size
         self.load = 1.0  # measured / seeded prediction, over the window
+        self.coef = list(self.seed)
         self._plain_n, self._plain_s = self._plain_curve()
+        self.coef = self._fit_marginal(np.empty((0, len(FEATURES))), np.empty(0), np.empty(0))
         self._since_fit = 0
 
     @classmethod
@@ -96,7 +101,8 @@ class StepCost:
                    plain={n: plain[0] + plain[1] * n for n in (1, 16)})
 
     def __call__(self, requests: int, drafts: int, depth: int = 0, drafting: int = 0) -> float:
-        return max(_dot(self.coef, features(requests, drafts, depth, drafting)), 1e-9)
+        marginal = _dot(self.coef[2:], features(requests, drafts, depth, drafting)[2:])
+        return max(self.plain(requests) + marginal, 1e-9)
 
     def catch_up(self, tokens: int) -> float:
         """Seconds the draft spends caching ``tokens`` committed tokens of one request, at today's
@@ -109,7 +115,7 @@ class StepCost:
         linear model's slope; below the narrowest (or with a single point), in proportion to it."""
         n, s = self._plain_n, self._plain_s
         if not len(n):
-            return self(int(requests), 0)
+            return float(self.coef[0] + self.coef[1] * requests)
         if requests > n[-1] and len(n) > 1:
             return float(s[-1] + self.coef[1] * (requests - n[-1]))
         if requests < n[0] or len(n) == 1:
@@ -121,7 +127,7 @@ class StepCost:
         plain step, the switch, seconds per draft token, per round of passes, and per drafting request
         (what the policy adds up for every width it tries, without building features each time)."""
         c = self.coef
-        return (c[0] + c[1] * requests, c[2] + c[3] * requests, c[4], depth * c[5], depth * c[6])
+        return (self.plain(requests), c[2] + c[3] * requests, c[4], depth * c[5], depth * c[6])
 
     def coefficients(self) -> dict[str, float]:
         return dict(zip(FEATURES, self.coef))
@@ -137,32 +143,44 @@ class StepCost:
             self.refit()
 
     def refit(self) -> None:
-        """Least squares in relative error over the window's rounds and the warm-up points at
-        today's load, made robust to other work on the machine, which only ever adds time: a round
-        that took over twice what the fit predicts is set aside as interrupted, and one well over
-        it counts less (Huber weights, refitted a few times). Set aside only against a fit that it
-        has dragged up, a slow round among the few drafting rounds of a window would stay: one
-        round at three times its cost, among three, made drafting 4 tokens look 20% dearer, and
-        a policy that then stops drafting gets no round that would correct it."""
+        """Today's load (the median of measured over seeded times in the window), the plain curve
+        at that load, then the drafting terms (see ``_fit_marginal``)."""
         self._since_fit = 0
         if not self.rounds:
             return
         x = np.array([r[0] for r in self.rounds])
         y = np.array([r[1] for r in self.rounds])
-        seed = np.array(self.seed)
-        self.load = float(np.median(y / np.maximum(x @ seed, 1e-12)))
+        self.load = float(np.median(y / np.maximum(x @ np.array(self.seed), 1e-12)))
+        self._plain_n, self._plain_s = self._plain_curve()
+        self.coef = self._fit_marginal(x, y, 1.0 / np.maximum(x @ np.array(self.seed) * self.load, 1e-12) ** 2)
+
+    def _fit_marginal(self, x: np.ndarray, y: np.ndarray, relative: np.ndarray) -> list[float]:
+        """The terms a round pays for drafting, fitted to what each round (and each warm-up point,
+        at today's load) took beyond the plain round of its batch size on the plain curve: least
+        squares in relative error (``relative``: 1 / the round's seeded time squared). The plain
+        part is the curve's, not a linear term's: on a CPU a plain round of 2 requests costs far
+        more than one of 1 and little less than one of 4, so a linear plain term fitted on rounds
+        of 1 put a round of 2 a quarter below what it took, and the drafting that paid at 2
+        requests (10 tokens in 3.2 plain rounds' time) looked as if it did not.
+        Other work on the machine only ever adds time, so the fit is robust to it: a round over
+        twice the fit's prediction is set aside, and one more than ``_HUBER`` off counts in
+        proportion less (Huber weights, the fit redone a few times). Set aside only against a
+        first fit it had dragged up, one round slowed threefold among the three drafting rounds of
+        a window stayed, priced 4 drafts 20% too dear, and a policy that then stops drafting
+        measures no round that would correct it."""
         px = np.array([p[0] for p in self.prior])
         py = np.array([p[1] for p in self.prior]) * self.load
         pw = self.prior_weight / np.maximum(py, 1e-12) ** 2
-        relative = 1.0 / np.maximum(x @ seed * self.load, 1e-12) ** 2
+        plain = np.array([self.plain(n) for n in np.concatenate([px[:, 1], x[:, 1]])])
+        xs, ys = np.vstack([px, x]), np.concatenate([py, y])
         trust = np.ones(len(y))
         for _ in range(_ROBUST_FITS):
-            coef = self._fit((np.vstack([px, x]), np.concatenate([py, y]), np.concatenate([pw, relative * trust])),
-                             self.terms)
-            over = y / np.maximum(x @ np.array(coef), 1e-12) - 1.0
+            coef = self._fit((xs, ys - plain, np.concatenate([pw, relative * trust])), self._marginal_terms)
+            predicted = plain[len(py):] + x @ np.array(coef)
+            over = y / np.maximum(predicted, 1e-12) - 1.0
             trust = np.where(over > 1.0, 0.0, np.minimum(1.0, _HUBER / np.maximum(np.abs(over), 1e-12)))
-        self.coef = coef
-        self._plain_n, self._plain_s = self._plain_curve()
+        coef[0], coef[1] = self.seed[0] * self.load, self.seed[1] * self.load  # the linear plain term, at today's load
+        return coef
 
     def _plain_curve(self) -> tuple[np.ndarray, np.ndarray]:
         """Plain-round seconds by batch size at today's load: the warm-up's points rescaled, a
