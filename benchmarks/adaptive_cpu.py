@@ -317,39 +317,36 @@ FAMILIES = ("NGRAM", "STANDALONE int8")
 METRIC = "tok_per_cpu_s"
 
 
-def oracle_verdicts(rows, key: str = "tok_per_cpu_s") -> list[dict]:
-    """Per mixed point and family: what knowing which requests copy would give (fixed drafting for
-    those, none for the rest) over the better of none and fixed, run by run, as ``verdicts``
-    pairs adaptive: the most any draft-length policy could be expected to gain there."""
+def paired_ratios(rows, suffix: str, key: str = "tok_per_cpu_s") -> list[dict]:
+    """Per point and family: its method ``"<family><suffix>"`` over the better of none and fixed,
+    run by run (the runs of one repeat were back to back): the median of those ratios and their
+    spread."""
     by = {(r["workload"], r["concurrency"], r["method"]): r["runs_" + key] for r in rows}
     out = []
-    for (kind, c, method), oracle in by.items():
-        family = method.removesuffix(" oracle")
+    for (kind, c, method), runs in by.items():
+        family = method.removesuffix(suffix)
         if family not in FAMILIES or method == family:
             continue
         none, fixed = by[(kind, c, "none")], by[(kind, c, f"{family} fixed k=4")]
-        ratios = [o / max(plain, f) for o, plain, f in zip(oracle, none, fixed)]
+        ratios = [x / max(plain, f) for x, plain, f in zip(runs, none, fixed)]
         out.append({"workload": kind, "concurrency": c, "family": family, "ratio": statistics.median(ratios),
                     "low": min(ratios), "high": max(ratios)})
     return out
 
 
+def oracle_verdicts(rows, key: str = "tok_per_cpu_s") -> list[dict]:
+    """Per mixed point and family: what knowing which requests copy would give (fixed drafting for
+    those, none for the rest) over the better of none and fixed, paired as ``verdicts`` pairs
+    adaptive: the most that drafting the copying requests could gain there."""
+    return paired_ratios(rows, " oracle", key)
+
+
 def verdicts(rows, key: str = "tok_per_cpu_s") -> list[dict]:
-    """Per point and family: adaptive over the better of none and fixed, run by run (the runs of
-    one repeat were back to back), the median of those ratios, its spread, and whether the goal
-    holds by the median (within 5% everywhere; strictly better than both on the mixed workload)."""
-    by = {(r["workload"], r["concurrency"], r["method"]): r["runs_" + key] for r in rows}
-    out = []
-    for (kind, c, method), adaptive in by.items():
-        family = method.removesuffix(" adaptive")
-        if family not in FAMILIES or method == family:
-            continue
-        none, fixed = by[(kind, c, "none")], by[(kind, c, f"{family} fixed k=4")]
-        ratios = [a / max(plain, f) for a, plain, f in zip(adaptive, none, fixed)]
-        ratio = statistics.median(ratios)
-        out.append({"workload": kind, "concurrency": c, "family": family, "ratio": ratio, "low": min(ratios),
-                    "high": max(ratios), "met": ratio > 1.0 if kind == "mixed" else ratio >= 0.95})
-    return out
+    """Per point and family: adaptive over the better of none and fixed (``paired_ratios``), and
+    whether the goal holds by the median (within 5% everywhere; strictly better than both on the
+    mixed workload)."""
+    return [{**v, "met": v["ratio"] > 1.0 if v["workload"] == "mixed" else v["ratio"] >= 0.95}
+            for v in paired_ratios(rows, " adaptive", key)]
 
 
 def print_table(rows) -> None:
