@@ -113,14 +113,17 @@ class StepCost:
         """Seconds of a plain round of ``requests`` requests at today's load: the plain curve (the
         warm-up's passes, refined by measured plain rounds) interpolated; beyond the widest, the
         linear model's slope; below the narrowest (or with a single point), in proportion to it."""
+        return float(self._plain_of(np.asarray(requests, dtype=float)))
+
+    def _plain_of(self, requests: np.ndarray) -> np.ndarray:
+        """``plain`` for an array of batch sizes."""
         n, s = self._plain_n, self._plain_s
         if not len(n):
-            return float(self.coef[0] + self.coef[1] * requests)
-        if requests > n[-1] and len(n) > 1:
-            return float(s[-1] + self.coef[1] * (requests - n[-1]))
-        if requests < n[0] or len(n) == 1:
-            return float(s[0] * requests / n[0])
-        return float(np.interp(requests, n, s))
+            return self.coef[0] + self.coef[1] * requests
+        out = np.interp(requests, n, s)
+        if len(n) > 1:
+            out = np.where(requests > n[-1], s[-1] + self.coef[1] * (requests - n[-1]), out)
+        return np.where((requests < n[0]) | (len(n) == 1), s[0] * requests / n[0], out)
 
     def round_terms(self, requests: int, depth: int) -> tuple[float, float, float, float, float]:
         """For rounds of ``requests`` requests and ``depth`` draft passes that draft at all: the
@@ -171,7 +174,7 @@ class StepCost:
         px = np.array([p[0] for p in self.prior])
         py = np.array([p[1] for p in self.prior]) * self.load
         pw = self.prior_weight / np.maximum(py, 1e-12) ** 2
-        plain = np.array([self.plain(n) for n in np.concatenate([px[:, 1], x[:, 1]])])
+        plain = self._plain_of(np.concatenate([px[:, 1], x[:, 1]]))
         xs, ys = np.vstack([px, x]), np.concatenate([py, y])
         trust = np.ones(len(y))
         for _ in range(_ROBUST_FITS):
