@@ -232,11 +232,11 @@ def main(argv=None) -> int:
         if "mixed" in args.workloads and not args.queue:
             # What a policy that knew which requests copy would do: fixed drafting for the copy
             # prompts, none for the others (run on the mixed workload only).
-            for family in [f for f in FAMILIES if f"{f} fixed k=4" in methods]:
-                algorithm = family.split()[0]
-                methods[f"{family} oracle"] = engine(model_dir, algorithm, "fixed", model_dir if algorithm ==
-                                                     "STANDALONE" else None, "int8" if algorithm == "STANDALONE"
-                                                     else None, max_running=max_running)
+            oracles = {"NGRAM": ("NGRAM", None, None), "STANDALONE int8": ("STANDALONE", model_dir, "int8")}
+            for family, (algorithm, draft, quant) in oracles.items():
+                if f"{family} fixed k=4" in methods:
+                    methods[f"{family} oracle"] = engine(model_dir, algorithm, "fixed", draft, quant,
+                                                         max_running=max_running)
         first = methods["none"]
         for s in methods.values():
             if s is not first:

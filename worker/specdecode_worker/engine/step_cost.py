@@ -84,8 +84,7 @@ class StepCost:
         self._warm_plain = {float(n): s for n, s in curve.items()}  # seconds at the warm-up's load
         self._measured_plain: dict[int, deque[float]] = {}  # recent plain rounds by batch size
         self.load = 1.0  # measured / seeded prediction, over the window
-        self.coef = list(self.seed)
-        self._plain_n, self._plain_s = self._plain_curve()
+        self._set_plain_curve()
         self.coef = self._fit_marginal(np.empty((0, len(FEATURES))), np.empty(0), np.empty(0))
         self._since_fit = 0
 
@@ -113,16 +112,20 @@ class StepCost:
         """Seconds of a plain round of ``requests`` requests at today's load: the plain curve (the
         warm-up's passes, refined by measured plain rounds) interpolated; beyond the widest, the
         linear model's slope; below the narrowest (or with a single point), in proportion to it."""
-        return float(self._plain_of(np.asarray(requests, dtype=float)))
+        seconds = self._plain_by_size.get(requests)  # every round prices its batch size, many times
+        if seconds is None:
+            seconds = self._plain_by_size[requests] = float(self._plain_of(np.asarray(requests, dtype=float)))
+        return seconds
 
     def _plain_of(self, requests: np.ndarray) -> np.ndarray:
         """``plain`` for an array of batch sizes."""
         n, s = self._plain_n, self._plain_s
+        base, per_request = self.seed[0] * self.load, self.seed[1] * self.load  # the linear plain term
         if not len(n):
-            return self.coef[0] + self.coef[1] * requests
+            return base + per_request * requests
         out = np.interp(requests, n, s)
         if len(n) > 1:
-            out = np.where(requests > n[-1], s[-1] + self.coef[1] * (requests - n[-1]), out)
+            out = np.where(requests > n[-1], s[-1] + per_request * (requests - n[-1]), out)
         return np.where((requests < n[0]) | (len(n) == 1), s[0] * requests / n[0], out)
 
     def round_terms(self, requests: int, depth: int) -> tuple[float, float, float, float, float]:
@@ -153,9 +156,14 @@ class StepCost:
             return
         x = np.array([r[0] for r in self.rounds])
         y = np.array([r[1] for r in self.rounds])
-        self.load = float(np.median(y / np.maximum(x @ np.array(self.seed), 1e-12)))
+        seeded = np.maximum(x @ np.array(self.seed), 1e-12)
+        self.load = float(np.median(y / seeded))
+        self._set_plain_curve()
+        self.coef = self._fit_marginal(x, y, 1.0 / (seeded * self.load) ** 2)
+
+    def _set_plain_curve(self) -> None:
         self._plain_n, self._plain_s = self._plain_curve()
-        self.coef = self._fit_marginal(x, y, 1.0 / np.maximum(x @ np.array(self.seed) * self.load, 1e-12) ** 2)
+        self._plain_by_size: dict[float, float] = {}
 
     def _fit_marginal(self, x: np.ndarray, y: np.ndarray, relative: np.ndarray) -> list[float]:
         """The terms a round pays for drafting, fitted to what each round (and each warm-up point,
@@ -182,7 +190,7 @@ class StepCost:
             predicted = plain[len(py):] + x @ np.array(coef)
             over = y / np.maximum(predicted, 1e-12) - 1.0
             trust = np.where(over > 1.0, 0.0, np.minimum(1.0, _HUBER / np.maximum(np.abs(over), 1e-12)))
-        coef[0], coef[1] = self.seed[0] * self.load, self.seed[1] * self.load  # the linear plain term, at today's load
+        coef[0], coef[1] = self.seed[0] * self.load, self.seed[1] * self.load  # reported: the linear plain term
         return coef
 
     def _plain_curve(self) -> tuple[np.ndarray, np.ndarray]:
