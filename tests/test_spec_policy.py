@@ -271,6 +271,26 @@ def test_one_slow_round_among_few_drafting_rounds_does_not_make_drafting_look_de
     assert model(1, 0) == pytest.approx(0.07, rel=0.02)
 
 
+def test_a_refit_whose_rounds_all_lie_close_to_it_is_fitted_once():
+    """Reweighting changes nothing when every round is within the Huber margin of the fit, so the
+    refit stops after one fit instead of three; with a slowed round among them, it refits."""
+    model = StepCost.linear(plain=(0.065, 0.005), per_draft_token=0.005, switch=(0.02, 0.0), draft_pass=(0.045, 0.0),
+                            learn=True)
+    model.refit_every = 10**6  # refits only when the test asks
+    fits = []
+    fit = model._fit
+    model._fit = lambda rows, terms: fits.append(1) or fit(rows, terms)
+    for r in [(1, 0, 0, 0, 0.07)] * 3 + [(1, 4, 4, 1, 0.23), (1, 4, 4, 1, 0.22)]:
+        model.record(*r)
+    model.refit()
+    assert len(fits) == 1
+    model.record(1, 4, 4, 1, 0.68)
+    fits.clear()
+    model.refit()
+    assert len(fits) > 1
+    assert model(1, 4, 4, 1) == pytest.approx(0.225, rel=0.1)
+
+
 def test_a_round_is_the_plain_curve_plus_what_drafting_adds():
     """On a CPU a plain round of 2 requests costs far more than one of 1 (0.11 against 0.07) and
     little less than one of 4. A round's plain part is the curve's, so drafting terms learnt on

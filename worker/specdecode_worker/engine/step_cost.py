@@ -50,7 +50,7 @@ _MARGINAL = range(2, len(FEATURES))
 
 
 # The robust refit: a round more than this far from the fit, relatively, counts in proportion less,
-# and the fit is redone this many times with the new weights.
+# and the fit is redone with the new weights, at most this many fits in all (fewer once the weights stop changing).
 _HUBER, _ROBUST_FITS = 0.25, 3
 _MARGINAL_MASK = np.array([i in _MARGINAL for i in range(len(FEATURES))])
 
@@ -189,7 +189,10 @@ class StepCost:
             coef = self._fit((xs, ys - plain, np.concatenate([pw, relative * trust])), self._marginal_terms)
             predicted = plain[len(py):] + x @ np.array(coef)
             over = y / np.maximum(predicted, 1e-12) - 1.0
-            trust = np.where(over > 1.0, 0.0, np.minimum(1.0, _HUBER / np.maximum(np.abs(over), 1e-12)))
+            weights = np.where(over > 1.0, 0.0, np.minimum(1.0, _HUBER / np.maximum(np.abs(over), 1e-12)))
+            if np.array_equal(weights, trust):  # the same weights give the same fit: usually every round is close
+                break
+            trust = weights
         coef[0], coef[1] = self.seed[0] * self.load, self.seed[1] * self.load  # reported: the linear plain term
         return coef
 
