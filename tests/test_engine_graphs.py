@@ -400,6 +400,30 @@ def test_the_policy_warm_up_times_verify_passes_as_rounds_run_them(models, monke
     assert allocator.available_size() == free
 
 
+def test_the_policy_warm_up_prefills_its_prefixes_in_chunks(models):
+    """The timed passes' cached prefixes (128 tokens for each of the largest batch's requests) are
+    prefilled whole rows at a time, at most one planned prefill chunk per pass: a single pass over
+    every row, 32,768 tokens at a batch of 256, is larger than anything the plan priced."""
+    from specdecode_worker.engine.step_timing import time_passes
+
+    eng = engine(models["target"], "NONE", max_running_requests=MAX_BS)
+    runner = eng.target_runner
+    widths, real = [], runner.forward
+
+    def forward(fb, last_only=False):
+        widths.append(len(fb.extend_lens) and sum(fb.extend_lens))
+        return real(fb, last_only)
+
+    runner.forward = forward
+    free = runner.token_to_kv_pool_allocator.available_size()
+    timed = time_passes(runner, [(MAX_BS, 1)], 256, repeats=1, chunk_tokens=64)
+    runner.forward = real
+    prefix = 256 // 4  # the prefix time_passes caches at this context
+    prefills = [w for w in widths if w > MAX_BS]
+    assert prefills and max(prefills) <= 64 and sum(prefills) == MAX_BS * prefix
+    assert set(timed) == {(MAX_BS, 1)} and runner.token_to_kv_pool_allocator.available_size() == free
+
+
 def test_mtp_ragged_rounds_replay_the_verify_graph_and_keep_greedy_output(tmp_path, monkeypatch):
     """MTP's chain (DeepSeek-V3 and its NextN layer) under per-request draft lengths, a request
     that never drafts and one capped at 1: the same checks as for the other chains."""

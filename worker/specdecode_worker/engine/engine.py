@@ -341,7 +341,8 @@ class Engine:
             target = {(1, 0): 0.01, (batch, 0): 0.01, (1, k): 0.01 * (1 + 1 / batch),
                       (batch, batch): 0.01 * (1 + 1 / k), (batch, batch * k): 0.02}
         else:
-            target, curve = target_points(self.target_runner, batch, k, args.context_len, self.speculator)
+            target, curve = target_points(self.target_runner, batch, k, args.context_len, self.speculator,
+                                          chunk_tokens=args.chunked_prefill_size)
         plain = {1: target[(1, 0)], batch: target[(batch, 0)]}
         if args.algorithm == "STANDALONE" and self.draft_runner.tp.size > 1:
             # A sharded draft cannot be timed alone either: its decode cost scales with its weight bytes.
@@ -349,7 +350,8 @@ class Engine:
             draft = {j: s * share for j, s in plain.items()}
             catch_up = share * catch_up_seconds(target[(1, 0)], target[(1, k)], k + 1)
         elif args.algorithm == "STANDALONE":
-            draft, catch_up = draft_points(self.draft_runner, batch, args.context_len)
+            draft, catch_up = draft_points(self.draft_runner, batch, args.context_len,
+                                           chunk_tokens=args.chunked_prefill_size)
         elif args.algorithm == "NGRAM":
             draft = None
         else:  # an EAGLE head or NextN layer: one layer against the target's many

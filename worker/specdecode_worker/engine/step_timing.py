@@ -21,10 +21,11 @@ PREFIX_TOKENS = 128  # context each request has cached in the warm-up (less when
 
 
 def time_passes(runner: ModelRunner, shapes: list[tuple[int, int]], context_len: int,
-                repeats: int = 3, speculator=None) -> dict[tuple[int, int], float]:
+                repeats: int = 3, speculator=None, chunk_tokens: int = 0) -> dict[tuple[int, int], float]:
     """Fastest seconds of one pass over ``batch`` requests of ``width`` new tokens each after a
     cached prefix, by (batch, width); the shapes interleaved ``repeats`` times. ``speculator``: run
-    the target's passes as its rounds do (an EAGLE or MTP target replays the speculator's graphs)."""
+    the target's passes as its rounds do (an EAGLE or MTP target replays the speculator's graphs).
+    ``chunk_tokens``: most prefix tokens prefilled in one pass (0: no cap), as the plan priced."""
     pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
     batch = max(b for b, _ in shapes)
     widest = max(w for _, w in shapes)
@@ -34,7 +35,7 @@ def time_passes(runner: ModelRunner, shapes: list[tuple[int, int]], context_len:
         for idx in rows:
             alloc_positions(pool, alloc, idx, 0, prefix + widest)
         if prefix:
-            forward_segments(runner, [Segment(idx, [0] * prefix, 0) for idx in rows], last_only=True)
+            _prefill_prefixes(runner, rows, prefix, chunk_tokens)
         best = {}
         for repeat in range(repeats + 1):  # the first round is untimed: it warms every shape up
             for b, w in shapes:
@@ -50,6 +51,16 @@ def time_passes(runner: ModelRunner, shapes: list[tuple[int, int]], context_len:
         for idx in rows:
             free_positions(pool, alloc, idx, 0, prefix + widest)
             pool.free(idx)
+
+
+def _prefill_prefixes(runner: ModelRunner, rows: list[int], prefix: int, chunk_tokens: int) -> None:
+    """Cache ``prefix`` tokens for every row, whole rows per pass, at most ``chunk_tokens`` per pass:
+    one pass over every row at the largest batch (256 x 128 tokens) is larger than the plan's
+    largest prefill chunk, and its activations would not fit what the plan left free."""
+    per_pass = len(rows) if not chunk_tokens else max(1, chunk_tokens // prefix)
+    for start in range(0, len(rows), per_pass):
+        segments = [Segment(idx, [0] * prefix, 0) for idx in rows[start : start + per_pass]]
+        forward_segments(runner, segments, last_only=True)
 
 
 def _wait_for(device) -> None:
@@ -75,8 +86,8 @@ def _verify_pass(runner: ModelRunner, speculator, rows: list[int], prefix: int, 
         speculator.target_pass(fb)
 
 
-def target_points(runner: ModelRunner, batch: int, k: int, context_len: int,
-                  speculator=None) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
+def target_points(runner: ModelRunner, batch: int, k: int, context_len: int, speculator=None,
+                  chunk_tokens: int = 0) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
     """Seconds of a target pass by (requests, draft tokens verified in all): plain decode at batch
     1 and ``batch``, and verify passes of k at batch 1, and of 1 and k per request at ``batch``
     (what separates the switch to the verify path from the cost of each verified token); and
@@ -84,7 +95,7 @@ def target_points(runner: ModelRunner, batch: int, k: int, context_len: int,
     running costs a round, which is not linear: see ``StepCost.plain``)."""
     sizes = sorted({min(2 ** i, batch) for i in range(batch.bit_length() + 1)})
     shapes = [(1, 1), (batch, 1), (1, k + 1), (batch, 2), (batch, k + 1)] + [(b, 1) for b in sizes]
-    timed = time_passes(runner, sorted(set(shapes)), context_len, speculator=speculator)
+    timed = time_passes(runner, sorted(set(shapes)), context_len, speculator=speculator, chunk_tokens=chunk_tokens)
     target = {(b, b * (w - 1)): timed[(b, w)] for b, w in shapes[:5]}
     return target, {b: timed[(b, 1)] for b in sizes}
 
@@ -92,10 +103,12 @@ def target_points(runner: ModelRunner, batch: int, k: int, context_len: int,
 CATCH_UP_TOKENS = 32  # the width of the timed catch-up pass
 
 
-def draft_points(runner: ModelRunner, batch: int, context_len: int) -> tuple[dict[int, float], float]:
+def draft_points(runner: ModelRunner, batch: int, context_len: int,
+                 chunk_tokens: int = 0) -> tuple[dict[int, float], float]:
     """Seconds of one draft pass (one token per request) by the number of requests in it, and
     seconds per token that a request's committed tokens add to a draft pass (``catch_up_seconds``)."""
-    timed = time_passes(runner, sorted({(1, 1), (batch, 1), (1, CATCH_UP_TOKENS)}), context_len)
+    timed = time_passes(runner, sorted({(1, 1), (batch, 1), (1, CATCH_UP_TOKENS)}), context_len,
+                        chunk_tokens=chunk_tokens)
     passes = {b: s for (b, w), s in timed.items() if w == 1}
     return passes, catch_up_seconds(timed[(1, 1)], timed[(1, CATCH_UP_TOKENS)], CATCH_UP_TOKENS)
 
