@@ -182,7 +182,7 @@ class GraphRunner:
                 graph = EagerGraph(call)
                 self.outputs[bs] = graph.outputs
             else:
-                stream = torch.cuda.Stream()
+                stream = capture_warmup_stream(device)
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # compiles the Triton kernels for this shape before capture
@@ -213,6 +213,19 @@ class GraphRunner:
             static[n:t_bs].zero_()
         self.graphs[bs].replay()
         return tuple(out[:n] for out in self.outputs[bs])
+
+
+_warmup_streams: dict = {}
+
+
+def capture_warmup_stream(device) -> "torch.cuda.Stream":
+    """The one side stream that every graph's pre-capture warm-up runs on, per device: cuBLAS keeps
+    a workspace per stream, so a stream per captured size would hold workspaces the plan never priced."""
+    index = torch.device(device).index
+    key = torch.cuda.current_device() if index is None else index
+    if key not in _warmup_streams:
+        _warmup_streams[key] = torch.cuda.Stream(device=key)
+    return _warmup_streams[key]
 
 
 class CudaGraphRunner(GraphRunner):
