@@ -302,6 +302,30 @@ def test_running_out_of_memory_in_any_warm_up_pass_is_the_exit_3_start_up_error(
     assert ExitCode.DOES_NOT_FIT == 3  # what serve_cli makes of a StartupError
 
 
+@pytest.mark.parametrize("error", ["Triton Error [CUDA]: out of memory", "an unrelated kernel fault"])
+def test_a_kernel_launch_without_memory_is_the_same_start_up_error(models, monkeypatch, error):
+    """Triton raises a plain RuntimeError when the driver cannot give a launch its memory (on an
+    H200 the long prompt's first extend launch, with 0.40 GiB free): that is running out of memory
+    too; any other RuntimeError is a fault and propagates as it is."""
+    _instrument(monkeypatch)
+    real = ModelRunner.forward
+
+    def launch(self, fb, last_only=False):
+        if self.name == "target" and fb.input_ids.numel() == CHUNK:
+            raise RuntimeError(error)
+        return real(self, fb, last_only)
+
+    monkeypatch.setattr(ModelRunner, "forward", launch)
+    expected = StartupError if "out of memory" in error else RuntimeError
+    with pytest.raises(expected) as failed:
+        _engine(models, "NGRAM", planned_dynamic_bytes=PLANNED)
+    if expected is StartupError:
+        assert "ran out of device memory in: target prefill" in str(failed.value)
+        assert "chunkedPrefillSize" in str(failed.value) and error in str(failed.value)
+    else:
+        assert type(failed.value) is RuntimeError and str(failed.value) == error
+
+
 def test_a_failed_warm_up_gives_back_every_slot_and_row(models, monkeypatch):
     eng = _engine(models, "EAGLE3-tree")
     pool, alloc = eng.target_runner.req_to_token_pool, eng.target_runner.token_to_kv_pool_allocator

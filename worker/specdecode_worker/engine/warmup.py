@@ -52,6 +52,20 @@ class WarmUpOutOfMemory(RuntimeError):
     """The largest planned pass does not fit beside the weights and pools."""
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """torch's allocator refusing, or a kernel launch the driver could not give memory to (Triton
+    raises a RuntimeError for a launch whose code or local memory does not fit)."""
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc)
+
+
+def device_memory_now(device) -> str:
+    """``, with X of Y GiB free on the device``, as the driver counts it, where there is one."""
+    if torch.device(device).type != "cuda":
+        return ""
+    free, total = torch.cuda.mem_get_info(device)
+    return f", with {free / 2**30:.2f} of {total / 2**30:.2f} GiB free on the device"
+
+
 @dataclass(frozen=True)
 class DynamicPeak:
     planned: int | None  # R_dynamic of the plan served (None: no plan gave one)
@@ -176,11 +190,13 @@ def warm_up(spec, runners, planned: int | None, chunk_tokens: int, batch: int) -
         try:
             with _leaves_no_trace(spec) as trace:
                 run(spec, work, trace)
-        except torch.OutOfMemoryError as exc:  # serving would run out at its first long prompt or full batch
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one
+            if not out_of_memory(exc):  # serving would run out at its first long prompt or full batch
+                raise
             raise WarmUpOutOfMemory(
                 f"phase 3's warm-up ran out of device memory in: {'; '.join(stage)}; with {planned} bytes "
-                f"planned for activations and graphs (reserve.dynamicBytes): give {lower}, or a lower "
-                f"--mem-fraction-static ({exc})") from None
+                f"planned for activations and graphs (reserve.dynamicBytes){device_memory_now(target.device)}: "
+                f"give {lower}, or a lower --mem-fraction-static ({str(exc).splitlines()[0]})") from None
     passes = long + full
     measured = max(0, reader.peak() - static)
     peak = DynamicPeak(planned, measured, work.chunk, work.batch, work.width, work.prompt, passes,
