@@ -187,8 +187,9 @@ class TreeDrafter:
             parent_slots = (step - 2) * k + self._parent_rows
             index = parent_slots[..., None].expand(-1, -1, self.shape.scratch)
             self.ancestors[:, rows] = self.ancestors.gather(1, index)
-        eye = torch.arange(rows.start, rows.stop, device=self.tokens.device)
-        self.ancestors[:, eye, eye] = True
+        # each frontier node is its own ancestor: the diagonal of its rows (a view, no index tensor,
+        # so no host value crosses to the device)
+        self.ancestors[:, rows].diagonal(offset=rows.start, dim1=1, dim2=2).fill_(True)
         return self.ancestors[:, rows].to(torch.int8).contiguous()
 
     def expand(self, logits: torch.Tensor) -> torch.Tensor:
