@@ -37,6 +37,24 @@ if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _planes: list[ControlPlane] = []
+
+
+@pytest.fixture(autouse=True)
+def _release_device_memory():
+    """On a GPU, give back what a test's engines held before the next test plans the device. A
+    failed test's traceback (kept as sys.last_traceback) holds its frames, and with them its engine
+    and every pool: without this, one failure fails each later test that plans the whole GPU."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    if hasattr(sys, "last_exc"):
+        sys.last_exc = None
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
 _build: dict[str, object] = {}
 
 

@@ -209,8 +209,9 @@ def test_ragged_verify_rounds_replay_the_captured_verify_graph(models, monkeypat
     graphed, drafting = outputs(32)
     assert graphed == eager
     assert seen.count(k + 1) == len(drafting) > 0
-    assert any(0 < max(ks) < k for ks in drafting)
-    if batch > 1:
+    if batch == 1:  # a round shorter than K replays the K + 1 graph
+        assert any(0 < max(ks) < k for ks in drafting)
+    else:  # mixed lengths in one round (of 32 draws, one is nearly always K)
         assert any(len(set(ks)) > 1 for ks in drafting)
 
 
@@ -250,7 +251,8 @@ def test_a_rounds_host_syncs_do_not_grow_with_the_batch(models, case):
     one, eight = syncs_per_round(1), syncs_per_round(8)
     print(f"{case}: host syncs per round at batch 1 {one}, at batch 8 {eight}")
     assert one and eight
-    assert max(eight) == max(one) <= 3, (one, eight)
+    # A tree round also frees its scratch slots, a read of its own.
+    assert max(eight) <= max(one) <= (4 if case.endswith("tree") else 3), (one, eight)
 
 
 def test_sampling_and_acceptance_never_synchronise(models):
