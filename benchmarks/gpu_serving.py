@@ -1,49 +1,44 @@
 """The engine on one GPU at real sizes: start-up against the plan, decode speed against the HBM
-roofline, and speculative speedup at controlled acceptance. One script, about 8 minutes or less
-on an H100/H200.
+roofline, and speculative speedup at controlled acceptance. About 5 minutes on an H200;
+benchmarks/device_check.sh runs it with the CUDA tests. Results: docs/gpu-data-path.md.
 
-Models are random bf16 weights made on the device (nothing downloaded): checkpoints are written
-as sparse safetensors files (headers only, for the planner) and the engine's weight loader is
-replaced by one that fills every parameter with seeded random values on the device. Geometries:
-Llama-3.1-8B (target), an EAGLE3 head for it, a Llama-3.2-1B-shaped STANDALONE draft. Settings:
-contextLength 8192 and every other size at the planner's default for the GPU found.
+Models are random bf16 weights made on the device (nothing downloaded): checkpoints are written as
+sparse safetensors files (headers only, for the planner) and the engine's weight loader is replaced
+by one that fills every parameter with seeded values on the device. Geometries: Llama-3.1-8B
+(target), an EAGLE3 head for it, a Llama-3.2-1B-shaped STANDALONE draft, and DeepSeek-V3 cut to one
+GPU (its MLA, grouped MoE routing, YaRN rope, hidden 7168, 128 heads and vocabulary, but 4 layers
+and 64 routed experts, plus its NextN layer: about 20 GB). Settings: contextLength 8192 and every
+other size at the planner's default for the GPU found.
 
-It reports
-  - start-up of the example's settings (8B + EAGLE3, default cudaGraphMaxBs) without OOM;
-  - planned against allocated KV tokens;
-  - planned against measured dynamic peak, for every engine row (EAGLE3 chain, EAGLE3 tree, each
-    STANDALONE draft, MTP): phase 3's warm-up (after every CUDA graph is captured, the longest
-    prompt prefilled in chunks with the draft catching up over it, then one speculative round at
-    the largest batch: draft steps, verify, sampling and acceptance) reads the allocator's peak of
-    allocated bytes minus weights and pools; next to it the caching allocator's reserved peak
-    after the EAGLE3 runs, minus the same;
-  - decode tok/s at batch 1, 8, 64 (1k-token prompts, 256 new tokens) against the roofline
-    (weights + live KV bytes per step over the measured device-to-device copy bandwidth);
-  - decode step time at batch 64 with live length 1k against 7k;
-  - speculative speedup (STANDALONE, k = 3) with a copy of the target as draft (acceptance 1) and a
-    perturbed copy, and with the 1B draft, at batch 1 and 16;
-  - load-aware speculation: MTP with no speculation, fixed k = 3 and the adaptive policy, at 1, 4,
-    16 and 64 concurrent requests (64 new tokens each, same prompts, same outputs expected);
-  - MTP (k = 3, the target's own NextN layer) against no speculation at batch 1, on a
-    DeepSeek-V3-shaped model cut to one GPU: DeepSeek-V3's MLA, grouped MoE routing (8 of the
-    routed experts per token, n_group 8, topk_group 4, 1 shared expert, first_k_dense_replace 3),
-    YaRN rope, hidden 7168, 128 heads and vocabulary, but 4 layers (3 dense + 1 MoE) and 64 routed
-    experts instead of 61 layers and 256, plus one NextN layer: about 20 GB of bf16 weights. The
-    acceptance is controlled: every block's residual writes (o_proj, down_proj) are scaled by
-    1/100, so target and NextN layer both pick nearly what the token's embedding alone picks, and
-    eh_proj is [I | 0] (the NextN step reads the next token's embedding, not the hidden state).
-    Such a near-bigram model's greedy chain soon cycles, so acceptance is high (RESIDUAL_SCALE 1
-    gives about 0: a random NextN layer, the row then measures the draft's cost only).
-    Target steps, verify passes and NextN steps replay CUDA graphs on the MLA Triton kernels; in a
-    graph MoE reads only the chosen experts below 64 (token, expert) pairs (the Triton expert
-    kernel: batch 1 and its k + 1 verify pass), all 64 experts above. Estimated cost: start-up,
-    graph capture and random init about a minute per engine (three engines), 2 x 256 decode steps
-    of a ~6.5 GB step (weights read), and the sweep's 3 x 4 x 64 rounds, about two to three minutes;
-and prints a table (``--json`` writes the numbers too).
+The targets' weights are peaked (``peak_next_token``): random weights give nearly flat logits, and
+a verify pass rounds them differently from a decode step in bf16, so greedy speculative output
+would drift from the plain engine's by rounding alone. Every weight is still read and every pass
+computed; the next token is a fixed function of the current one, with a wide margin.
+
+Phases (``--phases``, each saved to ``--json`` as it ends; one that fails is reported and the
+rest still run):
+  decode      decode tok/s at batch 1, 8, 64 (1k-token prompts, 256 new tokens) against the
+              roofline (weight bytes a step reads, the embedding table excepted, plus live KV, over
+              the measured device-to-device copy bandwidth); a profile of a batch-1 step (kernels
+              per step, busy time, the kernels that take most); step time at batch 64 with live
+              length 1k against 7k;
+  startup     the example's settings (8B + EAGLE3, planner defaults): planned against allocated KV
+              tokens, planned against measured dynamic peak (phase 3's warm-up), then the EAGLE3
+              chain at k = 3 with a controlled acceptance;
+  standalone  the 1B draft at k = 3, controlled;
+  mtp         MTP (k = 3) against no speculation at batch 1, and the load-aware sweep: no
+              speculation, fixed k = 3 and the adaptive policy at 1, 4, 16 and 64 requests;
+  longer      EAGLE3 and the 1B draft at k = 5, controlled;
+  tree        an EAGLE3 tree (top-3, 3 steps, 6 nodes) with a random head: its graphs and cost.
+Controlled rows (``controlled_draft.AcceptanceControl``): the draft's real forward passes, with each
+proposal the target's own greedy token with probability 0.6, 0.8 or 0.9, at batch 1 and 16, against
+the plain engine on the same prompts; the output must stay the plain engine's. Every engine row
+also reports its planned against measured dynamic peak.
 
 Run on a GPU box:  PYTHONPATH=worker:operator:. python benchmarks/gpu_serving.py [--json out.json]
 CPU smoke run:     PYTHONPATH=worker:operator:. python benchmarks/gpu_serving.py --tiny
 (``--tiny``: the same code path with a tiny geometry on CPU, in seconds; the tests run it.)
+A saved run's table: python benchmarks/gpu_serving.py --table out.json
 """
 
 from __future__ import annotations
@@ -55,20 +50,22 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "worker", ROOT / "operator"):
+for _p in (ROOT, ROOT / "worker", ROOT / "operator", ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from controlled_draft import AcceptanceControl  # noqa: E402
 from specdecode_worker import serve_cli  # noqa: E402
 from specdecode_worker.engine import model_runner, mtp_runner  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.engine import Engine, StartupError  # noqa: E402
+from specdecode_worker.engine.engine import Engine  # noqa: E402
 from tests.checkpoints import CONFIGS, _decoder_tensors, _deepseek_tensors, model_tensors, write_checkpoint  # noqa: E402,E501
 
 LLAMA_1B = {  # meta-llama/Llama-3.2-1B-Instruct
@@ -116,19 +113,21 @@ class Settings:
     step_tokens: int
     spec_batches: tuple[int, ...]
     k: int
-    noise: float  # perturbed copy: relative Gaussian noise on every weight
     cpu_budget_gib: float | None = None
     configs: dict = field(default_factory=dict)
     chunk: int = 0  # prompt tokens per step; set from the plan's chunkedPrefillSize
     sweep_batches: tuple[int, ...] = (1, 4, 16, 64)  # load-aware speculation: concurrency of the MTP sweep
     sweep_tokens: int = 64
+    acceptances: tuple[float, ...] = (0.6, 0.8, 0.9)  # controlled drafts: chance each proposal is the target's
+    draft_ks: tuple[int, ...] = (3, 5)  # controlled drafts: proposals per round
+    spec_tokens: int = 128  # new tokens per request in the speculative rows and their baseline
 
 
-FULL = Settings("cuda", 8192, 1024, 256, (1, 8, 64), 7168, 64, 16, (1, 16), 3, 0.1,
+FULL = Settings("cuda", 8192, 1024, 256, (1, 8, 64), 7168, 64, 16, (1, 16), 3,
                 configs={"target": CONFIGS["llama-3.1-8b-instruct"], "draft1b": LLAMA_1B,
                          "eagle3": CONFIGS["eagle3-llama-3.1-8b"], "deepseek": DEEPSEEK_CUT})
-TINY = Settings("cpu", 256, 24, 6, (1, 2), 180, 2, 3, (2,), 3, 0.1, cpu_budget_gib=2.0, sweep_batches=(1, 2),
-                sweep_tokens=6,
+TINY = Settings("cpu", 256, 24, 6, (1, 2), 180, 2, 3, (1, 2), 3, cpu_budget_gib=2.0, sweep_batches=(1, 2),
+                sweep_tokens=6, acceptances=(0.5, 1.0), draft_ks=(2, 3), spec_tokens=8,
                 configs={"target": TINY_TARGET, "draft1b": TINY_DRAFT, "eagle3": TINY_EAGLE3,
                          "deepseek": TINY_DEEPSEEK})
 
@@ -147,8 +146,6 @@ def write_models(root: Path, s: Settings) -> dict[str, Path]:
     c = s.configs
     out = {
         "target": write_checkpoint(root / "target", c["target"], _decoder_tensors(c["target"])),
-        "copy": write_checkpoint(root / "copy", c["target"], _decoder_tensors(c["target"])),
-        "perturbed": write_checkpoint(root / "perturbed", c["target"], _decoder_tensors(c["target"])),
         "draft1b": write_checkpoint(root / "draft1b", c["draft1b"], _decoder_tensors(c["draft1b"])),
         "eagle3": write_checkpoint(root / "eagle3", c["eagle3"], eagle3_tensors(c["eagle3"])),
         "deepseek": write_checkpoint(root / "deepseek", c["deepseek"], bf16_deepseek_tensors(c["deepseek"])),
@@ -165,10 +162,11 @@ def bf16_deepseek_tensors(cfg: dict):
 def deepseek_loader(seed: int, residual_scale: float):
     """Random weights for the DeepSeek target and its NextN layer with a controlled acceptance.
 
-    Residual writes (o_proj, down_proj) scaled by ``residual_scale``: each layer barely moves the
-    hidden state, so the target's next token is nearly a function of the current token's embedding.
-    The NextN layer gets eh_proj = [I | 0] (it reads the embedding of the token it continues) and
-    the same small writes, so it picks what the target will pick; the router bias is zero.
+    Residual writes (o_proj, down_proj) scaled by ``residual_scale`` and the embeddings and head
+    peaked (``peak_next_token``): the target's next token is a function of the current token's
+    embedding. The NextN layer gets eh_proj = [I | 0] (it reads the embedding of the token it
+    continues) and the same small writes, so it picks what the target will pick (acceptance near
+    1); the router bias is zero.
     """
     def load(model, model_dir, device, dtype):
         gen = torch.Generator(device=device).manual_seed(seed)
@@ -188,6 +186,7 @@ def deepseek_loader(seed: int, residual_scale: float):
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     t *= residual_scale
             state[name] = t
+        peak_next_token(state, gen)
         model.load_state_dict(state, strict=False, assign=True)
     return load
 
@@ -199,16 +198,12 @@ def dispatch_loader(loaders: dict):
     return load
 
 
-def random_loader(seeds: dict[str, tuple[int, float]]):
-    """A stand-in for load_safetensors: seeded random weights made on the device.
-
-    ``seeds[folder] = (seed, noise)``: the same seed gives the same weights (a copy of the
-    target); noise > 0 adds noise x std Gaussian noise to every weight (a perturbed copy).
-    """
+def random_loader(seeds: dict[str, tuple[int, bool]]):
+    """A stand-in for load_safetensors: seeded random weights made on the device. ``seeds[folder] =
+    (seed, peaked)``; a peaked model (the target) gets ``peak_next_token``'s weights."""
     def load(model, model_dir, device, dtype):
-        seed, noise = seeds[str(Path(model_dir).resolve())]
+        seed, peaked = seeds[str(Path(model_dir).resolve())]
         gen = torch.Generator(device=device).manual_seed(seed)
-        noise_gen = torch.Generator(device=device).manual_seed(seed + 1000)
         state = {}
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -216,11 +211,29 @@ def random_loader(seeds: dict[str, tuple[int, float]]):
             else:
                 std = p.shape[-1] ** -0.5 if p.dim() > 1 else 0.02
                 t = torch.empty(p.shape, device=device, dtype=dtype).normal_(0, std, generator=gen)
-                if noise:
-                    t += torch.empty_like(t).normal_(0, std * noise, generator=noise_gen)
+                if peaked and name.endswith(("o_proj.weight", "down_proj.weight")):
+                    t *= RESIDUAL_SCALE
             state[name] = t
+        if peaked:
+            peak_next_token(state, gen)
         model.load_state_dict(state, strict=False, assign=True)
     return load
+
+
+def peak_next_token(state: dict, gen: torch.Generator) -> None:
+    """Random weights give nearly flat logits, whose argmax a verify pass (k + 1 rows per request)
+    and a decode step (one row) round differently in bf16: greedy speculative output would then
+    drift from the plain engine's by rounding, not by a fault. So: embeddings of RMS 1, residual
+    writes scaled by RESIDUAL_SCALE (the caller's), and an LM head whose rows are the embeddings in
+    a shuffled order. The last hidden state stays close to the current token's embedding, so the
+    next token is a fixed function of the current one, ahead of the runner-up by about
+    sqrt(hidden) standard deviations; every weight is still read and every pass still computed."""
+    if "model.embed_tokens.weight" not in state or "lm_head.weight" not in state:
+        return  # a NextN layer: it reads the target's embedding and head
+    embed = state["model.embed_tokens.weight"]
+    embed.normal_(0, 1, generator=gen)
+    order = torch.randperm(embed.shape[0], generator=gen, device=embed.device)
+    state["lm_head.weight"] = embed[order].clone()
 
 
 def randomise_head(module: torch.nn.Module, seed: int) -> None:
@@ -337,15 +350,15 @@ def record_peak(res: dict, row: str, eng) -> None:
 # ---- the report ---------------------------------------------------------------------------------
 # One function per engine: its locals (engine, runners) die when it returns, so the next engine is
 # planned against a GPU the last one has left.
-def startup_phase(s: Settings, models, res: dict) -> None:
+def startup_phase(s: Settings, models, res: dict, base: dict) -> None:
     """The example's settings (8B + EAGLE3, planner defaults), warmed up at the largest graph batch
-    and the largest prefill chunk; the allocator's peak beyond weights and pools is the dynamic peak."""
+    and the largest prefill chunk; the allocator's peak beyond weights and pools is the dynamic peak.
+    Then the same engine's controlled-acceptance rows at k = its default."""
     if s.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     eng, plan = engine(s, models, "target", "EAGLE3", "eagle3")
     randomise_head(eng.draft_runner.model, 7)
     r = plan["reserve"]
-    s.chunk = r["chunkedPrefillSize"]
     res["startup"] = "ok"
     res["planned_kv_tokens"] = plan["kvCache"]["maxTotalNumTokens"]
     res["allocated_kv_tokens"] = eng.target_runner.token_to_kv_pool_allocator.size
@@ -355,45 +368,103 @@ def startup_phase(s: Settings, models, res: dict) -> None:
     res["cuda_graph_max_bs"], res["chunked_prefill_size"] = r["cudaGraphMaxBs"], r["chunkedPrefillSize"]
     generate(eng, s, min(r["cudaGraphMaxBs"], r["maxRunningRequests"]), 16, 4)  # largest graph batch
     generate(eng, s, 1, min(s.chunk, s.context - 8), 2)  # largest prefill chunk
-    before = (eng.stats.accepted_tokens, eng.stats.verify_rounds)
-    res["eagle3_b1"] = _strip(generate(eng, s, 1, s.prompt, s.new_tokens))
-    rounds = eng.stats.verify_rounds - before[1]
-    res["eagle3_b1"]["accept_len"] = (eng.stats.accepted_tokens - before[0]) / max(rounds, 1)
+    controlled_rows(s, eng, res, "eagle3", s.k, base)
     if s.device == "cuda":  # the allocator's reserved peak since the warm-up, serving included
         res["serving_reserved_dynamic_bytes"] = torch.cuda.max_memory_reserved() - static_bytes(eng)
 
 
-def decode_phase(s: Settings, models, res: dict, bw: float) -> dict:
-    """Decode speed against the roofline, step time against live length; returns the plain
-    engine's runs that the speculative phase compares with."""
-    eng, _ = engine(s, models, "target")
+def decode_read_bytes(runner) -> int:
+    """Weight bytes a decode step reads: all but the embedding table (a step looks up one row per
+    request), unless the table is also the LM head."""
+    model = runner.model
+    if getattr(model, "tie_word_embeddings", True):
+        return runner.weight_bytes
+    table = model.model.embed_tokens.weight
+    return runner.weight_bytes - table.numel() * table.element_size()
+
+
+def decode_phase(s: Settings, models, res: dict, bw: float, rows: bool = True) -> dict:
+    """Decode speed against the roofline and step time against live length (``rows``); returns the
+    plain engine's runs on the speculative rows' prompts, which they are compared with."""
+    eng, plan = engine(s, models, "target")
+    s.chunk = plan["reserve"]["chunkedPrefillSize"]  # every later prompt is admitted in waves of one chunk
     runner = eng.target_runner
-    cell = runner.token_to_kv_pool.bytes_per_token()
-    res["decode"] = []
-    for b in s.batches:
+    cell, weights = runner.token_to_kv_pool.bytes_per_token(), decode_read_bytes(runner)
+    res["decode_read_weight_bytes"] = weights
+    for b in s.batches if rows else ():
         out = _strip(generate(eng, s, b, s.prompt, s.new_tokens))
         live = s.prompt + s.new_tokens / 2
-        out["roofline_tok_s"] = b * bw / (runner.weight_bytes + b * live * cell)
+        out["roofline_tok_s"] = b * bw / (weights + b * live * cell)
         out["of_roofline"] = out["tok_s"] / out["roofline_tok_s"]
-        res["decode"].append(out)
-    res["step_ms"] = {}
-    for length in (s.prompt, s.long_prompt):
-        res["step_ms"][length] = generate(eng, s, s.step_batch, length, s.step_tokens)["step_ms"]
-    return {b: generate(eng, s, b, s.prompt, s.new_tokens, seed=5) for b in s.spec_batches}
+        res.setdefault("decode", []).append(out)
+    if rows:
+        res["decode_profile"] = profile_decode(eng, s)
+        res["step_ms"] = {length: generate(eng, s, s.step_batch, length, s.step_tokens)["step_ms"]
+                          for length in (s.prompt, s.long_prompt)}
+    generate(eng, s, max(s.spec_batches), s.prompt, 4, seed=1)  # untimed: the first run pays one-time costs
+    return {b: generate(eng, s, b, s.prompt, s.spec_tokens, seed=5) for b in s.spec_batches}
 
 
-def spec_phase(s: Settings, models, res: dict, name: str, base: dict) -> None:
-    """STANDALONE with draft ``name`` against the plain engine, on the same prompts."""
-    eng, _ = engine(s, models, "target", "STANDALONE", name)
-    record_peak(res, f"STANDALONE {name}", eng)
-    for b in s.spec_batches:
-        before = (eng.stats.accepted_tokens, eng.stats.proposed_tokens)
-        out = generate(eng, s, b, s.prompt, s.new_tokens, seed=5)
-        acc = eng.stats.accepted_tokens - before[0]
-        prop = eng.stats.proposed_tokens - before[1]
-        res["spec"].append({"draft": name, "batch": b, "acceptance": acc / max(prop, 1), "tok_s": out["tok_s"],
-                            "baseline_tok_s": base[b]["tok_s"], "speedup": out["tok_s"] / base[b]["tok_s"],
-                            "same_output": out["outputs"] == base[b]["outputs"]})
+def profile_decode(eng, s: Settings, steps: int = 8) -> dict:
+    """Where a batch-1 decode step's device time goes: kernels per step and the kernels that take
+    the most, from the profiler over ``steps`` steps (on CPU: operators, to exercise the code)."""
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    req = Request(prompts(1, s.prompt, eng.target_shape.vocab_size, 3)[0],
+                  SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+    eng.submit(req)
+    while len(req.output_ids) < 2:  # prefilled and one step decoded: what follows is decode only
+        eng.step()
+    sync(s.device)
+    cuda = s.device == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            eng.step()
+        sync(s.device)
+    while not req.done.is_set():
+        eng.step()
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    events = [e for e in prof.events() if e.device_type == kind and (cuda or e.cpu_parent is None)]
+
+    def us(e) -> float:
+        return e.device_time if cuda else e.cpu_time
+
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e.name, []).append(us(e))
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return {"unit": "device kernels" if cuda else "CPU operators", "per_step": len(events) / steps,
+            "busy_us_per_step": sum(us(e) for e in events) / steps,
+            "top": [{"name": n[:90], "per_step": len(t) / steps, "us_per_step": sum(t) / steps} for n, t in top]}
+
+
+def controlled_rows(s: Settings, eng, res: dict, draft: str, k: int, base: dict) -> None:
+    """The engine's draft at each controlled acceptance rate and batch, against the plain engine on
+    the same prompts: its real forward passes, the target's continuation as its proposals."""
+    continuations = {tuple(p): out for b in s.spec_batches
+                     for p, out in zip(prompts(b, s.prompt, eng.target_shape.vocab_size, 5), base[b]["outputs"])}
+    control = AcceptanceControl(eng.speculator, continuations, eng.target_shape.vocab_size)
+    for rate in s.acceptances:
+        control.rate = rate
+        for b in s.spec_batches:
+            before = (eng.stats.accepted_tokens, eng.stats.proposed_tokens, eng.stats.verify_rounds)
+            out = generate(eng, s, b, s.prompt, s.spec_tokens, seed=5)
+            accepted = eng.stats.accepted_tokens - before[0]
+            rounds = eng.stats.verify_rounds - before[2]
+            res.setdefault("spec", []).append({
+                "draft": draft, "k": k, "rate": rate, "batch": b, "tok_s": out["tok_s"],
+                "acceptance": accepted / max(eng.stats.proposed_tokens - before[1], 1),
+                "accept_len": accepted / max(rounds, 1), "baseline_tok_s": base[b]["tok_s"],
+                "speedup": out["tok_s"] / base[b]["tok_s"], "same_output": out["outputs"] == base[b]["outputs"]})
+
+
+def spec_phase(s: Settings, models, res: dict, algorithm: str, draft: str, k: int, base: dict) -> None:
+    """A draft at ``k`` proposals per round, at the controlled rates, against the plain engine."""
+    eng, _ = engine(s, models, "target", algorithm, draft, extra=("--num-draft-tokens", str(k)))
+    if algorithm == "EAGLE3":
+        randomise_head(eng.draft_runner.model, 7)
+    record_peak(res, f"{algorithm} {draft} k={k}", eng)
+    controlled_rows(s, eng, res, draft, k, base)
 
 
 # The EAGLE3 tree row: top-3 expansions over 3 steps, 6 nodes verified per round.
@@ -409,7 +480,7 @@ def tree_phase(s: Settings, models, res: dict, base: dict) -> None:
     record_peak(res, "EAGLE3 tree", eng)
     b = s.spec_batches[0]
     before = (eng.stats.accepted_tokens, eng.stats.verify_rounds)
-    out = generate(eng, s, b, s.prompt, s.new_tokens, seed=5)
+    out = generate(eng, s, b, s.prompt, s.spec_tokens, seed=5)
     rounds = eng.stats.verify_rounds - before[1]
     res["eagle3_tree"] = {"batch": b, "accept_len": (eng.stats.accepted_tokens - before[0]) / max(rounds, 1),
                           "tok_s": out["tok_s"], "baseline_tok_s": base[b]["tok_s"],
@@ -425,31 +496,41 @@ MTP_METHODS = (("none", "NONE", "fixed"), ("fixed", "MTP", "fixed"), ("adaptive"
 def mtp_phase(s: Settings, models, res: dict) -> None:
     """MTP (k drafts from the target's NextN layer) against the plain engine: at batch 1 with the
     fixed policy, and a sweep over concurrency of no speculation, fixed k and the adaptive policy
-    (load-aware speculation), on the same prompts. One engine at a time: each plans the whole device."""
+    (load-aware speculation), on the same prompts. One engine at a time: each plans the whole
+    device; an engine that fails is reported and the others still run."""
     runs, sweep = {}, []
     for method, algorithm, policy in MTP_METHODS:
-        eng, _ = engine(s, models, "deepseek", algorithm, policy=policy)
-        if method == "fixed":
-            record_peak(res, "MTP", eng)
-        if policy == "fixed":
-            runs[algorithm] = generate_counting(eng, s, 1, s.new_tokens, seed=9)
-        for c in s.sweep_batches:
-            plain_before = (eng.stats.steps_without_speculation, eng.stats.decode_steps)
-            out = generate_counting(eng, s, c, s.sweep_tokens, seed=11)
-            steps = eng.stats.decode_steps - plain_before[1]
-            drafting = 1 - (eng.stats.steps_without_speculation - plain_before[0]) / max(steps, 1)
-            sweep.append({"method": method, "concurrency": c, "tok_s": out["tok_s"], "acceptance": out["acceptance"],
-                          "drafting_rounds": drafting if algorithm != "NONE" else 0.0, "outputs": out["outputs"]})
-        del eng
+        try:
+            mtp_engine_runs(s, models, res, method, algorithm, policy, runs, sweep)
+        except Exception as exc:  # noqa: BLE001 - reported in the table, the next engine still runs
+            res.setdefault("errors", {})[f"MTP {method}"] = error_text(exc)
         release(s.device)
-    base, mtp = runs["NONE"], runs["MTP"]
-    res["mtp"] = {"batch": 1, "k": s.k, "acceptance": mtp["acceptance"], "tok_s": mtp["tok_s"],
-                  "baseline_tok_s": base["tok_s"], "speedup": mtp["tok_s"] / base["tok_s"],
-                  "same_output": mtp["outputs"] == base["outputs"], "decode_tokens": mtp["decode_tokens"]}
+    res["mtp_sweep"] = sweep
+    if "NONE" in runs and "MTP" in runs:
+        base, mtp = runs["NONE"], runs["MTP"]
+        res["mtp"] = {"batch": 1, "k": s.k, "acceptance": mtp["acceptance"], "tok_s": mtp["tok_s"],
+                      "baseline_tok_s": base["tok_s"], "speedup": mtp["tok_s"] / base["tok_s"],
+                      "same_output": mtp["outputs"] == base["outputs"], "decode_tokens": mtp["decode_tokens"]}
     plain = {r["concurrency"]: r["outputs"] for r in sweep if r["method"] == "none"}
     for r in sweep:
-        r["same_output"] = r.pop("outputs") == plain[r["concurrency"]]
-    res["mtp_sweep"] = sweep
+        outputs = r.pop("outputs")
+        r["same_output"] = outputs == plain[r["concurrency"]] if r["concurrency"] in plain else None
+
+
+def mtp_engine_runs(s: Settings, models, res: dict, method: str, algorithm: str, policy: str,
+                    runs: dict, sweep: list) -> None:
+    eng, _ = engine(s, models, "deepseek", algorithm, policy=policy)
+    if method == "fixed":
+        record_peak(res, "MTP", eng)
+    if policy == "fixed":
+        runs[algorithm] = generate_counting(eng, s, 1, s.new_tokens, seed=9)
+    for c in s.sweep_batches:
+        plain_before = (eng.stats.steps_without_speculation, eng.stats.decode_steps)
+        out = generate_counting(eng, s, c, s.sweep_tokens, seed=11)
+        steps = eng.stats.decode_steps - plain_before[1]
+        drafting = 1 - (eng.stats.steps_without_speculation - plain_before[0]) / max(steps, 1)
+        sweep.append({"method": method, "concurrency": c, "tok_s": out["tok_s"], "acceptance": out["acceptance"],
+                      "drafting_rounds": drafting if algorithm != "NONE" else 0.0, "outputs": out["outputs"]})
 
 
 def generate_counting(eng, s: Settings, batch: int, new_tokens: int, seed: int) -> dict:
@@ -460,57 +541,62 @@ def generate_counting(eng, s: Settings, batch: int, new_tokens: int, seed: int) 
     return out
 
 
-def run(s: Settings, root: Path, log=print) -> dict:
+def error_text(exc: BaseException) -> str:
+    """An error in one line: its type, message and the innermost frame of this project that raised it."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "specdecode" in f.filename or
+              "benchmarks" in f.filename]
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{where}"[:600]
+
+
+PHASES = ("decode", "startup", "standalone", "mtp", "longer", "tree")
+
+
+def run(s: Settings, root: Path, log=print, save=lambda res: None, phases=PHASES) -> dict:
+    """The phases asked for, in turn (the plain engine's baseline always runs); a phase that fails
+    is recorded under ``errors`` and the next one still runs. ``save(res)`` after each phase, so a
+    run cut short keeps what it measured."""
     models = write_models(root, s)
-    seeds = {str(models["target"].resolve()): (0, 0.0), str(models["copy"].resolve()): (0, 0.0),
-             str(models["perturbed"].resolve()): (0, s.noise), str(models["draft1b"].resolve()): (1, 0.0)}
+    seeds = {str(models["target"].resolve()): (0, True), str(models["draft1b"].resolve()): (1, False)}
     loaders = {folder: random_loader(seeds) for folder in seeds}
     loaders[str(models["deepseek"].resolve())] = deepseek_loader(3, RESIDUAL_SCALE)
     model_runner.load_safetensors = mtp_runner.load_safetensors = dispatch_loader(loaders)
-    res: dict = {"device": torch.cuda.get_device_name() if s.device == "cuda" else "cpu"}
+    res: dict = {"device": torch.cuda.get_device_name() if s.device == "cuda" else "cpu", "errors": {}}
     bw = copy_bandwidth(s.device)
     release(s.device)
     res["bandwidth_GBps"] = bw / 1e9
     log(f"device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s")
-    try:
-        startup_phase(s, models, res)
-    except (torch.cuda.OutOfMemoryError, StartupError) as exc:  # StartupError: phase 3's warm-up ran out
-        res["startup"] = f"OOM: {exc}"
-        log(res["startup"])
-        return res
-    release(s.device)
-    log(f"start-up ok: planned {res['planned_kv_tokens']} KV tokens, allocated {res['allocated_kv_tokens']}")
-    base = decode_phase(s, models, res, bw)
-    release(s.device)
-    for d in res["decode"]:
-        log(f"decode batch {d['batch']}: {d['tok_s']:.0f} tok/s, {100 * d['of_roofline']:.0f}% of roofline")
-    log(f"batch {s.step_batch} step ms by live length: {res['step_ms']}")
-    try:
-        tree_phase(s, models, res, base)
-    except (torch.cuda.OutOfMemoryError, StartupError) as exc:  # the other rows still run
-        res["eagle3_tree_error"] = f"{type(exc).__name__}: {exc}"
-    release(s.device)
-    t = res.get("eagle3_tree")
-    log(res["eagle3_tree_error"] if t is None else
-        f"EAGLE3 tree batch {t['batch']}: accept length {t['accept_len']:.2f}, {t['tok_s']:.1f} tok/s, same output "
-        f"{t['same_output']}, graphs {t['graphs']}")
-    res["spec"] = []
-    for name in ("copy", "perturbed", "draft1b"):
-        spec_phase(s, models, res, name, base)
+    base: dict = {}
+
+    def phase(name: str, fn, *args) -> None:
+        start = time.perf_counter()
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - an OOM or a crash is a finding: recorded, the rest runs
+            res["errors"][name] = error_text(exc)
+            log(f"{name}: {res['errors'][name]}")
         release(s.device)
-        for r in res["spec"][-len(s.spec_batches):]:
-            log(f"STANDALONE {name} batch {r['batch']}: acceptance {r['acceptance']:.2f}, speedup {r['speedup']:.2f}x")
-    try:
-        mtp_phase(s, models, res)
-    except (torch.cuda.OutOfMemoryError, StartupError) as exc:  # the rows above stand; say why MTP has none
-        res["mtp_error"] = f"{type(exc).__name__}: {exc}"
-        log(res["mtp_error"])
+        res.setdefault("phase_s", {})[name] = time.perf_counter() - start
+        log(f"{name}: {res['phase_s'][name]:.0f} s")
+        save(res)
+
+    phase("decode", lambda: base.update(decode_phase(s, models, res, bw, rows="decode" in phases)))
+    if not base:
         return res
-    m = res["mtp"]
-    log(f"MTP batch 1: acceptance {m['acceptance']:.2f}, speedup {m['speedup']:.2f}x, same output {m['same_output']}")
-    for r in res["mtp_sweep"]:
-        log(f"MTP sweep {r['method']} concurrency {r['concurrency']}: {r['tok_s']:.1f} tok/s, drafting in "
-            f"{r['drafting_rounds']:.0%} of rounds, same output {r['same_output']}")
+    if "startup" in phases:
+        phase("startup", startup_phase, s, models, res, base)
+        res.setdefault("startup", "failed: " + res["errors"].get("startup", "not run"))
+    # Most wanted first (a run cut at its time budget loses the last): the default k for both
+    # drafts, the MTP sweep, then the longer chains and the tree.
+    if "standalone" in phases:
+        phase(f"STANDALONE k={s.k}", spec_phase, s, models, res, "STANDALONE", "draft1b", s.k, base)
+    if "mtp" in phases:
+        phase("MTP", mtp_phase, s, models, res)
+    for k in (k for k in s.draft_ks if k != s.k and "longer" in phases):
+        phase(f"EAGLE3 k={k}", spec_phase, s, models, res, "EAGLE3", "eagle3", k, base)
+        phase(f"STANDALONE k={k}", spec_phase, s, models, res, "STANDALONE", "draft1b", k, base)
+    if "tree" in phases:
+        phase("EAGLE3 tree", tree_phase, s, models, res, base)
     return res
 
 
@@ -519,10 +605,22 @@ def _strip(out: dict) -> dict:
 
 
 def table(res: dict) -> str:
+    """Every row the run measured, and one row per phase that failed."""
     gib = 1 << 30
-    rows = [("device", res["device"]), ("copy bandwidth", f"{res['bandwidth_GBps']:.0f} GB/s"),
-            ("start-up (8B + EAGLE3, planner defaults)", res["startup"])]
-    if res["startup"] == "ok":
+    rows = [("device", res["device"]), ("copy bandwidth", f"{res['bandwidth_GBps']:.0f} GB/s")]
+    for d in res.get("decode", []):
+        rows.append((f"decode batch {d['batch']}", f"{d['tok_s']:.1f} tok/s = {100 * d['of_roofline']:.0f}% of "
+                     f"roofline {d['roofline_tok_s']:.1f} tok/s ({d['step_ms']:.2f} ms per step)"))
+    prof = res.get("decode_profile")
+    if prof:
+        top = ", ".join(f"{t['name'][:40]} {t['us_per_step']:.0f}" for t in prof["top"][:5])
+        rows.append(("decode batch 1, one step", f"{prof['per_step']:.0f} {prof['unit']}, busy "
+                     f"{prof['busy_us_per_step']:.0f} us; most time (us): {top}"))
+    if res.get("step_ms"):
+        (short, s_ms), (long, l_ms) = sorted((int(k), v) for k, v in res["step_ms"].items())
+        rows.append(("step time at live length", f"{short}: {s_ms:.2f} ms, {long}: {l_ms:.2f} ms"))
+    rows.append(("start-up (8B + EAGLE3, planner defaults)", res.get("startup", "not run")))
+    if res.get("startup") == "ok":
         rows += [("KV tokens planned / allocated", f"{res['planned_kv_tokens']} / {res['allocated_kv_tokens']}"),
                  ("graph batch / prefill chunk", f"{res['cuda_graph_max_bs']} / {res['chunked_prefill_size']}")]
         warm = res["warmup"]
@@ -534,32 +632,25 @@ def table(res: dict) -> str:
         reserved = res.get("serving_reserved_dynamic_bytes")
         if reserved is not None:
             rows.append(("reserved beyond static after serving", f"{reserved / gib:.2f} GiB"))
-        e = res["eagle3_b1"]
-        rows.append(("EAGLE3 (random head) batch 1", f"{e['tok_s']:.1f} tok/s, accept length {e['accept_len']:.2f}"))
-        t = res.get("eagle3_tree")
-        rows.append(("EAGLE3 tree top-3, 3 steps, 6 nodes" + (f" batch {t['batch']}" if t else ""),
-                     res.get("eagle3_tree_error", "not run") if t is None else
+    for r in res.get("spec", []):
+        rows.append((f"{r['draft']} k={r['k']} rate {r['rate']:.1f} batch {r['batch']}",
+                     f"{r['tok_s']:.1f} vs {r['baseline_tok_s']:.1f} tok/s = {r['speedup']:.2f}x, "
+                     f"{r['accept_len']:.2f} accepted per round, same output: {r['same_output']}"))
+    t = res.get("eagle3_tree")
+    if t:
+        rows.append((f"EAGLE3 tree top-3, 3 steps, 6 nodes batch {t['batch']}",
                      f"{t['tok_s']:.1f} vs {t['baseline_tok_s']:.1f} tok/s = {t['speedup']:.2f}x, accept length "
                      f"{t['accept_len']:.2f}, same output: {t['same_output']}, graphs: {len(t['graphs'])}"))
-        for d in res["decode"]:
-            rows.append((f"decode batch {d['batch']}", f"{d['tok_s']:.1f} tok/s = {100 * d['of_roofline']:.0f}% of "
-                         f"roofline {d['roofline_tok_s']:.1f} tok/s"))
-        (short, s_ms), (long, l_ms) = sorted(res["step_ms"].items())
-        rows.append(("step time at live length", f"{short}: {s_ms:.2f} ms, {long}: {l_ms:.2f} ms"))
-        for r in res["spec"]:
-            rows.append((f"STANDALONE {r['draft']} k=3 batch {r['batch']}",
-                         f"acceptance {r['acceptance']:.2f}, {r['tok_s']:.1f} vs {r['baseline_tok_s']:.1f} tok/s = "
-                         f"{r['speedup']:.2f}x, same output: {r['same_output']}"))
-        if "mtp" not in res:
-            return _render(rows + [("MTP (DeepSeek-V3 cut)", res.get("mtp_error", "not run"))] + peak_rows(res))
-        m = res["mtp"]
+    m = res.get("mtp")
+    if m:
         rows.append((f"MTP (DeepSeek-V3 cut) k={m['k']} batch 1",
                      f"acceptance {m['acceptance']:.2f}, {m['tok_s']:.1f} vs {m['baseline_tok_s']:.1f} tok/s = "
                      f"{m['speedup']:.2f}x, same output: {m['same_output']}"))
-        for c, best, adaptive, cells in sweep_rows(res["mtp_sweep"]):
-            rows.append((f"MTP k={m['k']} sweep, {c} requests", f"{cells}; adaptive / best of none, fixed = "
-                         f"{adaptive / best:.2f}"))
+    for c, best, adaptive, cells in sweep_rows(res.get("mtp_sweep", [])):
+        ratio = "" if adaptive is None else f"; adaptive / best of none, fixed = {adaptive / best:.2f}"
+        rows.append((f"MTP k=3 sweep, {c} requests", cells + ratio))
     rows += peak_rows(res)
+    rows += [(f"FAILED {name}", err) for name, err in res.get("errors", {}).items()]
     return _render(rows)
 
 
@@ -581,38 +672,54 @@ def _render(rows: list[tuple[str, str]]) -> str:
 
 
 def sweep_rows(sweep: list[dict]):
-    """Per concurrency: the better of none and fixed, adaptive, and every method's tok/s in words."""
+    """Per concurrency: the better of none and fixed (None when one is missing), adaptive (None when
+    missing), and every method's tok/s in words."""
     by = {(r["method"], r["concurrency"]): r for r in sweep}
     for c in sorted({r["concurrency"] for r in sweep}):
         cells = ", ".join(f"{m} {by[(m, c)]['tok_s']:.1f}" + (f" ({by[(m, c)]['drafting_rounds']:.0%} drafting)"
                                                              if m == "adaptive" else "")
-                          for m, _, _ in MTP_METHODS)
-        best = max(by[("none", c)]["tok_s"], by[("fixed", c)]["tok_s"])
-        yield c, best, by[("adaptive", c)]["tok_s"], cells + " tok/s"
+                          for m, _, _ in MTP_METHODS if (m, c) in by)
+        pair = [by[(m, c)]["tok_s"] for m in ("none", "fixed") if (m, c) in by]
+        best = max(pair) if len(pair) == 2 else None
+        adaptive = by[("adaptive", c)]["tok_s"] if ("adaptive", c) in by and best else None
+        yield c, best, adaptive, cells + " tok/s"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny geometry on CPU: checks the script, measures nothing")
-    p.add_argument("--json", help="write the numbers here")
+    p.add_argument("--json", help="write the numbers here (after every phase)")
+    p.add_argument("--table", metavar="JSON", help="print the table of a saved run and exit")
+    p.add_argument("--phases", default=",".join(PHASES),
+                   help=f"comma-separated, from {','.join(PHASES)} (default: all; the baseline always runs)")
     args = p.parse_args(argv)
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return 0
+    phases = [x for x in args.phases.split(",") if x]
+    if unknown := sorted(set(phases) - set(PHASES)):
+        p.error(f"--phases: unknown {', '.join(unknown)}; choose from {', '.join(PHASES)}")
     s = copy.deepcopy(TINY if args.tiny else FULL)
     if s.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --tiny for the CPU smoke run", file=sys.stderr)
         return 2
     start = time.perf_counter()
     originals = model_runner.load_safetensors, mtp_runner.load_safetensors
+
+    def save(res: dict) -> None:
+        res["wall_s"] = time.perf_counter() - start
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+
     try:
         with tempfile.TemporaryDirectory() as root:
-            res = run(s, Path(root), log=lambda m: print(m, flush=True))
+            res = run(s, Path(root), log=lambda m: print(m, flush=True), save=save, phases=phases)
     finally:
         model_runner.load_safetensors, mtp_runner.load_safetensors = originals
-    res["wall_s"] = time.perf_counter() - start
+    save(res)
     print(table(res))
     print(f"wall time {res['wall_s']:.0f} s")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2, default=str))
-    return 0 if res["startup"] == "ok" else 1
+    return 1 if res["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,19 +36,29 @@ def test_tiny_run_reports_every_row(tmp_path, capsys, monkeypatch):
     # Phase 3's warm-up: the plan's number next to no measurement on CPU (none is invented).
     assert res["warmup"]["planned"] == res["planned_dynamic_bytes"] and res["warmup"]["measured"] is None
     # ... and for every engine row, each with its own plan.
-    rows = ["EAGLE3 chain", "EAGLE3 tree", "STANDALONE copy", "STANDALONE perturbed", "STANDALONE draft1b", "MTP"]
+    rows = ["EAGLE3 chain", "STANDALONE draft1b k=3", "MTP", "EAGLE3 eagle3 k=2", "STANDALONE draft1b k=2",
+            "EAGLE3 tree"]
     assert [p["row"] for p in res["peaks"]] == rows
     assert all(p["planned"] > 0 and p["measured"] is None for p in res["peaks"])
+    assert res["errors"] == {}
     assert [d["batch"] for d in res["decode"]] == list(bench.TINY.batches)
     assert all(d["decode_tokens"] > 0 and d["roofline_tok_s"] > 0 for d in res["decode"])
+    assert res["decode_profile"]["per_step"] > 0  # on CPU: operators per step (the code path, no number)
+    # Controlled drafts: every draft, k, rate and batch against the plain engine, output the target's own.
+    spec = res["spec"]
+    assert sorted((r["draft"], r["k"], r["rate"], r["batch"]) for r in spec) == sorted(
+        (d, k, a, b) for d in ("eagle3", "draft1b") for k in bench.TINY.draft_ks for a in bench.TINY.acceptances
+        for b in bench.TINY.spec_batches)
+    assert all(r["same_output"] for r in spec)
+    # At rate 1 every proposal is the target's token: every round accepts its whole chain, but for the
+    # last one, which proposes past the request's end; a lower rate accepts less.
+    by = {(r["draft"], r["k"], r["rate"], r["batch"]): r for r in spec}
+    for (draft, k, rate, b), r in by.items():
+        if rate == 1.0:
+            assert r["accept_len"] > k - 1 and r["accept_len"] > by[(draft, k, 0.5, b)]["accept_len"]
     # EAGLE3 drafting trees: the greedy output is the plain engine's on the same prompts.
     tree = res["eagle3_tree"]
     assert tree["same_output"] and tree["batch"] == bench.TINY.spec_batches[0] and tree["tok_s"] > 0
-    spec_rows = {r["draft"]: r for r in res["spec"]}
-    # A copy of the target proposes exactly what the target picks: every draft token is accepted,
-    # and the output is the plain engine's.
-    assert spec_rows["copy"]["acceptance"] == 1.0 and spec_rows["copy"]["same_output"]
-    assert all(r["same_output"] for r in res["spec"])  # greedy speculative output is the target's own
     # MTP on the DeepSeek-shaped model: the NextN layer drafted (k per round, some accepted) and the
     # greedy output is the plain engine's on the same prompt.
     mtp = res["mtp"]
@@ -63,8 +74,72 @@ def test_tiny_run_reports_every_row(tmp_path, capsys, monkeypatch):
     assert all(r["drafting_rounds"] == 1.0 for r in sweep if r["method"] == "fixed")
     table = capsys.readouterr().out
     for label in ("KV tokens planned / allocated", "dynamic bytes planned / measured", "decode batch 1",
-                  "step time at live length", "EAGLE3 tree top-3, 3 steps, 6 nodes batch 2",
-                  "STANDALONE perturbed k=3 batch 2",
-                  "MTP (DeepSeek-V3 cut) k=3 batch 1", "MTP k=3 sweep, 2 requests",
+                  "decode batch 1, one step", "step time at live length",
+                  "EAGLE3 tree top-3, 3 steps, 6 nodes batch 1", "draft1b k=3 rate 0.5 batch 2",
+                  "eagle3 k=2 rate 1.0 batch 1", "MTP (DeepSeek-V3 cut) k=3 batch 1", "MTP k=3 sweep, 2 requests",
                   *(f"dynamic peak {row}" for row in rows)):
         assert label in table
+    assert bench.main(["--table", str(out)]) == 0  # a saved run's table, as device_check.sh prints it
+    assert capsys.readouterr().out.strip() in table  # the same rows as the run printed
+
+
+def test_a_failing_phase_is_reported_and_the_rest_still_run(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_serving", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_serving", bench)
+    spec.loader.exec_module(bench)
+
+    def out_of_memory(*args):
+        raise RuntimeError("Triton Error [CUDA]: out of memory")
+
+    monkeypatch.setattr(bench, "startup_phase", out_of_memory)
+    out = tmp_path / "res.json"
+    assert bench.main(["--tiny", "--json", str(out), "--phases", "startup,tree"]) == 1
+    res = json.loads(out.read_text())
+    assert res["errors"]["startup"].startswith("RuntimeError: Triton Error [CUDA]: out of memory")
+    assert res["startup"].startswith("failed: RuntimeError")
+    assert res["eagle3_tree"]["same_output"]  # the phase after it ran
+    assert "decode" not in res  # not asked for: the baseline ran, its rows did not
+    assert "FAILED startup" in bench.table(res)
+
+
+@pytest.mark.slow
+def test_device_check_script_runs_its_cpu_path(tmp_path):
+    """benchmarks/device_check.sh --tiny: the GPU run's script end to end on CPU (the CUDA tests
+    are collected and skip), so a typo cannot cost a GPU run."""
+    import subprocess
+
+    script = SCRIPT.parent / "device_check.sh"
+    env = {**os.environ, "PYTHON": sys.executable, "BENCH_PHASES": "startup"}
+    done = subprocess.run(["bash", str(script), "--tiny", str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = (tmp_path / "results.md").read_text()
+    assert "| start-up (8B + EAGLE3, planner defaults) | ok |" in results
+    assert "eagle3 k=3 rate 1.0 batch 1" in results
+    assert "skipped" in results.splitlines()[-1]  # the CUDA tests' summary line
+
+
+def test_a_controlled_draft_proposes_the_continuation_at_its_rate():
+    """Each proposal is the target's token at that position with probability ``rate``, another
+    token otherwise, the same for a given position and seed."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from controlled_draft import AcceptanceControl
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    prompt, out = [5, 6, 7], list(range(100, 400))
+    control = AcceptanceControl.__new__(AcceptanceControl)  # the token rule alone, no speculator
+    control.continuations, control.vocab_size, control.seed = {tuple(prompt): out}, 1000, 0
+    req = SimpleNamespace(prompt_ids=prompt, output_ids=out[:10])
+    control.rate = 1.0
+    assert [control.token(req, s) for s in range(5)] == out[10:15]
+    control.rate = 0.0
+    assert all(control.token(req, s) != out[10 + s] for s in range(200))
+    control.rate = 0.8
+    hits = [control.token(SimpleNamespace(prompt_ids=prompt, output_ids=out[:n]), 0) == out[n] for n in range(250)]
+    assert 0.7 < sum(hits) / len(hits) < 0.9
+    assert hits == [control.token(SimpleNamespace(prompt_ids=prompt, output_ids=out[:n]), 0) == out[n]
+                    for n in range(250)]  # the same draws again
