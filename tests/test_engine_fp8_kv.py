@@ -182,3 +182,25 @@ def test_a_pinned_plan_decides_the_kv_dtype_and_a_contradicting_flag_is_refused(
     assert serve_cli.resolve(flagged)[0].kv_cache_dtype == "fp8_e5m2"
     with pytest.raises(InputError, match="sized for a fp8_e5m2 KV cache; give --kv-cache-dtype fp8_e5m2"):
         serve_cli.resolve(serve_cli.parser().parse_args(base + ["--kv-cache-dtype", "auto"]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_stores_saturate_beyond_the_formats_range(dtype):
+    """A K/V value beyond the fp8 format's range is stored as its largest finite value, in the MHA
+    and the MLA pools alike; values in range are stored as a plain cast stores them. A plain cast
+    gives infinity for e5m2 here, and NaN for e4m3 on CUDA (torch's CPU cast to e4m3 saturates)."""
+    from specdecode_worker.engine.mla_pool import MLATokenToKVPool
+    from specdecode_worker.engine.pools import MHATokenToKVPool
+
+    limit = torch.finfo(dtype).max  # 448 for e4m3, 57344 for e5m2
+    values = torch.tensor([0.5, -3.0, 1e3, -1e3, 1e6, -1e6], dtype=torch.bfloat16)
+    want = torch.tensor([0.5, -3.0, min(1e3, limit), -min(1e3, limit), limit, -limit]).to(dtype).float()
+    if dtype == torch.float8_e5m2:
+        assert not torch.isfinite(values.to(dtype).float()).all()  # what a plain cast would store
+    mha = MHATokenToKVPool(4, 1, 1, 6, 6, dtype, "cpu")
+    loc = torch.tensor([2])
+    mha.set_kv(0, loc, values.view(1, 1, 6), -values.view(1, 1, 6))
+    assert torch.equal(mha.k_buffer[0][2, 0].float(), want) and torch.equal(mha.v_buffer[0][2, 0].float(), -want)
+    mla = MLATokenToKVPool(4, 1, 4, 2, dtype, "cpu")
+    mla.set_kv(0, loc, values.view(1, 1, 6), None)
+    assert torch.equal(mla.k_buffer[0][2, 0].float(), want)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .pools import to_storage
+
 
 class MLATokenToKVPool:
     def __init__(self, size: int, num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype: torch.dtype,
@@ -26,7 +28,7 @@ class MLATokenToKVPool:
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """``k`` is the latent row [N, 1, width]; ``v`` (its first columns) is already inside it."""
-        self.k_buffer[layer][loc] = k.to(self.dtype)
+        self.k_buffer[layer][loc] = to_storage(k, self.dtype)
 
     def bytes_per_token(self) -> int:
         return sum(b[0].numel() * b.element_size() for b in self.k_buffer)

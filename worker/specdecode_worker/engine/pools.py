@@ -21,6 +21,16 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None, **{name: getattr(torch, dtype) for name, dtype in FP8_KV_CACHE_DTYPES.items()}}
 
 
+def to_storage(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` cast for storing in a ``dtype`` pool. An fp8 cast of a value beyond the format's range
+    gives NaN (e4m3 has no infinity), and one NaN key poisons every later attention over that slot:
+    fp8 stores saturate at the format's largest finite value, as serving engines' fp8 caches do."""
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
+
+
 def resolve_kv_dtype(name: str | None, compute_dtype: torch.dtype) -> torch.dtype:
     """The storage dtype of the K/V buffers for a ``--kv-cache-dtype`` value (None: auto)."""
     if name is None:
@@ -129,8 +139,8 @@ class MHATokenToKVPool:
                          for _ in range(num_layers)]
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer][loc] = k.to(self.dtype)
-        self.v_buffer[layer][loc] = v.to(self.dtype)
+        self.k_buffer[layer][loc] = to_storage(k, self.dtype)
+        self.v_buffer[layer][loc] = to_storage(v, self.dtype)
 
     def bytes_per_token(self) -> int:
         return sum(b[0].numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
