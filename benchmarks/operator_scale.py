@@ -68,6 +68,14 @@ def sdd(i: int) -> dict:
     return body
 
 
+def reconciler_requests(live: dict) -> int:
+    """The reconciler's API request counter from the operator's liveness endpoint (its own JSON:
+    ``{"tracked": N, "apiRequests": N}``). A reply without it is an error, not a zero."""
+    if "apiRequests" not in live:
+        raise KeyError(f"the operator's liveness endpoint reports no apiRequests: {live}")
+    return int(live["apiRequests"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--count", type=int, default=100)
@@ -116,8 +124,7 @@ def main() -> int:
                 break
             time.sleep(2)
         elapsed = time.monotonic() - t0
-        probe = json.loads(urllib.request.urlopen(health, timeout=5).read())
-        requests = probe.get("reconciler", {}).get("apiRequests", 0)
+        requests = reconciler_requests(json.loads(urllib.request.urlopen(health, timeout=5).read()))
         result = {
             "sdds": args.count, "ready": ready, "secondsUntilAllReady": round(elapsed, 1),
             "reconcilerRequestsPerSDD": round(requests / args.count, 1),

@@ -186,6 +186,26 @@ async def _scrape(book: StatusBook, probe) -> tuple[dict, str, str]:
         await runner.cleanup()
 
 
+def test_the_liveness_endpoint_reports_the_reconcilers_request_counter(monkeypatch):
+    """What benchmarks/operator_scale.py reads: the operator's own probe, served by its own
+    endpoint, carries the reconciler's API request counter (it once read a key that the endpoint no
+    longer nests, and reported 0.0 requests per SDD)."""
+    import importlib.util
+
+    from specdecode_operator import handlers
+
+    counted = SimpleNamespace(due={"a": 0, "b": 0}, reconciler=SimpleNamespace(kube=SimpleNamespace(requests=265)))
+    monkeypatch.setattr(handlers, "CONTROLLER", counted)
+    live, _, _ = asyncio.run(_scrape(StatusBook(), handlers.probe))
+    spec = importlib.util.spec_from_file_location(
+        "operator_scale", Path(__file__).resolve().parents[1] / "benchmarks" / "operator_scale.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.reconciler_requests(live) == 265 and live["tracked"] == 2
+    with pytest.raises(KeyError, match="no apiRequests"):
+        bench.reconciler_requests({"tracked": 2})
+
+
 @pytest.fixture(scope="module")
 def operator_metrics() -> str:
     book = StatusBook()
