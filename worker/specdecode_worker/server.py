@@ -23,6 +23,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
+from .detokenize import IncrementalText
 from .engine.request import Request, SamplingParams
 from .errors import InputError
 from .metrics import RequestLatency
@@ -254,9 +255,11 @@ class _Stream:
 
 
 async def _text_pieces(state: ServerState, req: Request, sink: _Stream, stops: list[str]) -> AsyncIterator:
-    """Yields (text delta, finish_reason) as tokens arrive; applies stop strings."""
-    out: list[int] = []
-    sent = ""
+    """Yields (text delta, finish_reason) as tokens arrive; applies stop strings. Each update decodes
+    only its new tokens' window and searches for a stop only where the new text could complete one."""
+    text = IncrementalText(state.tokenizer)
+    reach = max((len(stop) for stop in stops), default=1) - 1  # sent text a stop may start in
+    tail = ""  # the last ``reach`` characters sent
     while True:
         tokens = await sink.queue.get()
         if tokens is None:
@@ -264,21 +267,20 @@ async def _text_pieces(state: ServerState, req: Request, sink: _Stream, stops: l
                 raise RuntimeError(req.error)
             yield "", req.finish_reason
             return
-        out.extend(tokens)
-        text = state.tokenizer.decode(out, skip_special_tokens=True) if state.tokenizer is not None else ""
-        for stop in stops:
-            cut = text.find(stop)
-            if cut >= 0:
-                state.engine.abort(req)
-                if cut > len(sent):
-                    yield text[len(sent):cut], None
-                yield "", "stop"
-                return
-        if text.endswith("\ufffd"):
-            continue  # an incomplete multi-byte character: wait for the rest
-        if len(text) > len(sent) and text.startswith(sent):
-            yield text[len(sent):], None
-            sent = text
+        delta = text.push(tokens)
+        if not delta:
+            continue
+        window = tail + delta
+        cuts = [at for at in (window.find(stop) for stop in stops) if at >= 0]
+        if cuts:
+            state.engine.abort(req)
+            cut = min(cuts) - len(tail)
+            if cut > 0:
+                yield delta[:cut], None
+            yield "", "stop"
+            return
+        yield delta, None
+        tail = window[-reach:] if reach else ""
 
 
 async def _generate(state: ServerState, body: GenerationBody, ids: list[int], chat: bool):
