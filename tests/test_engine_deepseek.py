@@ -57,7 +57,15 @@ def test_tiny_config_exercises_grouped_routing_yarn_and_moe(model_dir):
     assert cfg["rope_parameters"]["rope_type"] == "yarn" and cfg["rope_interleave"] is True
 
 
-def test_prefill_and_decode_logits_equal_transformers(model_dir, hf):
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_prefill_and_decode_logits_equal_transformers(model_dir, hf, monkeypatch, kernels):
+    """With the layer's elementwise work as torch ops and as the fused kernels (under Triton's
+    interpreter here)."""
+    from specdecode_worker.engine import layer_kernels
+
+    monkeypatch.setenv(layer_kernels.LAYER_KERNELS_ENV, kernels)
+    if kernels == "triton" and not layer_kernels.use_triton(torch.zeros(1)):
+        pytest.skip("the fused kernels run on CPU under TRITON_INTERPRET=1 only")
     eng = engine(model_dir)
     runner = eng.target_runner
     req, ours, ref = _prefill_equals_transformers(runner, hf)

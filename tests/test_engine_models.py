@@ -34,8 +34,16 @@ def _hf_logits(path, ids):
         return hf(torch.tensor([ids])).logits[0]
 
 
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_paged_forward_equals_transformers(tmp_path, arch):
+def test_paged_forward_equals_transformers(tmp_path, monkeypatch, arch, kernels):
+    """With the layer's elementwise work as torch ops, and as the fused kernels a GPU runs (here
+    under Triton's interpreter, which conftest turns on without a GPU)."""
+    from specdecode_worker.engine import layer_kernels
+
+    monkeypatch.setenv(layer_kernels.LAYER_KERNELS_ENV, kernels)
+    if kernels == "triton" and not layer_kernels.use_triton(torch.zeros(1)):
+        pytest.skip("the fused kernels run on CPU under TRITON_INTERPRET=1 only")
     path = write_tiny_model(tmp_path / arch, arch, weight_scale=3.0)
     g = torch.Generator().manual_seed(0)
     a = torch.randint(0, VOCAB_SIZE, (30,), generator=g).tolist()

@@ -94,18 +94,25 @@ MOE_CASES = [
     ("moe-t1-bf16", 1, "bfloat16", 8),
     ("moe-t8-bf16", 8, "bfloat16", 8),
 ]
+# The layer's fused kernels (engine/layer_kernels.py) over a graph batch of 256 tokens: RMSNorm with
+# and without the residual add, rotary q and k, SiLU x up, at Llama-3.1-8B's and DeepSeek-V3's widths.
+LAYER_CASES = [
+    # name, hidden, (heads, kv heads, head dim) or None, intermediate
+    ("layers-llama8b-b256", 4096, (32, 8, 128), 14336),
+    ("layers-deepseek-b256", 7168, None, 2048),
+]
 FP8_KV = ("float8_e4m3fn", "float8_e5m2")
 
 
 def _cases() -> list[tuple[str, int]]:
-    names = [c[0] for c in ATTENTION_CASES + MLA_CASES + MOE_CASES]
+    names = [c[0] for c in ATTENTION_CASES + MLA_CASES + MOE_CASES + LAYER_CASES]
     return [(n, arch) for arch in (90, 80) for n in names if _served(n, arch)]
 
 
 def _served(name: str, arch: int) -> bool:
     """Cases the engine runs on Triton at this arch, by the engine's own rule for KV pools
     (engine/attention.py ``triton_serves_kv``); fp8 expert weights are served at every arch."""
-    if name.startswith("moe") or "e4m3" not in name:
+    if name.startswith(("moe", "layers")) or "e4m3" not in name:
         return True
     import torch
 
@@ -135,6 +142,7 @@ def _launch_case(name: str, arch: int):
     import torch
     from triton.runtime.jit import JITFunction
 
+    from specdecode_worker.engine import layer_kernels as lk
     from specdecode_worker.engine import triton_attention as ta
     from specdecode_worker.engine import triton_mla as tm
     from specdecode_worker.engine import triton_moe as tmoe
@@ -142,7 +150,8 @@ def _launch_case(name: str, arch: int):
     meta = dict(device="meta")
     idx = dict(dtype=torch.int64, **meta)
     tmoe.native_e4m3 = lambda device: arch >= 89  # what the GPU of this arch would answer
-    kernels = {id(v): v for m in (ta, tm, tmoe) for v in vars(m).values() if isinstance(v, JITFunction)}
+    lk.use_triton = lambda x: True  # meta tensors stand for a GPU's
+    kernels = {id(v): v for m in (ta, tm, tmoe, lk) for v in vars(m).values() if isinstance(v, JITFunction)}
     launches = _capture(kernels.values())
     req_to_token = torch.empty((REQS, CONTEXT), **idx)
     for case in ATTENTION_CASES:
@@ -205,6 +214,19 @@ def _launch_case(name: str, arch: int):
         x = torch.empty((tokens, h), dtype=torch.bfloat16, **meta)
         tmoe.expert_gemv(x, gate_up, ids, k, gate_up_scales, block)
         tmoe.expert_gemv(torch.empty((tokens * k, m), dtype=torch.bfloat16, **meta), down, ids, 1, down_scales, block)
+    for case in LAYER_CASES:
+        if case[0] != name:
+            continue
+        _, h, attention, inter = case
+        bf16 = dict(dtype=torch.bfloat16, **meta)
+        x, weight = torch.empty((256, h), **bf16), torch.empty(h, **bf16)
+        lk.rms_norm(x, weight, 1e-6)
+        lk.rms_norm(x, weight, 1e-6, residual=torch.empty((256, h), **bf16))
+        if attention is not None:
+            heads, kv_heads, d = attention
+            lk.apply_rotary(torch.empty((256, heads, d), **bf16), torch.empty((256, kv_heads, d), **bf16),
+                            torch.empty((256, d), **bf16), torch.empty((256, d), **bf16))
+        lk.silu_mul(torch.empty((256, inter), **bf16), torch.empty((256, inter), **bf16))
     return launches
 
 
@@ -358,8 +380,8 @@ def test_every_kernel_is_compiled(compiled):
 
     engine = Path(__file__).parent.parent / "worker/specdecode_worker/engine"
     kernels = set()
-    for f in ("triton_attention.py", "triton_mla.py", "triton_moe.py"):
-        for node in ast.parse((engine / f).read_text()).body:
+    for f in ("triton_attention.py", "triton_mla.py", "triton_moe.py", "layer_kernels.py"):
+        for node in ast.walk(ast.parse((engine / f).read_text())):
             if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel"):
                 kernels.add(node.name)
     for arch in SHARED_LIMIT:

@@ -38,6 +38,7 @@ from ..forward_batch import ForwardBatch
 from ..fp8_linear import Fp8BlockLinear, dense_weight, fp8_block_size
 from ..mla_pool import MLATokenToKVPool
 from ..parallel_layers import RowParallelLinear, column_linear, lm_head, parallel_logits, row_linear, vocab_embedding
+from ..layer_kernels import silu_mul
 from .llama import RMSNorm
 from .rope import RotaryEmbedding, _rope_parameters
 
@@ -160,7 +161,7 @@ class MLP(nn.Module):
         self.down_proj = linears.row(intermediate, hidden, reduce=reduce)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class Router(nn.Module):
@@ -249,7 +250,7 @@ class MoE(nn.Module):
         n, k = experts.shape
         ids = experts.reshape(-1)
         gate, up = expert_gemv(x, self.gate_up_stack, ids, k, self.gate_up_scales, self.scale_block).chunk(2, dim=-1)
-        y = expert_gemv(F.silu(gate) * up, self.down_stack, ids, 1, self.down_scales, self.scale_block)
+        y = expert_gemv(silu_mul(gate, up), self.down_stack, ids, 1, self.down_scales, self.scale_block)
         return (y.view(n, k, -1) * weights.to(x.dtype)[..., None]).sum(1)
 
     @torch.no_grad()
@@ -314,8 +315,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, fb, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, fb, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, fb, backend)
+        h, x = self.post_attention_layernorm.add_and_norm(x, attended)
+        return x + self.mlp(h)
 
 
 class MLARotary(RotaryEmbedding):

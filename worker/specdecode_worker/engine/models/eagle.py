@@ -29,6 +29,7 @@ from torch import nn
 
 from ..distributed import SINGLE, TPGroup
 from ..parallel_layers import column_linear, kv_head_block, lm_head, row_linear
+from ..layer_kernels import silu_mul
 from .llama import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -71,7 +72,7 @@ class HeadMLP(nn.Module):
         self.down_proj = row_linear(i, h, bias, tp)
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class HeadLayer(nn.Module):
@@ -93,8 +94,8 @@ class HeadLayer(nn.Module):
             a = torch.cat([self.input_layernorm(embeds), self.hidden_norm(x)], dim=-1)
         else:
             a = x if self.input_layernorm is None else self.input_layernorm(x)
-        x = x + self.self_attn(a, cos, sin, fb, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add_and_norm(x, self.self_attn(a, cos, sin, fb, backend))
+        return x + self.mlp(h)
 
 
 class EagleHead(nn.Module):

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..distributed import SINGLE, TPGroup
 from ..forward_batch import ForwardBatch
+from ..layer_kernels import rms_norm, silu_mul
 from ..parallel_layers import column_linear, kv_head_block, lm_head, parallel_logits, row_linear, vocab_embedding
 from .rope import RotaryEmbedding
 
@@ -21,10 +22,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)`` in one launch on a GPU."""
+        return rms_norm(x, self.weight, self.eps, residual=residual)
 
 
 def _qkv_bias(config) -> bool:
@@ -80,7 +82,7 @@ class MLP(nn.Module):
         self.down_proj = row_linear(i, h, bias, tp)
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -92,8 +94,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, fb, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, fb, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, fb, backend)
+        h, x = self.post_attention_layernorm.add_and_norm(x, attended)
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):

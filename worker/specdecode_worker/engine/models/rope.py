@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..layer_kernels import apply_rotary
+
 
 def _rope_parameters(config) -> dict:
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
@@ -46,10 +48,5 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(q, k, cos, sin):
-        cos, sin = cos[:, None, :], sin[:, None, :]
-
-        def rotate_half(x):
-            half = x.shape[-1] // 2
-            return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        """``q`` and ``k`` rotated (one launch on a GPU: ``layer_kernels.apply_rotary``)."""
+        return apply_rotary(q, k, cos, sin)
