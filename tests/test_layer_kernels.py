@@ -70,6 +70,25 @@ def test_silu_mul(dtype, shape):
     _close(lk.silu_mul(gate, up), lk.silu_mul_reference(gate, up), dtype)
 
 
+def test_views_of_fused_projections_are_read_in_place():
+    """q, k and v as views of one fused projection's output, gate and up as the halves of another's
+    (rows wider than each part), and a 3-D gate keeps its shape."""
+    g = torch.Generator().manual_seed(3)
+    n, heads, kv_heads, d, inter = 5, 4, 2, 64, 96
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g).to(DEVICE)
+    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = q.view(n, heads, d), k.view(n, kv_heads, d)
+    angles = torch.rand(n, d // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(DEVICE), torch.cat([angles.sin()] * 2, -1).to(DEVICE)
+    for got, want in zip(lk.apply_rotary(q, k, cos, sin), lk.rotary_reference(q, k, cos, sin)):
+        _close(got, want, torch.float32)
+    gate_up = torch.randn(n, 2 * inter, generator=g).to(DEVICE)
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    _close(lk.silu_mul(gate, up), lk.silu_mul_reference(gate, up), torch.float32)
+    gate3, up3 = torch.randn(2, 3, 8, generator=g).to(DEVICE), torch.randn(2, 3, 8, generator=g).to(DEVICE)
+    _close(lk.silu_mul(gate3, up3), lk.silu_mul_reference(gate3, up3), torch.float32)
+
+
 def test_the_torch_choice_and_cpu_without_the_interpreter_use_the_reference(monkeypatch):
     x = torch.ones(2, 8, device=DEVICE)
     monkeypatch.setenv(lk.LAYER_KERNELS_ENV, "torch")

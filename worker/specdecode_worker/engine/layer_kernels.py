@@ -78,30 +78,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` ``[n, heads, d]`` and ``k`` ``[n, kv_heads, d]`` rotated by ``cos``/``sin`` ``[n, d]``
-    (the half-split layout: the first half pairs with the second)."""
+    (the half-split layout: the first half pairs with the second). ``q`` and ``k`` may be views of
+    a fused projection's output (rows further apart than their width)."""
     if not use_triton(q):
         return rotary_reference(q, k, cos, sin)
     n, heads, d = q.shape
     kv_heads = k.shape[1]
-    q, k = q.contiguous(), k.contiguous()
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    q, k = _rows_of_heads(q), _rows_of_heads(k)
+    q_out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((n, kv_heads, d), dtype=k.dtype, device=k.device)
     if n:
-        _rotary_kernel[(n, heads + kv_heads)](q, k, cos.contiguous(), sin.contiguous(), q_out, k_out, heads,
-                                              kv_heads, D=d, HALF=d // 2, BLOCK=_pow2(d // 2))
+        _rotary_kernel[(n, heads + kv_heads)](q, k, cos.contiguous(), sin.contiguous(), q_out, k_out, q.stride(0),
+                                              k.stride(0), heads, kv_heads, D=d, HALF=d // 2,
+                                              BLOCK=_pow2(d // 2))
     return q_out, k_out
 
 
+def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernel reads it: heads of ``d`` contiguous values side by side in each row."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) x up, elementwise."""
+    """SiLU(gate) x up, elementwise. 2-D ``gate`` and ``up`` may be the two halves of a fused
+    gate-up projection's output (rows further apart than their width)."""
     if not use_triton(gate):
         return silu_mul_reference(gate, up)
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
-    total = gate.numel()
-    if total:
+    shape = gate.shape
+    if gate.dim() != 2 or gate.stride(1) != 1 or up.stride(1) != 1:
+        gate, up = gate.reshape(-1, gate.shape[-1]).contiguous(), up.reshape(-1, up.shape[-1]).contiguous()
+    rows, cols = gate.shape
+    out = torch.empty((rows, cols), dtype=gate.dtype, device=gate.device)
+    if rows * cols:
         block = 1024
-        _silu_mul_kernel[(triton.cdiv(total, block),)](gate, up, out, total, BLOCK=block)
-    return out
+        _silu_mul_kernel[(rows, triton.cdiv(cols, block))](gate, up, out, cols, gate.stride(0), up.stride(0),
+                                                           BLOCK=block)
+    return out.view(shape)
 
 
 def _pow2(n: int) -> int:
@@ -133,19 +145,19 @@ if triton is not None:
         tl.store(OUT + row * N + cols, (w * normed).to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotary_kernel(Q, K, COS, SIN, Q_OUT, K_OUT, HEADS, KV_HEADS, D: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK: tl.constexpr):
+    def _rotary_kernel(Q, K, COS, SIN, Q_OUT, K_OUT, Q_ROW, K_ROW, HEADS, KV_HEADS, D: tl.constexpr,
+                       HALF: tl.constexpr, BLOCK: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         cols = tl.arange(0, BLOCK)
         mask = cols < HALF
         if head < HEADS:
-            src = Q + (token * HEADS + head) * D
+            src = Q + token * Q_ROW + head * D
             dst = Q_OUT + (token * HEADS + head) * D
         else:
-            src = K + (token * KV_HEADS + head - HEADS) * D
+            src = K + token * K_ROW + (head - HEADS) * D
             dst = K_OUT + (token * KV_HEADS + head - HEADS) * D
-        dtype = Q.dtype.element_ty
+        dtype = Q_OUT.dtype.element_ty
         x1 = tl.load(src + cols, mask=mask, other=0.0)
         x2 = tl.load(src + HALF + cols, mask=mask, other=0.0)
         c1 = tl.load(COS + token * D + cols, mask=mask, other=0.0)
@@ -161,10 +173,11 @@ if triton is not None:
         tl.store(dst + HALF + cols, (a2 + b2).to(dtype), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(G, U, OUT, TOTAL, BLOCK: tl.constexpr):
-        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = at < TOTAL
-        g = tl.load(G + at, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U + at, mask=mask, other=0.0)
-        s = (g / (1.0 + tl.exp(-g))).to(U.dtype.element_ty).to(tl.float32)
-        tl.store(OUT + at, (s * u.to(tl.float32)).to(OUT.dtype.element_ty), mask=mask)
+    def _silu_mul_kernel(G, U, OUT, COLS, G_ROW, U_ROW, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < COLS
+        g = tl.load(G + row * G_ROW + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + row * U_ROW + cols, mask=mask, other=0.0)
+        s = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)
+        tl.store(OUT + row * COLS + cols, (s * u.to(tl.float32)).to(OUT.dtype.element_ty), mask=mask)

@@ -61,6 +61,34 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class FusedLinear(nn.Module):
+    """Linear layers that read the same input as one matrix product: their weights (each rank's
+    shards) stacked by rows, one launch where there were several; the caller splits the output by
+    ``sizes``. Loading stays by the checkpoint's names: the parts are fused after they are loaded."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.sizes = [p.weight.shape[0] for p in parts]
+        self.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+        biases = [p.bias for p in parts]
+        self.bias = None if biases[0] is None else nn.Parameter(torch.cat(biases), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def fuse_linears(parts: list[nn.Module]) -> FusedLinear | None:
+    """One product for ``parts``, or None where they cannot be one: another kind of layer (fp8,
+    quantized, row-parallel), weights of different dtypes or devices, a bias on some only."""
+    if not all(type(p) in (nn.Linear, ColumnParallelLinear) for p in parts):
+        return None
+    if len({(p.weight.dtype, p.weight.device, p.weight.shape[1]) for p in parts}) != 1:
+        return None
+    if len({p.bias is None for p in parts}) != 1:
+        return None
+    return FusedLinear(parts)
+
+
 def vocab_rows(vocab_size: int, tp: TPGroup) -> int:
     return -(-vocab_size // tp.size)
 

@@ -11,7 +11,8 @@ from torch import nn
 from ..distributed import SINGLE, TPGroup
 from ..forward_batch import ForwardBatch
 from ..layer_kernels import rms_norm, silu_mul
-from ..parallel_layers import column_linear, kv_head_block, lm_head, parallel_logits, row_linear, vocab_embedding
+from ..parallel_layers import (column_linear, fuse_linears, kv_head_block, lm_head, parallel_logits, row_linear,
+                               vocab_embedding)
 from .rope import RotaryEmbedding
 
 
@@ -61,12 +62,23 @@ class Attention(nn.Module):
         self.v_proj = column_linear(h, kv_heads * d, bias, tp, **kv_rows)
         o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
         self.o_proj = row_linear(heads * d, h, o_bias, tp)
+        self.qkv_proj = None  # q, k and v in one product, once loaded (``fuse_projections``)
+
+    def fuse_projections(self) -> None:
+        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:
+            self.qkv_proj = fused
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, fb: ForwardBatch, backend) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:  # views of one output: the kernels read them in place
+            q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = RotaryEmbedding.apply(q, k, cos, sin)
         o = backend.forward(q, k, v, self.layer_id, fb, self.scaling)
         return self.o_proj(o.reshape(n, -1))
@@ -80,9 +92,20 @@ class MLP(nn.Module):
         self.gate_proj = column_linear(h, i, bias, tp)
         self.up_proj = column_linear(h, i, bias, tp)
         self.down_proj = row_linear(i, h, bias, tp)
+        self.gate_up_proj = None  # gate and up in one product, once loaded (``fuse_projections``)
+
+    def fuse_projections(self) -> None:
+        fused = fuse_linears([self.gate_proj, self.up_proj])
+        if fused is not None:
+            self.gate_up_proj = fused
+            del self.gate_proj, self.up_proj
 
     def forward(self, x):
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.gate_up_proj.sizes, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -122,6 +145,12 @@ class LlamaForCausalLM(nn.Module):
     @property
     def num_kv_layers(self) -> int:
         return len(self.model.layers)
+
+    def fuse_projections(self) -> None:
+        """After loading: each layer's q, k, v and its gate, up as one matrix product each."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
