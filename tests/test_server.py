@@ -313,3 +313,54 @@ def test_eagle3_head_serves_the_target_greedy_text(models, reference, tmp_path, 
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == text
         assert state.engine.stats.verify_rounds > 0
+
+
+@pytest.mark.parametrize(
+    "path,body,needle",
+    [
+        ("/v1/completions", {"prompt": "the", "frobnicate": 1}, "unknown parameter 'frobnicate'"),
+        ("/v1/completions", {"prompt": "the", "presence_penalty": 0.5}, "'presence_penalty' is not supported"),
+        ("/v1/completions", {"prompt": "the", "logprobs": 3}, "'logprobs' is not supported"),
+        ("/v1/completions", {"prompt": "the", "echo": True}, "'echo' is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                  "response_format": {"type": "json_object"}}, "'response_format' is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools'"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "role 'wizard'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "text": "x"}]}]}, "type 'text'"),
+        ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]},
+         "messages"),
+    ],
+)
+def test_unknown_and_unimplemented_parameters_get_400_naming_them(server, path, body, needle):
+    """Nothing a client asks for is silently ignored: an unknown parameter, or an OpenAI feature
+    this server does not implement asked for (logprobs, penalties, JSON output, tools, echo), or a
+    chat role or content part it does not serve, is a 400 that names it."""
+    base, _ = server
+    r = httpx.post(base + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"], r.json()
+
+
+def test_what_clients_send_by_default_is_accepted(server, reference):
+    """The neutral values of the unimplemented parameters (what a client sends with the feature
+    off), the parameters accepted and ignored, and text parts in a chat message are served: the
+    text is the one without them."""
+    base, _ = server
+    prompt, text = next(iter(reference.items()))
+    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0, "logprobs": None, "echo": False, "best_of": 1,
+               "logit_bias": {}, "user": "someone", "stream_options": {"include_usage": True}, "suffix": None}
+    r = _complete(base, prompt, **neutral)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == text
+    parts = [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]
+    chat = {"messages": [{"role": "system", "content": parts}, {"role": "user", "content": "hello", "name": "me"}],
+            "max_tokens": 4, "temperature": 0, "tools": [], "tool_choice": "none",
+            "response_format": {"type": "text"}, "parallel_tool_calls": True}
+    joined = {**chat, "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello",
+                                                                                 "name": "me"}]}
+    a = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=60)
+    b = httpx.post(f"{base}/v1/chat/completions", json=joined, timeout=60)
+    assert a.status_code == b.status_code == 200, (a.text, b.text)
+    assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]

@@ -60,13 +60,47 @@ EXPECTED = {
     "top_p": "a number", "top_k": "an integer", "seed": "an integer", "stream": "true or false",
     "stop": "a non-empty string or a list of up to 4 of them",
     "prompt": "a non-empty string or a list of token ids",
-    "messages": "a non-empty list of {role, content} objects with string values",
+    "messages": "a non-empty list of {role, content} objects, content a string or a list of text parts",
     "speculative": "true or false", "max_draft_tokens": "a non-negative integer (0 turns drafting off)",
 }
 
 
+# OpenAI parameters this server does not implement. Each is accepted at the value that asks for
+# nothing (what a client sends when it leaves the feature off) and refused with a 400 naming it
+# otherwise: a client that asks for logprobs or JSON must not get plain text back silently.
+UNSUPPORTED: dict[str, tuple] = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logprobs": (False, 0),
+    "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "logit_bias": ({},), "suffix": ("",),
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "min_tokens": (0,),
+}
+# Accepted and ignored, with the reason (the docs' parameter table says the same).
+IGNORED = {
+    "user": "a caller's identifier for its own records; the output does not depend on it",
+    "stream_options": "usage always comes with a stream's last chunk",
+    "parallel_tool_calls": "no tools are called",
+    "metadata": "kept by OpenAI for stored completions; nothing is stored here",
+    "store": "nothing is stored here",
+}
+
+
+def check_parameters(body: dict, known: set[str]) -> None:
+    """A 400 for a parameter this server does not know, or one it does not implement set to a
+    value that asks for the feature; what it accepts and ignores passes."""
+    for name, value in body.items():
+        if name in known or name in IGNORED:
+            continue
+        if name in UNSUPPORTED:
+            neutral = UNSUPPORTED[name]
+            if value is None or value in neutral:  # 0.0 == 0 and False == 0; "0" is not 0
+                continue
+            raise InputError(f"'{name}' is not supported by this server (got {value!r}); leave it out or send "
+                             f"{neutral[0]!r}")
+        raise InputError(f"unknown parameter '{name}'")
+
+
 class GenerationBody(BaseModel):
-    """Fields both endpoints read; other OpenAI fields are accepted and ignored."""
+    """Fields both endpoints read (``check_parameters`` has refused the rest)."""
 
     model_config = ConfigDict(extra="ignore")
     model: Any = None
@@ -114,10 +148,32 @@ class CompletionBody(GenerationBody):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | None = None
 
 
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: StrictStr
+    text: StrictStr
+
+
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """A chat turn: a role this server serves, and text (a string, or text parts, joined)."""
+
+    model_config = ConfigDict(extra="forbid")
     role: StrictStr
-    content: StrictStr
+    content: StrictStr | list[TextPart]
+    name: StrictStr | None = None
+
+    def as_template_input(self) -> dict:
+        if self.role not in ROLES:
+            raise InputError(f"message role '{self.role}' is not served here; use one of {', '.join(ROLES)}")
+        content = self.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise InputError("message content parts must be of type 'text' (no images or audio here)")
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content, **({"name": self.name} if self.name else {})}
 
 
 class ChatBody(GenerationBody):
@@ -126,6 +182,7 @@ class ChatBody(GenerationBody):
 
 def parse_body(model: type[BaseModel], body: dict) -> Any:
     """``body`` as ``model``, or an InputError naming the first field that is wrong."""
+    check_parameters(body, set(model.model_fields))
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -229,7 +286,7 @@ async def chat_completions(http: HttpRequest, body: GenerationRequest):
     tokenizer = state.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InputError("this model has no chat template; use /v1/completions")
-    messages = [m.model_dump() for m in request.messages]
+    messages = [m.as_template_input() for m in request.messages]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return await _generate(state, request, _encode(state, text, special=False), chat=True)
 
