@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from specdecode_worker.plan import DEFAULT_GPUS_PER_NODE
+from specdecode_worker.contract import DEFAULT_GPUS_PER_NODE
 
 from .observe import max_node_gpus
 

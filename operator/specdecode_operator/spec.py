@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specdecode_worker.plan import VERIFY_TOKENS
+from specdecode_worker.contract import DEFAULT_MAX_TP, VERIFY_TOKENS
 
 GROUP = "specdecode.io"
 VERSION = "v1alpha1"
@@ -23,7 +23,6 @@ MODELS_MOUNT = "/models"
 DEFAULT_WORKER_IMAGE = "ghcr.io/specdecode/worker:0.1.0"
 NGRAM_DEFAULT_DRAFT_TOKENS = 8
 DEFAULT_VERIFY_WIDTH = VERIFY_TOKENS  # the width the planner assumes when it is not told one
-DEFAULT_MAX_TP = 8  # the planner's own limit for auto t: one 8-GPU node
 
 
 @dataclass(frozen=True)

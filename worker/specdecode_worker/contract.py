@@ -26,6 +26,14 @@ EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
 # What ``specdecode-worker serve`` runs: NONE is the target alone; MTP drafts with the target's NextN layer.
 SERVED_ALGORITHMS = ("NONE", "STANDALONE", "NGRAM", *EAGLE_ALGORITHMS, "MTP")
 
+# Sizes the planner defaults to and the operator reads, defined here once.
+# Auto t stops at one 8-GPU node unless gpu.maxPerReplica (--max-tp) allows more.
+DEFAULT_MAX_TP = 8
+DEFAULT_GPUS_PER_NODE = 8
+# Tokens verified per request in one step (the draft proposals plus the bonus token), when the
+# request does not say.
+VERIFY_TOKENS = 4
+
 # --kv-cache-dtype: auto keeps K/V in the compute dtype; fp8 stores one byte per element, as the
 # torch dtype named here.
 FP8_KV_CACHE_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}

@@ -32,20 +32,20 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .contract import (
+from .contract import (  # noqa: F401 - DEFAULT_* and VERIFY_TOKENS are read through this module too
+    DEFAULT_GPUS_PER_NODE,
+    DEFAULT_MAX_TP,
     GIB,
     MIB,
     PLAN_API_VERSION,
     PLAN_KIND,
     TERMINATION_LOG_LIMIT,
+    VERIFY_TOKENS,
     kv_token_capacity,
     to_json,
 )
 
 TP_CANDIDATES = (1, 2, 4, 8, 16, 32)
-# Auto t stops at one 8-GPU node unless gpu.maxPerReplica (--max-tp) allows more.
-DEFAULT_MAX_TP = 8
-DEFAULT_GPUS_PER_NODE = 8
 
 RUNTIME_BASE_BYTES = GIB
 NCCL_BYTES_PER_RANK = 128 * MIB
@@ -55,9 +55,6 @@ NCCL_INTER_NODE_BYTES = 512 * MIB
 # triton_attention.py), not measured: no GPU measurement backs them yet. Phase 3's warm-up on a GPU
 # (and benchmarks/gpu_serving.py, which prints planned against measured) must confirm them.
 #
-# Tokens verified per request in one step (the draft proposals plus the bonus token), when the
-# request does not say.
-VERIFY_TOKENS = 4
 # Logit row bytes per vocabulary entry on top of the compute dtype's: the lm_head output in the
 # compute dtype, then the fp32 copy the sampler and acceptance read.
 LOGIT_FP32_BYTES = 4
