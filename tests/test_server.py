@@ -191,6 +191,26 @@ def test_stop_string_ends_the_text(server, reference):
     assert choice["text"] == text[: text.index(" " + word)] and choice["finish_reason"] == "stop"
 
 
+def test_a_stop_string_across_tokens_is_never_sent_in_part(server, reference):
+    """A stop string of two words (two tokens): the text ends before it, in a stream as without one,
+    and no chunk carries its first word: text that could begin a stop string waits for the next token."""
+    base, _ = server
+    prompt, text = next(iter(reference.items()))
+    words = text.split()
+    stop = f"{words[2]} {words[3]}"
+    want = text[: text.index(stop)]
+    whole = _complete(base, prompt, stop=[stop]).json()["choices"][0]
+    assert whole["text"] == want and whole["finish_reason"] == "stop"
+    body = {"model": "target", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stop": [stop], "stream": True}
+    chunks = []
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):])["choices"][0])
+    assert "".join(c["text"] for c in chunks) == want and chunks[-1]["finish_reason"] == "stop"
+
+
 def test_metrics_and_plan_report_planned_and_actual_tokens(server):
     base, state = server
     assert _complete(base, "one two three four five").status_code == 200  # tokens to count, whatever ran before

@@ -313,31 +313,39 @@ class _Stream:
 
 async def _text_pieces(state: ServerState, req: Request, sink: _Stream, stops: list[str]) -> AsyncIterator:
     """Yields (text delta, finish_reason) as tokens arrive; applies stop strings. Each update decodes
-    only its new tokens' window and searches for a stop only where the new text could complete one."""
+    only its new tokens' window. Text that could begin a stop string is held back until the next
+    tokens show whether it does, so no part of a stop string is ever sent."""
     text = IncrementalText(state.tokenizer)
-    reach = max((len(stop) for stop in stops), default=1) - 1  # sent text a stop may start in
-    tail = ""  # the last ``reach`` characters sent
+    held = ""  # decoded, not sent: its end may be the start of a stop string
     while True:
         tokens = await sink.queue.get()
         if tokens is None:
             if req.error:
                 raise RuntimeError(req.error)
+            if held:
+                yield held, None
             yield "", req.finish_reason
             return
-        delta = text.push(tokens)
-        if not delta:
-            continue
-        window = tail + delta
-        cuts = [at for at in (window.find(stop) for stop in stops) if at >= 0]
+        held += text.push(tokens)
+        cuts = [at for at in (held.find(stop) for stop in stops) if at >= 0]
         if cuts:
             state.engine.abort(req)
-            cut = min(cuts) - len(tail)
-            if cut > 0:
-                yield delta[:cut], None
+            if min(cuts):
+                yield held[: min(cuts)], None
             yield "", "stop"
             return
-        yield delta, None
-        tail = window[-reach:] if reach else ""
+        keep = _stop_prefix_length(held, stops)
+        if len(held) > keep:
+            yield held[: len(held) - keep], None
+            held = held[len(held) - keep :]
+
+
+def _stop_prefix_length(text: str, stops: list[str]) -> int:
+    """The longest end of ``text`` that a stop string begins with (shorter than that stop)."""
+    for n in range(min(len(text), max((len(s) for s in stops), default=1) - 1), 0, -1):
+        if any(stop.startswith(text[-n:]) for stop in stops):
+            return n
+    return 0
 
 
 async def _generate(state: ServerState, body: GenerationBody, ids: list[int], chat: bool):
