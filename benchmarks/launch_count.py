@@ -27,7 +27,7 @@ os.environ.setdefault("SPECDECODE_ATTENTION_BACKEND", "triton")
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "worker"):
+for _p in (ROOT / "worker",):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
@@ -109,11 +109,13 @@ def count(target: Path, kernels: str) -> dict:
 
 
 def _count(target: Path) -> dict:
-    from tests.engine_helpers import engine
+    from specdecode_worker.engine.engine import Engine, EngineArgs
 
     kernels = os.environ[layer_kernels.LAYER_KERNELS_ENV]
-    eng = engine(target, "NONE", device_memory_bytes=3 << 30, context_len=512, max_running_requests=1,
-                 dtype="bfloat16")  # as served: the casts around fp32 reductions are real copies
+    eng = Engine(EngineArgs(str(target), None, "NONE", device_memory_bytes=3 << 30, mem_fraction_static=0.9,
+                            runtime_bytes=0, context_len=512, max_running_requests=1, num_draft_tokens=4,
+                            dtype="bfloat16"))  # as served: the casts around fp32 reductions are real copies
+    eng.init_model_worker()
     model, counter = eng.target_runner.model, Launches()
     layer = model.model.layers[0]
     seen: dict[str, int] = {}
@@ -144,11 +146,19 @@ def _count(target: Path) -> dict:
             "layer_outside_attention": seen["layer"] - attention, "by_op": dict(sorted(counter.ops.items()))}
 
 
-def main() -> int:
-    from tests.tiny_models import write_tiny_model
+def write_random_llama(folder: Path, **shape) -> Path:
+    """A random Llama checkpoint of ``shape`` (no tokenizer: the count feeds token ids)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
+    config = LlamaConfig(vocab_size=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
+                         eos_token_id=3, **shape)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def main() -> int:
     with tempfile.TemporaryDirectory() as root:
-        target = write_tiny_model(Path(root) / "llama8b-2", "llama", **LLAMA_8B_2_LAYERS)
+        target = write_random_llama(Path(root) / "llama8b-2", **LLAMA_8B_2_LAYERS)
         rows = []
         for kernels in ("torch", "triton"):
             rows.append(count(target, kernels))

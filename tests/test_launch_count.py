@@ -23,11 +23,9 @@ def bench(tmp_path_factory):
     module = importlib.util.module_from_spec(spec)
     sys.modules["launch_count"] = module
     spec.loader.exec_module(module)
-    from tests.tiny_models import write_tiny_model
-
     shape = {**module.LLAMA_8B_2_LAYERS, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
              "num_key_value_heads": 2}
-    module.target = write_tiny_model(tmp_path_factory.mktemp("launches") / "llama", "llama", **shape)
+    module.target = module.write_random_llama(tmp_path_factory.mktemp("launches") / "llama", **shape)
     return module
 
 
