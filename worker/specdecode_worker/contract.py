@@ -23,6 +23,9 @@ GIB = 1 << 30
 PLANNED_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "MTP", "NGRAM")
 # A draft head that reads the target's hidden states (its own worker in the engine).
 EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
+# The engines a worker pod may run (spec.runtime.engine, plan --engine); specdecode is this project's.
+ENGINES = ("specdecode", "vllm", "sglang")
+DEFAULT_ENGINE = "specdecode"
 # What ``specdecode-worker serve`` runs: NONE is the target alone; MTP drafts with the target's NextN layer.
 SERVED_ALGORITHMS = ("NONE", "STANDALONE", "NGRAM", *EAGLE_ALGORITHMS, "MTP")
 
@@ -187,6 +190,26 @@ class PlanSources:
 
 
 @dataclass(frozen=True)
+class PlanRuntime:
+    """How another engine is pinned to the plan (``runtimes/``); missing for specdecode's own engine.
+
+    ``reported_tokens`` is what the engine itself reports at start-up; the operator holds each
+    pod un-Ready until the engine reports at least that many.
+    """
+
+    engine: str  # vllm or sglang
+    version: str  # the engine version whose sizing rules priced the plan
+    reported_tokens: int
+    extra_reserve_bytes: int  # the engine's own reserve beyond this project's dynamic reserve
+    dtype: str | None = None  # the compute dtype priced, pinned with --dtype (engines resolve auto their own way)
+    kv_cache_memory_bytes: int | None = None  # vLLM --kv-cache-memory-bytes
+    block_size: int | None = None  # vLLM --block-size
+    num_blocks: int | None = None
+    mem_fraction_static: float | None = None  # SGLang --mem-fraction-static
+    page_size: int | None = None  # SGLang --page-size
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     """The plan the planner writes and the worker serves against (see ``plan.py`` for its terms)."""
 
@@ -212,6 +235,7 @@ class MemoryPlan:
     nodes_per_replica: int | None = None  # pods (one per node) one replica spans; missing: 1
     sources: PlanSources | None = None  # models planned from a hub: the commits to load
     models: PlanModels | None = None  # the model folders it was made for (plans written before lack it)
+    runtime: PlanRuntime | None = None  # another engine's flags; missing: specdecode's own engine
     # The JSON object as given, passed on unchanged (to the SDD status and the worker's --plan).
     document: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -252,6 +276,9 @@ class MemoryPlan:
                 f"MemoryPlan: kvCache.maxTotalNumTokens is {kv.max_total_num_tokens} but gpuMemoryBytes x "
                 f"memFractionStatic - weights - reserve.runtimeBytes over the KV bytes per token gives {expected}"
             )
+        if self.runtime is not None and self.runtime.engine not in ENGINES[1:]:
+            raise ValueError(f"MemoryPlan: runtime.engine must be one of {', '.join(ENGINES[1:])}, "
+                             f"got {self.runtime.engine!r}")
         for source in (self.sources.target, self.sources.draft) if self.sources else ():
             if source is not None:
                 source.check()

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .contract import (  # noqa: F401 - DEFAULT_* and VERIFY_TOKENS are read through this module too
+    DEFAULT_ENGINE,
     DEFAULT_GPUS_PER_NODE,
     DEFAULT_MAX_TP,
     GIB,
@@ -344,6 +345,7 @@ class PlanArgs:
     kv_cache_memory_gib: float | None = None
     max_tp: int = DEFAULT_MAX_TP  # the largest t auto may choose (gpu.maxPerReplica)
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE  # beyond it a replica spans nodes (gpu.perNode)
+    engine: str = DEFAULT_ENGINE  # whose arithmetic the plan is restated in (runtimes/)
 
 
 @dataclass(frozen=True)

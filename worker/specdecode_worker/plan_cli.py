@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import SERVED_DTYPES, as_served, read_checkpoint, split_target_draft, total_bytes
-from .contract import FP8_KV_CACHE_DTYPES, GIB, PLANNED_ALGORITHMS, ExitCode, to_json
+from .contract import DEFAULT_ENGINE, ENGINES, FP8_KV_CACHE_DTYPES, GIB, PLANNED_ALGORITHMS, ExitCode, to_json
 from .devices import resolve_device_memory
 from .eagle_rule import aux_layer_ids
 from .errors import InputError
-from . import termination
+from . import runtimes, termination
 from .flags import CommandParser, add_sizing_flags
 from .hub import HubClient, model_name
 from .model_config import ModelShape, load_shape, read_config
@@ -70,6 +70,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-num-steps", type=int, help="EAGLE draft steps per round, as serve takes them")
     p.add_argument("--speculative-eagle-topk", type=int,
                    help="EAGLE branches per draft step, as serve takes them: a tree's graphs are priced from it")
+    p.add_argument("--engine", default=DEFAULT_ENGINE, choices=ENGINES,
+                   help="the engine the worker pod runs: the plan is restated in its arithmetic and pinned with "
+                        f"its flags (vLLM {runtimes.vllm.VERSION}, SGLang {runtimes.sglang.VERSION}; "
+                        f"default {DEFAULT_ENGINE})")
     p.add_argument("--output", default="json", choices=("json", "table"))
     p.add_argument("--termination-log", help="also write the compact plan JSON to this file")
     return p
@@ -116,6 +120,7 @@ def plan_args(flags: argparse.Namespace) -> PlanArgs:
         gpus_per_node=_given(flags, "gpus_per_node", DEFAULT_GPUS_PER_NODE),
         # both commands know the proposals per round (the operator passes the worker's to the planner)
         verify_tokens=flags.num_draft_tokens + 1 if getattr(flags, "num_draft_tokens", None) else VERIFY_TOKENS,
+        engine=getattr(flags, "engine", None) or DEFAULT_ENGINE,
         **_tree_size(flags),
     )
 
@@ -280,11 +285,31 @@ def make_plan(args: PlanArgs) -> dict[str, Any]:
         gpus_per_node=args.gpus_per_node,
         compute_dtype=None if args.dtype == "auto" else args.dtype,
     )
+    problem = runtimes.check_engine(args.engine, algorithm, args.tree_topk)
+    if problem:
+        raise InputError(problem.replace("runtime.engine", "--engine")
+                         .replace("draft.topK", "--speculative-eagle-topk"))
     plan = build_plan(req, candidate, valid or [tp_req])
+    tp = plan["tensorParallelSize"]
+    plan = runtimes.price(args.engine, plan, target.torch_dtype,
+                          _draft_copies(algorithm, target_w, tp, target.num_kv_heads))
+    if args.engine != DEFAULT_ENGINE and plan["nodesPerReplica"] > 1:
+        raise InputError(runtimes.check_engine(args.engine, algorithm, nodes=plan["nodesPerReplica"])
+                         .replace("runtime.engine", "--engine"))
     # the models it was made for, as serve --plan checks them (a draft in the target's folder is the target)
     plan["models"] = {"target": identity(target_dir, target_tensors),
                       **({"draft": identity(draft_dir, draft_tensors)} if draft_tensors is not None else {})}
     return plan
+
+
+def _draft_copies(algorithm: str, target_w: list, tp: int, kv_heads: int) -> int:
+    """Per GPU, the target tensors an EAGLE or MTP draft shares, which SGLang also loads as the
+    draft's own copies and frees only after sizing its pool: the embedding, and the lm_head for a
+    draft that has none of its own (EAGLE3 brings one)."""
+    if algorithm not in ("EAGLE", "EAGLE3", "MTP"):
+        return 0
+    shared = [t for t in target_w if t.is_embedding or (t.is_lm_head and algorithm != "EAGLE3")]
+    return total_bytes(shared, tp, kv_heads)
 
 
 def make_hub_plan(args: PlanArgs, target_revision: str | None = None, draft_revision: str | None = None,
