@@ -77,6 +77,7 @@ class FakeKube:
         self.nodes: list[dict] | None = []
         self.conflict_next_status_write = False
         self.refuse: dict[tuple[str, str], ApiError] = {}
+        self.pod_conditions: list[tuple[str, dict]] = []
 
     def _bump(self, obj):
         self.rv += 1
@@ -143,6 +144,14 @@ class FakeKube:
 
     def event(self, sdd, reason, message, warning):
         self.events.append((reason, message, warning))
+
+    def set_pod_condition(self, pod, condition):
+        cur = self.objects[k8s.pods(pod["metadata"]["namespace"], pod["metadata"]["name"])]
+        conds = [x for x in cur.setdefault("status", {}).get("conditions", []) if x["type"] != condition["type"]]
+        cur["status"]["conditions"] = conds + [copy.deepcopy(condition)]
+        self._bump(cur)
+        self.pod_conditions.append((pod["metadata"]["name"], copy.deepcopy(condition)))
+        return copy.deepcopy(cur)
 
     # --- helpers for tests --------------------------------------------------------------------
 

@@ -35,6 +35,8 @@ MULTI_NODE_UNAVAILABLE = "MultiNodeUnavailable"  # the plan spans nodes and Lead
 # The API server refused a child (the planner pod, the plan ConfigMap, the Deployment, the Service,
 # or the worker pods the ReplicaSet creates): by Pod Security admission, by a ResourceQuota, or
 # for any other reason (a webhook, a LimitRange, validation).
+# vllm or sglang reported fewer KV tokens than the plan (kvcheck.py): the pod stays un-Ready.
+KV_CACHE_BELOW_PLAN = "KVCacheBelowPlan"
 POD_SECURITY_REJECTED = "PodSecurityRejected"
 QUOTA_EXCEEDED = "QuotaExceeded"
 CHILD_REJECTED = "ChildRejected"
@@ -87,7 +89,7 @@ def get(conditions: Iterable[dict[str, Any]], ctype: str) -> dict[str, Any] | No
 FAILURE_REASONS = frozenset({INSUFFICIENT_GPU_MEMORY, PLANNER_FAILED, PLAN_EXCEEDS_NODE_GPUS, UNSCHEDULABLE,
                              WORKER_STARTUP_FAILED, WORKER_OOM_KILLED, PODS_NOT_READY,
                              POD_SECURITY_REJECTED, QUOTA_EXCEEDED, CHILD_REJECTED, MULTI_NODE_UNAVAILABLE,
-                             MODEL_DOWNLOAD_FAILED, CACHE_CLAIM_NOT_FOUND})
+                             MODEL_DOWNLOAD_FAILED, CACHE_CLAIM_NOT_FOUND, KV_CACHE_BELOW_PLAN})
 
 
 def is_bad(ctype: str, status: str, reason: str = "") -> bool:

@@ -179,6 +179,14 @@ class Kube:
         return self._call("PATCH", rest_path(Ref.of(obj)), obj, {"fieldManager": FIELD_MANAGER, "force": "true"},
                           "application/apply-patch+yaml")
 
+    def set_pod_condition(self, pod: dict[str, Any], condition: dict[str, Any]) -> dict[str, Any]:
+        """Add or replace one condition of a pod's status (a strategic merge by type), as a
+        readiness gate's controller does; the kubelet keeps conditions it does not own."""
+        meta = pod["metadata"]  # pods from a list carry no apiVersion or kind
+        return self._call("PATCH", rest_path(pods(meta["namespace"], meta["name"]), "status"),
+                          {"status": {"conditions": [condition]}},
+                          content_type="application/strategic-merge-patch+json")
+
     def write_status(self, obj: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
         """Replace the status subresource, read-modify-write: a 409 if the object changed since
         ``obj`` was read (nothing written by others is clobbered; the caller reconciles again)."""

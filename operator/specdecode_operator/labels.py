@@ -8,6 +8,9 @@ NAME = "specdecode.io/name"
 ROLE = "specdecode.io/role"
 PLAN_KEY = "specdecode.io/plan-key"
 GENERATION = "specdecode.io/generation"  # the SDD generation a Deployment was rendered from
+# The worker pod's readiness gate for vllm and sglang: True once the engine itself reports the
+# planned KV tokens (kvcheck.py), so a pod whose engine sized less never takes traffic.
+KV_VERIFIED = "specdecode.io/kv-cache-verified"
 ROLE_PLANNER = "planner"
 ROLE_WORKER = "worker"
 FIELD_MANAGER = "specdecode-operator"

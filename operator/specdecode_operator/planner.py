@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from specdecode_worker.contract import EAGLE_ALGORITHMS, ExitCode
+from specdecode_worker.contract import DEFAULT_ENGINE, EAGLE_ALGORITHMS, ExitCode
 
 from . import labels, models, podsecurity
 from .plan_result import explains_misfit, read_plan
@@ -52,6 +52,8 @@ def planner_args(view: SpecView, gpus_per_node: int | None = None) -> list[str]:
         args += ["--chunked-prefill-size", str(s.chunked_prefill_size)]
     if view.algorithm in EAGLE_ALGORITHMS and view.top_k > 1:  # a tree's graphs are priced from its shape
         args += ["--speculative-num-steps", str(view.num_steps), "--speculative-eagle-topk", str(view.top_k)]
+    if view.engine != DEFAULT_ENGINE:
+        args += ["--engine", view.engine]
     args += ["--output", "json", "--termination-log", TERMINATION_LOG]
     return args
 

@@ -19,7 +19,7 @@ from specdecode_worker.contract import GIB, PLAN_API_VERSION, PLAN_KIND
 
 from . import conditions as c
 from . import kube as k8s
-from . import group, labels, modelcache, models, nodecapacity, observe, planner, refusals, workload
+from . import group, kvcheck, labels, modelcache, models, nodecapacity, observe, planner, refusals, workload
 from .kube import ApiError, Kube, epoch, now_iso
 from .spec import DEFAULT_MAX_TP, DEFAULT_WORKER_IMAGE, SpecView, parse_spec, plan_key, planner_pod_name
 
@@ -58,8 +58,10 @@ def _lock(namespace: str, name: str) -> threading.Lock:
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, options: Options | None = None, clock: Callable[[], float] = time.time):
+    def __init__(self, kube: Kube, options: Options | None = None, clock: Callable[[], float] = time.time,
+                 fetch: Callable[[str], str | None] | None = None):
         self.kube = kube
+        self.fetch = fetch or kvcheck.http_get
         self.options = options or Options()
         self.clock = clock
         self._nodes_forbidden = False
@@ -155,6 +157,8 @@ class Reconciler:
                 status["nodesPerReplica"] = nodes
             obs = self._observe(view, key, tp, dep, nodes)
             verdicts.update(obs.verdicts)
+            if plan.get("runtime"):
+                verdicts.update(self._verify_kv(view, key, plan, status))
             if refused is not None:  # what exists still reports Available; the rest waits on the refusal
                 verdicts[c.DEGRADED] = c.Verdict("True", refused.reason, refused.message)
                 verdicts[c.READY] = refused
@@ -426,6 +430,36 @@ class Reconciler:
         capacity = observe.capacity_verdict(tp, view.gpu_max_per_replica, self._node_gpus(view), view.gpu_product,
                                             nodes)
         return observe.observe(view.replicas, template_key == key, dep, pods, capacity)
+
+    def _verify_kv(self, view: SpecView, key: str, plan: dict[str, Any],
+                   status: dict[str, Any]) -> dict[str, c.Verdict]:
+        """Set each new vllm/sglang pod's readiness gate from the engine's own KV report, record
+        planned and reported tokens per pod in status.engineKV, and say when one fell short."""
+        rt = plan["runtime"]
+        pods = [p for p in self._worker_pods(view)
+                if ((p.get("metadata") or {}).get("annotations") or {}).get(labels.PLAN_KEY) == key]
+        for pod in pods:
+            if not kvcheck.needs_check(pod):
+                continue
+            url = kvcheck.report_url(pod, rt["engine"], workload.HTTP_PORT)
+            body = self.fetch(url) if url else None
+            reported = None if body is None else kvcheck.reported_tokens(rt["engine"], body)
+            if reported is None:  # not serving its report yet: the next poll asks again
+                continue
+            condition = kvcheck.gate_condition(kvcheck.check(pod, plan, reported), now_iso())
+            pod = self.kube.set_pod_condition(pod, condition) or pod
+            pods = [pod if p["metadata"]["name"] == pod["metadata"]["name"] else p for p in pods]
+        records = [r for r in map(kvcheck.recorded, pods) if r]
+        status["engineKV"] = {"engine": rt["engine"], "version": rt["version"],
+                              "plannedTokens": rt["reportedTokens"], "pods": records}
+        short = [r for r in records if not r["verified"]]
+        if not short:
+            return {}
+        worst = min(short, key=lambda r: r["reportedTokens"] or 0)
+        pod = next(p for p in pods if p["metadata"]["name"] == worst["name"])
+        message = kvcheck.check(pod, plan, worst["reportedTokens"] or 0).message()
+        problem = c.Verdict("True", c.KV_CACHE_BELOW_PLAN, message)
+        return {c.DEGRADED: problem, c.READY: c.Verdict("False", c.KV_CACHE_BELOW_PLAN, message)}
 
     def _node_gpus(self, view: SpecView) -> int | None:
         nodes, _ = self._readable_nodes()

@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specdecode_worker.contract import DEFAULT_MAX_TP, VERIFY_TOKENS
+from specdecode_worker.contract import DEFAULT_ENGINE, DEFAULT_MAX_TP, VERIFY_TOKENS
 
 GROUP = "specdecode.io"
 VERSION = "v1alpha1"
@@ -22,6 +22,8 @@ API_VERSION = f"{GROUP}/{VERSION}"
 MODELS_MOUNT = "/models"
 DEFAULT_WORKER_IMAGE = "ghcr.io/specdecode/worker:0.1.0"
 NGRAM_DEFAULT_DRAFT_TOKENS = 8
+# The engines' own images, run unmodified, at the versions whose sizing rules the planner holds.
+DEFAULT_ENGINE_IMAGES = {"vllm": "vllm/vllm-openai:v0.32.0", "sglang": "lmsysorg/sglang:v0.5.23"}
 DEFAULT_VERIFY_WIDTH = VERIFY_TOKENS  # the width the planner assumes when it is not told one
 
 
@@ -51,6 +53,15 @@ class Serving:
     mem_fraction_static: float | None = None
     cuda_graph_max_batch_size: int | None = None
     chunked_prefill_size: int | None = None
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """``spec.runtime``: the engine the worker pods run."""
+
+    engine: str = DEFAULT_ENGINE
+    image: str | None = None  # vllm/sglang: the engine's image (specdecode uses spec.image)
+    extra_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,18 @@ class SpecView:
     planner_resources: dict[str, Any] = field(default_factory=dict)
     spec_policy: str = "adaptive"  # draft.policy.mode: adaptive or fixed draft lengths
     hub_cache: HubCache | None = None
+    runtime: Runtime = field(default_factory=Runtime)
+
+    @property
+    def engine(self) -> str:
+        return self.runtime.engine
+
+    @property
+    def worker_image(self) -> str:
+        """The image worker pods run: the engine's own for vllm and sglang."""
+        if self.engine == DEFAULT_ENGINE:
+            return self.image
+        return self.runtime.image or DEFAULT_ENGINE_IMAGES[self.engine]
 
     def model_path(self, ref: ModelRef) -> str:
         """Where a model's files are inside a pod (the store is mounted at /models)."""
@@ -129,6 +152,7 @@ def parse_spec(body: dict[str, Any], default_image: str = DEFAULT_WORKER_IMAGE) 
     store = spec.get("modelStore") or {}
     planner = spec.get("planner") or {}
     resources = spec.get("resources") or {}
+    runtime = spec.get("runtime") or {}
 
     algorithm = draft.get("algorithm", "")
     num_steps = int(draft.get("numSteps", 3))
@@ -176,6 +200,8 @@ def parse_spec(body: dict[str, Any], default_image: str = DEFAULT_WORKER_IMAGE) 
         planner_request_gpu=bool(planner.get("requestGPU", False)),
         planner_resources=dict(planner.get("resources") or {}),
         hub_cache=_hub_cache((store.get("hub") or {}).get("cache")),
+        runtime=Runtime(engine=runtime.get("engine") or DEFAULT_ENGINE, image=runtime.get("image") or None,
+                        extra_args=tuple(runtime.get("extraArgs") or ())),
     )
 
 
@@ -214,6 +240,8 @@ def planner_inputs(view: SpecView) -> dict[str, Any]:
         "plannerImage": view.planner_image,
         # Only a width other than the planner's default, so existing plans keep their keys.
         **({"verifyWidth": verify_width(view)} if verify_width(view) != DEFAULT_VERIFY_WIDTH else {}),
+        # Another engine restates the plan in its own arithmetic; specdecode plans keep their keys.
+        **({"engine": view.engine} if view.engine != DEFAULT_ENGINE else {}),
         # A dtype other than auto is priced by the planner (--dtype): plans made before it was are
         # re-made, auto plans keep their keys.
         **({"pricedDtype": view.target_dtype} if view.target_dtype != "auto" else {}),

@@ -11,7 +11,8 @@ import json
 import math
 from typing import Any
 
-from specdecode_worker.contract import EAGLE_ALGORITHMS, GIB, MIB
+from specdecode_worker.contract import DEFAULT_ENGINE, EAGLE_ALGORITHMS, GIB, MIB
+from specdecode_worker.runtimes import sglang, vllm
 
 from . import labels, models, podsecurity
 from .spec import SpecView, draft_proposals
@@ -81,6 +82,41 @@ def worker_args(view: SpecView, plan: dict[str, Any]) -> list[str]:
     return args
 
 
+# How each engine's own image starts its OpenAI server, and its health endpoint.
+ENGINE_COMMANDS = {
+    DEFAULT_ENGINE: ["specdecode-worker"],
+    # `vllm serve` looks its version up under the distribution name and fails on the CPU build.
+    "vllm": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
+    "sglang": ["python3", "-m", "sglang.launch_server"],
+}
+ENGINE_ENV = {
+    DEFAULT_ENGINE: [],
+    "vllm": [{"name": "VLLM_NO_USAGE_STATS", "value": "1"}, {"name": "HF_HUB_OFFLINE", "value": "1"}],
+    "sglang": [{"name": "SGLANG_DISABLE_USAGE_STATS", "value": "1"}, {"name": "HF_HUB_OFFLINE", "value": "1"}],
+}
+
+
+def engine_args(view: SpecView, plan: dict[str, Any]) -> list[str]:
+    """The engine's own server arguments: every planned number pinned, then runtime.extraArgs."""
+    if view.engine == DEFAULT_ENGINE:
+        return worker_args(view, plan)
+    s, reserve = view.serving, plan.get("reserve") or {}
+    target_dir, draft_dir = models.model_dirs(view, plan)
+    common = dict(
+        target_dir=target_dir, served_name=view.target.model, draft_dir=draft_dir, algorithm=view.algorithm,
+        plan=plan, context_length=s.context_length,
+        max_running=int(reserve.get("maxRunningRequests", s.max_running_requests)),
+        chunk=int(reserve.get("chunkedPrefillSize") or s.chunked_prefill_size or s.context_length),
+        graph_bs=int(reserve.get("cudaGraphMaxBs") or s.cuda_graph_max_batch_size or 1),
+        kv_cache_dtype=s.kv_cache_dtype, dtype=view.target_dtype, port=HTTP_PORT,
+    )
+    if view.engine == "vllm":
+        args = vllm.args(proposals=draft_proposals(view), **common)
+    else:
+        args = sglang.args(num_steps=view.num_steps, proposals=draft_proposals(view), **common)
+    return args + list(view.runtime.extra_args)
+
+
 def host_memory_request(view: SpecView, plan: dict[str, Any]) -> str:
     """The user's value, else every rank's weights plus headroom (weights pass through host memory)."""
     if view.memory:
@@ -104,18 +140,19 @@ def render_deployment(view: SpecView, plan: dict[str, Any], key: str, owner: dic
     pod_labels = dict(view.pod.get("labels") or {}) | labels.common(view.name, labels.ROLE_WORKER)
     annotations = dict(view.pod.get("annotations") or {}) | {labels.PLAN_KEY: key}
     requests: dict[str, Any] = {"cpu": view.cpu or "2", "memory": host_memory_request(view, plan)}
+    ours = view.engine == DEFAULT_ENGINE
     volumes = models.volumes(view) + [{"name": "plan", "configMap": {"name": configmap_name(view)}}]
     mounts = [models.mount(), {"name": "plan", "mountPath": PLAN_DIR, "readOnly": True}]
-    if tp > 1:  # NCCL's shared-memory transport between ranks
+    if tp > 1 or not ours:  # NCCL's shared-memory transport between ranks; the engines' IPC
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     probe = {"httpGet": {"path": "/health", "port": "http"}}
     container = {
         "name": "worker",
-        "image": view.image,
+        "image": view.worker_image,
         "imagePullPolicy": view.image_pull_policy,
-        "command": ["specdecode-worker"],
-        "args": worker_args(view, plan),
+        "command": ENGINE_COMMANDS[view.engine],
+        "args": engine_args(view, plan),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "resources": {"requests": requests, "limits": {"nvidia.com/gpu": tp}},
         "volumeMounts": mounts,
@@ -125,6 +162,8 @@ def render_deployment(view: SpecView, plan: dict[str, Any], key: str, owner: dic
         "livenessProbe": probe | {"periodSeconds": 20, "failureThreshold": 3, "timeoutSeconds": 10},
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    if ENGINE_ENV[view.engine]:
+        container["env"] = ENGINE_ENV[view.engine]
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
@@ -133,6 +172,8 @@ def render_deployment(view: SpecView, plan: dict[str, Any], key: str, owner: dic
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
     }
+    if not ours:  # Ready only once the engine reports the planned KV tokens
+        pod_spec["readinessGates"] = [{"conditionType": labels.KV_VERIFIED}]
     init = models.fetch_init_containers(view, plan)
     if init:
         pod_spec["initContainers"] = init

@@ -17,6 +17,11 @@ Namespaced rules apply in the watched namespaces (Role) or everywhere (ClusterRo
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete"]
+# vllm and sglang workers: the readiness gate specdecode.io/kv-cache-verified is set on the pod's
+# status once the engine's own report of its KV tokens was compared with the plan.
+- apiGroups: [""]
+  resources: ["pods/status"]
+  verbs: ["patch"]
 # The workload Deployment: server-side applied (patch; create when it does not exist yet), read
 # for its rollout state and watched by kopf; deleted when a new plan spans nodes.
 - apiGroups: ["apps"]
