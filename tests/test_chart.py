@@ -193,8 +193,13 @@ def test_worker_network_policy_selects_the_operators_workers(cluster, namespace)
         assert selector.items() <= worker_labels.items()  # it selects the pods the operator renders
         # Only the serving port: rank traffic is the operator's per-SDD policy (one SDD's pods
         # must not reach another's NCCL ports, which a namespace-wide rule here would allow).
-        [serving] = spec["ingress"]
+        # The second rule lets the operator read a vllm/sglang worker's own KV report.
+        [serving, operator_reads] = spec["ingress"]
         assert serving["ports"] == [{"port": workload.HTTP_PORT, "protocol": "TCP"}] and serving["from"] == [peer]
+        assert operator_reads["ports"] == serving["ports"]
+        [operator_pods] = operator_reads["from"]
+        assert operator_pods["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": namespace}
+        assert operator_pods["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "specdecode-operator"
         assert spec["policyTypes"] == ["Ingress"]
     [dep] = by_kind(docs, "Deployment")
     assert "--worker-network-policy" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
