@@ -170,3 +170,19 @@ def test_a_shortfall_keeps_the_pod_unready_and_says_both_numbers(cluster):
     assert str(planned) in degraded["message"] and str(planned // 2) in degraded["message"]
     assert c.get(status["conditions"], c.READY)["status"] == "False"
     assert any(reason == c.KV_CACHE_BELOW_PLAN and warning for reason, _, warning in kube.events)
+
+
+def test_the_crd_refuses_exactly_the_flags_the_operator_owns():
+    """The CEL rule on runtime.extraArgs is a copy of the runtimes' owned flags, kept in step here."""
+    import re
+
+    import yaml
+
+    from specdecode_worker.runtimes import owned_flags
+    from tests.operator_helpers import ROOT
+
+    crd = yaml.safe_load((ROOT / "crds" / "specdecode.io_specdecodedeployments.yaml").read_text())
+    runtime = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["runtime"]
+    [rule] = [r["rule"] for r in runtime["x-kubernetes-validations"] if "extraArgs.all" in r["rule"]]
+    refused = set(re.search(r"\^\(([^)]*)\)", rule).group(1).split("|"))
+    assert refused == set(owned_flags("vllm")) | set(owned_flags("sglang"))
