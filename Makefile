@@ -28,8 +28,8 @@ test-unit: setup
 	$(PY) -m pytest -ra -m "not e2e"
 
 cluster-build:
-	bash tests/cluster/build.sh
-	bash tests/cluster/build_lws.sh
+	bash devtools/cluster/build.sh
+	bash devtools/cluster/build_lws.sh
 
 # Both container images with podman (installed from Debian when missing), on a Debian base made
 # without a registry; a rerun with unchanged inputs builds nothing. See README "Images".
@@ -37,10 +37,10 @@ images:
 	bash images/build.sh
 
 cluster-up: setup cluster-build
-	$(PY) -m tests.cluster up
+	$(PY) -m devtools.cluster up
 
 cluster-down:
-	$(PY) -m tests.cluster down
+	$(PY) -m devtools.cluster down
 
 demo: setup cluster-build
 	$(PY) demo/run.py

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.spec_decode_cpu import chat_ids  # noqa: E402
 from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from tests.smollm2 import smollm2_dir  # noqa: E402
+from devtools.smollm2 import smollm2_dir  # noqa: E402
 
 CONCURRENCY = (1, 2, 4, 8, 16)
 WORKLOADS = ("copy", "open", "mixed")

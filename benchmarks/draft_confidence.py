@@ -42,7 +42,7 @@ from benchmarks.adaptive_cpu import engine, hf_greedy, workload_prompts  # noqa:
 from benchmarks.ngram_classes import kept_in_a_row  # noqa: E402
 from benchmarks.spec_decode_cpu import chat_ids  # noqa: E402
 from specdecode_worker.engine.speculative import ngram_match  # noqa: E402
-from tests.smollm2 import smollm2_dir  # noqa: E402
+from devtools.smollm2 import smollm2_dir  # noqa: E402
 
 K, MAX_N = 4, 4
 THRESHOLDS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.eagle_train import prompts  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
-from tests.smollm2 import cache_dir, smollm2_dir  # noqa: E402
+from devtools.smollm2 import cache_dir, smollm2_dir  # noqa: E402
 
 CONFIGS = [
     ("none", "NONE", {}),

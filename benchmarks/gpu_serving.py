@@ -66,7 +66,7 @@ from specdecode_worker import serve_cli  # noqa: E402
 from specdecode_worker.engine import model_runner, mtp_runner  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.engine.engine import Engine  # noqa: E402
-from tests.checkpoints import CONFIGS, _decoder_tensors, _deepseek_tensors, model_tensors, write_checkpoint  # noqa: E402,E501
+from devtools.checkpoints import CONFIGS, _decoder_tensors, _deepseek_tensors, model_tensors, write_checkpoint  # noqa: E402,E501
 
 LLAMA_1B = {  # meta-llama/Llama-3.2-1B-Instruct
     **CONFIGS["llama-3.1-8b-instruct"], "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -136,7 +136,7 @@ TINY = Settings("cpu", 256, 24, 6, (1, 2), 180, 2, 3, (1, 2), 3, cpu_budget_gib=
 def eagle3_tensors(cfg: dict):
     if cfg is CONFIGS["eagle3-llama-3.1-8b"]:
         return model_tensors("eagle3-llama-3.1-8b")
-    from tests.checkpoints import _eagle3_tensors
+    from devtools.checkpoints import _eagle3_tensors
 
     return _eagle3_tensors(cfg)
 

@@ -1,6 +1,6 @@
 """A tiny DeepSeek-V3 with an MTP layer trained here (self-distillation on CPU), for the MTP benchmark.
 
-The target is random (tests/deepseek_models.py, the tests' geometry but larger); its NextN layer is
+The target is random (devtools/deepseek_models.py, the tests' geometry but larger); its NextN layer is
 trained to predict the target's own greedy token two positions ahead from (the next token, the
 target's final hidden state), exactly the draft step the engine runs. transformers' own
 DeepSeek-V3 decoder layer is the trainable block; the trained layer is written back into the
@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.deepseek_models import write_tiny_deepseek  # noqa: E402
-from tests.smollm2 import cache_dir  # noqa: E402
+from devtools.deepseek_models import write_tiny_deepseek  # noqa: E402
+from devtools.smollm2 import cache_dir  # noqa: E402
 
 # Larger than the tests' tiny model, so a draft step costs visibly less than a target pass.
 GEOMETRY = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=6,

@@ -28,8 +28,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.checkpoints import write_model  # noqa: E402
-from tests.cluster.controlplane import ControlPlane, build_binaries  # noqa: E402
+from devtools.checkpoints import write_model  # noqa: E402
+from devtools.cluster.controlplane import ControlPlane, build_binaries  # noqa: E402
 
 NS = "scale"
 
@@ -48,7 +48,7 @@ def _rss_kib(pid: int) -> int:
 
 
 def extra_nodes(count: int) -> list[dict]:
-    base = next(d for d in yaml.safe_load_all((ROOT / "tests/cluster/nodes.yaml").read_text())
+    base = next(d for d in yaml.safe_load_all((ROOT / "devtools/cluster/nodes.yaml").read_text())
                 if d and d["metadata"]["name"] == "h100-node-1")
     nodes = []
     for i in range(count):

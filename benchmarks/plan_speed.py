@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.checkpoints import CONFIGS, write_model  # noqa: E402
+from devtools.checkpoints import CONFIGS, write_model  # noqa: E402
 
 MODEL = "llama-3.1-70b-instruct"
 

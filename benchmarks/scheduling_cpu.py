@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from tests.tiny_models import write_tiny_model  # noqa: E402
+from devtools.tiny_models import write_tiny_model  # noqa: E402
 
 MAX_TOKENS = 96
 

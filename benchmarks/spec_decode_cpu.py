@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from tests.smollm2 import smollm2_dir  # noqa: E402
+from devtools.smollm2 import smollm2_dir  # noqa: E402
 
 PARAGRAPH = (
     "The lighthouse stood on the northern cliff for two hundred years. Every night its keeper climbed "

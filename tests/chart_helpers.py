@@ -14,13 +14,13 @@ from pathlib import Path
 
 import yaml
 
-from tests.cluster.controlplane import free_ports
-from tests.cluster.wait import wait_for
+from devtools.cluster.controlplane import free_ports
+from devtools.cluster.wait import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "specdecode-operator"
 EXAMPLE = ROOT / "examples" / "standalone-draft.yaml"
-H100 = "NVIDIA-H100-80GB-HBM3"  # a product of the test bed's fake nodes (tests/cluster/nodes.yaml)
+H100 = "NVIDIA-H100-80GB-HBM3"  # a product of the test bed's fake nodes (devtools/cluster/nodes.yaml)
 OPERATOR = Path(sys.executable).with_name("specdecode-operator")
 
 RELEASE = "sdo"
@@ -98,7 +98,7 @@ def container_args(cluster, namespace: str) -> list[str]:
 
 def local_example(cluster, namespace: str, name: str) -> dict:
     """The standalone-draft example pointed at a tiny local target + draft in a claim of `namespace`."""
-    from tests.tiny_models import write_tiny_pair
+    from devtools.tiny_models import write_tiny_pair
 
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump({
         "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},

@@ -1,6 +1,6 @@
 """Shared fixtures.
 
-``cluster`` (session): a real control plane on loopback (tests/cluster/), started once and torn
+``cluster`` (session): a real control plane on loopback (devtools/cluster/), started once and torn
 down at the end even when tests fail. Tests that use it, directly or through another fixture,
 are marked ``e2e`` automatically. A failing e2e test shows the tail of every component log; the
 full logs stay in ``cluster.logs_dir`` (under pytest's temporary folder).
@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.checkpoints import write_model
-from tests.cluster.controlplane import ControlPlane, build_binaries
+from devtools.checkpoints import write_model
+from devtools.cluster.controlplane import ControlPlane, build_binaries
 from tests.e2e_helpers import CRD, DRAFT, OTHER_DRAFT, TARGET, Operator, get_object
-from tests.cluster.lws import build as lws_build
-from tests.cluster.wait import wait_for
+from devtools.cluster.lws import build as lws_build
+from devtools.cluster.wait import wait_for
 
 # Without a GPU, Triton kernels can only run under its interpreter, and Triton reads the switch when
 # a function is decorated (its own library's too, at its first import, which transformers may do

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.cluster.wait import wait_for
+from devtools.cluster.wait import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD = ROOT / "crds" / "specdecode.io_specdecodedeployments.yaml"

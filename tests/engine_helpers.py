@@ -12,7 +12,7 @@ from specdecode_worker.engine.engine import Engine, EngineArgs
 from specdecode_worker.engine.request import Request, SamplingParams
 
 from tests.eagle_heads import write_eagle3_head, write_eagle_head
-from tests.tiny_models import write_tiny_model, write_tiny_pair
+from devtools.tiny_models import write_tiny_model, write_tiny_pair
 
 # Tiny matrices gain nothing from intra-op threads, and on shared CI cores the thread hand-off
 # costs more than the arithmetic.

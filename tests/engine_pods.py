@@ -2,7 +2,7 @@
 the pod network of the test bed, where KWOK runs no containers.
 
 The command is the pod's, as the operator rendered it: the image's ``python3`` becomes the engine's
-cached virtualenv (tests/engines/venv.sh), mount paths become the claim's local folder
+cached virtualenv (devtools/engines/venv.sh), mount paths become the claim's local folder
 (planner_runtime's mapping rule), and the server listens on a loopback address of its own, which
 is then written to the pod's ``status.podIP`` as a CNI plugin would. The operator reaches the engine
 there, exactly as it reaches a pod in a cluster. ``change`` replaces flag values, to play an engine
@@ -20,8 +20,8 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
-from tests.cluster.planner_runtime import map_paths, volume_paths
-from tests.cluster.wait import wait_for
+from devtools.cluster.planner_runtime import map_paths, volume_paths
+from devtools.cluster.wait import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PORT = 8000  # the worker pods' containerPort
@@ -29,10 +29,10 @@ PORT = 8000  # the worker pods' containerPort
 
 def engine_venv(engine: str) -> Path:
     """The engine's cached virtualenv, built from its pins on first use (a few minutes)."""
-    out = subprocess.run(["bash", str(ROOT / "tests" / "engines" / "venv.sh"), engine],
+    out = subprocess.run(["bash", str(ROOT / "devtools" / "engines" / "venv.sh"), engine],
                          capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"tests/engines/venv.sh {engine} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"devtools/engines/venv.sh {engine} failed:\n{out.stderr[-3000:]}")
     return Path(out.stdout.strip().splitlines()[-1])
 
 

@@ -13,7 +13,7 @@ hub's ``X-Error-Code`` (``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound`
 raises its own typed errors. With a token configured, a request without it, or with another one,
 gets 401.
 
-Files are read from disk as they are, so sparse checkpoints (tests/checkpoints.py) serve a "141 GB"
+Files are read from disk as they are, so sparse checkpoints (devtools/checkpoints.py) serve a "141 GB"
 model whose headers cost a few kilobytes. The server counts every body byte it sends, in total and
 per ``repo/path``, and can throttle bodies to a byte rate for slow-download tests.
 

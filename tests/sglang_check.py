@@ -1,4 +1,4 @@
-"""Runs inside SGLang's virtualenv (tests/engines/venv.sh sglang): SGLang's own parser and checks on
+"""Runs inside SGLang's virtualenv (devtools/engines/venv.sh sglang): SGLang's own parser and checks on
 each argument list read as JSON from stdin; prints one JSON result per list.
 
 SGLang cannot serve on this CPU (its kernels are built for sm90/sm100), but

@@ -15,7 +15,7 @@ from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E4
 
 from tests.eagle_heads import write_eagle_head  # noqa: E402
 from tests.engine_helpers import engine, tiny_models  # noqa: E402
-from tests.tiny_models import write_tiny_model  # noqa: E402
+from devtools.tiny_models import write_tiny_model  # noqa: E402
 
 
 def _reference_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -22,7 +22,7 @@ from tests.chart_helpers import (
     CHART, RELEASE, LocalOperator, assert_example_reconciles, can_i, container_args, forbidden_lines, local_example,
     sa_kubeconfig, wait_ready,
 )
-from tests.cluster.wait import wait_for
+from devtools.cluster.wait import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 TOP_CRDS = ROOT / "crds"

@@ -17,7 +17,7 @@ from specdecode_worker.checkpoint import (
     total_bytes,
 )
 from specdecode_worker.errors import InputError
-from tests.checkpoints import write_model, write_safetensors
+from devtools.checkpoints import write_model, write_safetensors
 
 
 def llama_bytes(h, inter, layers, heads, kv, vocab, tied=False, qkv_bias=False, dtype_bytes=2):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.cluster.wait import wait_for
+from devtools.cluster.wait import wait_for
 
 VERSIONS = dict(
     line.split("=", 1) for line in (Path(__file__).parent / "cluster" / "versions.env").read_text().splitlines()

@@ -15,7 +15,7 @@ import yaml
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests import smollm2  # noqa: E402
+from devtools import smollm2  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

@@ -45,7 +45,7 @@ def _byte_fallback_tokenizer():
 
 
 def _tokenizers():
-    from tests.smollm2 import missing_requirements, smollm2_dir
+    from devtools.smollm2 import missing_requirements, smollm2_dir
 
     yield "byte-fallback", _byte_fallback_tokenizer()
     if missing_requirements() is None:

@@ -15,7 +15,7 @@ import re
 import pytest
 import yaml
 
-from tests.cluster.wait import wait_for
+from devtools.cluster.wait import wait_for
 from tests.e2e_helpers import apply, condition, get_object, list_objects, phase_is, wait_sdd
 from tests.engine_pods import EnginePod, engine_venv
 
@@ -35,7 +35,7 @@ def smol_store(cluster, namespace):
     import os
     import shutil
 
-    from tests import smollm2
+    from devtools import smollm2
 
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump({
         "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},

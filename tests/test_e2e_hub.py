@@ -24,13 +24,13 @@ import pytest
 import yaml
 
 from tests.chart_helpers import CHART, forbidden_lines, sa_kubeconfig
-from tests.checkpoints import write_model
-from tests.cluster.wait import wait_for
+from devtools.checkpoints import write_model
+from devtools.cluster.wait import wait_for
 from tests.e2e_helpers import (
     DRAFT, ROOT, TARGET, Operator, apply, condition, example, free_port, get_object, list_objects, local_plan,
     phase_is, wait_sdd,
 )
-from tests.tiny_models import write_tiny_model
+from devtools.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from tests.checkpoints import CONFIGS, _deepseek_tensors, write_checkpoint
-from tests.cluster.wait import wait_for
+from devtools.checkpoints import CONFIGS, _deepseek_tensors, write_checkpoint
+from devtools.cluster.wait import wait_for
 from tests.e2e_helpers import BIN, apply, condition, example, get_object, list_objects, phase_is, wait_sdd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

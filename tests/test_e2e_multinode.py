@@ -1,5 +1,5 @@
 """Replicas larger than one node on the real control plane, with the LeaderWorkerSet controller
-built from its pinned source (tests/cluster/lws.py) and its webhooks served on loopback."""
+built from its pinned source (devtools/cluster/lws.py) and its webhooks served on loopback."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import signal
 import pytest
 import yaml
 
-from tests.checkpoints import write_model
-from tests.cluster import lws as lws_mod
-from tests.cluster.wait import wait_for
+from devtools.checkpoints import write_model
+from devtools.cluster import lws as lws_mod
+from devtools.cluster.wait import wait_for
 from tests.e2e_helpers import Operator, get_object
 
 pytestmark = pytest.mark.timeout(420)

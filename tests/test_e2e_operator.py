@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.wait import wait_for
+from devtools.cluster.wait import wait_for
 from tests.e2e_helpers import (
     DRAFT, OTHER_DRAFT, Operator, ROOT, TARGET, apply, condition, example, get_object, list_objects, local_plan,
     phase_is, planner_pods, wait_sdd,

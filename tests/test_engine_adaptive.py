@@ -21,7 +21,7 @@ from tests.engine_helpers import (  # noqa: E402
     CHI2_CRIT, chi_square, engine, hf_greedy, noisy_copy, run_all, second_token_case, second_token_counts,
     tiny_models,
 )
-from tests.tiny_models import write_tiny_model  # noqa: E402
+from devtools.tiny_models import write_tiny_model  # noqa: E402
 
 # Repetitive prompts (NGRAM finds matches) next to ones without any repetition.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [20, 21, 22], list(range(30, 60)), [3, 9, 3, 9, 3, 9, 3]]

@@ -16,7 +16,7 @@ from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E4
 
 from tests.eagle_heads import write_eagle3_head  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
-from tests.tiny_models import write_tiny_model  # noqa: E402
+from devtools.tiny_models import write_tiny_model  # noqa: E402
 
 VOCAB, CHUNK = 16, 16
 
@@ -64,7 +64,7 @@ def test_eagle3_catch_up_is_chunked_and_changes_nothing(tmp_path, monkeypatch):
 def test_mtp_catch_up_is_chunked_and_changes_nothing(tmp_path, monkeypatch):
     if not hasattr(transformers, "DeepseekV3ForCausalLM"):
         pytest.skip("this transformers has no DeepseekV3ForCausalLM")
-    from tests.deepseek_models import write_tiny_deepseek
+    from devtools.deepseek_models import write_tiny_deepseek
 
     model = write_tiny_deepseek(tmp_path / "ds", mtp=True)
     rng = random.Random(1)

@@ -20,7 +20,7 @@ from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E4
 
 from tests.eagle_heads import write_eagle3_head  # noqa: E402
 from tests.engine_helpers import engine, record_rounds, run_all, tiny_models_with_eagle_heads  # noqa: E402
-from tests.tiny_models import write_tiny_model  # noqa: E402
+from devtools.tiny_models import write_tiny_model  # noqa: E402
 
 CUDA = dict(device="cuda", device_memory_bytes=None, max_total_tokens=4096, cuda_graph_max_bs=8,
             max_running_requests=4)
@@ -319,7 +319,7 @@ def test_example_sizes_start_at_context_8192_with_the_default_graph_batch_and_th
     if case == "MTP":
         if not hasattr(transformers, "DeepseekV3ForCausalLM"):
             pytest.skip("this transformers has no DeepseekV3ForCausalLM")
-        from tests.deepseek_models import write_tiny_deepseek
+        from devtools.deepseek_models import write_tiny_deepseek
 
         target, draft, algorithm, extra = write_tiny_deepseek(tmp_path / "ds", mtp=True,
                                                               max_position_embeddings=8192), None, "MTP", ()
@@ -362,7 +362,7 @@ def test_mtp_greedy_output_through_cuda_graphs_equals_eager_and_plain(tmp_path, 
     path), and the output equals the same engine without graphs and the target's plain decoding."""
     if not hasattr(transformers, "DeepseekV3ForCausalLM"):
         pytest.skip("this transformers has no DeepseekV3ForCausalLM")
-    from tests.deepseek_models import write_tiny_deepseek
+    from devtools.deepseek_models import write_tiny_deepseek
 
     model = write_tiny_deepseek(tmp_path / "ds", mtp=True)
     sizes = dict(device="cuda", device_memory_bytes=None, max_total_tokens=8192, max_running_requests=32,

@@ -18,7 +18,7 @@ from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E4
 from specdecode_worker.errors import InputError  # noqa: E402
 from specdecode_worker.model_config import load_shape  # noqa: E402
 
-from tests.deepseek_models import config_of, hf_greedy, quantize_fp8, write_tiny_deepseek  # noqa: E402
+from devtools.deepseek_models import config_of, hf_greedy, quantize_fp8, write_tiny_deepseek  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
 
 PROMPT = [5, 17, 42, 8, 99, 23, 4, 61, 7, 130, 12, 88, 31, 2, 77, 50, 9, 140, 3, 66]

@@ -16,7 +16,7 @@ from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
 from specdecode_worker.plan import PlanArgs, runtime_reserve_bytes  # noqa: E402
 from specdecode_worker.plan_cli import make_plan  # noqa: E402
 
-from tests.deepseek_models import quantize_fp8, write_tiny_deepseek  # noqa: E402
+from devtools.deepseek_models import quantize_fp8, write_tiny_deepseek  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
 
 from specdecode_worker.contract import GIB  # noqa: E402

@@ -20,7 +20,7 @@ from specdecode_worker.errors import InputError  # noqa: E402
 
 from tests.eagle_heads import make_repeating, write_copying_eagle_head, write_eagle3_head, write_eagle_head  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
-from tests.tiny_models import write_tiny_model  # noqa: E402
+from devtools.tiny_models import write_tiny_model  # noqa: E402
 
 from specdecode_worker.contract import GIB  # noqa: E402
 # A small vocabulary makes random heads agree with the target often enough that accepted chains

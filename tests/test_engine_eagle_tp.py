@@ -19,7 +19,7 @@ from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E4
 
 from tests.eagle_heads import write_eagle3_head, write_eagle_head  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
-from tests.tiny_models import write_tiny_model  # noqa: E402
+from devtools.tiny_models import write_tiny_model  # noqa: E402
 from tests.tp_helpers import BUDGET_GIB, CONTEXT, FRACTION, launches, tp_sizing  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one launch of t rank processes per t

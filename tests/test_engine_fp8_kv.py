@@ -20,7 +20,7 @@ from specdecode_worker.errors import InputError  # noqa: E402
 
 from tests.eagle_heads import write_eagle3_head  # noqa: E402
 from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
-from tests.tiny_models import VOCAB_SIZE, write_tiny_model  # noqa: E402
+from devtools.tiny_models import VOCAB_SIZE, write_tiny_model  # noqa: E402
 
 from specdecode_worker.contract import GIB  # noqa: E402
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

@@ -20,7 +20,7 @@ from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E4
 
 from tests.eagle_heads import make_repeating, write_copying_eagle_head  # noqa: E402
 from tests.engine_helpers import engine, record_rounds, run_all, tiny_models_with_eagle_heads  # noqa: E402
-from tests.tiny_models import VOCAB_SIZE, write_tiny_model  # noqa: E402
+from devtools.tiny_models import VOCAB_SIZE, write_tiny_model  # noqa: E402
 
 VOCAB, MAX_BS = 16, 4
 
@@ -184,7 +184,7 @@ def test_mtp_greedy_output_through_graph_buffers_equals_eager(tmp_path, monkeypa
     if not hasattr(transformers, "DeepseekV3ForCausalLM"):
         pytest.skip("this transformers has no DeepseekV3ForCausalLM")
 
-    from tests.deepseek_models import record_static_moe, write_tiny_deepseek
+    from devtools.deepseek_models import record_static_moe, write_tiny_deepseek
 
     model = write_tiny_deepseek(tmp_path / "ds", mtp=True)
     prompts = _prompts(3, 100, seed=4)
@@ -204,7 +204,7 @@ def test_deepseek_decode_through_graph_buffers_equals_eager(tmp_path, monkeypatc
     """Without speculation a DeepSeek target's decode steps replay the runner's decode graphs."""
     if not hasattr(transformers, "DeepseekV3ForCausalLM"):
         pytest.skip("this transformers has no DeepseekV3ForCausalLM")
-    from tests.deepseek_models import record_static_moe, write_tiny_deepseek
+    from devtools.deepseek_models import record_static_moe, write_tiny_deepseek
 
     model = write_tiny_deepseek(tmp_path / "ds")
     prompts = _prompts(3, 100, seed=5)
@@ -229,7 +229,7 @@ def test_moe_graph_paths_equal_the_routed_path(fp8):
     from specdecode_worker.engine.loader import tensor_bytes
     from specdecode_worker.engine.models.deepseek_v3 import Linears, MoE
 
-    from tests.deepseek_models import TINY
+    from devtools.deepseek_models import TINY
 
     torch.manual_seed(0)
     quant = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 32]}}
@@ -429,7 +429,7 @@ def test_mtp_ragged_rounds_replay_the_verify_graph_and_keep_greedy_output(tmp_pa
     that never drafts and one capped at 1: the same checks as for the other chains."""
     if not hasattr(transformers, "DeepseekV3ForCausalLM"):
         pytest.skip("this transformers has no DeepseekV3ForCausalLM")
-    from tests.deepseek_models import write_tiny_deepseek
+    from devtools.deepseek_models import write_tiny_deepseek
 
     model, k = write_tiny_deepseek(tmp_path / "ds", mtp=True), 2
     prompts = _copying_prompts(3, 100, seed=5)

@@ -22,7 +22,7 @@ from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E4
 
 from tests.eagle_heads import write_eagle3_head  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
-from tests.tiny_models import write_tiny_model  # noqa: E402
+from devtools.tiny_models import write_tiny_model  # noqa: E402
 from tests.tp_helpers import CONTEXT, launches, tp_sizing  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one launch of t rank processes per t
@@ -69,7 +69,7 @@ def models(tmp_path_factory):
                               num_hidden_layers=6)
     found = {"target": target, "eagle3": write_eagle3_head(root / "eagle3", target, draft_vocab=4, seed=7)}
     if HAS_DEEPSEEK:
-        from tests.deepseek_models import write_tiny_deepseek
+        from devtools.deepseek_models import write_tiny_deepseek
 
         found["deepseek"] = write_tiny_deepseek(root / "deepseek-mtp", seed=2, mtp=True, vocab_size=VOCAB)
     return found

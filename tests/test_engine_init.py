@@ -113,7 +113,7 @@ def test_below_the_floor_the_worker_stops_before_serving(models):
 
 
 def test_a_standalone_draft_with_mtp_layers_is_refused_before_any_weight_loads(models, tmp_path, monkeypatch):
-    from tests.tiny_models import write_tiny_model
+    from devtools.tiny_models import write_tiny_model
 
     mtp = write_tiny_model(tmp_path / "mtp", num_nextn_predict_layers=1)
     loads = []

@@ -11,7 +11,7 @@ from specdecode_worker.engine.batch import Segment, alloc_positions, forward_seg
 from specdecode_worker.engine.model_runner import ModelRunner  # noqa: E402
 from specdecode_worker.engine.pools import MemoryPoolConfig  # noqa: E402
 
-from tests.tiny_models import VOCAB_SIZE, write_tiny_model  # noqa: E402
+from devtools.tiny_models import VOCAB_SIZE, write_tiny_model  # noqa: E402
 
 # float32 on CPU: the two implementations differ only in summation order, measured < 1e-6
 # against logits of magnitude ~2; 1e-4 leaves room for other BLAS builds.

@@ -16,7 +16,7 @@ from specdecode_worker.errors import InputError  # noqa: E402
 from specdecode_worker.plan import PlanArgs  # noqa: E402
 from specdecode_worker.plan_cli import make_plan  # noqa: E402
 
-from tests.deepseek_models import hf_greedy, write_tiny_deepseek  # noqa: E402
+from devtools.deepseek_models import hf_greedy, write_tiny_deepseek  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 8, 99, 23, 4, 61, 7], [20, 21, 22], list(range(30, 50))]

@@ -17,7 +17,7 @@ from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E4
 from specdecode_worker.plan import PlanArgs  # noqa: E402
 from specdecode_worker.plan_cli import make_plan  # noqa: E402
 
-from tests.deepseek_models import write_tiny_deepseek  # noqa: E402
+from devtools.deepseek_models import write_tiny_deepseek  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
 from tests.tp_helpers import BUDGET_GIB, CONTEXT, FRACTION, launches, tp_sizing  # noqa: E402
 

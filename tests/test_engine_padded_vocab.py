@@ -18,9 +18,9 @@ from specdecode_worker.errors import InputError  # noqa: E402
 from specdecode_worker.plan import PlanArgs  # noqa: E402
 from specdecode_worker.plan_cli import make_plan  # noqa: E402
 
-from tests.checkpoints import write_tokenizer as write_other_tokenizer  # noqa: E402
+from devtools.checkpoints import write_tokenizer as write_other_tokenizer  # noqa: E402
 from tests.engine_helpers import engine, hf_greedy, run_all  # noqa: E402
-from tests.tiny_models import VOCAB, write_tiny_model  # noqa: E402
+from devtools.tiny_models import VOCAB, write_tiny_model  # noqa: E402
 
 TOKENS = len(VOCAB)  # ids the shared tokenizer defines; every head has padding rows above it
 NARROW = 136  # the narrower draft's padded vocabulary

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests import smollm2  # noqa: E402
+from devtools import smollm2  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -31,7 +31,7 @@ from tests.tp_helpers import (  # noqa: E402
     serve_tp2_argv,
     tp_rank,
 )
-from tests.tiny_models import write_tiny_model  # noqa: E402
+from devtools.tiny_models import write_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")

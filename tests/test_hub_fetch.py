@@ -16,7 +16,7 @@ from specdecode_worker.model_identity import check_models
 from specdecode_worker.contract import ExitCode
 from specdecode_worker.hub import HubClient, HubFile, partition
 from tests.hub_server import HubServer
-from tests.tiny_models import write_tiny_model
+from devtools.tiny_models import write_tiny_model
 
 REPO = "org/tiny-llama"
 TOKEN = "hf_fetch_token_abcdef123456"

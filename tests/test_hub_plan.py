@@ -11,7 +11,7 @@ from specdecode_worker import plan_cli
 from specdecode_worker.contract import TERMINATION_LOG_LIMIT, ExitCode, validate_plan
 from specdecode_worker.hub import MAX_PARTS, HubClient, HubFile
 from specdecode_worker.model_identity import identity
-from tests.checkpoints import write_model
+from devtools.checkpoints import write_model
 from tests.hub_server import HubServer
 
 TOKEN = "hf_plan_token_0123456789"

@@ -18,7 +18,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from tests.checkpoints import write_model
+from devtools.checkpoints import write_model
 from tests.hub_server import HubServer, _parse_range
 
 REPO = "org/Qwen2.5-0.5B-Instruct"

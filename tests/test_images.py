@@ -36,7 +36,7 @@ from packaging.utils import canonicalize_name
 
 from tests import podman
 from tests.chart_helpers import OperatorProcess
-from tests.cluster.controlplane import free_ports
+from devtools.cluster.controlplane import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -383,7 +383,7 @@ def apply_fs_group(root: Path, gid: int) -> None:
 
 @built
 def test_worker_image_imports_the_engine_and_plans_a_read_only_checkpoint_like_the_local_cli(images, tmp_path):
-    from tests.tiny_models import write_tiny_pair
+    from devtools.tiny_models import write_tiny_pair
 
     options = [*podman.chart_options(), "--env", "CUDA_VISIBLE_DEVICES="]
     engine = python_in(images["worker"], "import json, specdecode_worker.engine as e; "

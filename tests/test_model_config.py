@@ -6,7 +6,7 @@ import pytest
 
 from specdecode_worker.errors import InputError
 from specdecode_worker.model_config import load_shape, shape_from_config
-from tests.checkpoints import CONFIGS
+from devtools.checkpoints import CONFIGS
 
 LLAMA_8B = CONFIGS["llama-3.1-8b-instruct"]
 QWEN_05B = CONFIGS["qwen2.5-0.5b-instruct"]

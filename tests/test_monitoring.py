@@ -31,8 +31,8 @@ from specdecode_operator import health, labels  # noqa: E402
 from specdecode_operator.metrics import StatusBook  # noqa: E402
 from specdecode_worker.metrics import RequestLatency  # noqa: E402
 
-from tests.cluster.controlplane import free_ports  # noqa: E402
-from tests.cluster.wait import wait_for  # noqa: E402
+from devtools.cluster.controlplane import free_ports  # noqa: E402
+from devtools.cluster.wait import wait_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "specdecode-operator"

@@ -13,7 +13,7 @@ from specdecode_worker import plan_cli
 from specdecode_worker.contract import GIB, MIB, validate_plan
 from specdecode_worker.errors import InputError
 from specdecode_worker.plan import PlanArgs
-from tests.checkpoints import CONFIGS, write_model, write_tokenizer
+from devtools.checkpoints import CONFIGS, write_model, write_tokenizer
 
 
 @pytest.fixture(autouse=True)

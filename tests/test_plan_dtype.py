@@ -13,7 +13,7 @@ from specdecode_worker import plan_cli, serve_cli
 from specdecode_worker.errors import InputError
 from specdecode_worker.plan import ForwardGeometry, dynamic_reserve_bytes
 from specdecode_worker.serve_shape import check_against_plan, planned_dtype
-from tests.checkpoints import write_checkpoint
+from devtools.checkpoints import write_checkpoint
 from tests.operator_helpers import example
 
 # One Llama layer: hidden 64, MLP 128, 4 heads of 16, 2 KV heads, vocabulary 1000, stored bfloat16.

@@ -13,7 +13,7 @@ import pytest
 from specdecode_worker import plan_cli
 from specdecode_worker.contract import GIB, validate_plan
 from specdecode_worker.runtimes import check_engine, vllm
-from tests.checkpoints import write_model
+from devtools.checkpoints import write_model
 
 G = 79 * GIB
 F = 0.835

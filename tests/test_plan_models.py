@@ -17,7 +17,7 @@ from specdecode_worker.errors import InputError
 from specdecode_worker.model_identity import check_models, identity
 from specdecode_worker.plan import PlanArgs
 from specdecode_worker.plan_cli import make_plan
-from tests.checkpoints import write_checkpoint
+from devtools.checkpoints import write_checkpoint
 from tests.test_plan_dtype import CONFIG, TENSORS
 
 TENSOR_BYTES = 330_112  # 165,056 bfloat16 elements (tests/test_plan_dtype.py)

@@ -11,7 +11,7 @@ from specdecode_worker import plan_cli
 from specdecode_worker.contract import GIB, MIB, validate_plan
 from specdecode_worker.plan import nodes_per_replica, runtime_reserve_bytes
 
-from tests.checkpoints import write_model
+from devtools.checkpoints import write_model
 
 H100 = ["--gpu-product", "NVIDIA-H100-80GB-HBM3", "--context-length", "8192", "--max-running-requests", "64"]
 # Llama-3.1-70B on 8 x H100 holds ~1.55M KV tokens; 1.6M needs the weights spread over 16 GPUs.

@@ -14,10 +14,10 @@ from specdecode_worker.errors import InputError  # noqa: E402
 from specdecode_worker.plan import PlanArgs  # noqa: E402
 from specdecode_worker.plan_cli import make_plan  # noqa: E402
 
-from tests.deepseek_models import write_tiny_deepseek  # noqa: E402
+from devtools.deepseek_models import write_tiny_deepseek  # noqa: E402
 from tests.eagle_heads import write_eagle3_head, write_eagle_head  # noqa: E402
 from tests.engine_helpers import engine  # noqa: E402
-from tests.tiny_models import write_tiny_model  # noqa: E402
+from devtools.tiny_models import write_tiny_model  # noqa: E402
 
 GIB = 1 << 30
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)

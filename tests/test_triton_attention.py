@@ -221,7 +221,7 @@ def test_engine_greedy_output_is_the_same_on_both_backends(case, tmp_path, monke
 
     from tests.eagle_heads import write_eagle3_head
     from tests.engine_helpers import engine, run_all
-    from tests.tiny_models import write_tiny_model, write_tiny_pair
+    from devtools.tiny_models import write_tiny_model, write_tiny_pair
 
     algorithm, _, variant = case.partition("-")
     extra = {}
@@ -317,7 +317,7 @@ def test_verify_batches_replay_verify_graphs_and_nothing_else(tmp_path):
     from specdecode_worker.engine.request import Request, SamplingParams
 
     from tests.engine_helpers import engine, run_all
-    from tests.tiny_models import write_tiny_pair
+    from devtools.tiny_models import write_tiny_pair
 
     target, draft = write_tiny_pair(tmp_path)
     prompts = [[3, 4, 5, 6, 7, 8], [5, 6, 7, 8]]  # two 4-token prompts would also be uniform, as 3 + 1 is

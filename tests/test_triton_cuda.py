@@ -89,7 +89,7 @@ def test_engine_starts_at_context_8192_with_the_planners_graph_batch(tmp_path):
     from specdecode_worker.engine.request import Request, SamplingParams
     from specdecode_worker.engine.engine import Engine
 
-    from tests.tiny_models import write_tiny_model
+    from devtools.tiny_models import write_tiny_model
 
     target = write_tiny_model(tmp_path / "t", "llama", seed=0, hidden_size=512, intermediate_size=1024,
                               num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
@@ -225,7 +225,7 @@ def test_expert_kernel_at_deepseek_sizes_matches_the_routed_moe(fp8):
     from specdecode_worker.engine.distributed import SINGLE
     from specdecode_worker.engine.models.deepseek_v3 import Linears, MoE
 
-    from tests.deepseek_models import TINY
+    from devtools.deepseek_models import TINY
 
     quant = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
     config = transformers.DeepseekV3Config(**{**TINY, "hidden_size": 7168, "moe_intermediate_size": 2048,

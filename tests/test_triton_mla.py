@@ -167,7 +167,7 @@ def test_deepseek_with_mtp_gives_the_same_greedy_output_on_both_backends(tmp_pat
     from specdecode_worker.engine.cuda_graph import GraphInputs
     from specdecode_worker.engine.request import Request, SamplingParams
 
-    from tests.deepseek_models import record_static_moe, write_tiny_deepseek
+    from devtools.deepseek_models import record_static_moe, write_tiny_deepseek
     from tests.engine_helpers import engine, run_all
 
     model = write_tiny_deepseek(tmp_path / "ds", mtp=True)

@@ -16,10 +16,10 @@ from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.plan import runtime_reserve_bytes  # noqa: E402
 
-from tests.deepseek_models import write_tiny_deepseek  # noqa: E402
+from devtools.deepseek_models import write_tiny_deepseek  # noqa: E402
 from tests.eagle_heads import write_eagle3_head  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
-from tests.tiny_models import write_tiny_model  # noqa: E402
+from devtools.tiny_models import write_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one launch of two rank processes
 

@@ -7,5 +7,5 @@ nodes.yaml                  fake GPU nodes: h100-node-1, h100-node-2 (8 x H100),
 planner_runtime.py          runs planner pods' containers as local processes
 local_volumes.py            binds claims to folders under the plane's pvc root
 wait.py                     wait_for(), the one way tests wait
-__main__.py                 python -m tests.cluster up|down|status|env (make cluster-up/down)
+__main__.py                 python -m devtools.cluster up|down|status|env (make cluster-up/down)
 """

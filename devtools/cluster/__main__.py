@@ -1,7 +1,7 @@
-"""``python -m tests.cluster up|down|status|env``: the local control plane for people.
+"""``python -m devtools.cluster up|down|status|env``: the local control plane for people.
 
 ``up`` builds the binaries if needed (cached), starts the plane in the background and prints
-shell lines (``eval "$(python -m tests.cluster up)"`` works): the kubeconfig path as a comment,
+shell lines (``eval "$(python -m devtools.cluster up)"`` works): the kubeconfig path as a comment,
 ``export KUBECONFIG=...`` and ``export PATH=...`` for kubectl and helm. ``down`` stops it and
 deletes its data, keeping the logs. The work folder is ``$SPECDECODE_CLUSTER_DIR`` or
 ``~/.cache/specdecode/cluster-up``.
@@ -89,7 +89,7 @@ def env(workdir: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.cluster", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m devtools.cluster", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["up", "down", "status", "env"])
     parser.add_argument("--workdir", type=Path, default=default_workdir())
     args = parser.parse_args(argv)

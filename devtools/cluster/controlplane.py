@@ -5,7 +5,7 @@ controllers), kube-scheduler, the KWOK controller (kwok-stages.yaml) with the fa
 nodes.yaml, and the planner runtime (planner_runtime.py, which also binds volume claims). Ports
 are chosen free, so runs never collide. Everything lives in one work folder: ``kubeconfig``,
 ``pki/``, ``logs/<component>.log``, ``pvc/`` (the local model store root) and ``state.json``
-(what ``python -m tests.cluster down`` needs to stop a detached plane).
+(what ``python -m devtools.cluster down`` needs to stop a detached plane).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ STOP_ORDER = [
     ["kube-apiserver"],
     ["etcd"],
 ]
-OPTIONAL = {"lws-controller"}  # started per test module (tests/cluster/lws.py)
+OPTIONAL = {"lws-controller"}  # started per test module (devtools/cluster/lws.py)
 
 
 class CommandError(subprocess.CalledProcessError):
@@ -251,7 +251,7 @@ class ControlPlane:
             "--node-ip=10.1.0.1", f"--cidr={POD_CIDR}", "--node-lease-duration-seconds=40",
         ], env={"KWOK_WORKDIR": str(self.workdir / "kwok")})
         self._spawn("planner-runtime", detach, [
-            "-m", "tests.cluster.planner_runtime", f"--kubeconfig={self.kubeconfig}",
+            "-m", "devtools.cluster.planner_runtime", f"--kubeconfig={self.kubeconfig}",
             f"--pvc-root={self.pvc_root}", f"--state-dir={self.workdir / 'runtime'}",
             f"--logs-dir={self.logs_dir}",
         ], executable=sys.executable, cwd=REPO_ROOT)
@@ -367,7 +367,7 @@ class ControlPlane:
                     c.proc.wait()
         self.components.clear()
 
-    # ---- detached planes (python -m tests.cluster up|down) ---------------------------------
+    # ---- detached planes (python -m devtools.cluster up|down) ---------------------------------
 
     def _save_state(self) -> None:
         state = {

@@ -12,7 +12,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from tests.tiny_models import write_tokenizer
+from devtools.tiny_models import write_tokenizer
 
 TINY = dict(
     vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.cluster.local_volumes import volume_for_claim
-from tests.cluster.planner_runtime import (
+from devtools.cluster.local_volumes import volume_for_claim
+from devtools.cluster.planner_runtime import (
     exit_status,
     expand_vars,
     map_paths,
@@ -133,7 +133,7 @@ def _running_pod(uid, annotations=None):
 
 
 def test_runner_never_reruns_a_pod_an_earlier_runner_started(tmp_path):
-    from tests.cluster.planner_runtime import ANN_EXIT_CODE, Runner
+    from devtools.cluster.planner_runtime import ANN_EXIT_CODE, Runner
 
     api = FakeApi([_running_pod("started-before"), _running_pod("done", {ANN_EXIT_CODE: "0"})])
     (tmp_path / "started-before.started").touch()

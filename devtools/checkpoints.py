@@ -6,7 +6,7 @@ zeros (and take seconds to minutes), while a header-only reader finishes at once
 
 Usage::
 
-    from tests.checkpoints import write_model
+    from devtools.checkpoints import write_model
     target = write_model(tmp_path / "Llama-3.1-8B-Instruct", "llama-3.1-8b-instruct")
     draft = write_model(tmp_path / "EAGLE3-LLaMA3.1-Instruct-8B", "eagle3-llama-3.1-8b")
 """

@@ -39,7 +39,7 @@ hub into the cache claim's folder, so this runner plays the container runtime fo
 The same process also runs the local volume provisioner (local_volumes.py), which binds each
 claim to the folder this mapping rule names.
 
-Run: ``python -m tests.cluster.planner_runtime --kubeconfig K --pvc-root P --state-dir S
+Run: ``python -m devtools.cluster.planner_runtime --kubeconfig K --pvc-root P --state-dir S
 --logs-dir L`` (the control plane starts it).
 """
 

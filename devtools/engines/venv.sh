@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A cached virtualenv for another serving engine, keyed by its pin file: venv.sh vllm|sglang
+# A cached virtualenv for another serving engine, keyed by its pins: venv.sh vllm|sglang
 # prints the venv's folder, building it first when no venv with these pins exists.
 # ~/.cache/specdecode/engines/<engine>-<hash of the pin file>; about 6 GB and 2-4 minutes each.
 set -euo pipefail
@@ -11,7 +11,8 @@ case "$engine" in
   sglang) nodeps="sglang==0.5.23" ;;
   *) echo "venv.sh: unknown engine $engine (vllm or sglang)" >&2; exit 2 ;;
 esac
-key="$(cat "$pins" <(echo "$nodeps") | sha256sum | cut -c1-12)"
+# Comments do not key the cache: only the pins and the package installed without its requirements.
+key="$(cat <(grep -v '^[[:space:]]*#' "$pins") <(echo "$nodeps") | sha256sum | cut -c1-12)"
 root="${SPECDECODE_CACHE:-$HOME/.cache/specdecode}/engines"
 venv="$root/$engine-$key"
 if [ ! -f "$venv/.installed" ]; then
