@@ -12,7 +12,7 @@ import yaml
 from devtools.cluster.wait import wait_for
 
 VERSIONS = dict(
-    line.split("=", 1) for line in (Path(__file__).parent / "cluster" / "versions.env").read_text().splitlines()
+    line.split("=", 1) for line in (Path(__file__).parents[1] / "devtools" / "cluster" / "versions.env").read_text().splitlines()
     if line and not line.startswith("#")
 )
 
