@@ -168,7 +168,7 @@ def test_requests_retracted_together_are_read_back_once(models, monkeypatch):
     alloc = eng.target_runner.token_to_kv_pool_allocator
     held = alloc.alloc(alloc.available_size())  # the pool runs dry: the step must retract
     make_room: list[int] = []
-    _counted(frees, eng._make_room, make_room)()
+    _counted(frees, eng.scheduler.make_room, make_room)()
     # Each holds 8 slots and a round takes 5: four need 20, so the two newest go back (16 slots).
     assert eng.stats.retracted_requests == 2 and make_room == [1]
     alloc.free(held)

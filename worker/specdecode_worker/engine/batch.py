@@ -42,12 +42,12 @@ class Segment:
     start: int
 
 
-def chunk_segments(runner, reqs, ends: list[int]) -> list[Segment]:
-    """Take KV slots for prefill positions ``r.kv_len .. end - 1`` of each request; one segment each."""
-    pool, allocator = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
+def chunk_segments(slots, reqs, ends: list[int]) -> list[Segment]:
+    """Take KV slots (``KVSlots``) for prefill positions ``r.kv_len .. end - 1`` of each request;
+    one segment each."""
     segments = []
     for r, end in zip(reqs, ends):
-        alloc_positions(pool, allocator, r.req_idx, r.kv_len, end)
+        slots.reserve(r.req_idx, r.kv_len, end)
         segments.append(Segment(r.req_idx, r.prefill_ids[r.kv_len : end], r.kv_len))
     return segments
 

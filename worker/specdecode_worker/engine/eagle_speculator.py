@@ -39,8 +39,7 @@ from .attention import make_attn_backend
 from .cuda_graph import GraphRunner, chain_graph_width
 from .distributed import announce_graph
 from .forward_batch import to_device
-from .batch import (Segment, alloc_positions, chunk_segments, free_position_ranges, make_batch, padded_chain_batch,
-                    with_cache_locs)
+from .batch import Segment, chunk_segments, make_batch, padded_chain_batch, with_cache_locs
 from ..model_config import read_config
 from .eagle_loader import head_config, load_eagle_head
 from .loader import tensor_bytes
@@ -302,7 +301,7 @@ class EagleSpeculator(Speculator):
     # ---- prefill ----------------------------------------------------------------------------
     def prefill(self, reqs: list[Request], ends: list[int]) -> list[int | None]:
         """Target features of every prefilled position wait for the head's first extend (D = 0)."""
-        segments = chunk_segments(self.target, reqs, ends)
+        segments = chunk_segments(self.target.slots, reqs, ends)
         fb = with_cache_locs(make_batch(segments, self.target.device), self.target.req_to_token_pool, segments)
         logits, features = self._target(fb, "target", last_only=True)
         start = 0
@@ -329,28 +328,28 @@ class EagleSpeculator(Speculator):
         ks = [self.k] * len(reqs) if draft_lengths is None else [min(k, self.k) for k in draft_lengths]
         if not any(ks):
             return self._plain_round(reqs)
-        pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
+        slots = self.target.slots
         for r in reqs:
-            alloc_positions(pool, alloc, r.req_idx, r.kv_len, r.kv_len + self.k + 1)
+            slots.reserve(r.req_idx, r.kv_len, r.kv_len + self.k + 1)
         # A tree's draft K/V scratch is taken before any work is queued.
-        scratch = [alloc.alloc(self.tree_shape.scratch) for _ in reqs] if self.tree else []
+        scratch = [slots.take(self.tree_shape.scratch) for _ in reqs] if self.tree else []
         try:
             logits, hidden = self._draft_extend(reqs)
             if self.tree:
                 return self._tree_round(reqs, logits, hidden, ks, scratch)
         finally:
             if scratch:  # one read back to the host for the whole batch
-                alloc.free(torch.cat(scratch))
+                slots.give_back(torch.cat(scratch))
         return self._chain_round(reqs, logits, hidden, ks)
 
     def _plain_round(self, reqs) -> list[RoundResult]:
         """One target step per request; its features join those the head has not read yet, so
         the next drafting round's extend catches the head's cache up over every skipped token."""
-        pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
+        slots = self.target.slots
         for r in reqs:
-            alloc_positions(pool, alloc, r.req_idx, r.kv_len, r.kv_len + 1)
+            slots.reserve(r.req_idx, r.kv_len, r.kv_len + 1)
         segments = [Segment(r.req_idx, [r.all_ids[-1]], r.kv_len) for r in reqs]
-        fb = with_cache_locs(make_batch(segments, self.target.device), pool, segments)
+        fb = with_cache_locs(make_batch(segments, self.target.device), slots.rows, segments)
         logits, features = self._target(fb, "target")
         tokens, _ = choose_tokens(logits, [r.params for r in reqs], first_uniforms(reqs, 1, logits.device))
         results = []
@@ -417,15 +416,15 @@ class EagleSpeculator(Speculator):
                 fb.input_ids = token
                 logits, hidden = self._draft(fb, "draft", hidden, False, fb.logit_rows(False))
 
-        pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
+        slots = self.target.slots
         chains = torch.cat([to_device([[r.all_ids[-1]] for r in reqs], device), tokens], dim=1)
         width = chain_graph_width(self.chain_verify_graphs, len(reqs), max(ks))
         if width:  # one graph for any mix of lengths, requests that do not draft as one valid row
-            fb, padded = padded_chain_batch(pool, [r.req_idx for r in reqs], [r.kv_len for r in reqs], chains,
+            fb, padded = padded_chain_batch(slots.rows, [r.req_idx for r in reqs], [r.kv_len for r in reqs], chains,
                                             [k + 1 for k in ks], width)
         else:
             padded, segments = None, chain_segments(reqs, ks)
-            fb = with_cache_locs(make_batch(segments, device), pool, segments)
+            fb = with_cache_locs(make_batch(segments, device), slots.rows, segments)
             fb.input_ids = ragged_ids(chains, ks)
         target_logits, features = self._target(fb, "target")
         accepted, nexts, drafted = accept_chains(reqs, tokens, probs, target_logits, ks, padded)
@@ -438,7 +437,7 @@ class EagleSpeculator(Speculator):
             rejected.append((r.req_idx, r.kv_len, last + self.k + 1))
             self._features[r.rid] = features[rows][: n + 1].clone()  # graph outputs are overwritten
             results.append(RoundResult(chain[:n] + [nxt], proposed=k, accepted=n))
-        free_position_ranges(pool, alloc, rejected)
+        slots.release(rejected)
         return results
 
     def _tree_round(self, reqs, logits, hidden, ks, scratch) -> list[RoundResult]:
@@ -484,8 +483,8 @@ class EagleSpeculator(Speculator):
     def _verify_trees(self, reqs, trees: DeviceTrees, ks, kv, req_idx) -> list[RoundResult]:
         shape, device = self.tree_shape, self.target.device
         n, batch = shape.width, len(reqs)
-        pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
-        rows_of = pool.req_to_token
+        kv_slots = self.target.slots
+        rows_of = kv_slots.req_to_token
         # Every node, the first ks[i] proposals and the rest alike, is verified (static shapes); the
         # rest are left out of acceptance below.
         slots = rows_of[req_idx[:, None], kv[:, None] + torch.arange(n, device=device)]  # [B, n]
@@ -515,7 +514,7 @@ class EagleSpeculator(Speculator):
             self._features[r.rid] = features[i].index_select(0, to_device(keep, features.device))
             results.append(RoundResult([tokens[i][x] for x in keep[1:]] + [nxt[i]], proposed=ks[i],
                                        accepted=count[i]))
-        alloc.free(torch.tensor(rejected, dtype=torch.int64))
+        kv_slots.give_back(torch.tensor(rejected, dtype=torch.int64))
         return results
 
 

@@ -8,30 +8,21 @@
    and allocator;
 3. backends: attention backends and CUDA graphs, target then draft.
 The speculator is built last, over the finished runners; the warm-up (``warmup``) then runs every
-pass the plan prices at its maxima and measures the dynamic peak; then the speculation policy,
-whose cost model a few timed passes seed (adaptive only). ``step`` is admit -> make room -> one prefill chunk
--> policy picks each request's draft length -> decode round -> commit, and ``_commit`` is the one
-place a request's output grows.
-Scheduling policy: prefill and decode alternate within a step. Each step runs at most one prefill
-pass of at most ``chunked_prefill_size`` prompt tokens (oldest admitted requests first, a long
-prompt split over steps), then one decode round for every request whose prefill is done, so a
-long prompt delays running requests by one chunk per step, never by a whole prompt. Admission
-counts the slots requests really hold plus an estimate of their growth (``new_token_ratio`` of the
-tokens they may still generate); when the pool runs short, the newest requests are retracted
-(slots freed in the shared target/draft allocator) and later recomputed from prompt + committed
-tokens. Recompute samples nothing, so a request's generator continues where it stopped.
+pass the plan prices at its maxima and measures the dynamic peak; then speculation control,
+whose cost model a few timed passes seed (adaptive only), and the scheduler.
+
+``step`` is admit -> make room -> one prefill chunk -> one speculative round for the decoding
+requests. Who runs is the scheduler's (``scheduler``: admission, chunked prefill, retraction, and
+the one place a request's output grows); the draft lengths are speculation control's
+(``speculation_control``); the passes are the speculator's; KV slots are ``KVSlots``'.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import queue
 import threading
 import time
-from collections import Counter, deque
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -41,20 +32,19 @@ from ..errors import InputError
 from ..model_config import ModelShape, load_shape
 from ..mtp_rule import check_standalone_draft
 from ..vocabulary import check_vocabulary
-from .batch import free_position_ranges
 from .distributed import follow, get_tp, stop_followers
 from .eagle_speculator import EagleRunner, EagleSpeculator, check_tree_args
 from .memory import MemoryProfile, free_device_bytes, profile_memory
 from .mtp_runner import MTPRunner, check_mtp_args
 from .model_runner import ModelRunner
-from .ngram_index import ContextGuesses
 from .phases import Phase, PhaseError
 from .pools import KV_CACHE_DTYPES, MemoryPoolConfig
 from .request import Request, make_generator
+from .scheduler import Scheduler
 from .spec_policy import FIXED, MODES, SpecPolicy
-from .speculative import Lookup, RoundResult, Speculator, StandaloneSpeculator
-from .step_cost import StepCost
-from .step_timing import catch_up_seconds, draft_points, target_points
+from .speculation_control import SpeculationController, build_controller, measure_step_cost
+from .speculative import Speculator, StandaloneSpeculator
+from .stats import Stats
 from .vocab_map import DraftVocabulary
 from .warmup import DynamicPeak, WarmUpOutOfMemory, measurable, warm_up
 
@@ -95,26 +85,6 @@ class EngineArgs:
     planned_dynamic_bytes: int | None = None  # the plan's reserve.dynamicBytes, checked by phase 3's warm-up
 
 
-@dataclass
-class Stats:
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-    proposed_tokens: int = 0
-    accepted_tokens: int = 0
-    verify_rounds: int = 0
-    finished_requests: int = 0
-    retracted_requests: int = 0  # retractions under KV pressure (work recomputed later)
-    accept_lengths: Counter[int] = field(default_factory=Counter)  # accepted drafts per request-round -> count
-    draft_lengths: Counter[int] = field(default_factory=Counter)  # draft length chosen per request-round -> count
-    decode_steps: int = 0
-    steps_without_speculation: int = 0  # decode steps where no request drafted
-    proposed_by_position: Counter[int] = field(default_factory=Counter)  # draft position (1-based) -> verified
-    accepted_by_position: Counter[int] = field(default_factory=Counter)  # draft position (1-based) -> accepted
-    decode_tokens: int = 0  # tokens the decode rounds produced (goodput's numerator)
-    decode_seconds: float = 0.0
-    phase_seconds: dict[str, float] = field(default_factory=dict)
-
-
 class Engine:
     def __init__(self, args: EngineArgs):
         if args.algorithm not in SERVED_ALGORITHMS:
@@ -144,14 +114,9 @@ class Engine:
         self.memory_pool_config: MemoryPoolConfig | None = None
         self.dynamic_peak: DynamicPeak | None = None  # phase 3's warm-up: planned vs measured
         self.speculator: Speculator | None = None
-        self.policy: SpecPolicy | None = None
-        self.guesses: ContextGuesses | None = None  # classes and free guesses where drafts cost a pass (adaptive)
+        self.control: SpeculationController | None = None  # the policy, guesses and their scoring
+        self.scheduler: Scheduler | None = None  # built last: the engine is ready once it exists
         self.stats = Stats()
-        self._waiting: queue.Queue[Request] = queue.Queue()
-        self._running: list[Request] = []  # admitted (prefilling or decoding), oldest first
-        self._retracted: deque[Request] = deque()  # wait ahead of new requests
-        self._ending: list[tuple[int, int]] | None = None  # (row, kv_len) of requests ending in a group
-        self._finished: list[Request] = []  # finished in that group, told once their slots are back
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.eos_token_ids: frozenset[int] = frozenset()
@@ -169,7 +134,7 @@ class Engine:
         self._timed("init_backends", self.init_backends)  # phase 3
         self.speculator = self._make_speculator()
         self._timed("warm_up", self._warm_up)  # after every CUDA graph, the speculator's included
-        self._timed("measure_step_cost", self._make_policy)  # the warm-up that seeds the policy's cost model
+        self._timed("measure_step_cost", self._make_scheduler)  # timed passes seed the policy's cost model
 
     def _timed(self, name: str, phase: Callable[[], None]) -> None:
         start = time.perf_counter()
@@ -315,53 +280,26 @@ class Engine:
         return EagleSpeculator(args.algorithm, self.target_runner, self.draft_runner, args.num_draft_tokens,
                                chunk_tokens=args.chunked_prefill_size)
 
-    def _make_policy(self) -> None:
+    def _make_scheduler(self) -> None:
+        """Speculation control over the finished speculator, then the scheduler that feeds it."""
         args, spec = self.args, self.speculator
         k = 0 if args.algorithm == "NONE" else args.num_draft_tokens
-        # Where the drafts cost a pass, the adaptive policy classes rounds by free guesses instead
-        # of by the proposals (which NGRAM's lookups know before the round, and draft models do not).
-        guessed = args.spec_policy != FIXED and k > 0 and not spec.draft_classes
-        self.guesses = ContextGuesses(args.ngram_max) if guessed else None
-        self.policy = SpecPolicy(args.spec_policy, args.algorithm, k, self._step_cost(k),
-                                 per_request=spec.per_request_draft_lengths, choices=spec.draft_length_choices,
-                                 verified_per_request=spec.verified_per_request,
-                                 classes=self.guesses.classes if guessed else spec.draft_classes,
-                                 classes_scored=not guessed)
+        cost = measure_step_cost(args.spec_policy, args.algorithm, k, spec, self.draft_runner,
+                                 args.max_running_requests, args.context_len, args.chunked_prefill_size,
+                                 self.target_shape.num_hidden_layers)
+        self.control = build_controller(args.spec_policy, args.algorithm, k, spec, cost, args.ngram_max,
+                                        waiting=lambda: self.num_waiting)
+        self.scheduler = Scheduler(self.target_runner.slots, spec.slots_per_round, self.stats,
+                                   chunk_tokens=args.chunked_prefill_size, new_token_ratio=args.new_token_ratio,
+                                   release=spec.release, forget=self.control.forget)
 
-    def _step_cost(self, k: int) -> StepCost:
-        """Measured on one device (a few passes at batch 1 and full, width 1, 2 and k + 1); with
-        tensor parallelism the ranks cannot time passes alone, so a guess refined online seeds it."""
-        args = self.args
-        if args.spec_policy == FIXED or k == 0:
-            return StepCost({(1, 0): 1.0}, learn=False)
-        catch_up = 0.0  # seconds per token a draft model caches when a request resumes drafting
-        batch = args.max_running_requests
-        curve = None  # plain rounds by batch size (None: the target's plain points)
-        if self.target_runner.tp.size > 1:  # guess: verifying K per request at full batch doubles a plain step
-            target = {(1, 0): 0.01, (batch, 0): 0.01, (1, k): 0.01 * (1 + 1 / batch),
-                      (batch, batch): 0.01 * (1 + 1 / k), (batch, batch * k): 0.02}
-        else:
-            target, curve = target_points(self.target_runner, batch, k, args.context_len, self.speculator,
-                                          chunk_tokens=args.chunked_prefill_size)
-        plain = {1: target[(1, 0)], batch: target[(batch, 0)]}
-        if args.algorithm == "STANDALONE" and self.draft_runner.tp.size > 1:
-            # A sharded draft cannot be timed alone either: its decode cost scales with its weight bytes.
-            share = self.draft_runner.weight_bytes / max(self.target_runner.weight_bytes, 1)
-            draft = {j: s * share for j, s in plain.items()}
-            catch_up = share * catch_up_seconds(target[(1, 0)], target[(1, k)], k + 1)
-        elif args.algorithm == "STANDALONE":
-            draft, catch_up = draft_points(self.draft_runner, batch, args.context_len,
-                                           chunk_tokens=args.chunked_prefill_size)
-        elif args.algorithm == "NGRAM":
-            draft = None
-        else:  # an EAGLE head or NextN layer: one layer against the target's many
-            layers = max(self.target_shape.num_hidden_layers, 1)
-            draft = {j: s / layers for j, s in plain.items()}
-        return StepCost(target, draft, catch_up_per_token=catch_up, plain=curve)
+    @property
+    def policy(self) -> SpecPolicy | None:
+        return self.control.policy if self.control else None
 
     @property
     def ready(self) -> bool:
-        return self.speculator is not None
+        return self.scheduler is not None
 
     # ---- requests -------------------------------------------------------------------------
     def slots_needed(self, req: Request) -> int:
@@ -394,7 +332,7 @@ class Engine:
         if req.generator is None:
             req.generator = make_generator(req.params.seed)
         req.eos_token_ids = req.eos_token_ids or self.eos_token_ids
-        self._waiting.put(req)
+        self.scheduler.add(req)
         return req
 
     def generate(self, prompt_ids: list[int], params) -> Request:
@@ -407,6 +345,10 @@ class Engine:
         if req.error:
             raise RuntimeError(req.error)
         return req
+
+    def abort(self, req: Request) -> None:
+        """Ask the engine to end ``req`` (client gone, stop string seen); thread-safe."""
+        req.abort_requested = True
 
     # ---- the loop -------------------------------------------------------------------------
     def start(self) -> None:
@@ -421,285 +363,51 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if not self._running and not self._retracted and self._waiting.empty():
+            if self.scheduler.idle:
                 time.sleep(0.002)
                 continue
             try:
                 self.step()
             except Exception as exc:  # an engine bug: fail the running requests, keep serving
                 log.exception("engine step failed")
-                with self._ending_together():
-                    for r in list(self._running):
-                        self._finish(r, error=f"internal error: {type(exc).__name__}: {exc}")
-
-    def _expected_slots(self, r: Request) -> int:
-        """Slots ``r`` will take beyond those it holds: its prefill left, one round's, and a share of
-        the tokens it may still generate (the whole of them once it has been retracted)."""
-        if r.req_idx is None:  # waiting: the prompt, or prompt + committed tokens after a retraction
-            prefill_left = len(r.all_ids) - (1 if r.output_ids else 0)
-        else:
-            prefill_left = len(r.prefill_ids) - r.kv_len if r.prefill_ids is not None else 0
-        ratio = 1.0 if r.retractions else self.args.new_token_ratio
-        growth = math.ceil(ratio * (r.params.max_tokens - len(r.output_ids)))
-        return prefill_left + self.speculator.slots_per_round + growth
-
-    def _next_waiting(self) -> Request | None:
-        if self._retracted:
-            return self._retracted[0]
-        return None if self._waiting.empty() else self._waiting.queue[0]
-
-    def _admit(self) -> list[Request]:
-        admitted = []
-        pool = self.target_runner.req_to_token_pool
-        spare = self.target_runner.token_to_kv_pool_allocator.available_size()
-        spare -= sum(self._expected_slots(r) for r in self._running)
-        while pool.available_size() > 0 and (req := self._next_waiting()) is not None:
-            need = self._expected_slots(req)
-            if need > spare and self._running:
-                break  # wait for running requests to finish or grow less than estimated
-            (self._retracted.popleft if self._retracted else self._waiting.get)()
-            if req.abort_requested:
-                self._finish(req, reason="abort")
-                continue
-            req.req_idx = pool.alloc()
-            req.prefill_ids = req.all_ids[:-1] if req.output_ids else list(req.prompt_ids)
-            spare -= need
-            self._running.append(req)
-            admitted.append(req)
-        return admitted
-
-    def _retract(self, r: Request) -> None:
-        """Free every slot of ``r`` (target and draft share them) and queue it for recompute."""
-        self._release_slots(r)
-        self.speculator.release(r)
-        r.req_idx, r.kv_len, r.draft_kv_len, r.prefill_ids = None, 0, 0, None
-        r.retractions += 1
-        self.stats.retracted_requests += 1
-        self._running.remove(r)
-        self._retracted.appendleft(r)  # retracted newest first, so the older comes back first
-        log.info("request %d retracted under KV pressure (%d tokens committed, recomputed later)", r.rid,
-                 len(r.output_ids))
-
-    def _chunk_budget(self) -> int:
-        return self.args.chunked_prefill_size or self.memory_pool_config.max_total_num_tokens
-
-    def _room_needed(self) -> int:
-        """Slots this step takes: one round for every decoding request, and the first prefill chunk."""
-        decoding = sum(1 for r in self._running if r.prefill_ids is None)
-        first = next((r for r in self._running if r.prefill_ids is not None), None)
-        chunk = min(self._chunk_budget(), len(first.prefill_ids) - first.kv_len) if first else 0
-        return decoding * self.speculator.slots_per_round + chunk
-
-    def _make_room(self) -> None:
-        """Retract the newest requests until this step fits. The oldest is never retracted, and it
-        always fits alone (``check_fits``), so every request finishes."""
-        alloc = self.target_runner.token_to_kv_pool_allocator
-        with self._ending_together():
-            returning = 0  # slots of the requests retracted so far, back when the block ends
-            while len(self._running) > 1 and alloc.available_size() + returning < self._room_needed():
-                returning += self._running[-1].kv_len
-                self._retract(self._running[-1])
-
-    def _prefill_chunk(self) -> None:
-        """One target pass over at most one chunk of prompt tokens, oldest requests first."""
-        decoding = sum(1 for r in self._running if r.prefill_ids is None)
-        room = self.target_runner.token_to_kv_pool_allocator.available_size()
-        budget = min(self._chunk_budget(), room - decoding * self.speculator.slots_per_round)
-        reqs, ends = [], []
-        for r in self._running:
-            if r.prefill_ids is None or budget <= 0:
-                continue
-            n = min(budget, len(r.prefill_ids) - r.kv_len)
-            reqs.append(r)
-            ends.append(r.kv_len + n)
-            budget -= n
-        if not reqs:
-            return
-        with self._ending_together():
-            for r, token in zip(reqs, self.speculator.prefill(reqs, ends)):
-                if r.kv_len < len(r.prefill_ids):
-                    continue  # more chunks to come
-                r.prefill_ids = None
-                if token is not None:
-                    self.stats.prompt_tokens += len(r.prompt_ids)
-                    self._commit(r, [token])
-
-    def abort(self, req: Request) -> None:
-        """Ask the engine to end ``req`` (client gone, stop string seen); thread-safe."""
-        req.abort_requested = True
+                self.scheduler.fail_running(f"internal error: {type(exc).__name__}: {exc}")
 
     def step(self) -> None:
         """Admit, make room, one prefill chunk, then one speculative round for the decoding requests."""
-        with self._ending_together():
-            for r in [r for r in self._running if r.abort_requested]:
-                self._finish(r, reason="abort")
-        self._admit()
-        self._make_room()
-        self._prefill_chunk()
-        room = self.target_runner.token_to_kv_pool_allocator.available_size() // self.speculator.slots_per_round
-        reqs = [r for r in self._running if r.prefill_ids is None][:room]  # a just-prefilled one may wait a step
+        scheduler = self.scheduler
+        scheduler.end_aborted()
+        scheduler.admit()
+        scheduler.make_room()
+        reqs, ends = scheduler.prefill_chunk()
+        if reqs:
+            scheduler.prefilled(reqs, self.speculator.prefill(reqs, ends))
+        reqs = scheduler.decoding()
         if reqs:
             self._decode_round(reqs)
 
     def _decode_round(self, reqs: list[Request]) -> None:
-        """One speculative round: what is known before it (NGRAM's lookups, or free guesses where
-        drafts cost a pass; each draft's catch-up), the policy's draft lengths, the round, and what
-        it tells the policy; then commit."""
-        rids = [r.rid for r in reqs]
-        caps = [self._draft_cap(r) for r in reqs]
-        lookup = self.speculator.look_ahead(reqs, caps)  # NGRAM: the proposals, known before their lengths
-        classes = guesses = None
-        if lookup is not None:
-            caps = [min(c, len(p)) for c, p in zip(caps, lookup.proposals)]
-            classes = lookup.classes
-        elif self.guesses is not None:
-            guesses, classes = self.guesses.guess(reqs, caps)
-        catch_up_tokens = getattr(self.speculator, "catch_up_tokens", None)
-        catch_up = [catch_up_tokens(r) for r in reqs] if catch_up_tokens else None
-        ks = self.policy.draft_lengths(rids, caps, catch_up=catch_up,
-                                       remaining=[r.params.max_tokens - len(r.output_ids) for r in reqs],
-                                       waiting=self.num_waiting, classes=classes)
+        """One speculative round: the draft lengths, the speculator's draft and verify, what the
+        round teaches speculation control, then the commit."""
+        plan = self.control.plan_round(reqs)
         start = time.perf_counter()
-        results = self.speculator.decode_round(reqs, ks, lookup)
+        results = self.speculator.decode_round(reqs, plan.draft_lengths, plan.lookup)
         seconds = time.perf_counter() - start
-        self.policy.record(rids, ks, [x.proposed for x in results], [x.accepted for x in results], seconds,
-                           classes=classes, caught_up=sum(t for t, k in zip(catch_up, ks) if k) if catch_up else 0)
-        if lookup is not None:
-            self._score_undrafted(rids, ks, lookup, results)
-        if guesses is not None:
-            self._score_guesses(rids, ks, guesses, results)
-        self._count_step(ks, results, seconds)
-        with self._ending_together():
+        self.control.observe(plan, results, seconds)
+        self.stats.count_round(plan.draft_lengths, results, seconds)
+        with self.scheduler.ending_together():
             for r, result in zip(reqs, results):
-                self._count_round(r, result)
-                self._commit(r, result.tokens)
-
-    def _score_undrafted(self, rids: list[int], ks: list[int], lookup: Lookup, results: list[RoundResult]) -> None:
-        """Each proposal the round did not draft, against the token the round committed instead."""
-        undrafted = [i for i, (k, p) in enumerate(zip(ks, lookup.proposals)) if k == 0 and p]
-        self.policy.score([rids[i] for i in undrafted],
-                          [lookup.proposals[i][0] == results[i].tokens[0] for i in undrafted],
-                          [lookup.classes[i] for i in undrafted])
-
-    def _score_guesses(self, rids: list[int], ks: list[int], guesses: list[int | None],
-                       results: list[RoundResult]) -> None:
-        """Each free guess of a round that drafted nothing for its request, against the token committed."""
-        scored = [i for i, (k, g) in enumerate(zip(ks, guesses)) if k == 0 and g is not None]
-        self.policy.score_guesses([rids[i] for i in scored], [guesses[i] == results[i].tokens[0] for i in scored])
-
-    def _draft_cap(self, r: Request) -> int:
-        if not r.speculative:
-            return 0
-        k = self.policy.max_draft
-        return k if r.max_draft_tokens is None else min(k, r.max_draft_tokens)
-
-    def _count_step(self, ks: list[int], results: list[RoundResult], seconds: float) -> None:
-        stats = self.stats
-        stats.decode_steps += 1
-        stats.steps_without_speculation += not any(x.proposed for x in results)
-        stats.draft_lengths.update(ks)
-        stats.decode_tokens += sum(len(x.tokens) for x in results)
-        stats.decode_seconds += seconds
-        for x in results:
-            stats.proposed_by_position.update(range(1, x.proposed + 1))
-            stats.accepted_by_position.update(range(1, x.accepted + 1))
-
-    def _count_round(self, r: Request, result: RoundResult) -> None:
-        r.proposed_draft_tokens += result.proposed
-        r.accepted_draft_tokens += result.accepted
-        r.verify_rounds += 1
-        self.stats.proposed_tokens += result.proposed
-        self.stats.accepted_tokens += result.accepted
-        self.stats.verify_rounds += 1
-        self.stats.accept_lengths[result.accepted] += 1
-
-    def _commit(self, r: Request, tokens: list[int]) -> None:
-        """Append new tokens up to EOS or max_tokens, the one place output grows; finish if done."""
-        kept, reason = [], None
-        for t in tokens:
-            kept.append(t)
-            if t in r.eos_token_ids and not r.params.ignore_eos:
-                reason = "stop"
-                break
-            if len(r.output_ids) + len(kept) >= r.params.max_tokens:
-                reason = "length"
-                break
-        r.output_ids.extend(kept)
-        self.stats.generated_tokens += len(kept)
-        if r.on_update and kept:
-            r.on_update(r, kept)
-        if reason:
-            self._finish(r, reason=reason)
-
-    def _finish(self, r: Request, reason: str | None = None, error: str | None = None) -> None:
-        if r in self._running:
-            self._running.remove(r)
-        if self.policy is not None:
-            self.policy.forget(r.rid)
-        if self.guesses is not None:
-            self.guesses.release(r.rid)
-        if r.req_idx is not None:
-            self._release_slots(r)
-            r.req_idx = None
-        self.speculator.release(r)
-        r.finish_reason, r.error = reason, error
-        self.stats.finished_requests += 1
-        if self._ending is not None:
-            self._finished.append(r)
-        else:
-            self._tell_done([r])
-
-    @staticmethod
-    def _tell_done(reqs: list[Request]) -> None:
-        for r in reqs:
-            if r.on_update:
-                r.on_update(r, None)
-            r.done.set()
-
-    # ---- giving slots back -----------------------------------------------------------------
-    def _release_slots(self, r: Request) -> None:
-        """Give back ``r``'s row and the slots of its ``kv_len`` positions; inside ``_ending_together``
-        they go back when the block ends, with the rest of the group."""
-        if self._ending is not None:
-            self._ending.append((r.req_idx, r.kv_len))
-        else:
-            self._release_rows([(r.req_idx, r.kv_len)])
-
-    def _release_rows(self, rows: list[tuple[int, int]]) -> None:
-        # Every runner shares the target's req_to_token pool and allocator: one free covers them all.
-        pool, alloc = self.target_runner.req_to_token_pool, self.target_runner.token_to_kv_pool_allocator
-        free_position_ranges(pool, alloc, [(row, 0, kv_len) for row, kv_len in rows])
-        for row, _ in rows:
-            pool.free(row)  # only after its slots are read: a freed row may be handed out again
-
-    @contextmanager
-    def _ending_together(self):
-        """Requests that finish or are retracted in the block give their slots back together when it
-        ends: reading slots back from the device waits for the GPU, so a step whose round ends many
-        requests must pay one wait, not one per request. Slots counted inside the block are those
-        not yet returned; a finished request is told it is done once its slots are back."""
-        if self._ending is not None:  # nested: the outer block returns them
-            yield
-            return
-        self._ending = []
-        try:
-            yield
-        finally:
-            rows, self._ending = self._ending, None
-            finished, self._finished = self._finished, []
-            if rows:
-                self._release_rows(rows)
-            self._tell_done(finished)
+                self.stats.count_verified(r, result)
+                self.scheduler.commit(r, result.tokens)
 
     # ---- observability --------------------------------------------------------------------
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.scheduler.running) if self.scheduler else 0
 
     @property
     def num_waiting(self) -> int:
-        return self._waiting.qsize() + len(self._retracted)
+        return self.scheduler.num_waiting if self.scheduler else 0
 
     def kv_usage(self) -> tuple[int, int]:
-        alloc = self.target_runner.token_to_kv_pool_allocator
-        return alloc.size - alloc.available_size(), alloc.size
+        slots = self.target_runner.slots
+        return slots.used(), slots.size

@@ -17,6 +17,7 @@ from ..model_config import load_shape
 from .attention import TorchNativeAttnBackend, attention_backend_name, make_attn_backend
 from .distributed import announce_forward
 from .forward_batch import ForwardBatch
+from .kv_slots import KVSlots
 from .loader import load_safetensors, tensor_bytes
 from .models import model_class
 from .parallel_layers import model_tp
@@ -157,6 +158,12 @@ class ModelRunner:
     def get_memory_pool(self) -> tuple[ReqToTokenPool, TokenToKVPoolAllocator]:
         require(self.phase, Phase.POOLS_ALLOCATED, "share its pools", self.name)
         return self.req_to_token_pool, self.token_to_kv_pool_allocator
+
+    @property
+    def slots(self) -> KVSlots:
+        """Rows and slots of the pools it holds or adopted (a draft's are the target's)."""
+        require(self.phase, Phase.POOLS_ALLOCATED, "hand out KV slots", self.name)
+        return KVSlots(self.req_to_token_pool, self.token_to_kv_pool_allocator)
 
     # phase 3
     def init_backends(self, cuda_graph_max_bs: int = 0, verify_tokens: int = 0) -> None:

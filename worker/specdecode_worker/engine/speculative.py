@@ -22,8 +22,7 @@ import torch
 from ..contract import EAGLE_ALGORITHMS, SERVED_ALGORITHMS
 from .cuda_graph import chain_graph_width
 from .forward_batch import to_device
-from .batch import (PaddedChains, Segment, alloc_positions, chunk_segments, forward_segments, free_position_ranges,
-                    padded_chain_batch)
+from .batch import PaddedChains, Segment, chunk_segments, forward_segments, padded_chain_batch
 from .model_runner import ModelRunner
 from .ngram_index import RequestIndexes
 from .request import Request
@@ -79,6 +78,15 @@ class Speculator(ABC):
     def release(self, r: Request) -> None:
         """Forget what is kept for ``r`` between rounds (it finished or was retracted)."""
         return None  # only EAGLE keeps per-request state (target features) between rounds
+
+    # Whether a draft model keeps a cache of its own that falls behind while a request does not
+    # draft (``catch_up_tokens`` says by how much).
+    catches_up: bool = False
+
+    def catch_up_tokens(self, r: Request) -> int:
+        """Committed tokens the draft must cache before ``r`` can draft, beyond the one every
+        drafting round feeds it anyway."""
+        return 0
 
     @staticmethod
     def first_tokens(reqs: list[Request], ends: list[int], logits: torch.Tensor) -> list[int | None]:
@@ -191,6 +199,8 @@ def ngram_propose(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> 
 class StandaloneSpeculator(Speculator):
     """NONE, STANDALONE (a draft model with its own K/V) and NGRAM (prompt lookup)."""
 
+    catches_up = True  # a STANDALONE draft's cache; 0 tokens without a draft model
+
     def __init__(self, algorithm: str, target_runner: ModelRunner, draft_runner: ModelRunner | None = None,
                  num_draft_tokens: int = 4, ngram_max: int = 4, chunk_tokens: int = 0):
         if algorithm not in ALGORITHMS:
@@ -231,21 +241,21 @@ class StandaloneSpeculator(Speculator):
     # drafts (the catch-up of ``_draft_propose``, in chunks), so a request that never drafts costs
     # no draft prefill.
     def prefill(self, reqs: list[Request], ends: list[int]) -> list[int | None]:
-        logits = forward_segments(self.target, chunk_segments(self.target, reqs, ends), last_only=True)
+        logits = forward_segments(self.target, chunk_segments(self.target.slots, reqs, ends), last_only=True)
         return self.first_tokens(reqs, ends, logits)
 
     def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None,
                      lookup: Lookup | None = None) -> list[RoundResult]:
-        pool, alloc = self.target.req_to_token_pool, self.target.token_to_kv_pool_allocator
+        slots = self.target.slots
         ks = [self.k] * len(reqs) if draft_lengths is None else [min(k, self.k) for k in draft_lengths]
         for r, k in zip(reqs, ks):
-            alloc_positions(pool, alloc, r.req_idx, r.kv_len, r.kv_len + k + 1)
+            slots.reserve(r.req_idx, r.kv_len, r.kv_len + k + 1)
         draft, draft_probs, found = self._propose(reqs, ks, lookup)
         # The verify pass's tokens stay on the device: each request's last token, then its proposals.
         chains = torch.cat([to_device([[r.all_ids[-1]] for r in reqs], self.target.device), draft], dim=1)
         width = chain_graph_width(self.chain_verify_graphs, len(reqs), max(found, default=0))
         if width:  # one graph for any mix of lengths
-            fb, padded = padded_chain_batch(pool, [r.req_idx for r in reqs], [r.kv_len for r in reqs], chains,
+            fb, padded = padded_chain_batch(slots.rows, [r.req_idx for r in reqs], [r.kv_len for r in reqs], chains,
                                             [k + 1 for k in found], width)
             logits = self.target.forward(fb, last_only=False)
         else:  # the ragged batch as it is (no graph takes it), or a plain decode step when nobody drafts
@@ -260,7 +270,7 @@ class StandaloneSpeculator(Speculator):
             r.draft_kv_len = min(r.draft_kv_len, r.kv_len)
             rejected.append((r.req_idx, r.kv_len, last + k + 1))
             results.append(RoundResult(tokens[:n] + [nxt], proposed=f, accepted=n))
-        free_position_ranges(pool, alloc, rejected)
+        slots.release(rejected)
         return results
 
     def _propose(self, reqs: list[Request], ks: list[int], lookup: Lookup | None

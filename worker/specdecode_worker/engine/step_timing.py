@@ -12,8 +12,7 @@ import time
 
 import torch
 
-from .batch import (Segment, alloc_positions, forward_segments, free_positions, make_batch, padded_chain_batch,
-                    with_cache_locs)
+from .batch import Segment, forward_segments, make_batch, padded_chain_batch, with_cache_locs
 from .cuda_graph import chain_graph_width
 from .model_runner import ModelRunner
 
@@ -26,14 +25,14 @@ def time_passes(runner: ModelRunner, shapes: list[tuple[int, int]], context_len:
     cached prefix, by (batch, width); the shapes interleaved ``repeats`` times. ``speculator``: run
     the target's passes as its rounds do (an EAGLE or MTP target replays the speculator's graphs).
     ``chunk_tokens``: most prefix tokens prefilled in one pass (0: no cap), as the plan priced."""
-    pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
+    slots = runner.slots
     batch = max(b for b, _ in shapes)
     widest = max(w for _, w in shapes)
-    prefix = max(0, min(PREFIX_TOKENS, context_len // 4, alloc.available_size() // (2 * batch) - widest))
-    rows = [pool.alloc() for _ in range(batch)]
+    prefix = max(0, min(PREFIX_TOKENS, context_len // 4, slots.free_slots() // (2 * batch) - widest))
+    rows = [slots.open_row() for _ in range(batch)]
     try:
         for idx in rows:
-            alloc_positions(pool, alloc, idx, 0, prefix + widest)
+            slots.reserve(idx, 0, prefix + widest)
         if prefix:
             _prefill_prefixes(runner, rows, prefix, chunk_tokens)
         best = {}
@@ -48,9 +47,7 @@ def time_passes(runner: ModelRunner, shapes: list[tuple[int, int]], context_len:
                     best[(b, w)] = min(seconds, best.get((b, w), seconds))
         return best
     finally:
-        for idx in rows:
-            free_positions(pool, alloc, idx, 0, prefix + widest)
-            pool.free(idx)
+        slots.close_rows([(idx, prefix + widest) for idx in rows])
 
 
 def _prefill_prefixes(runner: ModelRunner, rows: list[int], prefix: int, chunk_tokens: int) -> None:

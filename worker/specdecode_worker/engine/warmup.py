@@ -132,15 +132,15 @@ class Workloads:
 
     @classmethod
     def fit(cls, spec, chunk_tokens: int, batch: int) -> "Workloads":
-        pool, alloc = spec.target.req_to_token_pool, spec.target.token_to_kv_pool_allocator
+        slots = spec.target.slots
         k, per_round = spec.k, spec.slots_per_round
-        context = pool.req_to_token.shape[1] - k - 1  # rows hold contextLength + k + 1 positions
-        prompt = max(1, min(context - 1, alloc.available_size() - per_round))
+        context = slots.req_to_token.shape[1] - k - 1  # rows hold contextLength + k + 1 positions
+        prompt = max(1, min(context - 1, slots.free_slots() - per_round))
         chunk = max(1, min(chunk_tokens or prompt, prompt))
         # NGRAM finds K tokens after the latest earlier match of the last n tokens: two periods of
         # k + 1 distinct tokens after n of them repeat far enough back.
         batch_prompt = max(1, min(prompt, getattr(spec, "ngram_max", 0) + 2 * (k + 1)))
-        batch = max(1, min(batch, pool.available_size(), alloc.available_size() // (batch_prompt + per_round)))
+        batch = max(1, min(batch, slots.free_rows(), slots.free_slots() // (batch_prompt + per_round)))
         tree = getattr(spec, "tree_shape", None) if getattr(spec, "tree", False) else None
         width = tree.width if tree is not None else k + 1
         return cls(prompt, chunk, batch, batch_prompt, width)
@@ -217,10 +217,10 @@ class _leaves_no_trace:
 
     def __init__(self, spec):
         self.spec = spec
-        self.pool, self.alloc = spec.target.req_to_token_pool, spec.target.token_to_kv_pool_allocator
+        self.slots = spec.target.slots
 
     def __enter__(self) -> "_leaves_no_trace":
-        self.rows, self.slots = self.pool.free_rows(), self.alloc.free_slots()
+        self.free_lists = self.slots.snapshot()
         self.counters = {name: getattr(self.spec, name) for name in SPECULATOR_COUNTERS if hasattr(self.spec, name)}
         self.transfers = to_host.count
         self.taken: list[tuple[Request, torch.Tensor]] = []
@@ -229,17 +229,16 @@ class _leaves_no_trace:
     def request(self, prompt: list[int], rid: int) -> Request:
         """A warm-up request in a request row of its own; negative ids never meet a served one's."""
         r = Request(prompt, WARM_UP_SAMPLING, rid=rid, generator=make_generator(WARM_UP_SAMPLING.seed))
-        r.req_idx = self.pool.alloc()
+        r.req_idx = self.slots.open_row()
         r.prefill_ids = list(prompt)
-        self.taken.append((r, self.pool.req_to_token[r.req_idx].clone()))
+        self.taken.append((r, self.slots.req_to_token[r.req_idx].clone()))
         return r
 
     def __exit__(self, *exc) -> None:
         for r, row in self.taken:
             self.spec.release(r)
-            self.pool.req_to_token[r.req_idx] = row
-        self.pool.restore_free_rows(self.rows)
-        self.alloc.restore_free_slots(self.slots)
+            self.slots.req_to_token[r.req_idx] = row
+        self.slots.restore(self.free_lists)
         for name, value in self.counters.items():
             setattr(self.spec, name, value)
         to_host.count = self.transfers

@@ -1,0 +1,250 @@
+"""Which requests run each step, and the one place a request's output grows or ends.
+
+Prefill and decode alternate within a step. Each step runs at most one prefill pass of at most
+``chunk_tokens`` prompt tokens (oldest admitted requests first, a long prompt split over steps),
+then one decode round for every request whose prefill is done, so a long prompt delays running
+requests by one chunk per step, never by a whole prompt.
+
+Admission counts the slots requests really hold plus an estimate of their growth
+(``new_token_ratio`` of the tokens they may still generate). When the pool runs short, the newest
+requests are retracted (their slots freed; target and draft share them) and later recomputed from
+prompt + committed tokens. Recompute samples nothing, so a request's generator continues where it
+stopped. The oldest request is never retracted, and it always fits alone (the engine's admission
+check), so every request finishes.
+
+The scheduler decides who runs; the engine runs the passes and hands back what they produced.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections import deque
+from contextlib import contextmanager
+from typing import Callable
+
+from .kv_slots import KVSlots
+from .request import Request
+from .stats import Stats
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, slots: KVSlots, slots_per_round: int, stats: Stats, *, chunk_tokens: int = 0,
+                 new_token_ratio: float = 0.5, release: Callable[[Request], None] = lambda r: None,
+                 forget: Callable[[int], None] = lambda rid: None):
+        """``release``: drop what the speculator keeps for a request that leaves the batch (it
+        finished or was retracted); ``forget``: drop what speculation control learned about a
+        finished request."""
+        self.slots, self.slots_per_round, self.stats = slots, slots_per_round, stats
+        self.chunk_tokens = chunk_tokens or slots.size
+        self.new_token_ratio = new_token_ratio
+        self.release, self.forget = release, forget
+        self._lock = threading.Lock()  # submit runs on the server's threads
+        self._waiting: deque[Request] = deque()
+        self._retracted: deque[Request] = deque()  # wait ahead of new requests
+        self.running: list[Request] = []  # admitted (prefilling or decoding), oldest first
+        self._ending: list[tuple[int, int]] | None = None  # (row, kv_len) of requests ending in a group
+        self._finished: list[Request] = []  # finished in that group, told once their slots are back
+
+    # ---- the queue (thread-safe) --------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        with self._lock:
+            self._waiting.append(req)
+
+    @property
+    def num_waiting(self) -> int:
+        with self._lock:
+            return len(self._waiting) + len(self._retracted)
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and self.num_waiting == 0
+
+    def _next_waiting(self) -> Request | None:
+        if self._retracted:
+            return self._retracted[0]
+        with self._lock:
+            return self._waiting[0] if self._waiting else None
+
+    def _pop_waiting(self) -> None:
+        if self._retracted:
+            self._retracted.popleft()
+        else:
+            with self._lock:
+                self._waiting.popleft()
+
+    # ---- one step's decisions -------------------------------------------------------------------
+    def end_aborted(self) -> None:
+        with self.ending_together():
+            for r in [r for r in self.running if r.abort_requested]:
+                self.finish(r, reason="abort")
+
+    def admit(self) -> list[Request]:
+        """Waiting requests, retracted ones first, while their expected slots fit beside the running
+        requests' (the first always, when nothing runs)."""
+        admitted = []
+        spare = self.slots.free_slots() - sum(self._expected_slots(r) for r in self.running)
+        while self.slots.free_rows() > 0 and (req := self._next_waiting()) is not None:
+            need = self._expected_slots(req)
+            if need > spare and self.running:
+                break  # wait for running requests to finish or grow less than estimated
+            self._pop_waiting()
+            if req.abort_requested:
+                self.finish(req, reason="abort")
+                continue
+            req.req_idx = self.slots.open_row()
+            req.prefill_ids = req.all_ids[:-1] if req.output_ids else list(req.prompt_ids)
+            spare -= need
+            self.running.append(req)
+            admitted.append(req)
+        return admitted
+
+    def make_room(self) -> None:
+        """Retract the newest requests until this step fits."""
+        with self.ending_together():
+            returning = 0  # slots of the requests retracted so far, back when the block ends
+            while len(self.running) > 1 and self.slots.free_slots() + returning < self._room_needed():
+                returning += self.running[-1].kv_len
+                self._retract(self.running[-1])
+
+    def prefill_chunk(self) -> tuple[list[Request], list[int]]:
+        """The requests of this step's prefill pass, oldest first, and the position each reaches."""
+        room = self.slots.free_slots() - self._decoding_count() * self.slots_per_round
+        budget = min(self.chunk_tokens, room)
+        reqs, ends = [], []
+        for r in self.running:
+            if r.prefill_ids is None or budget <= 0:
+                continue
+            n = min(budget, len(r.prefill_ids) - r.kv_len)
+            reqs.append(r)
+            ends.append(r.kv_len + n)
+            budget -= n
+        return reqs, ends
+
+    def prefilled(self, reqs: list[Request], first_tokens: list[int | None]) -> None:
+        """After the prefill pass: a request whose prompt is cached decodes from the next step; a
+        fresh one commits its first token (a recompute has its tokens already)."""
+        with self.ending_together():
+            for r, token in zip(reqs, first_tokens):
+                if r.kv_len < len(r.prefill_ids):
+                    continue  # more chunks to come
+                r.prefill_ids = None
+                if token is not None:
+                    self.stats.prompt_tokens += len(r.prompt_ids)
+                    self.commit(r, [token])
+
+    def decoding(self) -> list[Request]:
+        """The requests of this step's decode round: those prefilled, as many as the free slots
+        hold a round for (a just-prefilled one may wait a step)."""
+        room = self.slots.free_slots() // self.slots_per_round
+        return [r for r in self.running if r.prefill_ids is None][:room]
+
+    # ---- output ------------------------------------------------------------------------------
+    def commit(self, r: Request, tokens: list[int]) -> None:
+        """Append new tokens up to EOS or max_tokens, the one place output grows; finish if done."""
+        kept, reason = [], None
+        for t in tokens:
+            kept.append(t)
+            if t in r.eos_token_ids and not r.params.ignore_eos:
+                reason = "stop"
+                break
+            if len(r.output_ids) + len(kept) >= r.params.max_tokens:
+                reason = "length"
+                break
+        r.output_ids.extend(kept)
+        self.stats.generated_tokens += len(kept)
+        if r.on_update and kept:
+            r.on_update(r, kept)
+        if reason:
+            self.finish(r, reason=reason)
+
+    def finish(self, r: Request, reason: str | None = None, error: str | None = None) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        self.forget(r.rid)
+        if r.req_idx is not None:
+            self._close_row(r)
+            r.req_idx = None
+        self.release(r)
+        r.finish_reason, r.error = reason, error
+        self.stats.finished_requests += 1
+        if self._ending is not None:
+            self._finished.append(r)
+        else:
+            _tell_done([r])
+
+    def fail_running(self, error: str) -> None:
+        """End every running request with ``error`` (an engine bug: the server keeps serving)."""
+        with self.ending_together():
+            for r in list(self.running):
+                self.finish(r, error=error)
+
+    @contextmanager
+    def ending_together(self):
+        """Requests that finish or are retracted in the block give their slots back together when it
+        ends: reading slots back from the device waits for the GPU, so a step whose round ends many
+        requests must pay one wait, not one per request. Slots counted inside the block are those
+        not yet returned; a finished request is told it is done once its slots are back."""
+        if self._ending is not None:  # nested: the outer block returns them
+            yield
+            return
+        self._ending = []
+        try:
+            yield
+        finally:
+            rows, self._ending = self._ending, None
+            finished, self._finished = self._finished, []
+            if rows:
+                self.slots.close_rows(rows)
+            _tell_done(finished)
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _expected_slots(self, r: Request) -> int:
+        """Slots ``r`` will take beyond those it holds: its prefill left, one round's, and a share of
+        the tokens it may still generate (the whole of them once it has been retracted)."""
+        if r.req_idx is None:  # waiting: the prompt, or prompt + committed tokens after a retraction
+            prefill_left = len(r.all_ids) - (1 if r.output_ids else 0)
+        else:
+            prefill_left = len(r.prefill_ids) - r.kv_len if r.prefill_ids is not None else 0
+        ratio = 1.0 if r.retractions else self.new_token_ratio
+        growth = math.ceil(ratio * (r.params.max_tokens - len(r.output_ids)))
+        return prefill_left + self.slots_per_round + growth
+
+    def _decoding_count(self) -> int:
+        return sum(1 for r in self.running if r.prefill_ids is None)
+
+    def _room_needed(self) -> int:
+        """Slots this step takes: one round for every decoding request, and the first prefill chunk."""
+        first = next((r for r in self.running if r.prefill_ids is not None), None)
+        chunk = min(self.chunk_tokens, len(first.prefill_ids) - first.kv_len) if first else 0
+        return self._decoding_count() * self.slots_per_round + chunk
+
+    def _retract(self, r: Request) -> None:
+        """Free every slot of ``r`` and queue it for recompute."""
+        self._close_row(r)
+        self.release(r)
+        r.req_idx, r.kv_len, r.draft_kv_len, r.prefill_ids = None, 0, 0, None
+        r.retractions += 1
+        self.stats.retracted_requests += 1
+        self.running.remove(r)
+        self._retracted.appendleft(r)  # retracted newest first, so the older comes back first
+        log.info("request %d retracted under KV pressure (%d tokens committed, recomputed later)", r.rid,
+                 len(r.output_ids))
+
+    def _close_row(self, r: Request) -> None:
+        """Give back ``r``'s row and the slots of its ``kv_len`` positions; inside
+        ``ending_together`` they go back when the block ends, with the rest of the group."""
+        if self._ending is not None:
+            self._ending.append((r.req_idx, r.kv_len))
+        else:
+            self.slots.close_rows([(r.req_idx, r.kv_len)])
+
+
+def _tell_done(reqs: list[Request]) -> None:
+    for r in reqs:
+        if r.on_update:
+            r.on_update(r, None)
+        r.done.set()
