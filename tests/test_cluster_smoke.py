@@ -11,8 +11,9 @@ import yaml
 
 from devtools.cluster.wait import wait_for
 
+PINS = Path(__file__).parents[1] / "devtools" / "cluster" / "versions.env"
 VERSIONS = dict(
-    line.split("=", 1) for line in (Path(__file__).parents[1] / "devtools" / "cluster" / "versions.env").read_text().splitlines()
+    line.split("=", 1) for line in PINS.read_text().splitlines()
     if line and not line.startswith("#")
 )
 
