@@ -17,16 +17,10 @@ def alloc_positions(req_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
         req_pool.req_to_token[req_idx, start:end] = allocator.alloc(end - start)
 
 
-def free_positions(req_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, req_idx: int, start: int,
-                   end: int) -> None:
-    """Return the slots of positions ``start..end-1`` (rejected draft tokens, finished requests)."""
-    if end > start:
-        allocator.free(req_pool.req_to_token[req_idx, start:end].clone())
-
-
 def free_position_ranges(req_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
                          ranges: list[tuple[int, int, int]]) -> None:
-    """``free_positions`` for every ``(req_idx, start, end)``, in that order, with one read of the
+    """Return the slots of positions ``start .. end - 1`` for every ``(req_idx, start, end)``, in that
+    order (rejected draft tokens, finished requests), with one read of the
     slots back to the host (each read waits for the GPU: a round's frees must not cost one each)."""
     parts = [req_pool.req_to_token[idx, start:end] for idx, start, end in ranges if end > start]
     if parts:
