@@ -62,8 +62,9 @@ for _p in (ROOT, ROOT / "worker", ROOT / "operator", ROOT / "benchmarks"):
         sys.path.insert(0, str(_p))
 
 from controlled_draft import AcceptanceControl  # noqa: E402
-from specdecode_worker import serve_cli  # noqa: E402
-from specdecode_worker.engine import model_runner, mtp_runner  # noqa: E402
+from specdecode_worker.serving import serve_cli  # noqa: E402
+from specdecode_worker.engine import model_runner  # noqa: E402
+from specdecode_worker.engine.speculation import mtp_runner  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.engine.engine import Engine  # noqa: E402
 from devtools.checkpoints import CONFIGS, _decoder_tensors, _deepseek_tensors, model_tensors, write_checkpoint  # noqa: E402,E501

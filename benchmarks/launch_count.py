@@ -31,7 +31,7 @@ for _p in (ROOT / "worker",):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from specdecode_worker.engine import layer_kernels  # noqa: E402
+from specdecode_worker.engine.kernels import layer_kernels  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
 LLAMA_8B_2_LAYERS = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,

@@ -28,8 +28,8 @@ MODEL = "llama-3.1-70b-instruct"
 
 
 def plan_once(folder: Path) -> int:
-    from specdecode_worker.plan import PlanArgs
-    from specdecode_worker.plan_cli import make_plan
+    from specdecode_worker.planner.plan import PlanArgs
+    from specdecode_worker.planner.plan_cli import make_plan
 
     plan = make_plan(PlanArgs(target=str(folder), algorithm="NGRAM", gpu_product="NVIDIA-H100-80GB-HBM3"))
     return plan["weights"]["targetBytes"]
@@ -49,7 +49,7 @@ def meta_once(folder: Path) -> int:
 
 
 def header_bytes(folder: Path) -> int:
-    from specdecode_worker.checkpoint import read_checkpoint, total_bytes
+    from specdecode_worker.model_rules.checkpoint import read_checkpoint, total_bytes
 
     return total_bytes(read_checkpoint(folder))
 

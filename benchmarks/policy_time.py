@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "worker"))
 
-from specdecode_worker.engine.ngram_index import ContextGuesses  # noqa: E402
-from specdecode_worker.engine.spec_policy import SpecPolicy  # noqa: E402
-from specdecode_worker.engine.step_cost import StepCost  # noqa: E402
+from specdecode_worker.engine.speculation.ngram_index import ContextGuesses  # noqa: E402
+from specdecode_worker.engine.speculation.spec_policy import SpecPolicy  # noqa: E402
+from specdecode_worker.engine.speculation.step_cost import StepCost  # noqa: E402
 
 K = 4
 

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdecode_worker.engine.distributed import launch  # noqa: E402
+from specdecode_worker.engine.parallel.distributed import launch  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
 
@@ -58,7 +58,7 @@ def _timed(eng, prompt: list[int], new_tokens: int) -> tuple[list[int], float, f
 
 
 def _bench_rank(kw: dict, threads: int, prompt: list[int], new_tokens: int, repeats: int):
-    from specdecode_worker.engine.tp_engine import run_rank
+    from specdecode_worker.engine.parallel.tp_engine import run_rank
 
     torch.set_num_threads(threads)
 

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from specdecode_worker import serve_cli
+from specdecode_worker.serving import serve_cli
 
 CONTEXT = 128
 

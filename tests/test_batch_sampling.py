@@ -115,10 +115,11 @@ def _mixed(batch: int) -> list[SamplingParams]:
 
 def _blocks_of(monkeypatch, requests: int | None, rows_per_request: int, vocab: int) -> None:
     """Sample ``requests`` requests a block (None: the whole batch in one block)."""
-    from specdecode_worker import plan
+    from specdecode_worker import contract
+    from specdecode_worker.planner import plan
 
     budget = 1 << 60 if requests is None else plan.SAMPLING_BYTES_PER_LOGIT * requests * rows_per_request * vocab
-    monkeypatch.setattr(plan, "SAMPLING_BLOCK_BYTES", budget)
+    monkeypatch.setattr(contract, "SAMPLING_BLOCK_BYTES", budget)
 
 
 def _equal(a, b) -> bool:
@@ -173,7 +174,7 @@ def test_chain_acceptance_in_blocks_equals_one_block_and_each_request_alone(monk
 
 
 def test_tree_acceptance_in_blocks_equals_one_block_and_each_request_alone(monkeypatch):
-    from specdecode_worker.engine.tree import DeviceTrees, TreeDrafter, TreeShape, accept_trees
+    from specdecode_worker.engine.speculation.tree import DeviceTrees, TreeDrafter, TreeShape, accept_trees
 
     gen = torch.Generator().manual_seed(6)
     batch, vocab = 11, 24

@@ -8,8 +8,8 @@ import struct
 
 import pytest
 
-from specdecode_worker import checkpoint
-from specdecode_worker.checkpoint import (
+from specdecode_worker.model_rules import checkpoint
+from specdecode_worker.model_rules.checkpoint import (
     DTYPE_BITS,
     read_checkpoint,
     read_header,

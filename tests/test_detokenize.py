@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
-from specdecode_worker.detokenize import IncrementalText  # noqa: E402
+from specdecode_worker.serving.detokenize import IncrementalText  # noqa: E402
 
 TEXT = ("Déjà vu: naïve café, 東京タワー and 🚀🧪 in one line.\n  Indented  spaces,  tabs\tand "
         "ümlauts; then emoji pairs 👩‍👩‍👧 and a tail of ascii words.")

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from specdecode_worker.engine import forward_batch  # noqa: E402
 from specdecode_worker.engine.batch import Segment, make_batch  # noqa: E402
-from specdecode_worker.engine.pools import TokenToKVPoolAllocator  # noqa: E402
+from specdecode_worker.engine.memory.pools import TokenToKVPoolAllocator  # noqa: E402
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def staged(monkeypatch):
         raise AssertionError(f"a plain Tensor.to{args}: pageable host memory would synchronise the stream")
 
     monkeypatch.setattr(forward_batch, "host_to_device", pinned_stand_in)
-    monkeypatch.setattr("specdecode_worker.engine.pools.host_to_device", pinned_stand_in)
+    monkeypatch.setattr("specdecode_worker.engine.memory.pools.host_to_device", pinned_stand_in)
     monkeypatch.setattr(torch.Tensor, "to", plain_copy)
     return sent
 
@@ -72,7 +72,7 @@ CASES = {"standalone": ("STANDALONE", "draft", {}), "eagle chain": ("EAGLE", "ea
 def test_a_rounds_freed_slots_are_read_back_once_whatever_the_batch(models, case, monkeypatch):
     """On a GPU each free reads slots back from the device (a sync): a round frees its rejected
     positions (and a tree's scratch) in one read, never one per request."""
-    from specdecode_worker.engine.pools import TokenToKVPoolAllocator
+    from specdecode_worker.engine.memory.pools import TokenToKVPoolAllocator
     from specdecode_worker.engine.request import Request, SamplingParams
     from tests.engine_helpers import engine
 
@@ -107,7 +107,7 @@ def test_a_rounds_freed_slots_are_read_back_once_whatever_the_batch(models, case
 
 
 def _count_frees(monkeypatch) -> list:
-    from specdecode_worker.engine.pools import TokenToKVPoolAllocator
+    from specdecode_worker.engine.memory.pools import TokenToKVPoolAllocator
 
     frees, real = [], TokenToKVPoolAllocator.free
     monkeypatch.setattr(TokenToKVPoolAllocator, "free", lambda self, slots: frees.append(slots) or real(self, slots))

@@ -6,11 +6,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from specdecode_worker import serve_cli  # noqa: E402
+from specdecode_worker.serving import serve_cli  # noqa: E402
 from specdecode_worker.contract import MIB  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.engine.engine import Engine  # noqa: E402
-from specdecode_worker.plan import ForwardGeometry, dynamic_reserve_bytes  # noqa: E402
+from specdecode_worker.planner.plan import ForwardGeometry, dynamic_reserve_bytes  # noqa: E402
 
 from tests.engine_helpers import run_all, tiny_models  # noqa: E402
 
@@ -46,8 +46,8 @@ def test_reserve_grows_with_the_geometry_and_the_sizes():
 
 
 def test_serve_prices_its_own_verify_width(tmp_path):
-    from specdecode_worker.plan_cli import plan_args
-    from specdecode_worker.serve_shape import fill_from_plan
+    from specdecode_worker.planner.plan_cli import plan_args
+    from specdecode_worker.serving.serve_shape import fill_from_plan
 
     def verify_tokens(argv):
         flags = serve_cli.parser().parse_args(argv)
@@ -62,7 +62,7 @@ def test_serve_prices_its_own_verify_width(tmp_path):
 def test_eagle_tree_graphs_are_priced_by_hand():
     """A top-3 tree 3 steps deep verifying 7 nodes, graph batch 8, on a tiny geometry (hidden 64,
     intermediate 128, 4 heads of 16, 2 KV heads, vocabulary 1000, 2-byte dtype), counted by hand."""
-    from specdecode_worker.plan import draft_tree_step_bytes, tree_inputs_bytes
+    from specdecode_worker.planner.plan import draft_tree_step_bytes, tree_inputs_bytes
 
     geo = ForwardGeometry(64, 128, 4, 2, 16, 16, 1000, 2)
     # a token at a layer's peak: 3 x 64 + (4 x 16 + 2 x 32) + 4 x 16 + 3 x 128 = 768 values, 1536 bytes
@@ -84,8 +84,8 @@ def test_eagle_tree_graphs_are_priced_by_hand():
 
 
 def test_serve_and_the_planner_price_the_tree_they_run(tmp_path):
-    from specdecode_worker import plan_cli
-    from specdecode_worker.plan_cli import plan_args
+    from specdecode_worker.planner import plan_cli
+    from specdecode_worker.planner.plan_cli import plan_args
 
     argv = ["--target", str(tmp_path), "--algorithm", "EAGLE3", "--device", "cpu", "--num-draft-tokens", "6",
             "--speculative-num-steps", "3", "--speculative-eagle-topk", "4"]
@@ -102,7 +102,7 @@ def _sampling_peaks(batch: int, k: int, vocab: int, nodes: int) -> tuple[int, in
     step's sampling, counted on CPU, over a batch mixing greedy rows, temperature-only rows and rows
     with a top-k and a top-p cut, interleaved (so blocks gather their rows)."""
     from specdecode_worker.engine.batch_sampling import choose_tokens, verify_chains
-    from specdecode_worker.engine.tree import TreeDrafter, TreeShape, accept_trees
+    from specdecode_worker.engine.speculation.tree import TreeDrafter, TreeShape, accept_trees
 
     from tests.live_bytes import LiveBytes
 
@@ -138,11 +138,12 @@ def test_the_plan_prices_sampling_and_acceptance_in_blocks_as_measured(monkeypat
     run in blocks: their live bytes, counted on CPU for batches of several blocks, stay within what
     the plan prices (``sampling_bytes``: one block's scratch, and the distributions the batch's
     rows drew from beside it), and stop growing with the batch past a block."""
-    from specdecode_worker import plan
+    from specdecode_worker import contract
+    from specdecode_worker.planner import plan
 
     k, vocab, nodes = 3, 4000, 6
     # 2 requests a verify block (8 chain rows), as 256 MiB holds 13 at Llama-3's vocabulary
-    monkeypatch.setattr(plan, "SAMPLING_BLOCK_BYTES", plan.SAMPLING_BYTES_PER_LOGIT * 2 * (k + 1) * vocab)
+    monkeypatch.setattr(contract, "SAMPLING_BLOCK_BYTES", plan.SAMPLING_BYTES_PER_LOGIT * 2 * (k + 1) * vocab)
     peaks = {batch: _sampling_peaks(batch, k, vocab, nodes) for batch in (6, 24)}
     for batch, (chains, tree, decode) in peaks.items():
         scratch, held = plan.sampling_bytes(vocab, batch * (k + 1), k + 1)

@@ -4,7 +4,7 @@ shard sizes, and gathers its logits' vocabulary shards from the other ranks insi
 
 from __future__ import annotations
 
-from specdecode_worker.plan import ForwardGeometry, dynamic_reserve_bytes
+from specdecode_worker.planner.plan import ForwardGeometry, dynamic_reserve_bytes
 
 # hidden 64, intermediate 128, 4 heads of 16, 2 KV heads, vocabulary 1000, float32
 GEO = ForwardGeometry(64, 128, 4, 2, 16, 16, 1000, 4)

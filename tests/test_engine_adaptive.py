@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.speculative import ngram_match  # noqa: E402
-from specdecode_worker.engine.step_cost import StepCost  # noqa: E402
+from specdecode_worker.engine.speculation.speculative import ngram_match  # noqa: E402
+from specdecode_worker.engine.speculation.step_cost import StepCost  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 
 from tests.eagle_heads import write_copying_eagle_head  # noqa: E402
@@ -135,7 +135,7 @@ def test_a_standalone_request_that_never_drafts_costs_no_draft_prefill(models, r
 def test_standalone_draft_catches_up_a_prompt_in_chunks(models, reference, monkeypatch):
     """A request that first drafts after many rounds has its draft cache built in passes of at
     most chunkedPrefillSize tokens, and the copy draft still accepts everything."""
-    from specdecode_worker.engine import speculative
+    from specdecode_worker.engine.speculation import speculative
 
     eng = engine(models["target"], "STANDALONE", models["copy"], spec_policy="adaptive", chunked_prefill_size=8)
     widths, forward = [], speculative.forward_segments

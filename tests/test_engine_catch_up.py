@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from specdecode_worker.engine import eagle_speculator  # noqa: E402
+from specdecode_worker.engine.speculation import eagle_speculator  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
 from tests.eagle_heads import write_eagle3_head  # noqa: E402

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-from specdecode_worker import plan_cli  # noqa: E402
+from specdecode_worker.planner import plan_cli  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
 from tests.eagle_heads import write_eagle3_head  # noqa: E402
@@ -281,7 +281,7 @@ def test_tree_drafting_and_acceptance_never_synchronise():
     """Tree expansion, selection, masks and acceptance (greedy and sampled rows) queue work only;
     the one read-back is to_host."""
     from specdecode_worker.engine.batch_sampling import to_host, uniforms
-    from specdecode_worker.engine.tree import TreeDrafter, TreeShape, accept_trees
+    from specdecode_worker.engine.speculation.tree import TreeDrafter, TreeShape, accept_trees
 
     shape, batch, vocab = TreeShape(3, 3, 6), 4, 1000
     params = [SamplingParams(), SamplingParams(temperature=0.8), SamplingParams(), SamplingParams(temperature=1.0)]

@@ -13,10 +13,10 @@ if not hasattr(transformers, "DeepseekV3ForCausalLM"):
     pytest.skip("this transformers has no DeepseekV3ForCausalLM", allow_module_level=True)
 
 from specdecode_worker.engine.batch import Segment, alloc_positions, forward_segments  # noqa: E402
-from specdecode_worker.engine.mla_pool import MLATokenToKVPool  # noqa: E402
+from specdecode_worker.engine.memory.mla_pool import MLATokenToKVPool  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
-from specdecode_worker.model_config import load_shape  # noqa: E402
+from specdecode_worker.model_rules.model_config import load_shape  # noqa: E402
 
 from devtools.deepseek_models import config_of, hf_greedy, quantize_fp8, write_tiny_deepseek  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
@@ -61,7 +61,7 @@ def test_tiny_config_exercises_grouped_routing_yarn_and_moe(model_dir):
 def test_prefill_and_decode_logits_equal_transformers(model_dir, hf, monkeypatch, kernels):
     """With the layer's elementwise work as torch ops and as the fused kernels (under Triton's
     interpreter here)."""
-    from specdecode_worker.engine import layer_kernels
+    from specdecode_worker.engine.kernels import layer_kernels
 
     monkeypatch.setenv(layer_kernels.LAYER_KERNELS_ENV, kernels)
     if kernels == "triton" and not layer_kernels.use_triton(torch.zeros(1)):
@@ -110,9 +110,9 @@ def test_target_skips_the_mtp_layer_weights(model_dir):
 
 
 def test_fp8_block_quantized_weights_are_served_as_stored(model_dir, tmp_path):
-    from specdecode_worker.engine.fp8_linear import FP8_DTYPE
-    from specdecode_worker.plan import PlanArgs
-    from specdecode_worker.plan_cli import make_plan
+    from specdecode_worker.engine.kernels.fp8_linear import FP8_DTYPE
+    from specdecode_worker.planner.plan import PlanArgs
+    from specdecode_worker.planner.plan_cli import make_plan
 
     fp8, dense = quantize_fp8(model_dir, tmp_path / "fp8", tmp_path / "dense")
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
@@ -139,8 +139,8 @@ def test_other_quantization_is_refused_with_what_to_do(tmp_path):
 
 
 def test_planner_prices_the_weights_and_latent_cells_the_worker_holds(model_dir):
-    from specdecode_worker.plan import PlanArgs
-    from specdecode_worker.plan_cli import make_plan
+    from specdecode_worker.planner.plan import PlanArgs
+    from specdecode_worker.planner.plan_cli import make_plan
 
     plan = make_plan(PlanArgs(target=str(model_dir), algorithm="NGRAM", tp=1, gpu_memory_gib=1.0,
                               mem_fraction_static=0.9, context_length=64))

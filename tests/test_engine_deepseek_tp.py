@@ -10,11 +10,11 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV3ForCausalLM"):
     pytest.skip("this transformers has no DeepseekV3ForCausalLM", allow_module_level=True)
 
-from specdecode_worker.engine.distributed import launch  # noqa: E402
+from specdecode_worker.engine.parallel.distributed import launch  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
-from specdecode_worker.plan import PlanArgs, runtime_reserve_bytes  # noqa: E402
-from specdecode_worker.plan_cli import make_plan  # noqa: E402
+from specdecode_worker.planner.plan import PlanArgs, runtime_reserve_bytes  # noqa: E402
+from specdecode_worker.planner.plan_cli import make_plan  # noqa: E402
 
 from devtools.deepseek_models import quantize_fp8, write_tiny_deepseek  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
@@ -40,7 +40,7 @@ def _describe(eng) -> dict:
 
 
 def _rank(kws: dict) -> dict:
-    from specdecode_worker.engine.tp_engine import run_rank
+    from specdecode_worker.engine.parallel.tp_engine import run_rank
 
     torch.set_num_threads(1)
     return {name: run_rank(EngineArgs(**kw), _lead, _describe) for name, kw in kws.items()}

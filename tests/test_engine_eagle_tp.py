@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from specdecode_worker import plan_cli  # noqa: E402
+from specdecode_worker.planner import plan_cli  # noqa: E402
 from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
@@ -85,7 +85,7 @@ def _lead(eng, mode: str) -> dict:
 
 def _rank(engine_kws: dict) -> dict:
     """Inside each rank process: per case one engine through its phases, then lead or follow."""
-    from specdecode_worker.engine.tp_engine import run_rank
+    from specdecode_worker.engine.parallel.tp_engine import run_rank
 
     torch.set_num_threads(1)
     return {case: run_rank(EngineArgs(**kw), functools.partial(_lead, mode=case[1]), _describe)

@@ -11,10 +11,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from specdecode_worker import plan_cli, serve_cli  # noqa: E402
+from specdecode_worker.planner import plan_cli  # noqa: E402
+from specdecode_worker.serving import serve_cli  # noqa: E402
 from specdecode_worker.engine.batch import Segment, alloc_positions, forward_segments  # noqa: E402
 from specdecode_worker.engine.model_runner import ModelRunner  # noqa: E402
-from specdecode_worker.engine.pools import MemoryPoolConfig  # noqa: E402
+from specdecode_worker.engine.memory.pools import MemoryPoolConfig  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 
@@ -189,8 +190,8 @@ def test_fp8_stores_saturate_beyond_the_formats_range(dtype):
     """A K/V value beyond the fp8 format's range is stored as its largest finite value, in the MHA
     and the MLA pools alike; values in range are stored as a plain cast stores them. A plain cast
     gives infinity for e5m2 here, and NaN for e4m3 on CUDA (torch's CPU cast to e4m3 saturates)."""
-    from specdecode_worker.engine.mla_pool import MLATokenToKVPool
-    from specdecode_worker.engine.pools import MHATokenToKVPool
+    from specdecode_worker.engine.memory.mla_pool import MLATokenToKVPool
+    from specdecode_worker.engine.memory.pools import MHATokenToKVPool
 
     limit = torch.finfo(dtype).max  # 448 for e4m3, 57344 for e5m2
     values = torch.tensor([0.5, -3.0, 1e3, -1e3, 1e6, -1e6], dtype=torch.bfloat16)

@@ -158,8 +158,8 @@ def test_deep_tree_paths_through_graph_buffers_keep_the_target_greedy_output(tmp
 def test_tree_greedy_output_through_graph_buffers_on_triton(models, monkeypatch, algorithm, batch):
     """The same through the Triton backend (its interpreter on CPU): its tree-masked extend kernel
     reads the masks, slots and prefix lengths from the graphs' staged buffers."""
-    from specdecode_worker.engine.attention import ATTENTION_BACKEND_ENV
-    from specdecode_worker.engine.triton_attention import TritonAttnBackend
+    from specdecode_worker.engine.kernels.attention import ATTENTION_BACKEND_ENV
+    from specdecode_worker.engine.kernels.triton_attention import TritonAttnBackend
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py)")
@@ -225,8 +225,8 @@ def test_moe_graph_paths_equal_the_routed_path(fp8):
     chosen (token, expert) pairs."""
     if not hasattr(transformers, "DeepseekV3Config"):
         pytest.skip("this transformers has no DeepseekV3Config")
-    from specdecode_worker.engine.distributed import SINGLE
-    from specdecode_worker.engine.loader import tensor_bytes
+    from specdecode_worker.engine.parallel.distributed import SINGLE
+    from specdecode_worker.engine.models.loader import tensor_bytes
     from specdecode_worker.engine.models.deepseek_v3 import Linears, MoE
 
     from devtools.deepseek_models import TINY
@@ -258,7 +258,7 @@ def test_moe_graph_paths_equal_the_routed_path(fp8):
 # ---- ragged verify batches: every mix of draft lengths through the one verify graph ----------------
 def test_padded_chain_batch_lays_out_every_request_at_the_graph_width():
     from specdecode_worker.engine.batch import PAD_SLOT, padded_chain_batch
-    from specdecode_worker.engine.pools import ReqToTokenPool
+    from specdecode_worker.engine.memory.pools import ReqToTokenPool
 
     pool = ReqToTokenPool(4, 32, "cpu")
     pool.req_to_token[:] = torch.arange(4 * 32).view(4, 32) + 1000
@@ -379,7 +379,7 @@ def test_the_policy_warm_up_times_verify_passes_as_rounds_run_them(models, monke
     """The cost model's seed: a pass verifying one token per request is timed padded into the
     verify graph, as a round with those lengths runs, not as an eager pass no round runs; an EAGLE
     target's passes replay the speculator's graphs, as its rounds do."""
-    from specdecode_worker.engine.step_timing import target_points
+    from specdecode_worker.engine.speculation.step_timing import target_points
 
     target, draft, _ = RAGGED[algorithm]
     eng = engine(models[target], algorithm, models[draft] if draft else None, max_running_requests=MAX_BS,
@@ -404,7 +404,7 @@ def test_the_policy_warm_up_prefills_its_prefixes_in_chunks(models):
     """The timed passes' cached prefixes (128 tokens for each of the largest batch's requests) are
     prefilled whole rows at a time, at most one planned prefill chunk per pass: a single pass over
     every row, 32,768 tokens at a batch of 256, is larger than anything the plan priced."""
-    from specdecode_worker.engine.step_timing import time_passes
+    from specdecode_worker.engine.speculation.step_timing import time_passes
 
     eng = engine(models["target"], "NONE", max_running_requests=MAX_BS)
     runner = eng.target_runner

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from specdecode_worker.engine.distributed import launch  # noqa: E402
+from specdecode_worker.engine.parallel.distributed import launch  # noqa: E402
 from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
@@ -89,7 +89,7 @@ _seen: dict[str, list] = {"graphs": [], "eager": []}
 def _record_passes() -> None:
     """Record every graph replay (model, width, batch) and every pass the speculator runs outside a graph."""
     from specdecode_worker.engine.cuda_graph import GraphRunner, in_graph_pass
-    from specdecode_worker.engine.eagle_speculator import EagleSpeculator
+    from specdecode_worker.engine.speculation.eagle_speculator import EagleSpeculator
 
     replay, target_pass, draft_pass = GraphRunner.replay, EagleSpeculator._target_pass, EagleSpeculator._draft_pass
 
@@ -130,7 +130,7 @@ def _lead(eng, mode: str) -> dict:
 
 
 def _rank(engine_kws: dict) -> dict:
-    from specdecode_worker.engine.tp_engine import run_rank
+    from specdecode_worker.engine.parallel.tp_engine import run_rank
 
     torch.set_num_threads(1)
     _record_passes()
@@ -224,7 +224,7 @@ def _rank_warming_up(engine_kws: dict) -> dict:
     rank 0 runs through them while the other ranks replay its announcements."""
     from specdecode_worker.engine import warmup
     from specdecode_worker.engine.engine import Engine
-    from specdecode_worker.engine.tp_engine import run_rank
+    from specdecode_worker.engine.parallel.tp_engine import run_rank
 
     torch.set_num_threads(1)
     _record_passes()

@@ -9,11 +9,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from specdecode_worker import plan_cli  # noqa: E402
+from specdecode_worker.planner import plan_cli  # noqa: E402
 from specdecode_worker.engine import engine as engine_mod  # noqa: E402
 from specdecode_worker.engine.model_runner import ModelRunner  # noqa: E402
 from specdecode_worker.engine.phases import PhaseError  # noqa: E402
-from specdecode_worker.engine.pools import MemoryPoolConfig  # noqa: E402
+from specdecode_worker.engine.memory.pools import MemoryPoolConfig  # noqa: E402
 from specdecode_worker.engine.engine import Engine, EngineArgs, StartupError  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 

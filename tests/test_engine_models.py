@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 from specdecode_worker.engine.batch import Segment, alloc_positions, forward_segments  # noqa: E402
 from specdecode_worker.engine.model_runner import ModelRunner  # noqa: E402
-from specdecode_worker.engine.pools import MemoryPoolConfig  # noqa: E402
+from specdecode_worker.engine.memory.pools import MemoryPoolConfig  # noqa: E402
 
 from devtools.tiny_models import VOCAB_SIZE, write_tiny_model  # noqa: E402
 
@@ -39,7 +39,7 @@ def _hf_logits(path, ids):
 def test_paged_forward_equals_transformers(tmp_path, monkeypatch, arch, kernels):
     """With the layer's elementwise work as torch ops, and as the fused kernels a GPU runs (here
     under Triton's interpreter, which conftest turns on without a GPU)."""
-    from specdecode_worker.engine import layer_kernels
+    from specdecode_worker.engine.kernels import layer_kernels
 
     monkeypatch.setenv(layer_kernels.LAYER_KERNELS_ENV, kernels)
     if kernels == "triton" and not layer_kernels.use_triton(torch.zeros(1)):

@@ -10,11 +10,11 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV3ForCausalLM"):
     pytest.skip("this transformers has no DeepseekV3ForCausalLM", allow_module_level=True)
 
-from specdecode_worker.engine.mla_pool import MLATokenToKVPool  # noqa: E402
+from specdecode_worker.engine.memory.mla_pool import MLATokenToKVPool  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
-from specdecode_worker.plan import PlanArgs  # noqa: E402
-from specdecode_worker.plan_cli import make_plan  # noqa: E402
+from specdecode_worker.planner.plan import PlanArgs  # noqa: E402
+from specdecode_worker.planner.plan_cli import make_plan  # noqa: E402
 
 from devtools.deepseek_models import hf_greedy, write_tiny_deepseek  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402

@@ -14,8 +14,8 @@ if not hasattr(transformers, "DeepseekV3ForCausalLM"):
 
 from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.plan import PlanArgs  # noqa: E402
-from specdecode_worker.plan_cli import make_plan  # noqa: E402
+from specdecode_worker.planner.plan import PlanArgs  # noqa: E402
+from specdecode_worker.planner.plan_cli import make_plan  # noqa: E402
 
 from devtools.deepseek_models import write_tiny_deepseek  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
@@ -58,7 +58,7 @@ def _lead(eng) -> dict:
 
 
 def _rank(kw: dict) -> dict:
-    from specdecode_worker.engine.tp_engine import run_rank
+    from specdecode_worker.engine.parallel.tp_engine import run_rank
 
     torch.set_num_threads(1)
     return run_rank(EngineArgs(**kw), _lead, _describe)

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from specdecode_worker.engine.distributed import Nodes, RankFailure, launch  # noqa: E402
+from specdecode_worker.engine.parallel.distributed import Nodes, RankFailure, launch  # noqa: E402
 from specdecode_worker.engine.request import Request  # noqa: E402
 
 from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
@@ -112,7 +112,7 @@ def test_serve_over_two_pods_from_the_leaderworkerset_environment(models, tmp_pa
 
     pytest.importorskip("httpx")
 
-    from specdecode_worker.engine.distributed import free_port
+    from specdecode_worker.engine.parallel.distributed import free_port
     from tests.server_helpers import wait_until_healthy
     from tests.tp_helpers import BUDGET_GIB, assert_serves_greedy_text, serve_tp2_argv
 
@@ -148,7 +148,7 @@ def test_serve_over_two_pods_from_the_leaderworkerset_environment(models, tmp_pa
 
 def test_pod_place_from_flags_or_the_leaderworkerset_environment(monkeypatch):
     from specdecode_worker.errors import InputError
-    from specdecode_worker.serve_cli import nodes_of, parser
+    from specdecode_worker.serving.serve_cli import nodes_of, parser
 
     base = ["--target", "t"]
     plan = {"tensorParallelSize": 16, "nodesPerReplica": 2}

@@ -11,12 +11,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from specdecode_worker.engine import model_runner as runner_mod  # noqa: E402
-from specdecode_worker.engine import speculative  # noqa: E402
+from specdecode_worker.engine.speculation import speculative  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
-from specdecode_worker.plan import PlanArgs  # noqa: E402
-from specdecode_worker.plan_cli import make_plan  # noqa: E402
+from specdecode_worker.planner.plan import PlanArgs  # noqa: E402
+from specdecode_worker.planner.plan_cli import make_plan  # noqa: E402
 
 from devtools.checkpoints import write_tokenizer as write_other_tokenizer  # noqa: E402
 from tests.engine_helpers import engine, hf_greedy, run_all  # noqa: E402

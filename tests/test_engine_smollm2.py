@@ -28,7 +28,7 @@ def test_forward_matches_transformers(model_dir):
 
     from specdecode_worker.engine.batch import Segment, alloc_positions, forward_segments
     from specdecode_worker.engine.model_runner import ModelRunner
-    from specdecode_worker.engine.pools import MemoryPoolConfig
+    from specdecode_worker.engine.memory.pools import MemoryPoolConfig
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     text = tok.apply_chat_template([{"role": "user", "content": "Name three primary colours."}],
@@ -58,8 +58,8 @@ def test_forward_matches_transformers(model_dir):
 def test_server_answers_a_chat_request_sensibly(model_dir):
     import httpx
 
-    from specdecode_worker import serve_cli
-    from specdecode_worker.engine.distributed import free_port
+    from specdecode_worker.serving import serve_cli
+    from specdecode_worker.engine.parallel.distributed import free_port
 
     port = free_port()
     srv, state, _ = serve_cli.build([

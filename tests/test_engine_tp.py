@@ -12,8 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from specdecode_worker import plan_cli  # noqa: E402
-from specdecode_worker.engine.distributed import RankFailure, launch  # noqa: E402
+from specdecode_worker.planner import plan_cli  # noqa: E402
+from specdecode_worker.engine.parallel.distributed import RankFailure, launch  # noqa: E402
 from specdecode_worker.engine.request import Request  # noqa: E402
 
 from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
@@ -131,7 +131,7 @@ def test_planner_replicates_a_standalone_draft_that_cannot_split(models, capsys)
 
 
 def test_a_target_that_cannot_split_is_refused(tmp_path):
-    from specdecode_worker.engine.parallel_layers import check_splits
+    from specdecode_worker.engine.parallel.parallel_layers import check_splits
     from specdecode_worker.errors import InputError
 
     target = write_tiny_model(tmp_path / "odd", num_attention_heads=4, num_key_value_heads=2, intermediate_size=130)
@@ -154,7 +154,7 @@ def test_serve_tp2_answers_like_transformers(models, tmp_path):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
 
-    from specdecode_worker.engine.distributed import free_port
+    from specdecode_worker.engine.parallel.distributed import free_port
     from tests.server_helpers import wait_until_healthy
 
     port = free_port()
@@ -182,9 +182,9 @@ def test_each_rank_loads_only_its_slice_and_the_planner_counts_it(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from specdecode_worker.checkpoint import read_checkpoint, total_bytes
-    from specdecode_worker.engine.distributed import TPGroup
-    from specdecode_worker.engine.loader import load_safetensors, tensor_bytes
+    from specdecode_worker.model_rules.checkpoint import read_checkpoint, total_bytes
+    from specdecode_worker.engine.parallel.distributed import TPGroup
+    from specdecode_worker.engine.models.loader import load_safetensors, tensor_bytes
     from specdecode_worker.engine.models.llama import LlamaForCausalLM
 
     folder = write_tiny_model(tmp_path / "qwen", "qwen2", num_attention_heads=4, num_key_value_heads=2)

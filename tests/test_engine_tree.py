@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from specdecode_worker.engine.request import SamplingParams  # noqa: E402
-from specdecode_worker.engine.tree import (  # noqa: E402
+from specdecode_worker.engine.speculation.tree import (  # noqa: E402
     DeviceTrees, DraftTree, TreeDrafter, TreeShape, accept_path, accept_trees, ancestor_mask, select_tree, tree_masks,
 )
 

@@ -23,7 +23,7 @@ def test_tiny_run_reports_every_row(tmp_path, capsys, monkeypatch):
     spec.loader.exec_module(bench)
     from specdecode_worker.engine import model_runner
 
-    from specdecode_worker.engine import mtp_runner
+    from specdecode_worker.engine.speculation import mtp_runner
 
     original, original_mtp = model_runner.load_safetensors, mtp_runner.load_safetensors
     out = tmp_path / "res.json"

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from specdecode_worker import fetch_cli, plan_cli, serve_cli
-from specdecode_worker.model_identity import check_models
+from specdecode_worker.planner import fetch_cli, plan_cli
+from specdecode_worker.serving import serve_cli
+from specdecode_worker.planner.model_identity import check_models
 from specdecode_worker.contract import ExitCode
-from specdecode_worker.hub import HubClient, HubFile, partition
+from specdecode_worker.planner.hub import HubClient, HubFile, partition
 from tests.hub_server import HubServer
 from devtools.tiny_models import write_tiny_model
 

@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from specdecode_worker import plan_cli
+from specdecode_worker.planner import plan_cli
 from specdecode_worker.contract import TERMINATION_LOG_LIMIT, ExitCode, validate_plan
-from specdecode_worker.hub import MAX_PARTS, HubClient, HubFile
-from specdecode_worker.model_identity import identity
+from specdecode_worker.planner.hub import MAX_PARTS, HubClient, HubFile
+from specdecode_worker.planner.model_identity import identity
 from devtools.checkpoints import write_model
 from tests.hub_server import HubServer
 

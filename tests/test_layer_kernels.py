@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from tests.triton_interpreter import DEVICE  # noqa: E402
 
-from specdecode_worker.engine import layer_kernels as lk  # noqa: E402
+from specdecode_worker.engine.kernels import layer_kernels as lk  # noqa: E402
 
 
 

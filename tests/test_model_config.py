@@ -5,7 +5,7 @@ import json
 import pytest
 
 from specdecode_worker.errors import InputError
-from specdecode_worker.model_config import load_shape, shape_from_config
+from specdecode_worker.model_rules.model_config import load_shape, shape_from_config
 from devtools.checkpoints import CONFIGS
 
 LLAMA_8B = CONFIGS["llama-3.1-8b-instruct"]

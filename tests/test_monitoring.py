@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from specdecode_operator import conditions as c  # noqa: E402
 from specdecode_operator import health, labels  # noqa: E402
 from specdecode_operator.metrics import StatusBook  # noqa: E402
-from specdecode_worker.metrics import RequestLatency  # noqa: E402
+from specdecode_worker.serving.metrics import RequestLatency  # noqa: E402
 
 from devtools.cluster.controlplane import free_ports  # noqa: E402
 from devtools.cluster.wait import wait_for  # noqa: E402

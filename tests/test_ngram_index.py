@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from specdecode_worker.engine.ngram_index import ContextGuesses, NgramIndex
-from specdecode_worker.engine.speculative import ngram_match
+from specdecode_worker.engine.speculation.ngram_index import ContextGuesses, NgramIndex
+from specdecode_worker.engine.speculation.speculative import ngram_match
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -14,7 +14,7 @@ from specdecode_operator import kvcheck, labels, planner, workload
 from specdecode_operator.reconcile import Options, Reconciler
 from specdecode_operator.kube import Ref
 from specdecode_operator.spec import parse_spec, plan_key, planner_inputs
-from specdecode_worker.runtimes import price
+from specdecode_worker.planner.runtimes import price
 from tests.operator_helpers import NS, OWNER, Clock, FakeKube, example, make_plan
 
 NAME = "llama-8b-eagle3"
@@ -178,7 +178,7 @@ def test_the_crd_refuses_exactly_the_flags_the_operator_owns():
 
     import yaml
 
-    from specdecode_worker.runtimes import owned_flags
+    from specdecode_worker.planner.runtimes import owned_flags
     from tests.operator_helpers import ROOT
 
     crd = yaml.safe_load((ROOT / "crds" / "specdecode.io_specdecodedeployments.yaml").read_text())

@@ -45,8 +45,8 @@ def test_the_planner_prices_the_verify_width_the_worker_serves():
     """The worker's verify batches (and their CUDA graphs) take proposals + 1 rows per request;
     the planner is told that width when it is not its default, and the plan key records it, so a
     plan that fits is a worker that starts at any numDraftTokens."""
-    from specdecode_worker import plan_cli
-    from specdecode_worker.plan import ForwardGeometry, dynamic_reserve_bytes
+    from specdecode_worker.planner import plan_cli
+    from specdecode_worker.planner.plan import ForwardGeometry, dynamic_reserve_bytes
 
     def widths(view):
         planner_width = plan_cli.plan_args(plan_cli.parser().parse_args(planner.planner_args(view)[1:])).verify_tokens
@@ -83,7 +83,7 @@ def test_planner_args_price_an_eagle_tree_as_the_worker_runs_it():
     for flag in ("--num-draft-tokens", "--speculative-num-steps", "--speculative-eagle-topk"):
         assert _flag(args, flag) == _flag(worker, flag)
     assert _flag(args, "--num-draft-tokens") == "7" and _flag(args, "--speculative-eagle-topk") == "4"
-    from specdecode_worker import plan_cli
+    from specdecode_worker.planner import plan_cli
 
     planned = plan_cli.plan_args(plan_cli.parser().parse_args(args[1:]))
     assert (planned.verify_tokens, planned.tree_topk, planned.tree_steps) == (8, 4, 3)
@@ -332,7 +332,7 @@ def test_hub_mtp_workers_draft_from_the_targets_folder():
 ])
 def test_worker_args_parse_with_the_serve_cli(name):
     """Every flag the operator renders is one `specdecode-worker serve` accepts, agreeing with the plan."""
-    from specdecode_worker.serve_cli import check_flags_against_plan, parser
+    from specdecode_worker.serving.serve_cli import check_flags_against_plan, parser
 
     view = parse_spec(example(name))
     plan = make_plan(tp=2)
@@ -358,7 +358,7 @@ def test_eagle_tree_worker_args_count_proposals_without_the_root():
 
 def test_speculation_policy_renders_to_the_worker_flag():
     """draft.policy.mode reaches `serve --spec-policy`; adaptive when the spec leaves it out."""
-    from specdecode_worker.serve_cli import parser
+    from specdecode_worker.serving.serve_cli import parser
 
     assert _flag(workload.worker_args(parse_spec(example()), make_plan()), "--spec-policy") == "adaptive"
     spec = example()
@@ -371,8 +371,8 @@ def test_speculation_policy_renders_to_the_worker_flag():
 def _planned_by(args: list[str]) -> dict:
     """The MemoryPlan `specdecode-worker plan ARGS` would write, sized over a synthetic 8B-like
     geometry (no model folder is read): the planner's own flag parsing and ``build_plan``."""
-    from specdecode_worker import plan_cli
-    from specdecode_worker.plan import Candidate, ForwardGeometry, PlanRequest, build_plan
+    from specdecode_worker.planner import plan_cli
+    from specdecode_worker.planner.plan import Candidate, ForwardGeometry, PlanRequest, build_plan
 
     planned = plan_cli.plan_args(plan_cli.parser().parse_args(args[1:]))
     geometry = ForwardGeometry(4096, 14336, 32, 8, 128, 128, 128_256, 2)
@@ -408,7 +408,7 @@ def test_rendered_worker_args_serve_exactly_the_shape_the_planner_args_priced(al
     """For every algorithm, the worker the operator renders passes the worker's own check against
     the plan its planner pod would write, at the very shape that plan priced (nothing narrower,
     nothing wider): the planner and worker arguments come from one spec."""
-    from specdecode_worker import serve_cli, serve_shape
+    from specdecode_worker.serving import serve_cli, serve_shape
 
     view = parse_spec(_spec_of(algorithm, **draft))
     plan = _planned_by(planner.planner_args(view))

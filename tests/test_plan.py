@@ -20,7 +20,7 @@ from specdecode_worker.contract import (
 )
 from specdecode_worker.devices import GPU_PRODUCTS, product_memory_bytes, resolve_device_memory
 from specdecode_worker.errors import InputError
-from specdecode_worker.plan import (
+from specdecode_worker.planner.plan import (
     Candidate,
     ForwardGeometry,
     PlanRequest,
@@ -332,8 +332,9 @@ def test_typed_plan_reads_every_section_and_keeps_the_document():
 def test_plan_module_imports_no_torch():
     import subprocess
 
-    code = ("import sys, specdecode_worker.plan, specdecode_worker.plan_cli, specdecode_worker.checkpoint, "
-            "specdecode_worker.devices, specdecode_worker.model_config, specdecode_worker.contract; "
+    code = ("import sys, specdecode_worker.planner.plan, specdecode_worker.planner.plan_cli, "
+            "specdecode_worker.model_rules.checkpoint, specdecode_worker.devices, "
+            "specdecode_worker.model_rules.model_config, specdecode_worker.contract; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from specdecode_worker import plan_cli
+from specdecode_worker.planner import plan_cli
 from specdecode_worker.contract import GIB, MIB, validate_plan
 from specdecode_worker.errors import InputError
-from specdecode_worker.plan import PlanArgs
+from specdecode_worker.planner.plan import PlanArgs
 from devtools.checkpoints import CONFIGS, write_model, write_tokenizer
 
 

@@ -9,10 +9,11 @@ import pytest
 
 from specdecode_operator import planner, workload
 from specdecode_operator.spec import parse_spec, plan_key, planner_inputs
-from specdecode_worker import plan_cli, serve_cli
+from specdecode_worker.planner import plan_cli
+from specdecode_worker.serving import serve_cli
 from specdecode_worker.errors import InputError
-from specdecode_worker.plan import ForwardGeometry, dynamic_reserve_bytes
-from specdecode_worker.serve_shape import check_against_plan, planned_dtype
+from specdecode_worker.planner.plan import ForwardGeometry, dynamic_reserve_bytes
+from specdecode_worker.serving.serve_shape import check_against_plan, planned_dtype
 from devtools.checkpoints import write_checkpoint
 from tests.operator_helpers import example
 
@@ -98,7 +99,7 @@ def test_a_float32_plan_of_a_bfloat16_checkpoint_by_hand(tiny_bf16):
 
 
 def test_fp8_weights_and_their_scales_stay_as_stored():
-    from specdecode_worker.checkpoint import TensorInfo, as_served
+    from specdecode_worker.model_rules.checkpoint import TensorInfo, as_served
 
     tensors = [TensorInfo("a.weight", "F8_E4M3", (256, 256), 65_536, "f", 0, "matrix"),
                TensorInfo("a.weight_scale_inv", "F32", (2, 2), 16, "f", 0, "matrix"),

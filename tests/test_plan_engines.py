@@ -10,9 +10,9 @@ import math
 
 import pytest
 
-from specdecode_worker import plan_cli
+from specdecode_worker.planner import plan_cli
 from specdecode_worker.contract import GIB, validate_plan
-from specdecode_worker.runtimes import check_engine, vllm
+from specdecode_worker.planner.runtimes import check_engine, vllm
 from devtools.checkpoints import write_model
 
 G = 79 * GIB

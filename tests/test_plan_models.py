@@ -11,12 +11,12 @@ import shutil
 
 import pytest
 
-from specdecode_worker import serve_cli
+from specdecode_worker.serving import serve_cli
 from specdecode_worker.contract import validate_plan
 from specdecode_worker.errors import InputError
-from specdecode_worker.model_identity import check_models, identity
-from specdecode_worker.plan import PlanArgs
-from specdecode_worker.plan_cli import make_plan
+from specdecode_worker.planner.model_identity import check_models, identity
+from specdecode_worker.planner.plan import PlanArgs
+from specdecode_worker.planner.plan_cli import make_plan
 from devtools.checkpoints import write_checkpoint
 from tests.test_plan_dtype import CONFIG, TENSORS
 

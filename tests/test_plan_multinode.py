@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from specdecode_worker import plan_cli
+from specdecode_worker.planner import plan_cli
 from specdecode_worker.contract import GIB, MIB, validate_plan
-from specdecode_worker.plan import nodes_per_replica, runtime_reserve_bytes
+from specdecode_worker.planner.plan import nodes_per_replica, runtime_reserve_bytes
 
 from devtools.checkpoints import write_model
 

@@ -11,8 +11,8 @@ transformers = pytest.importorskip("transformers")
 
 from specdecode_worker.engine.request import SamplingParams  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
-from specdecode_worker.plan import PlanArgs  # noqa: E402
-from specdecode_worker.plan_cli import make_plan  # noqa: E402
+from specdecode_worker.planner.plan import PlanArgs  # noqa: E402
+from specdecode_worker.planner.plan_cli import make_plan  # noqa: E402
 
 from devtools.deepseek_models import write_tiny_deepseek  # noqa: E402
 from tests.eagle_heads import write_eagle3_head, write_eagle_head  # noqa: E402

@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from specdecode_worker.engine.kv_slots import KVSlots  # noqa: E402
-from specdecode_worker.engine.pools import ReqToTokenPool, TokenToKVPoolAllocator  # noqa: E402
+from specdecode_worker.engine.memory.kv_slots import KVSlots  # noqa: E402
+from specdecode_worker.engine.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.engine.scheduler import Scheduler  # noqa: E402
 from specdecode_worker.engine.stats import Stats  # noqa: E402

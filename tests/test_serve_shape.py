@@ -9,10 +9,10 @@ import logging
 
 import pytest
 
-from specdecode_worker import serve_cli
+from specdecode_worker.serving import serve_cli
 from specdecode_worker.contract import GIB, MemoryPlan, to_json, validate_plan
-from specdecode_worker.plan import Candidate, ForwardGeometry, PlanRequest, build_plan, dynamic_reserve_bytes
-from specdecode_worker.serve_shape import check_against_plan, fill_from_plan
+from specdecode_worker.planner.plan import Candidate, ForwardGeometry, PlanRequest, build_plan, dynamic_reserve_bytes
+from specdecode_worker.serving.serve_shape import check_against_plan, fill_from_plan
 
 TARGET = ForwardGeometry(4096, 14336, 32, 8, 128, 128, 128_256, 2)
 HEAD = ForwardGeometry(4096, 14336, 32, 8, 128, 128, 32_000, 2)
@@ -55,7 +55,7 @@ def test_the_plan_records_the_shape_it_priced_and_reads_back():
     assert (reserve["cudaGraphMaxBs"], reserve["chunkedPrefillSize"], reserve["maxRunningRequests"]) == (32, 4096, 64)
     read = MemoryPlan.from_dict(plan).reserve
     assert (read.verify_tokens, read.tree_topk, read.tree_steps, read.dtype_bytes) == (8, 4, 3, 2)
-    from specdecode_worker.plan_cli import render_table
+    from specdecode_worker.planner.plan_cli import render_table
 
     assert "reserve priced for: 8 verify tokens per request (a tree of top-k 4, 3 steps deep)" in render_table(plan)
     chain = validate_plan(json.loads(to_json(_plan("NGRAM", verify_tokens=9))))["reserve"]

@@ -11,9 +11,9 @@ torch = pytest.importorskip("torch")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from specdecode_worker import serve_cli  # noqa: E402
+from specdecode_worker.serving import serve_cli  # noqa: E402
 from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
-from specdecode_worker.server import ServerState, build_app  # noqa: E402
+from specdecode_worker.serving.server import ServerState, build_app  # noqa: E402
 
 from tests.engine_helpers import tiny_models  # noqa: E402
 from tests.server_helpers import CONTEXT, free_port, serve_argv, serving  # noqa: E402
@@ -264,7 +264,7 @@ def test_serve_cli_refuses_bad_flags_with_exit_2(models, capsys):
 def test_sizing_flags_next_to_a_plan_must_agree_with_it(models, tmp_path, capsys):
     """The operator pins the plan's numbers next to --plan: a fraction or context the plan does not
     hold is refused, and so is a serving limit above the one its reserve was priced for."""
-    from specdecode_worker import plan_cli
+    from specdecode_worker.planner import plan_cli
 
     assert plan_cli.main(["--target", str(models["target"]), "--algorithm", "NGRAM", "--gpu-memory-gib", "1.1",
                           "--mem-fraction-static", "0.95", "--tp", "1", "--context-length", "64"]) == 0
@@ -292,7 +292,7 @@ def test_sizing_flags_next_to_a_plan_must_agree_with_it(models, tmp_path, capsys
 
 def test_worker_below_the_plan_floor_exits_3(models, tmp_path, capsys):
     """A plan made for the small draft as target leaves no room once the real target is loaded."""
-    from specdecode_worker import plan_cli
+    from specdecode_worker.planner import plan_cli
 
     # G x f - R = 1 MiB for the KV pool: 7869 tokens of the draft's 128 B cell after its 41 kB of
     # weights, but only 1309 of the target's 512 B cell after its 378 kB.

@@ -11,8 +11,8 @@ import pytest
 
 from specdecode_operator.spec import parse_spec
 from specdecode_operator.workload import engine_args
-from specdecode_worker.plan import PlanArgs
-from specdecode_worker.plan_cli import make_plan
+from specdecode_worker.planner.plan import PlanArgs
+from specdecode_worker.planner.plan_cli import make_plan
 from devtools.deepseek_models import write_tiny_deepseek
 from tests.eagle_heads import write_eagle3_head, write_eagle_head
 from tests.engine_pods import ROOT, engine_venv

@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from specdecode_worker.engine.spec_policy import Acceptance, RequestEstimates, SpecPolicy
-from specdecode_worker.engine.step_cost import StepCost
+from specdecode_worker.engine.speculation.spec_policy import Acceptance, RequestEstimates, SpecPolicy
+from specdecode_worker.engine.speculation.step_cost import StepCost
 
 
 def overhead_bound() -> StepCost:
@@ -135,7 +135,7 @@ def test_a_catch_up_is_priced_by_what_its_tokens_add_to_a_draft_pass():
     """A draft pass of w tokens costs 0.03 + 0.002 w (the CPU's int8 draft, about): the catch-up
     rides in the first proposal pass, so a token of it costs 0.002, not a 32-token pass's 0.0029
     a token; a pass timed no dearer for its width prices nothing."""
-    from specdecode_worker.engine.step_timing import catch_up_seconds
+    from specdecode_worker.engine.speculation.step_timing import catch_up_seconds
 
     def pass_seconds(w):
         return 0.03 + 0.002 * w

@@ -13,11 +13,11 @@ alone, so the CUDA tests of the same process keep real kernels.
 from __future__ import annotations
 
 import pytest
-from specdecode_worker.engine import triton_attention as ta  # noqa: E402
-from specdecode_worker.engine.attention import TorchNativeAttnBackend  # noqa: E402
-from specdecode_worker.engine.pools import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
-from specdecode_worker.engine.tree import ancestor_mask  # noqa: E402
-from specdecode_worker.engine.tree_attention import TreeAttnBackend, TreeForwardBatch  # noqa: E402
+from specdecode_worker.engine.kernels import triton_attention as ta  # noqa: E402
+from specdecode_worker.engine.kernels.attention import TorchNativeAttnBackend  # noqa: E402
+from specdecode_worker.engine.memory.pools import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from specdecode_worker.engine.speculation.tree import ancestor_mask  # noqa: E402
+from specdecode_worker.engine.kernels.tree_attention import TreeAttnBackend, TreeForwardBatch  # noqa: E402
 
 from tests.triton_interpreter import (  # noqa: E402, F401
     CUDA, DEVICE, E4M3_ON_DEVICE, assert_capture_makes_its_own_metadata, paged_batch, poison_dead_slots, torch, triton,
@@ -194,7 +194,7 @@ def test_decode_splits_depend_on_batch_size_only():
 
 
 def test_backend_choice(monkeypatch):
-    from specdecode_worker.engine.attention import ATTENTION_BACKEND_ENV, attention_backend_name
+    from specdecode_worker.engine.kernels.attention import ATTENTION_BACKEND_ENV, attention_backend_name
     from specdecode_worker.errors import InputError
 
     monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
@@ -216,7 +216,7 @@ def test_backend_choice(monkeypatch):
 @pytest.mark.parametrize("case", ["STANDALONE", "EAGLE3-tree"])
 def test_engine_greedy_output_is_the_same_on_both_backends(case, tmp_path, monkeypatch):
     """Whole engine runs: prefill, target and draft decode, chain and tree verification, EAGLE draft steps."""
-    from specdecode_worker.engine.attention import ATTENTION_BACKEND_ENV
+    from specdecode_worker.engine.kernels.attention import ATTENTION_BACKEND_ENV
     from specdecode_worker.engine.request import Request, SamplingParams
 
     from tests.eagle_heads import write_eagle3_head

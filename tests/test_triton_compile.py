@@ -94,7 +94,7 @@ MOE_CASES = [
     ("moe-t1-bf16", 1, "bfloat16", 8),
     ("moe-t8-bf16", 8, "bfloat16", 8),
 ]
-# The layer's fused kernels (engine/layer_kernels.py) over a graph batch of 256 tokens: RMSNorm with
+# The layer's fused kernels (engine/kernels/layer_kernels.py) over a graph batch of 256 tokens: RMSNorm with
 # and without the residual add, rotary q and k, SiLU x up, at Llama-3.1-8B's and DeepSeek-V3's widths.
 LAYER_CASES = [
     # name, hidden, (heads, kv heads, head dim) or None, intermediate
@@ -111,12 +111,12 @@ def _cases() -> list[tuple[str, int]]:
 
 def _served(name: str, arch: int) -> bool:
     """Cases the engine runs on Triton at this arch, by the engine's own rule for KV pools
-    (engine/attention.py ``triton_serves_kv``); fp8 expert weights are served at every arch."""
+    (engine/kernels/attention.py ``triton_serves_kv``); fp8 expert weights are served at every arch."""
     if name.startswith(("moe", "layers")) or "e4m3" not in name:
         return True
     import torch
 
-    from specdecode_worker.engine.attention import triton_serves_kv
+    from specdecode_worker.engine.kernels.attention import triton_serves_kv
 
     return triton_serves_kv(torch.float8_e4m3fn, divmod(arch, 10))
 
@@ -142,10 +142,10 @@ def _launch_case(name: str, arch: int):
     import torch
     from triton.runtime.jit import JITFunction
 
-    from specdecode_worker.engine import layer_kernels as lk
-    from specdecode_worker.engine import triton_attention as ta
-    from specdecode_worker.engine import triton_mla as tm
-    from specdecode_worker.engine import triton_moe as tmoe
+    from specdecode_worker.engine.kernels import layer_kernels as lk
+    from specdecode_worker.engine.kernels import triton_attention as ta
+    from specdecode_worker.engine.kernels import triton_mla as tm
+    from specdecode_worker.engine.kernels import triton_moe as tmoe
 
     meta = dict(device="meta")
     idx = dict(dtype=torch.int64, **meta)

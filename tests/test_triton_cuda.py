@@ -13,9 +13,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-from specdecode_worker.engine.attention import TorchNativeAttnBackend  # noqa: E402
+from specdecode_worker.engine.kernels.attention import TorchNativeAttnBackend  # noqa: E402
 from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
-from specdecode_worker.engine.pools import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from specdecode_worker.engine.memory.pools import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 
 CTX = 8192
 D = 128
@@ -45,7 +45,7 @@ def _decode_batch(seq_lens: list[int]) -> ForwardBatch:
 
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_bf16_decode_at_real_sizes_matches_torch_native(group):
-    from specdecode_worker.engine.triton_attention import decode_attention
+    from specdecode_worker.engine.kernels.triton_attention import decode_attention
 
     req_pool, kv, q = _setup(6, 8 // group if group < 8 else 1, group, 3 * CTX)
     fb = _decode_batch([1, 100, 1000, 4097, 7000, 8192])
@@ -57,7 +57,7 @@ def test_bf16_decode_at_real_sizes_matches_torch_native(group):
 
 def test_one_captured_graph_serves_every_context_length():
     """Captured at length 16, replayed at 8192: the kernels read seq_lens at replay."""
-    from specdecode_worker.engine.triton_attention import TritonAttnBackend
+    from specdecode_worker.engine.kernels.triton_attention import TritonAttnBackend
 
     req_pool, kv, q = _setup(4, 2, 4, 3 * CTX)
     backend = TritonAttnBackend(req_pool, kv, None)
@@ -85,7 +85,7 @@ def test_one_captured_graph_serves_every_context_length():
 def test_engine_starts_at_context_8192_with_the_planners_graph_batch(tmp_path):
     """The plan's default cudaGraphMaxBs for this GPU is captured at contextLength 8192, and the
     caching allocator's peak beyond weights and pools stays within the plan's reserves."""
-    from specdecode_worker import serve_cli
+    from specdecode_worker.serving import serve_cli
     from specdecode_worker.engine.request import Request, SamplingParams
     from specdecode_worker.engine.engine import Engine
 
@@ -125,7 +125,7 @@ MLA_RANK, MLA_ROPE, MLA_HEADS = 512, 64, 128
 
 
 def _mla_setup(seq_lens: list[int], extend_lens: list[int], kv_dtype=torch.bfloat16, seed: int = 0):
-    from specdecode_worker.engine.mla_pool import MLATokenToKVPool
+    from specdecode_worker.engine.memory.mla_pool import MLATokenToKVPool
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     pool = 3 * CTX
@@ -152,7 +152,7 @@ def _mla_setup(seq_lens: list[int], extend_lens: list[int], kv_dtype=torch.bfloa
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("extend", [False, True])
 def test_mla_kernels_at_deepseek_sizes_match_torch_native(kv_dtype, extend):
-    from specdecode_worker.engine.triton_mla import TritonMLABackend
+    from specdecode_worker.engine.kernels.triton_mla import TritonMLABackend
 
     if kv_dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("Triton has no e4m3 before sm_89")
@@ -167,7 +167,7 @@ def test_mla_kernels_at_deepseek_sizes_match_torch_native(kv_dtype, extend):
 
 def test_one_captured_mla_graph_serves_every_context_length():
     """Decode captured at length 16, replayed at lengths up to 8192 (seq_lens read at replay)."""
-    from specdecode_worker.engine.triton_mla import TritonMLABackend
+    from specdecode_worker.engine.kernels.triton_mla import TritonMLABackend
 
     req_pool, kv, fb, q, latent = _mla_setup([16] * 4, [1] * 4)
     backend = TritonMLABackend(req_pool, kv)
@@ -197,7 +197,7 @@ def test_mla_verify_graphs_replay_right_after_their_warm_up_tensors_are_reused()
     the next size replaced it. Replayed after the allocator has handed memory out again, a real
     batch of three chains matches torch-native attention."""
     from specdecode_worker.engine.cuda_graph import GraphRunner
-    from specdecode_worker.engine.triton_mla import TritonMLABackend
+    from specdecode_worker.engine.kernels.triton_mla import TritonMLABackend
 
     width, W = 4, MLA_RANK + MLA_ROPE
     req_pool, kv, fb, q, latent = _mla_setup([300, 2048, 17], [width] * 3)
@@ -222,7 +222,7 @@ def test_expert_kernel_at_deepseek_sizes_matches_the_routed_moe(fp8):
     8 per token, bf16 compute; bf16 or the release's fp8 128 x 128 block-quantized weights): the
     expert kernel over stacked weights (8 and 56 pairs) and every expert."""
     transformers = pytest.importorskip("transformers")
-    from specdecode_worker.engine.distributed import SINGLE
+    from specdecode_worker.engine.parallel.distributed import SINGLE
     from specdecode_worker.engine.models.deepseek_v3 import Linears, MoE
 
     from devtools.deepseek_models import TINY

@@ -1,4 +1,4 @@
-"""The Triton MLA kernels (engine/triton_mla.py) against the torch-native backend over the latent pool.
+"""The Triton MLA kernels (engine/kernels/triton_mla.py) against the torch-native backend over the latent pool.
 
 DeepSeek-like dims scaled down: kv_lora_rank 64, rope 16, 4 to 20 query heads (20 leaves a partial
 block of 16 heads). Without a GPU the kernels run under Triton's interpreter (tests/conftest.py and
@@ -8,11 +8,11 @@ tests/test_triton_attention.py say how it is switched on); with one they run com
 from __future__ import annotations
 
 import pytest
-from specdecode_worker.engine import triton_mla as tm  # noqa: E402
-from specdecode_worker.engine.attention import TorchNativeAttnBackend  # noqa: E402
+from specdecode_worker.engine.kernels import triton_mla as tm  # noqa: E402
+from specdecode_worker.engine.kernels.attention import TorchNativeAttnBackend  # noqa: E402
 from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
-from specdecode_worker.engine.mla_pool import MLATokenToKVPool  # noqa: E402
-from specdecode_worker.engine.pools import ReqToTokenPool  # noqa: E402
+from specdecode_worker.engine.memory.mla_pool import MLATokenToKVPool  # noqa: E402
+from specdecode_worker.engine.memory.pools import ReqToTokenPool  # noqa: E402
 
 from tests.triton_interpreter import (  # noqa: E402, F401
     CUDA, DEVICE, E4M3_ON_DEVICE, assert_capture_makes_its_own_metadata, paged_batch, poison_dead_slots, torch, triton,
@@ -138,9 +138,9 @@ def test_splits_and_workspace_follow_head_blocks():
 
 
 def test_the_backend_choice_gives_mla_pools_the_mla_kernels(monkeypatch):
-    from specdecode_worker.engine.attention import ATTENTION_BACKEND_ENV, make_attn_backend
-    from specdecode_worker.engine.pools import MHATokenToKVPool
-    from specdecode_worker.engine.triton_attention import TritonAttnBackend
+    from specdecode_worker.engine.kernels.attention import ATTENTION_BACKEND_ENV, make_attn_backend
+    from specdecode_worker.engine.memory.pools import MHATokenToKVPool
+    from specdecode_worker.engine.kernels.triton_attention import TritonAttnBackend
 
     req_pool, kv, _ = _pools()
     monkeypatch.setenv(ATTENTION_BACKEND_ENV, "triton")
@@ -163,7 +163,7 @@ def test_deepseek_with_mtp_gives_the_same_greedy_output_on_both_backends(tmp_pat
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "DeepseekV3ForCausalLM"):
         pytest.skip("this transformers has no DeepseekV3ForCausalLM")
-    from specdecode_worker.engine.attention import ATTENTION_BACKEND_ENV
+    from specdecode_worker.engine.kernels.attention import ATTENTION_BACKEND_ENV
     from specdecode_worker.engine.cuda_graph import GraphInputs
     from specdecode_worker.engine.request import Request, SamplingParams
 
@@ -232,7 +232,7 @@ def test_a_graph_capture_makes_its_own_extend_metadata(monkeypatch):
 
 
 def test_a_tree_batch_is_refused_rather_than_attended_without_its_mask():
-    from specdecode_worker.engine.tree_attention import TreeForwardBatch
+    from specdecode_worker.engine.kernels.tree_attention import TreeForwardBatch
 
     req_pool, kv, g = _pools()
     fb = paged_batch(req_pool, [12], [2], [1])

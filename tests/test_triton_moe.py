@@ -1,4 +1,4 @@
-"""The Triton expert kernel (engine/triton_moe.py) on fp8 e4m3 weights, both ways it reads them:
+"""The Triton expert kernel (engine/kernels/triton_moe.py) on fp8 e4m3 weights, both ways it reads them:
 converted by Triton (sm_89 and later) and decoded from their bytes with integer ops (before sm_89,
 where Triton has no e4m3 type). The decoding is checked on every e4m3 value against torch's own
 conversion. Without a GPU the kernel runs under Triton's interpreter (tests/conftest.py and
@@ -8,7 +8,7 @@ tests/test_triton_attention.py say how it is switched on); with one, compiled.
 from __future__ import annotations
 
 import pytest
-from specdecode_worker.engine import triton_moe  # noqa: E402
+from specdecode_worker.engine.kernels import triton_moe  # noqa: E402
 
 from tests.triton_interpreter import CUDA, DEVICE, torch  # noqa: E402, F401
 

@@ -18,10 +18,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from specdecode_worker import metrics, server  # noqa: E402
+from specdecode_worker.serving import metrics, server  # noqa: E402
 from specdecode_worker.contract import ExitCode  # noqa: E402
-from specdecode_worker.engine import batch_sampling, eagle_speculator, speculative, warmup  # noqa: E402
-from specdecode_worker.engine.eagle_speculator import EagleSpeculator  # noqa: E402
+from specdecode_worker.engine import batch_sampling, warmup  # noqa: E402
+from specdecode_worker.engine.speculation import eagle_speculator, speculative  # noqa: E402
+from specdecode_worker.engine.speculation.eagle_speculator import EagleSpeculator  # noqa: E402
 from specdecode_worker.engine.engine import StartupError  # noqa: E402
 from specdecode_worker.engine.model_runner import ModelRunner  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402

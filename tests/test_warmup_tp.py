@@ -11,10 +11,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from specdecode_worker.contract import GIB  # noqa: E402
-from specdecode_worker.engine.distributed import launch  # noqa: E402
+from specdecode_worker.engine.parallel.distributed import launch  # noqa: E402
 from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.plan import runtime_reserve_bytes  # noqa: E402
+from specdecode_worker.planner.plan import runtime_reserve_bytes  # noqa: E402
 
 from devtools.deepseek_models import write_tiny_deepseek  # noqa: E402
 from tests.eagle_heads import write_eagle3_head  # noqa: E402
@@ -55,7 +55,7 @@ def _report(eng) -> dict:
 
 def _rank(kws: dict) -> dict:
     from specdecode_worker.engine import warmup
-    from specdecode_worker.engine.tp_engine import run_rank
+    from specdecode_worker.engine.parallel.tp_engine import run_rank
 
     torch.set_num_threads(1)
     warmup.peak_reader = lambda device: ReportedPeak()

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from specdecode_worker.contract import GIB
-from specdecode_worker.engine.distributed import launch
+from specdecode_worker.engine.parallel.distributed import launch
 from specdecode_worker.engine.engine import EngineArgs
 from specdecode_worker.engine.request import Request, SamplingParams
-from specdecode_worker.plan import runtime_reserve_bytes
+from specdecode_worker.planner.plan import runtime_reserve_bytes
 
 from tests.engine_helpers import run_all
 
@@ -45,8 +45,8 @@ def _lead(eng) -> dict:
 
 def tp_rank(engine_kws: dict[str, dict], bad_target: dict | None = None) -> dict:
     """Runs inside each rank process (spawned): per algorithm one engine, init, then lead or follow."""
-    from specdecode_worker.engine.distributed import get_tp
-    from specdecode_worker.engine.tp_engine import run_rank
+    from specdecode_worker.engine.parallel.distributed import get_tp
+    from specdecode_worker.engine.parallel.tp_engine import run_rank
 
     torch.set_num_threads(1)
     out = {}

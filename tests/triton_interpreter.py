@@ -55,7 +55,7 @@ def assert_capture_makes_its_own_metadata(monkeypatch, kernels, kernel: str, q_s
     warm-up's metadata tensors (freed once another batch replaces them, while the graph reads their
     addresses at every replay). ``kernels.<kernel>`` is spied on for its ``q_start`` argument
     (position ``q_start_arg``); the capture is simulated: the stream reports capturing."""
-    from specdecode_worker.engine import triton_attention as ta
+    from specdecode_worker.engine.kernels import triton_attention as ta
 
     seen, real = [], getattr(kernels, kernel)
     monkeypatch.setattr(kernels, kernel, lambda *a, **kw: seen.append(a[q_start_arg]) or real(*a, **kw))

@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from specdecode_worker.contract import DEFAULT_ENGINE, EAGLE_ALGORITHMS, GIB, MIB
-from specdecode_worker.runtimes import sglang, vllm
+from specdecode_worker.planner.runtimes import sglang, vllm
 
 from . import labels, models, podsecurity
 from .spec import SpecView, draft_proposals

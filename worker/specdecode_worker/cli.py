@@ -51,14 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         p.print_usage(sys.stderr)
         return ExitCode.BAD_INPUT
     if args.command == "plan":
-        from .plan_cli import main as plan_main
+        from .planner.plan_cli import main as plan_main
 
         return plan_main(rest)
     if args.command == "fetch":
-        from .fetch_cli import main as fetch_main
+        from .planner.fetch_cli import main as fetch_main
 
         return fetch_main(rest)
-    from .serve_cli import main as serve_main
+    from .serving.serve_cli import main as serve_main
 
     return serve_main(rest)
 

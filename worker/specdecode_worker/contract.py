@@ -37,6 +37,30 @@ DEFAULT_GPUS_PER_NODE = 8
 # request does not say.
 VERIFY_TOKENS = 4
 
+# Engine shapes the planner prices: defined here so that the engine reads them without importing the
+# planner.
+# The Triton decode kernel splits each request's keys over at most this many programs; its fp32
+# partial outputs (v_head_dim values and one log-sum-exp per head and split) are its workspace.
+DECODE_MAX_KV_SPLITS = 16
+# Sampling and acceptance (batch_sampling.py, tree.accept_trees) run the requests that sample in
+# blocks of whole requests. A block's scratch with temperature, top-k and top-p: fp32 and int64
+# temporaries per row and vocabulary entry beyond the logits themselves (two sorts with their
+# indices, the distributions, their cumulative sums, a copy of the block's logits when its requests
+# are not consecutive in the batch), counted as live tensor bytes on CPU: 32, 36 with the copy
+# (tests/test_dynamic_reserve.py), and small per-request bookkeeping. A block holds as
+# many requests as keep its scratch within SAMPLING_BLOCK_BYTES (at least one), so the scratch does
+# not grow with the batch.
+SAMPLING_BYTES_PER_LOGIT = 40
+SAMPLING_BLOCK_BYTES = 256 * MIB
+
+
+def sampling_block_rows(vocab_size: int, rows_per_request: int = 1) -> int:
+    """Logit rows sampled at once: whole requests of ``rows_per_request`` rows, as many as keep the
+    block's scratch within ``SAMPLING_BLOCK_BYTES``, and at least one request."""
+    requests = SAMPLING_BLOCK_BYTES // (SAMPLING_BYTES_PER_LOGIT * rows_per_request * vocab_size)
+    return max(1, requests) * rows_per_request
+
+
 # --kv-cache-dtype: auto keeps K/V in the compute dtype; fp8 stores one byte per element, as the
 # torch dtype named here.
 FP8_KV_CACHE_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}

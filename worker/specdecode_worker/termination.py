@@ -15,7 +15,7 @@ from typing import Callable
 from .contract import ExitCode
 from .errors import InputError
 from .flags import asks_for_help
-from .hub import HubError, redact
+from .planner.hub import HubError, redact
 
 # What a command's work returns: the termination-log text, the exit code, and what shows the result
 # once the log is written (or None).

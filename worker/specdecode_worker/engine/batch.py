@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .forward_batch import ForwardBatch, to_device
-from .pools import ReqToTokenPool, TokenToKVPoolAllocator
+from .memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
 
 
 def alloc_positions(req_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, req_idx: int, start: int,

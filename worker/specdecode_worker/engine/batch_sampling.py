@@ -10,7 +10,7 @@ back; it counts its calls so tests can check that a step transfers once.
 
 Memory stays bounded whatever the batch: greedy requests only take the argmax, and the requests
 that sample run in blocks of whole requests (``sampled_blocks``) whose distributions, sorts and
-cumulative sums fit the plan's per-block budget (``plan.sampling_block_rows``); requests without a
+cumulative sums fit the plan's per-block budget (``contract.sampling_block_rows``); requests without a
 top-k or top-p cut form blocks of their own, so no row is sorted that needs no sort. Every op is
 row by row, so a request's results do not depend on the block or the batch it runs in.
 """
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..plan import sampling_block_rows
+from ..contract import sampling_block_rows
 from .forward_batch import to_device
 from .request import SamplingParams
 

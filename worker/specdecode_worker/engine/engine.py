@@ -29,23 +29,23 @@ import torch
 
 from ..contract import EAGLE_ALGORITHMS, SERVED_ALGORITHMS
 from ..errors import InputError
-from ..model_config import ModelShape, load_shape
-from ..mtp_rule import check_standalone_draft
-from ..vocabulary import check_vocabulary
-from .distributed import follow, get_tp, stop_followers
-from .eagle_speculator import EagleRunner, EagleSpeculator, check_tree_args
-from .memory import MemoryProfile, free_device_bytes, profile_memory
-from .mtp_runner import MTPRunner, check_mtp_args
+from ..model_rules.model_config import ModelShape, load_shape
+from ..model_rules.mtp_rule import check_standalone_draft
+from ..model_rules.vocabulary import check_vocabulary
+from .memory.kv_budget import MemoryProfile, free_device_bytes, profile_memory
+from .memory.pools import KV_CACHE_DTYPES, MemoryPoolConfig
 from .model_runner import ModelRunner
+from .parallel.distributed import follow, get_tp, stop_followers
 from .phases import Phase, PhaseError
-from .pools import KV_CACHE_DTYPES, MemoryPoolConfig
 from .request import Request, make_generator
 from .scheduler import Scheduler
-from .spec_policy import FIXED, MODES, SpecPolicy
-from .speculation_control import SpeculationController, build_controller, measure_step_cost
-from .speculative import Speculator, StandaloneSpeculator
+from .speculation.eagle_speculator import EagleRunner, EagleSpeculator, check_tree_args
+from .speculation.mtp_runner import MTPRunner, check_mtp_args
+from .speculation.spec_policy import FIXED, MODES, SpecPolicy
+from .speculation.speculation_control import SpeculationController, build_controller, measure_step_cost
+from .speculation.speculative import Speculator, StandaloneSpeculator
+from .speculation.vocab_map import DraftVocabulary
 from .stats import Stats
-from .vocab_map import DraftVocabulary
 from .warmup import DynamicPeak, WarmUpOutOfMemory, measurable, warm_up
 
 log = logging.getLogger(__name__)

@@ -13,16 +13,16 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
-from ..model_config import load_shape
-from .attention import TorchNativeAttnBackend, attention_backend_name, make_attn_backend
-from .distributed import announce_forward
+from ..model_rules.model_config import load_shape
 from .forward_batch import ForwardBatch
-from .kv_slots import KVSlots
-from .loader import load_safetensors, tensor_bytes
+from .kernels.attention import TorchNativeAttnBackend, attention_backend_name, make_attn_backend
+from .memory.kv_slots import KVSlots
+from .memory.pools import MemoryPoolConfig, MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator, resolve_kv_dtype
 from .models import model_class
-from .parallel_layers import model_tp
+from .models.loader import load_safetensors, tensor_bytes
+from .parallel.distributed import announce_forward
+from .parallel.parallel_layers import model_tp
 from .phases import Phase, PhaseError, require
-from .pools import MemoryPoolConfig, MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator, resolve_kv_dtype
 
 log = logging.getLogger(__name__)
 

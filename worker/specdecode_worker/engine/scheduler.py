@@ -24,7 +24,7 @@ from collections import deque
 from contextlib import contextmanager
 from typing import Callable
 
-from .kv_slots import KVSlots
+from .memory.kv_slots import KVSlots
 from .request import Request
 from .stats import Stats
 

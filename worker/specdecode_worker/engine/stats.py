@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .request import Request
-from .speculative import RoundResult
+from .speculation.speculative import RoundResult
 
 
 @dataclass

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from ...errors import InputError
-from ..distributed import SINGLE, TPGroup
 from ..forward_batch import ForwardBatch
-from ..mla_pool import MLATokenToKVPool
+from ..memory.mla_pool import MLATokenToKVPool
+from ..parallel.distributed import SINGLE, TPGroup
 from .deepseek_v3 import DecoderLayer, Linears, MLARotary, MoE, check_moe_splits, stack_layer_experts
 from .llama import RMSNorm
 

@@ -33,12 +33,19 @@ from torch import nn
 
 from ...errors import InputError
 from ..cuda_graph import in_graph_pass
-from ..distributed import SINGLE, TPGroup
 from ..forward_batch import ForwardBatch
-from ..fp8_linear import Fp8BlockLinear, dense_weight, fp8_block_size
-from ..mla_pool import MLATokenToKVPool
-from ..parallel_layers import RowParallelLinear, column_linear, lm_head, parallel_logits, row_linear, vocab_embedding
-from ..layer_kernels import silu_mul
+from ..kernels.fp8_linear import Fp8BlockLinear, dense_weight, fp8_block_size
+from ..kernels.layer_kernels import silu_mul
+from ..memory.mla_pool import MLATokenToKVPool
+from ..parallel.distributed import SINGLE, TPGroup
+from ..parallel.parallel_layers import (
+    RowParallelLinear,
+    column_linear,
+    lm_head,
+    parallel_logits,
+    row_linear,
+    vocab_embedding,
+)
 from .llama import RMSNorm
 from .rope import RotaryEmbedding, _rope_parameters
 
@@ -245,7 +252,7 @@ class MoE(nn.Module):
     def chosen_experts(self, x, experts, weights) -> torch.Tensor:
         """Each (token, chosen expert) pair on the Triton expert kernel over the stacked weights:
         static shapes, and only the chosen experts' weights are read (fewer pairs than experts)."""
-        from ..triton_moe import expert_gemv  # imports triton: only where graphs run
+        from ..kernels.triton_moe import expert_gemv  # imports triton: only where graphs run
 
         n, k = experts.shape
         ids = experts.reshape(-1)

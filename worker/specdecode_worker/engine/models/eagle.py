@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..distributed import SINGLE, TPGroup
-from ..parallel_layers import column_linear, kv_head_block, lm_head, row_linear
-from ..layer_kernels import silu_mul
+from ..kernels.layer_kernels import silu_mul
+from ..parallel.distributed import SINGLE, TPGroup
+from ..parallel.parallel_layers import column_linear, kv_head_block, lm_head, row_linear
 from .llama import RMSNorm
 from .rope import RotaryEmbedding
 

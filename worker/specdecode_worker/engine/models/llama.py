@@ -8,11 +8,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..distributed import SINGLE, TPGroup
 from ..forward_batch import ForwardBatch
-from ..layer_kernels import rms_norm, silu_mul
-from ..parallel_layers import (column_linear, fuse_linears, kv_head_block, lm_head, parallel_logits, row_linear,
-                               vocab_embedding)
+from ..kernels.layer_kernels import rms_norm, silu_mul
+from ..parallel.distributed import SINGLE, TPGroup
+from ..parallel.parallel_layers import (
+    column_linear,
+    fuse_linears,
+    kv_head_block,
+    lm_head,
+    parallel_logits,
+    row_linear,
+    vocab_embedding,
+)
 from .rope import RotaryEmbedding
 
 

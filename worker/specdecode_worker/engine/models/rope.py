@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layer_kernels import apply_rotary
+from ..kernels.layer_kernels import apply_rotary
 
 
 def _rope_parameters(config) -> dict:

@@ -1,0 +1,88 @@
+"""The package layout's rules, read from the import statements themselves (no module is imported).
+
+- The engine does not import the planner or the HTTP layer: what both need lives in ``contract``
+  or ``model_rules``.
+- The planner, the model rules and the contract import no torch, and nothing from the engine.
+- The operator imports from the worker package only ``contract`` and the engines' pricing and
+  flags (``planner.runtimes``, standard library only).
+- Only tests import ``tests``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "worker" / "specdecode_worker"
+
+
+def _module(path: Path, source_root: Path) -> str:
+    parts = list(path.relative_to(source_root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, source_root: Path) -> set[str]:
+    """Absolute names of every module ``path`` imports, relative imports resolved."""
+    module = _module(path, source_root)
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module
+            found.add(name)
+            found.update(f"{name}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _violations(folder: Path, source_root: Path, forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(f"{path.relative_to(ROOT)} imports {name}"
+                  for path in folder.rglob("*.py")
+                  for name in imports(path, source_root)
+                  if any(name == f or name.startswith(f + ".") for f in forbidden))
+
+
+def test_the_engine_imports_neither_the_planner_nor_the_http_layer():
+    assert _violations(WORKER / "engine", WORKER.parent,
+                       ("specdecode_worker.planner", "specdecode_worker.serving")) == []
+
+
+def test_the_planner_the_model_rules_and_the_contract_import_no_torch_and_no_engine():
+    forbidden = ("torch", "triton", "specdecode_worker.engine", "specdecode_worker.serving")
+    found = [v for folder in (WORKER / "planner", WORKER / "model_rules")
+             for v in _violations(folder, WORKER.parent, forbidden)]
+    for path in (WORKER / "contract.py", WORKER / "devices.py", WORKER / "errors.py"):
+        found += [f"{path.name} imports {n}" for n in imports(path, WORKER.parent)
+                  if any(n == f or n.startswith(f + ".") for f in forbidden)]
+    assert found == []
+
+
+def test_the_operator_imports_only_the_contract_and_the_engines_flags_from_the_worker():
+    allowed = ("specdecode_worker.contract", "specdecode_worker.planner.runtimes")
+    operator = ROOT / "operator" / "specdecode_operator"
+    used = {name for path in operator.rglob("*.py") for name in imports(path, operator.parent)
+            if name.startswith("specdecode_worker")}
+    assert used, "the operator reads the contract: an empty set means this test reads nothing"
+    assert sorted(n for n in used if not any(n == a or n.startswith(a + ".") for a in allowed)) == []
+
+
+def test_only_tests_import_tests():
+    outside = [p for p in ROOT.rglob("*.py")
+               if not p.relative_to(ROOT).parts[0].startswith((".", "tests"))]
+    assert len(outside) > 100, "the walk found the repository's code"
+    found = sorted(f"{p.relative_to(ROOT)} imports {n}" for p in outside
+                   for n in imports(p, ROOT) if n == "tests" or n.startswith("tests."))
+    assert found == []
+
+
+def test_the_import_reader_resolves_relative_imports(tmp_path):
+    pkg = tmp_path / "pkg" / "sub"
+    pkg.mkdir(parents=True)
+    (pkg / "mod.py").write_text("from ..contract import X\nfrom . import sibling\nimport torch\n")
+    assert imports(pkg / "mod.py", tmp_path) >= {"pkg.contract", "pkg.contract.X", "pkg.sub.sibling", "torch"}

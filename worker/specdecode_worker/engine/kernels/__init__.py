@@ -1,0 +1,1 @@
+"""Attention backends and fused kernels: torch-native references and their Triton versions."""

@@ -1,0 +1,358 @@
+"""Paged attention kernels in Triton: split-KV decode, and one extend kernel for prefill, chain
+verification and tree-masked verification.
+
+Every kernel reads K/V through ``req_to_token`` (the request's live positions only), indexes the
+KV head of each query head (grouped-query attention without repeating K/V), and upcasts the pool's
+dtype (bf16/fp16/fp32 or fp8 e4m3/e5m2, scale 1.0) to the query's dtype after the load.
+
+Slots are widened to 64 bits as they are loaded: slot x row stride passes 2**31 in a pool of
+millions of tokens (4.4M x 8 heads x 128), and a 32-bit product would wrap.
+
+CUDA-graph rules the kernels keep: no host sync, a grid fixed by the batch size (decode: a fixed
+number of KV splits per batch size; extend: a fixed query-block count), and per-request loop
+bounds read from ``seq_lens`` inside the kernel, so one captured graph serves every context length.
+
+The torch-native backend (attention.py, tree_attention.py) is the reference these kernels are
+tested against (on CPU, under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...contract import DECODE_MAX_KV_SPLITS
+from ..forward_batch import ForwardBatch, to_device
+from ..memory.pools import MHATokenToKVPool, ReqToTokenPool
+
+NO_WINDOW = 1 << 30  # a sliding window wider than any context: plain causal attention
+# Finite "minus infinity" for running maxima, so fully-masked blocks give exp(...) = 0; a constexpr,
+# the only kind of global a compiled kernel may read (the interpreter reads any).
+_NEG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _upcast(x, dtype: tl.constexpr):
+    """K/V as loaded to the query's dtype. An e5m2 byte is the high byte of the fp16 of the same
+    value, so it is widened by a shift (exact): Triton 3.6 converts e5m2 on sm_80 with instructions
+    of sm_89/sm_90 that ptxas refuses there. e4m3 is served by Triton from sm_89 only (attention.py)."""
+    if x.dtype == tl.float8e5:
+        x = (x.to(tl.uint8, bitcast=True).to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _online_update(qk, allowed, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One flash-attention step: fold a block of scores (masked by ``allowed``) and values in."""
+    qk = tl.where(allowed, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_partial_kernel(
+    Q, K, V, ReqToToken, ReqIdx, SeqLens, PartO, PartLse,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    scaling, window,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (batch, kv_heads, splits): the query heads of one KV head over one split of the keys."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    req = tl.load(ReqIdx + b)
+    lo = tl.maximum(seq_len - window, 0)  # the query sits at position seq_len - 1
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < GROUP
+    heads = kvh * GROUP + offs_h
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=hmask[:, None] & (offs_d[None, :] < D), other=0.0)
+    m_i = tl.full([BLOCK_H], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for s in range(start, end, BLOCK_N):
+        pos = s + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        slot = tl.load(ReqToToken + req * stride_rt + pos, mask=valid, other=0).to(tl.int64)
+        k = _upcast(tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
+                            mask=valid[:, None] & (offs_d[None, :] < D), other=0.0), q.dtype)
+        v = _upcast(tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
+                            mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0), q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
+        m_i, l_i, acc = _online_update(qk, valid[None, :], v, m_i, l_i, acc, PRECISION)
+
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
+    tl.store(PartO + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :], o,
+             mask=hmask[:, None] & (offs_dv[None, :] < DV))
+    tl.store(PartLse + b * stride_lb + heads * stride_lh + split, lse, mask=hmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    PartO, PartLse, Out,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Grid (batch, heads): combine the splits' partial outputs by their log-sum-exp."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    smask = offs_s < NUM_SPLITS
+    lse = tl.load(PartLse + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp(lse - m)  # empty splits have lse -inf: weight 0 (split 0 is never empty)
+    o = tl.load(PartO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_dv[None, :],
+                mask=smask[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(Out + b * stride_outb + h * stride_outh + offs_dv, out.to(Out.dtype.element_ty), mask=offs_dv < DV)
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, Out, ReqToToken, ReqIdx, QStart, QLens, LinearLens, Positions,
+    ExtraStart, ExtraSlots, ExtraPos, MaskStart, Mask,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_rt,
+    scaling, window,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_EXTRA: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (batch, heads, query blocks): a block of one request's new tokens for one head.
+
+    Keys are the request's positions ``0 .. LinearLens[b] - 1`` read through req_to_token, under
+    the causal rule (key position <= query position) and the sliding window; with ``HAS_EXTRA``
+    also the request's extra slots (draft-tree nodes) under its ``[q_len, E]`` mask.
+    """
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mblk = tl.program_id(2)
+    q_len = tl.load(QLens + b)
+    if mblk * BLOCK_M >= q_len:
+        return
+    q_start = tl.load(QStart + b)
+    linear_len = tl.load(LinearLens + b)
+    req = tl.load(ReqIdx + b)
+    kvh = h // GROUP
+
+    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = offs_m < q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    qpos = tl.load(Positions + q_start + offs_m, mask=mmask, other=0)
+    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
+                mask=mmask[:, None] & (offs_d[None, :] < D), other=0.0)
+    m_i = tl.full([BLOCK_M], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    # Causal part: only keys some query of this block can see.
+    hi = tl.minimum(linear_len, tl.max(tl.where(mmask, qpos, 0), 0) + 1)
+    lo = tl.maximum(tl.min(tl.where(mmask, qpos, 1 << 62), 0) - window + 1, 0)
+    for s in range(lo, hi, BLOCK_N):
+        kpos = s + tl.arange(0, BLOCK_N)
+        valid = kpos < hi
+        slot = tl.load(ReqToToken + req * stride_rt + kpos, mask=valid, other=0).to(tl.int64)
+        k = _upcast(tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
+                            mask=valid[:, None] & (offs_d[None, :] < D), other=0.0), q.dtype)
+        v = _upcast(tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
+                            mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0), q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
+        allowed = valid[None, :] & (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)
+        m_i, l_i, acc = _online_update(qk, allowed, v, m_i, l_i, acc, PRECISION)
+
+    if HAS_EXTRA:
+        e_start = tl.load(ExtraStart + b)
+        e_len = tl.load(ExtraStart + b + 1) - e_start
+        mask_start = tl.load(MaskStart + b)
+        for s in range(0, e_len, BLOCK_N):
+            offs_e = s + tl.arange(0, BLOCK_N)
+            valid = offs_e < e_len
+            slot = tl.load(ExtraSlots + e_start + offs_e, mask=valid, other=0).to(tl.int64)
+            kpos = tl.load(ExtraPos + e_start + offs_e, mask=valid, other=0)
+            k = _upcast(tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
+                                mask=valid[:, None] & (offs_d[None, :] < D), other=0.0), q.dtype)
+            v = _upcast(tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
+                                mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0), q.dtype)
+            tree = tl.load(Mask + mask_start + offs_m[:, None] * e_len + offs_e[None, :],
+                           mask=mmask[:, None] & valid[None, :], other=0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
+            allowed = (tree != 0) & valid[None, :] & (kpos[None, :] > qpos[:, None] - window)
+            m_i, l_i, acc = _online_update(qk, allowed, v, m_i, l_i, acc, PRECISION)
+
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(Out + (q_start + offs_m)[:, None] * stride_on + h * stride_oh + offs_dv[None, :],
+             o.to(Out.dtype.element_ty), mask=mmask[:, None] & (offs_dv[None, :] < DV))
+
+
+def _precision(q: torch.Tensor) -> str:
+    # fp32 models are compared bit-for-bit-ish against fp32 references: no TF32 for them.
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _p2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+def decode_num_splits(batch_size: int, kv_heads: int, num_sms: int) -> int:
+    """KV splits per request: enough programs to fill the GPU twice over, at most the planner's cap.
+
+    A function of the batch size only, so a CUDA graph captured for that size keeps its grid.
+    """
+    return max(1, min(DECODE_MAX_KV_SPLITS, triton.cdiv(2 * num_sms, batch_size * kv_heads)))
+
+
+def decode_workspace_bytes(batch_size: int, num_heads: int, v_head_dim: int, num_splits: int) -> int:
+    """fp32 partial outputs and log-sum-exps of the split-KV decode."""
+    return batch_size * num_heads * num_splits * (v_head_dim + 1) * 4
+
+
+def decode_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scaling: float,
+                     window: int | None, num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, H, D], one token per request at position seq_lens - 1; returns [B, H, Dv]."""
+    B, H, D = q.shape
+    kv_heads, dv = k_buf.shape[1], v_buf.shape[-1]
+    group = H // kv_heads
+    part_o = torch.empty((B, H, num_splits, dv), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
+    out = torch.empty((B, H, dv), dtype=q.dtype, device=q.device) if out is None else out
+    _decode_partial_kernel[(B, kv_heads, num_splits)](
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        req_to_token.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1), scaling, window or NO_WINDOW,
+        GROUP=group, BLOCK_H=_p2(group), BLOCK_N=64, D=D, DV=dv, BLOCK_D=_p2(D), BLOCK_DV=_p2(dv),
+        NUM_SPLITS=num_splits, PRECISION=_precision(q),
+    )
+    _decode_reduce_kernel[(B, H)](
+        part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+        DV=dv, BLOCK_DV=_p2(dv), NUM_SPLITS=num_splits, BLOCK_S=_p2(num_splits, 2),
+    )
+    return out
+
+
+def extend_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, q_start, q_lens, linear_lens, positions,
+                     max_q_len: int, scaling: float, window: int | None, extra=None) -> torch.Tensor:
+    """q: [N, H, D] new tokens of B requests; returns [N, H, Dv].
+
+    Request b's queries are rows ``q_start[b] .. q_start[b] + q_lens[b] - 1`` and see its
+    positions below ``linear_lens[b]`` causally. ``extra``: (extra_start [B+1], slots [E],
+    positions [E], mask_start [B], mask int8 flat [sum q_len_b * E_b]) for draft trees.
+    """
+    N, H, D = q.shape
+    kv_heads, dv = k_buf.shape[1], v_buf.shape[-1]
+    out = torch.empty((N, H, dv), dtype=q.dtype, device=q.device)
+    if N == 0:
+        return out
+    block_m = 64 if max_q_len > 32 else (32 if max_q_len > 16 else 16)
+    has_extra = extra is not None
+    e_start, e_slots, e_pos, m_start, mask = extra if has_extra else (q_start,) * 5  # unused placeholders
+    B = req_pool_indices.shape[0]
+    _extend_kernel[(B, H, triton.cdiv(max_q_len, block_m))](
+        q, k_buf, v_buf, out, req_to_token, req_pool_indices, q_start, q_lens, linear_lens, positions,
+        e_start, e_slots, e_pos, m_start, mask,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        out.stride(0), out.stride(1), req_to_token.stride(0), scaling, window or NO_WINDOW,
+        GROUP=H // kv_heads, BLOCK_M=block_m, BLOCK_N=64, D=D, DV=dv, BLOCK_D=_p2(D), BLOCK_DV=_p2(dv),
+        HAS_EXTRA=has_extra, PRECISION=_precision(q),
+    )
+    return out
+
+
+def stream_capturing(device: torch.device) -> bool:
+    """A CUDA graph is being captured on ``device``'s current stream (never on CPU)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class BatchMeta:
+    """A batch's per-request metadata, made by ``make(fb, device)`` once and reused by every layer.
+
+    Made again when a graph capture begins with the batch it was made for at warm-up (a graph
+    runner's static batch): a graph must compute it itself, since the warm-up's tensors are freed,
+    and their memory reused, as soon as another batch replaces them, while the graph would keep
+    reading their addresses at every replay.
+    """
+
+    def __init__(self, make):
+        self.make = make
+        self._fb, self._capturing, self._meta = None, False, None
+
+    def __call__(self, fb: ForwardBatch, device: torch.device):
+        capturing = stream_capturing(device)
+        if self._fb is not fb or self._capturing != capturing:
+            self._meta = self.make(fb, device)
+            self._fb, self._capturing = fb, capturing
+        return self._meta
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # the interpreter on CPU: any fixed value gives the same numbers
+
+
+class TritonAttnBackend:
+    """Same interface as TorchNativeAttnBackend and TreeAttnBackend: one object serves decode,
+    extend (prefill, chain verification) and tree batches (a ``TreeForwardBatch``)."""
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, sliding_window: int | None):
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.kv_pool = kv_pool
+        self.sliding_window = sliding_window
+        self.num_sms = _sm_count(self.req_to_token.device)
+        self._meta = BatchMeta(lambda fb, device: self._tree_meta(fb, device) if hasattr(fb, "mask")
+                               else self._extend_meta(fb, device))
+
+    def num_splits(self, batch_size: int) -> int:
+        return decode_num_splits(batch_size, self.kv_pool.k_buffer[0].shape[1], self.num_sms)
+
+    def forward(self, q, k, v, layer_id: int, fb: ForwardBatch, scaling: float) -> torch.Tensor:
+        """q: [N, H, D], k/v: [N, Hkv, D] for the new tokens; returns [N, H, Dv]."""
+        self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
+        tree = hasattr(fb, "mask")
+        if fb.is_decode and not tree:
+            return decode_attention(q, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, fb.seq_lens, scaling,
+                                    self.sliding_window, self.num_splits(fb.batch_size))
+        q_start, q_lens, linear_lens, max_q_len, extra = self._meta(fb, q.device)
+        return extend_attention(q, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, q_start, q_lens,
+                                linear_lens, fb.positions, max_q_len, scaling, self.sliding_window, extra)
+
+    @staticmethod
+    def _starts(lens: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        B = len(lens)
+        if B and all(n == lens[0] for n in lens):  # uniform (verify batches): no host-to-device copy
+            n = lens[0]
+            return torch.arange(B, device=device) * n, torch.full((B,), n, dtype=torch.int64, device=device)
+        q_lens = to_device(lens, device, torch.int64)  # pinned: a pageable copy would wait for the stream
+        return torch.cumsum(q_lens, 0) - q_lens, q_lens
+
+    def _extend_meta(self, fb: ForwardBatch, device):
+        q_start, q_lens = self._starts(fb.extend_lens, device)
+        return q_start, q_lens, fb.seq_lens, max(fb.extend_lens), None
+
+    def _tree_meta(self, fb, device):
+        # Views of the batch's own tensors (a graph's static buffers), and constants of its shape.
+        batch, n, width = fb.mask.shape
+        q_start, q_lens = self._starts(fb.extend_lens, device)
+        e_start = torch.arange(batch + 1, dtype=torch.int64, device=device) * width
+        m_start = torch.arange(batch, dtype=torch.int64, device=device) * (n * width)
+        extra = (e_start, fb.key_slots.reshape(-1), fb.key_positions.reshape(-1), m_start, fb.mask.reshape(-1))
+        return q_start, q_lens, fb.prefix_lens, n, extra

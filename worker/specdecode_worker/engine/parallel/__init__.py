@@ -1,0 +1,1 @@
+"""Tensor parallelism: sharded layers, rank processes, and supervision across pods."""

@@ -1,0 +1,1 @@
+"""Speculation: the drafting algorithms, draft trees, and how many tokens each round drafts."""

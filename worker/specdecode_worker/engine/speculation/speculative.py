@@ -1,0 +1,340 @@
+"""One decoding round for a batch of running requests: propose, verify once, report.
+
+A speculator proposes and verifies; it returns each request's new tokens and draft counts, and
+the engine commits them (the one place a request's output grows).
+
+STANDALONE: the draft model proposes k tokens over its own KV pool (same slots as the target).
+NGRAM: proposals come from the latest earlier match of the context's last n tokens; no draft
+pool. NONE: no proposals, so a round is one ordinary decode step.
+
+Slots for positions L..L+k are taken at the start of a round (L: the position of the request's
+last committed token, the one not yet in any cache); the slots after the accepted prefix go
+back to the allocator at the end of the round and serve the next one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from ...contract import EAGLE_ALGORITHMS, SERVED_ALGORITHMS
+from ..batch import PaddedChains, Segment, chunk_segments, forward_segments, padded_chain_batch
+from ..batch_sampling import chain_rows, choose_tokens, to_host, uniforms, verify_chains
+from ..cuda_graph import chain_graph_width
+from ..forward_batch import to_device
+from ..model_runner import ModelRunner
+from ..request import Request
+from .ngram_index import RequestIndexes
+
+# EAGLE (and MTP, whose NextN layer drafts like an EAGLE head) have their own speculator.
+ALGORITHMS = tuple(a for a in SERVED_ALGORITHMS if a not in EAGLE_ALGORITHMS and a != "MTP")
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """One request's verified round: the accepted proposals then the target's own next token."""
+
+    tokens: list[int]
+    proposed: int  # draft tokens the target verified this round
+    accepted: int  # how many of them it accepted
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A round's proposals, where a speculator knows them before their lengths are chosen (NGRAM:
+    a lookup costs no pass), and what class of evidence each is: drafts of one class are alike in
+    how often they are accepted, so the policy learns acceptance per class as well as per request."""
+
+    proposals: list[list[int]]  # each request's proposal, at most K tokens (empty: nothing found)
+    classes: list[int]  # each proposal's class, 0 .. Speculator.draft_classes - 1
+
+
+class Speculator(ABC):
+    """Prefill and decode rounds of one speculative algorithm over the target's KV pool.
+
+    Neither method touches a request's output or the engine's counters: the engine commits what
+    they return. ``decode_round`` may read ``Request.all_ids`` and moves ``kv_len`` (and the
+    draft's cache position) past the positions it verified.
+    """
+
+    algorithm: str
+    target: ModelRunner
+
+    @property
+    @abstractmethod
+    def slots_per_round(self) -> int:
+        """KV slots a request may hold beyond its committed tokens during one round."""
+
+    @abstractmethod
+    def prefill(self, reqs: list[Request], ends: list[int]) -> list[int | None]:
+        """Cache prefill positions ``r.kv_len .. end - 1`` of each request in one target pass.
+
+        Returns the first token of each request whose prompt this chunk finished, None for the
+        others and for a request recomputed after a retraction (its tokens are committed already).
+        """
+
+    def release(self, r: Request) -> None:
+        """Forget what is kept for ``r`` between rounds (it finished or was retracted)."""
+        return None  # only EAGLE keeps per-request state (target features) between rounds
+
+    # Whether a draft model keeps a cache of its own that falls behind while a request does not
+    # draft (``catch_up_tokens`` says by how much).
+    catches_up: bool = False
+
+    def catch_up_tokens(self, r: Request) -> int:
+        """Committed tokens the draft must cache before ``r`` can draft, beyond the one every
+        drafting round feeds it anyway."""
+        return 0
+
+    @staticmethod
+    def first_tokens(reqs: list[Request], ends: list[int], logits: torch.Tensor) -> list[int | None]:
+        """Advance each request past its chunk (``logits``: its last row); sample, in one batch
+        and one transfer, the first token of each request whose chunk ends a fresh prompt."""
+        fresh = []
+        for i, (r, end) in enumerate(zip(reqs, ends)):
+            r.kv_len = end
+            if end >= len(r.prefill_ids) and not r.output_ids:  # a recompute samples nothing
+                fresh.append(i)
+        out: list[int | None] = [None] * len(reqs)
+        if fresh:
+            picked = [reqs[i] for i in fresh]
+            rows = logits.index_select(0, to_device(fresh, logits.device))
+            params = [r.params for r in picked]
+            tokens, _ = choose_tokens(rows, params, first_uniforms(picked, 1, rows.device))
+            for i, t in zip(fresh, to_host(tokens)[0]):
+                out[i] = t
+        return out
+
+    @property
+    def chain_verify_graphs(self):
+        """The graphs that take this speculator's chain verify passes (None: they run eagerly)."""
+        return self.target.verify_graphs
+
+    def target_pass(self, fb) -> None:
+        """One target pass over every row of ``fb``, as a round runs it (the policy's warm-up times it)."""
+        self.target.forward(fb, last_only=False)
+
+    # Whether requests of one round may draft different lengths (else the policy picks one k).
+    per_request_draft_lengths: bool = True
+    # The draft lengths a round may take when one k serves the whole batch (None: 0..K).
+    draft_length_choices: tuple[int, ...] | None = None
+    # Draft tokens every request of a drafting round verifies, whatever its draft length (None: its
+    # draft length). A tree verifies all its nodes: its shapes are static.
+    verified_per_request: int | None = None
+    # Classes of ``look_ahead``'s proposals (0: it has none).
+    draft_classes: int = 0
+
+    def look_ahead(self, reqs: list[Request], caps: list[int]) -> Lookup | None:
+        """Each request's proposal before the round, where it costs no pass to know (None: the
+        drafts are made in the round); a request capped at 0 tokens is not looked up."""
+        return None
+
+    @abstractmethod
+    def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None,
+                     lookup: Lookup | None = None) -> list[RoundResult]:
+        """Advance every request by one verified round; request i drafts at most ``draft_lengths[i]``
+        tokens (default: the speculator's K). A length of 0 is a plain decode step for it.
+        ``lookup``: this round's ``look_ahead``, whose proposals the round then drafts."""
+
+
+def first_uniforms(reqs: list[Request], counts, device) -> torch.Tensor | None:
+    """Uniforms for a sampling pass over ``reqs``, ``[B]`` for one draw each."""
+    u = uniforms([r.params for r in reqs], [r.generator for r in reqs], counts, device)
+    return None if u is None else u[:, 0]
+
+
+def accept_chains(reqs: list[Request], draft: torch.Tensor, draft_probs: torch.Tensor | None,
+                  logits: torch.Tensor, ks: list[int], padded: PaddedChains | None = None
+                  ) -> tuple[list[int], list[int], list[list[int]]]:
+    """Verify every request's chain on the device and read the results back once: accepted counts,
+    next tokens and the proposals. ``logits``: the verify pass's rows, ``ks[i] + 1`` per request,
+    or ``padded.width`` per request (its first ``ks[i] + 1`` real) for a padded batch."""
+    width = max(ks, default=0)
+    draft = draft[:, :width]
+    draft_probs = None if draft_probs is None else draft_probs[:, :width]
+    if padded is None:
+        rows = to_device(chain_rows(ks), logits.device)
+        target = logits.index_select(0, rows).view(len(reqs), width + 1, -1)
+        lengths = ks
+    else:  # rows already laid out per request; the lengths are on the device with the batch
+        target = logits.view(len(reqs), padded.width, -1)[:, : width + 1]
+        lengths = padded.lengths - 1
+    params = [r.params for r in reqs]
+    u = uniforms(params, [r.generator for r in reqs], [k + 1 for k in ks], logits.device)
+    n, nxt = verify_chains(draft, draft_probs, target, lengths, params, u)
+    n, nxt, drafted = to_host(n, nxt, draft)
+    return n, nxt, drafted
+
+
+def chain_segments(reqs: list[Request], ks: list[int]) -> list[Segment]:
+    """A ragged verify batch: request i's last token and ``ks[i]`` proposals (ids set on the device)."""
+    return [Segment(r.req_idx, [0] * (k + 1), r.kv_len) for r, k in zip(reqs, ks)]
+
+
+def ragged_ids(chains: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """The first ``ks[i] + 1`` tokens of each row of ``chains``, concatenated."""
+    width = chains.shape[1]
+    flat = [i * width + j for i, k in enumerate(ks) for j in range(k + 1)]
+    return chains.reshape(-1).index_select(0, to_device(flat, chains.device))
+
+
+def ngram_match(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> tuple[list[int], int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix,
+    and that suffix's length (0: no suffix of ``min_n`` tokens or more occurs earlier)."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k], n
+    return [], 0
+
+
+def ngram_propose(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+    return ngram_match(tokens, k, max_n, min_n)[0]
+
+
+class StandaloneSpeculator(Speculator):
+    """NONE, STANDALONE (a draft model with its own K/V) and NGRAM (prompt lookup)."""
+
+    catches_up = True  # a STANDALONE draft's cache; 0 tokens without a draft model
+
+    def __init__(self, algorithm: str, target_runner: ModelRunner, draft_runner: ModelRunner | None = None,
+                 num_draft_tokens: int = 4, ngram_max: int = 4, chunk_tokens: int = 0):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm}")
+        self.algorithm = algorithm
+        self.target = target_runner
+        self.draft = draft_runner
+        self.k = 0 if algorithm == "NONE" else num_draft_tokens
+        self.ngram_max = ngram_max
+        self.chunk_tokens = chunk_tokens  # most tokens of one draft catch-up pass (0: no cap)
+        self.draft_tokens = 0  # tokens the draft model has processed (catch-up and proposals)
+        # An n-gram proposal's class is its matched suffix's length: a one-token match (a common
+        # word seen before) is rarely what follows, a four-token one in copied text nearly always.
+        self.draft_classes = ngram_max + 1 if algorithm == "NGRAM" else 0
+        self._ngram_indexes = RequestIndexes(ngram_max)  # while each request runs
+
+    def look_ahead(self, reqs: list[Request], caps: list[int]) -> Lookup | None:
+        if self.algorithm != "NGRAM":
+            return None
+        matches = [self._ngram_indexes.match(r, min(c, self.k)) if c > 0 else ([], 0) for r, c in zip(reqs, caps)]
+        return Lookup([m[0] for m in matches], [m[1] for m in matches])
+
+    def release(self, r: Request) -> None:
+        self._ngram_indexes.release(r.rid)
+
+    def catch_up_tokens(self, r: Request) -> int:
+        """Committed tokens the draft must cache before ``r`` can draft, beyond the one every
+        drafting round feeds it anyway (the whole prompt for a request that never drafted)."""
+        if self.draft is None:
+            return 0
+        return max(0, len(r.all_ids) - r.draft_kv_len - 1)
+
+    @property
+    def slots_per_round(self) -> int:
+        return self.k + 1
+
+    # prefill: the target only. The draft's cache of a request is built when the request first
+    # drafts (the catch-up of ``_draft_propose``, in chunks), so a request that never drafts costs
+    # no draft prefill.
+    def prefill(self, reqs: list[Request], ends: list[int]) -> list[int | None]:
+        logits = forward_segments(self.target, chunk_segments(self.target.slots, reqs, ends), last_only=True)
+        return self.first_tokens(reqs, ends, logits)
+
+    def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None,
+                     lookup: Lookup | None = None) -> list[RoundResult]:
+        slots = self.target.slots
+        ks = [self.k] * len(reqs) if draft_lengths is None else [min(k, self.k) for k in draft_lengths]
+        for r, k in zip(reqs, ks):
+            slots.reserve(r.req_idx, r.kv_len, r.kv_len + k + 1)
+        draft, draft_probs, found = self._propose(reqs, ks, lookup)
+        # The verify pass's tokens stay on the device: each request's last token, then its proposals.
+        chains = torch.cat([to_device([[r.all_ids[-1]] for r in reqs], self.target.device), draft], dim=1)
+        width = chain_graph_width(self.chain_verify_graphs, len(reqs), max(found, default=0))
+        if width:  # one graph for any mix of lengths
+            fb, padded = padded_chain_batch(slots.rows, [r.req_idx for r in reqs], [r.kv_len for r in reqs], chains,
+                                            [k + 1 for k in found], width)
+            logits = self.target.forward(fb, last_only=False)
+        else:  # the ragged batch as it is (no graph takes it), or a plain decode step when nobody drafts
+            padded = None
+            logits = forward_segments(self.target, chain_segments(reqs, found), last_only=False,
+                                      input_ids=ragged_ids(chains, found))
+        accepted, nexts, drafted = accept_chains(reqs, draft, draft_probs, logits, found, padded)
+        results, rejected = [], []
+        for r, k, f, n, nxt, tokens in zip(reqs, ks, found, accepted, nexts, drafted):
+            last = r.kv_len
+            r.kv_len = last + n + 1  # the last token and the n accepted proposals are now cached
+            r.draft_kv_len = min(r.draft_kv_len, r.kv_len)
+            rejected.append((r.req_idx, r.kv_len, last + k + 1))
+            results.append(RoundResult(tokens[:n] + [nxt], proposed=f, accepted=n))
+        slots.release(rejected)
+        return results
+
+    def _propose(self, reqs: list[Request], ks: list[int], lookup: Lookup | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """Proposals ``[B, max(ks)]`` on the target's device, the distributions they were drawn from
+        (None: point masses), and each request's real draft length (a lookup may find fewer)."""
+        device = self.target.device
+        if self.algorithm == "NONE":
+            return torch.zeros(len(reqs), 0, dtype=torch.int64, device=device), None, [0] * len(reqs)
+        if self.algorithm == "NGRAM":
+            lookup = lookup or self.look_ahead(reqs, ks)
+            found = [p[:k] for p, k in zip(lookup.proposals, ks)]
+            width = max((len(f) for f in found), default=0)
+            padded = [f + [0] * (width - len(f)) for f in found]
+            return (to_device(padded, device, torch.int64).reshape(len(reqs), width), None,
+                    [len(f) for f in found])
+        return self._draft_propose(reqs, ks)
+
+    def _draft_propose(self, reqs: list[Request], ks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        # Step 1 catches the draft's cache up to the last committed token (the prompt on a request's
+        # first drafting round, or every token committed since it last drafted); steps 2..k feed
+        # back one proposal each, from the device (nothing is read back until the verify pass's
+        # results). A request drafting 0 tokens is left out: its draft cache catches up when it next drafts.
+        device, width = self.target.device, max(ks, default=0)
+        tokens = torch.zeros(len(reqs), width, dtype=torch.int64, device=device)
+        probs = None
+        self._catch_up([r for r, k in zip(reqs, ks) if k])
+        segments = [Segment(r.req_idx, r.all_ids[r.draft_kv_len :], r.draft_kv_len) for r, k in zip(reqs, ks) if k]
+        ids = None
+        for step in range(width):
+            self.draft_tokens += sum(len(s.tokens) for s in segments)
+            drafting = [i for i, k in enumerate(ks) if k > step]
+            index = to_device(drafting, device)
+            if step:
+                segments = [Segment(reqs[i].req_idx, [0], reqs[i].kv_len + step) for i in drafting]
+                ids = tokens[:, step - 1].index_select(0, index)
+            logits = forward_segments(self.draft, segments, last_only=True, input_ids=ids)
+            picked = [reqs[i] for i in drafting]
+            token, p = choose_tokens(logits, [r.params for r in picked], first_uniforms(picked, 1, logits.device))
+            tokens[:, step].index_copy_(0, index, token.to(device))
+            if p is not None:
+                if probs is None:
+                    probs = torch.zeros(len(reqs), width, p.shape[-1], device=device)
+                probs[:, step].index_copy_(0, index, p.to(device))
+        for r, k in zip(reqs, ks):
+            if k:
+                r.draft_kv_len = r.kv_len + k  # positions up to L+k-1 now hold draft K/V
+        return tokens, probs, ks
+
+    def _catch_up(self, reqs: list[Request]) -> None:
+        """Cache committed tokens in the draft, at most ``chunk_tokens`` per pass, until the first
+        proposal pass over what is left fits one chunk (each request keeps its last token for it)."""
+        budget = self.chunk_tokens
+        while budget:
+            pending = [len(r.all_ids) - r.draft_kv_len for r in reqs]
+            if sum(pending) <= budget or all(n <= 1 for n in pending):
+                return
+            segments, left = [], budget
+            for r, n in zip(reqs, pending):
+                take = min(left, n - 1)
+                if take > 0:
+                    ids = r.all_ids[r.draft_kv_len : r.draft_kv_len + take]
+                    segments.append(Segment(r.req_idx, ids, r.draft_kv_len))
+                    r.draft_kv_len += take
+                    left -= take
+            forward_segments(self.draft, segments, last_only=True)
+            self.draft_tokens += budget - left

@@ -1,0 +1,1 @@
+"""The planner: the dry-run memory plan, the hub models it reads, and other engines' pricing."""

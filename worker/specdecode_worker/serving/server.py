@@ -1,0 +1,451 @@
+"""OpenAI-compatible HTTP API over the engine.
+
+The HTTP server starts before the engine: ``/health`` answers 503 while the three phases run
+and 200 only once phase 3 has finished, so a startup probe can wait on it. Generation requests
+go through one dependency (ready, else 503; a JSON object naming the served model, else 400) and
+a pydantic model of their fields; every ``InputError`` becomes a 400 that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Union
+
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+from ..engine.request import Request, SamplingParams
+from ..errors import InputError
+from .detokenize import IncrementalText
+from .metrics import RequestLatency
+
+log = logging.getLogger(__name__)
+
+Number = Union[StrictInt, StrictFloat]
+
+
+@dataclass
+class ServerState:
+    engine: Any
+    model_name: str
+    plan: dict | None = None
+    tokenizer: Any = None
+    init_error: str | None = None
+    started_at: float = field(default_factory=time.time)
+    latency: RequestLatency = field(default_factory=RequestLatency)
+
+
+class NotReady(Exception):
+    """The engine cannot take requests yet (initialising) or ever (initialisation failed)."""
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+# ---- request bodies ----------------------------------------------------------------------------
+# What a field must be, for the 400 message when it is not.
+EXPECTED = {
+    "max_tokens": "an integer", "max_completion_tokens": "an integer", "temperature": "a number",
+    "top_p": "a number", "top_k": "an integer", "seed": "an integer", "stream": "true or false",
+    "stop": "a non-empty string or a list of up to 4 of them",
+    "prompt": "a non-empty string or a list of token ids",
+    "messages": "a non-empty list of {role, content} objects, content a string or a list of text parts",
+    "speculative": "true or false", "max_draft_tokens": "a non-negative integer (0 turns drafting off)",
+}
+
+
+# OpenAI parameters this server does not implement. Each is accepted at the value that asks for
+# nothing (what a client sends when it leaves the feature off) and refused with a 400 naming it
+# otherwise: a client that asks for logprobs or JSON must not get plain text back silently.
+UNSUPPORTED: dict[str, tuple] = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logprobs": (False, 0),
+    "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "logit_bias": ({},), "suffix": ("",),
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "min_tokens": (0,),
+}
+# Accepted and ignored, with the reason (the docs' parameter table says the same).
+IGNORED = {
+    "user": "a caller's identifier for its own records; the output does not depend on it",
+    "stream_options": "usage always comes with a stream's last chunk",
+    "parallel_tool_calls": "no tools are called",
+    "metadata": "kept by OpenAI for stored completions; nothing is stored here",
+    "store": "nothing is stored here",
+}
+
+
+def check_parameters(body: dict, known: set[str]) -> None:
+    """A 400 for a parameter this server does not know, or one it does not implement set to a
+    value that asks for the feature; what it accepts and ignores passes."""
+    for name, value in body.items():
+        if name in known or name in IGNORED:
+            continue
+        if name in UNSUPPORTED:
+            neutral = UNSUPPORTED[name]
+            if value is None or value in neutral:  # 0.0 == 0 and False == 0; "0" is not 0
+                continue
+            raise InputError(f"'{name}' is not supported by this server (got {value!r}); leave it out or send "
+                             f"{neutral[0]!r}")
+        raise InputError(f"unknown parameter '{name}'")
+
+
+class GenerationBody(BaseModel):
+    """Fields both endpoints read (``check_parameters`` has refused the rest)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Any = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
+    n: Any = 1
+    ignore_eos: Any = False
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    speculative: StrictBool = True  # false: this request is decoded without drafting
+    max_draft_tokens: StrictInt | None = None  # a cap on its draft length per round
+
+    def draft_control(self) -> dict:
+        if self.max_draft_tokens is not None and self.max_draft_tokens < 0:
+            raise InputError(f"'max_draft_tokens' must be {EXPECTED['max_draft_tokens']}, got {self.max_draft_tokens}")
+        return {"speculative": self.speculative, "max_draft_tokens": self.max_draft_tokens}
+
+    def sampling_params(self) -> SamplingParams:
+        if self.n != 1:
+            raise InputError(f"'n' must be 1 (one choice per request), got {self.n!r}")
+        max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        params = SamplingParams(
+            max_tokens=16 if max_tokens is None else max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            seed=self.seed,
+            ignore_eos=bool(self.ignore_eos),
+        )
+        params.validate()
+        return params
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if not all(stops) or len(stops) > 4:
+            raise InputError(f"'stop' must be {EXPECTED['stop']}")
+        return stops
+
+
+class CompletionBody(GenerationBody):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | None = None
+
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: StrictStr
+    text: StrictStr
+
+
+class Message(BaseModel):
+    """A chat turn: a role this server serves, and text (a string, or text parts, joined)."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: StrictStr
+    content: StrictStr | list[TextPart]
+    name: StrictStr | None = None
+
+    def as_template_input(self) -> dict:
+        if self.role not in ROLES:
+            raise InputError(f"message role '{self.role}' is not served here; use one of {', '.join(ROLES)}")
+        content = self.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise InputError("message content parts must be of type 'text' (no images or audio here)")
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content, **({"name": self.name} if self.name else {})}
+
+
+class ChatBody(GenerationBody):
+    messages: list[Message]
+
+
+def parse_body(model: type[BaseModel], body: dict) -> Any:
+    """``body`` as ``model``, or an InputError naming the first field that is wrong."""
+    check_parameters(body, set(model.model_fields))
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        name = str(error["loc"][0]) if error["loc"] else "body"
+        value = body.get(name)
+        if name in EXPECTED:
+            raise InputError(f"'{name}' must be {EXPECTED[name]}, got {value!r}") from None
+        raise InputError(f"'{name}': {error['msg']}") from None
+
+
+async def generation_request(http: HttpRequest) -> dict:
+    """The shared dependency of the generation endpoints: ready, a JSON object, the served model."""
+    state: ServerState = http.app.state.server
+    if state.init_error:
+        raise NotReady(f"initialisation failed: {state.init_error}")
+    if not state.engine.ready:
+        raise NotReady("the worker is still initialising")
+    raw = await http.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"the request body is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise InputError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != state.model_name:
+        raise InputError(f"model '{model}' is not served here; this worker serves '{state.model_name}'")
+    return body
+
+
+GenerationRequest = Annotated[dict, Depends(generation_request)]
+
+# ---- endpoints -----------------------------------------------------------------------------------
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(http: HttpRequest):
+    state: ServerState = http.app.state.server
+    if state.init_error:
+        return JSONResponse({"status": "failed", "error": state.init_error}, status_code=503)
+    if not state.engine.ready:
+        return JSONResponse({"status": "initialising", "phase": state.engine.phase.name}, status_code=503)
+    return {"status": "ok"}
+
+
+@router.get("/v1/models")
+async def models(http: HttpRequest):
+    state: ServerState = http.app.state.server
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(state.started_at),
+                                         "owned_by": "specdecode"}]}
+
+
+@router.get("/plan")
+async def plan(http: HttpRequest):
+    state: ServerState = http.app.state.server
+    engine = state.engine
+    actual = None
+    if engine.memory_profile is not None:
+        pool = engine.memory_pool_config
+        actual = {**engine.memory_profile.as_dict(), "phaseSeconds": engine.stats.phase_seconds,
+                  "poolTokens": pool.max_total_num_tokens if pool else None}
+    planned = (state.plan or {}).get("kvCache", {}).get("maxTotalNumTokens")
+    peak = getattr(engine, "dynamic_peak", None)
+    dynamic = {"planned": (state.plan or {}).get("reserve", {}).get("dynamicBytes"), "measured": None,
+               **(peak.as_dict() if peak else {})}
+    return {"plan": state.plan, "actual": actual, "plannedMaxTotalNumTokens": planned,
+            "actualMaxTotalNumTokens": actual and actual["max_total_num_tokens"], "dynamicBytes": dynamic}
+
+
+@router.get("/metrics")
+async def metrics(http: HttpRequest):
+    from .metrics import render
+
+    return PlainTextResponse(render(http.app.state.server), media_type="text/plain; version=0.0.4")
+
+
+@router.post("/v1/completions")
+async def completions(http: HttpRequest, body: GenerationRequest):
+    state: ServerState = http.app.state.server
+    request = parse_body(CompletionBody, body)
+    prompt = request.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = _encode(state, prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise InputError(f"'prompt' must be {EXPECTED['prompt']}")
+    return await _generate(state, request, ids, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(http: HttpRequest, body: GenerationRequest):
+    state: ServerState = http.app.state.server
+    request = parse_body(ChatBody, body)
+    if not request.messages:
+        raise InputError(f"'messages' must be {EXPECTED['messages']}")
+    tokenizer = state.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise InputError("this model has no chat template; use /v1/completions")
+    messages = [m.as_template_input() for m in request.messages]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return await _generate(state, request, _encode(state, text, special=False), chat=True)
+
+
+def _encode(state: ServerState, text: str, special: bool = True) -> list[int]:
+    if state.tokenizer is None:
+        raise InputError("this model has no tokenizer; send 'prompt' as a list of token ids")
+    if not text:
+        raise InputError("the prompt is empty")
+    return state.tokenizer.encode(text, add_special_tokens=special)
+
+
+# ---- generation ----------------------------------------------------------------------------------
+class _Stream:
+    """Collects a request's tokens from the engine thread into the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def __call__(self, _req: Request, tokens: list[int] | None) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, tokens)
+
+
+async def _text_pieces(state: ServerState, req: Request, sink: _Stream, stops: list[str]) -> AsyncIterator:
+    """Yields (text delta, finish_reason) as tokens arrive; applies stop strings. Each update decodes
+    only its new tokens' window. Text that could begin a stop string is held back until the next
+    tokens show whether it does, so no part of a stop string is ever sent."""
+    text = IncrementalText(state.tokenizer)
+    held = ""  # decoded, not sent: its end may be the start of a stop string
+    while True:
+        tokens = await sink.queue.get()
+        if tokens is None:
+            if req.error:
+                raise RuntimeError(req.error)
+            if held:
+                yield held, None
+            yield "", req.finish_reason
+            return
+        held += text.push(tokens)
+        cuts = [at for at in (held.find(stop) for stop in stops) if at >= 0]
+        if cuts:
+            state.engine.abort(req)
+            if min(cuts):
+                yield held[: min(cuts)], None
+            yield "", "stop"
+            return
+        keep = _stop_prefix_length(held, stops)
+        if len(held) > keep:
+            yield held[: len(held) - keep], None
+            held = held[len(held) - keep :]
+
+
+def _stop_prefix_length(text: str, stops: list[str]) -> int:
+    """The longest end of ``text`` that a stop string begins with (shorter than that stop)."""
+    for n in range(min(len(text), max((len(s) for s in stops), default=1) - 1), 0, -1):
+        if any(stop.startswith(text[-n:]) for stop in stops):
+            return n
+    return 0
+
+
+async def _generate(state: ServerState, body: GenerationBody, ids: list[int], chat: bool):
+    params = body.sampling_params()
+    stops = body.stop_strings()
+    sink = _Stream(asyncio.get_running_loop())
+    req = Request(ids, params, on_update=state.latency.timed(sink), **body.draft_control())
+    state.engine.submit(req)  # raises InputError for a request that can never fit
+    head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
+            "model": state.model_name}
+    pieces = _text_pieces(state, req, sink, stops)
+    if body.stream:
+        return StreamingResponse(_events(state, req, pieces, head, chat), media_type="text/event-stream")
+    text, finish = "", None
+    try:
+        async for piece, fin in pieces:
+            text += piece
+            finish = fin or finish
+    except RuntimeError as exc:
+        return _error(500, str(exc))
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+            "usage": _usage(req)}
+
+
+async def _events(state: ServerState, req: Request, pieces: AsyncIterator, head: dict, chat: bool):
+    """Server-sent events: one chunk per text delta, the last with the finish reason and usage."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    first = True
+    try:
+        async for piece, fin in pieces:
+            if not (piece or fin):
+                continue
+            if not chat:
+                choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": fin}
+            else:
+                delta = {"content": piece} if piece else {}
+                if first:  # the role goes in the first chunk only
+                    delta, first = {"role": "assistant", **delta}, False
+                choice = {"index": 0, "delta": delta, "finish_reason": fin}
+            data = {**head, "object": obj, "choices": [choice]}
+            if fin:
+                data["usage"] = _usage(req)
+            yield f"data: {json.dumps(data)}\n\n"
+    except RuntimeError as exc:
+        yield f"data: {json.dumps({'error': {'message': str(exc), 'code': 500}})}\n\n"
+    finally:
+        if not req.done.is_set():
+            state.engine.abort(req)  # the client went away
+    yield "data: [DONE]\n\n"
+
+
+def _usage(req: Request) -> dict:
+    prompt, completion = len(req.prompt_ids), len(req.output_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# ---- the app -------------------------------------------------------------------------------------
+def build_app(state: ServerState, on_startup=None, on_shutdown=None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app):
+        if on_startup:
+            on_startup()
+        yield
+        if on_shutdown:
+            on_shutdown()
+
+    app = FastAPI(title="specdecode worker", lifespan=lifespan)
+    app.state.server = state
+    app.include_router(router)
+    app.add_exception_handler(InputError, _bad_request)
+    app.add_exception_handler(NotReady, _unavailable)
+    return app
+
+
+async def _bad_request(_http: HttpRequest, exc: Exception) -> JSONResponse:
+    return _error(400, str(exc))
+
+
+async def _unavailable(_http: HttpRequest, exc: Exception) -> JSONResponse:
+    return _error(503, str(exc))
+
+
+def start_engine_in_background(state: ServerState, on_failure) -> threading.Thread:
+    """Run the three phases off the event loop, then start the engine loop."""
+
+    def run():
+        try:
+            state.engine.init_model_worker()
+            state.engine.start()
+            log.info("ready: phases took %s", {k: round(v, 3) for k, v in state.engine.stats.phase_seconds.items()})
+        except Exception as exc:  # reported on /health and by the CLI's exit code
+            state.init_error = " ".join(str(exc).split()) or type(exc).__name__
+            log.error("initialisation failed: %s", state.init_error)
+            on_failure(exc)
+
+    thread = threading.Thread(target=run, name="engine-init", daemon=True)
+    thread.start()
+    return thread
