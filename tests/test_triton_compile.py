@@ -378,7 +378,7 @@ def test_every_kernel_is_compiled(compiled):
     """Each kernel of the engine is launched by some case on each arch (a new kernel needs one)."""
     import ast
 
-    engine = Path(__file__).parent.parent / "worker/specdecode_worker/engine"
+    engine = Path(__file__).parent.parent / "worker/specdecode_worker/engine/kernels"
     kernels = set()
     for f in ("triton_attention.py", "triton_mla.py", "triton_moe.py", "layer_kernels.py"):
         for node in ast.walk(ast.parse((engine / f).read_text())):
