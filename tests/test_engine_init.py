@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from specdecode_worker.planner import plan_cli  # noqa: E402
-from specdecode_worker.engine import engine as engine_mod  # noqa: E402
+from specdecode_worker.engine.speculation import wiring  # noqa: E402
 from specdecode_worker.engine.model_runner import ModelRunner  # noqa: E402
 from specdecode_worker.engine.phases import PhaseError  # noqa: E402
 from specdecode_worker.engine.memory.pools import MemoryPoolConfig  # noqa: E402
@@ -61,8 +61,8 @@ def test_init_model_worker_orders_the_phases(models, monkeypatch):
 
     for name in ("load_weights", "alloc_memory_pool", "init_backends"):
         monkeypatch.setattr(ModelRunner, name, spy(name, getattr(ModelRunner, name)))
-    real_load_shape = engine_mod.load_shape
-    monkeypatch.setattr(engine_mod, "load_shape",
+    real_load_shape = wiring.load_shape  # the engine reads every config through its wiring
+    monkeypatch.setattr(wiring, "load_shape",
                         lambda d: events.append(("read_config", str(d))) or real_load_shape(d))
     engine(models["target"], "STANDALONE", models["draft"])
     assert events == [

@@ -86,3 +86,35 @@ def test_the_import_reader_resolves_relative_imports(tmp_path):
     pkg.mkdir(parents=True)
     (pkg / "mod.py").write_text("from ..contract import X\nfrom . import sibling\nimport torch\n")
     assert imports(pkg / "mod.py", tmp_path) >= {"pkg.contract", "pkg.contract.X", "pkg.sub.sibling", "torch"}
+
+
+def _algorithm_comparisons(path: Path) -> list[int]:
+    """Lines comparing something named ``algorithm`` with a string literal, or probing an attribute
+    with ``hasattr``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            names = [n for n in (node.left, *node.comparators)
+                     if (isinstance(n, ast.Name) and n.id == "algorithm")
+                     or (isinstance(n, ast.Attribute) and n.attr == "algorithm")]
+            literal = [n for n in (node.left, *node.comparators)
+                       if isinstance(n, (ast.Constant, ast.Tuple, ast.List, ast.Set))]
+            if names and literal:
+                found.append(node.lineno)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "hasattr":
+            found.append(node.lineno)
+    return found
+
+
+def test_the_engine_asks_the_algorithm_registry_not_names_and_probes():
+    registry = WORKER / "engine" / "speculation" / "algorithms.py"
+    found = {str(p.relative_to(ROOT)): lines for p in (WORKER / "engine").rglob("*.py")
+             if p != registry and (lines := _algorithm_comparisons(p))}
+    assert found == {}
+
+
+def test_the_name_comparison_finder_finds_them(tmp_path):
+    source = tmp_path / "x.py"
+    source.write_text('if args.algorithm == "NGRAM":\n    pass\nif algorithm in ("EAGLE",):\n    pass\n'
+                      'if hasattr(fb, "mask"):\n    pass\nif method.drafts:\n    pass\n')
+    assert _algorithm_comparisons(source) == [1, 3, 5]

@@ -104,7 +104,7 @@ class GraphInputs:
         )
 
     def accepts(self, fb: ForwardBatch) -> bool:
-        return (not hasattr(fb, "mask") and fb.batch_size <= self.max_bs
+        return (not fb.is_tree and fb.batch_size <= self.max_bs
                 and all(e == self.tokens_per_req for e in fb.extend_lens))
 
     def stage(self, fb: ForwardBatch, bs: int) -> None:
@@ -244,7 +244,7 @@ class CudaGraphRunner(GraphRunner):
 
 def fix_gather_width(backend, context_len: int) -> None:
     """Torch-native decode gathers a fixed ``[bs, contextLength]`` block under a graph (static shapes)."""
-    if hasattr(backend, "decode_ctx"):
+    if backend.fixed_width_under_graphs:
         backend.decode_ctx = context_len
         log.warning("CUDA graphs with the torch-native backend gather [batch, %d] K/V per layer; "
                     "their memory grows with the context length", context_len)

@@ -22,88 +22,39 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from ..contract import EAGLE_ALGORITHMS, SERVED_ALGORITHMS
 from ..errors import InputError
-from ..model_rules.model_config import ModelShape, load_shape
-from ..model_rules.mtp_rule import check_standalone_draft
-from ..model_rules.vocabulary import check_vocabulary
+from ..model_rules.model_config import ModelShape
 from .memory.kv_budget import MemoryProfile, free_device_bytes, profile_memory
 from .memory.pools import KV_CACHE_DTYPES, MemoryPoolConfig
 from .model_runner import ModelRunner
 from .parallel.distributed import follow, get_tp, stop_followers
-from .phases import Phase, PhaseError
-from .request import Request, make_generator
+from .args import EngineArgs
+from .phases import Phase, PhaseError, StartupError
+from .request import Request, check_request, make_generator
 from .scheduler import Scheduler
-from .speculation.eagle_speculator import EagleRunner, EagleSpeculator, check_tree_args
-from .speculation.mtp_runner import MTPRunner, check_mtp_args
-from .speculation.spec_policy import FIXED, MODES, SpecPolicy
+from .speculation import wiring
+from .speculation.algorithms import algorithm
+from .speculation.spec_policy import MODES, SpecPolicy
 from .speculation.speculation_control import SpeculationController, build_controller, measure_step_cost
-from .speculation.speculative import Speculator, StandaloneSpeculator
-from .speculation.vocab_map import DraftVocabulary
+from .speculation.speculative import Speculator
 from .stats import Stats
 from .warmup import DynamicPeak, WarmUpOutOfMemory, measurable, warm_up
 
 log = logging.getLogger(__name__)
 
 
-class StartupError(RuntimeError):
-    """The worker cannot serve what was planned (for example fewer KV tokens than the floor)."""
-
-
-@dataclass
-class EngineArgs:
-    target: str
-    draft: str | None = None
-    algorithm: str = "NONE"
-    device: str = "cpu"
-    dtype: str | None = None
-    device_memory_bytes: int | None = None  # CPU budget; on CUDA measured
-    mem_fraction_static: float = 0.9
-    runtime_bytes: int = 0
-    context_len: int = 2048
-    min_kv_tokens: int = 0  # floor: below it the worker refuses to start
-    max_total_tokens: int | None = None  # cap from the plan's pinned numbers
-    max_running_requests: int = 8
-    cuda_graph_max_bs: int = 0
-    num_draft_tokens: int = 4
-    speculative_num_steps: int | None = None  # EAGLE draft steps per round (default: num_draft_tokens)
-    speculative_eagle_topk: int = 1  # EAGLE: 1 drafts a chain, more a tree of num_draft_tokens nodes
-    ngram_max: int = 4
-    planned_tokens: int | None = None
-    draft_quantization: str | None = None  # "int8": dynamic int8 draft linears (cpu)
-    kv_cache_dtype: str = "auto"  # auto (the compute dtype), fp8_e4m3 or fp8_e5m2: every model's K/V pool
-    spec_policy: str = FIXED  # fixed: K drafts every round; adaptive: the draft length that maximises goodput
-    chunked_prefill_size: int = 0  # most prompt tokens per prefill pass (the plan's chunkedPrefillSize); 0: no cap
-    # Admission reserves this share of the tokens a request may still generate (1.0: the worst case,
-    # prompt + max_tokens up front); an estimate that proves short is paid for by retraction.
-    new_token_ratio: float = 0.5
-    planned_dynamic_bytes: int | None = None  # the plan's reserve.dynamicBytes, checked by phase 3's warm-up
-
-
 class Engine:
     def __init__(self, args: EngineArgs):
-        if args.algorithm not in SERVED_ALGORITHMS:
-            raise InputError(f"--algorithm {args.algorithm}: this engine serves {', '.join(SERVED_ALGORITHMS)}")
-        needs_draft = args.algorithm == "STANDALONE" or args.algorithm in EAGLE_ALGORITHMS
-        if needs_draft and not args.draft:
-            raise InputError(f"--draft: {args.algorithm} needs a draft model folder")
-        if args.algorithm in EAGLE_ALGORITHMS:
-            check_tree_args(args.speculative_eagle_topk, args.speculative_num_steps or args.num_draft_tokens,
-                            args.num_draft_tokens)
-        if args.algorithm == "MTP":
-            check_mtp_args(args.speculative_eagle_topk, args.speculative_num_steps, args.num_draft_tokens)
+        self.method = algorithm(args.algorithm)  # what drafts, declared once (speculation/algorithms.py)
+        wiring.check_args(self.method, args)
         if args.spec_policy not in MODES:
             raise InputError(f"--spec-policy {args.spec_policy}: use one of {', '.join(MODES)}")
         if args.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InputError(f"--kv-cache-dtype {args.kv_cache_dtype}: use one of {', '.join(KV_CACHE_DTYPES)}")
-        # MTP's draft is the target's own NextN layer; --draft may name another folder holding it.
-        if not needs_draft and args.draft and args.algorithm != "MTP":
-            raise InputError(f"--draft: {args.algorithm} takes no draft model; drop --draft")
         self.args = args
         self.device = torch.device(args.device)
         self.target_shape: ModelShape | None = None
@@ -143,26 +94,7 @@ class Engine:
 
     def create_runners(self) -> None:
         """Read every config and create the runners; refuse a draft this engine cannot serve."""
-        args = self.args
-        self.target_shape = load_shape(args.target)
-        draft_shape = load_shape(args.draft) if args.draft else None
-        if args.algorithm == "STANDALONE":  # the planner's rule: NextN models draft for themselves (MTP)
-            check_standalone_draft(draft_shape, f"{args.draft}/config.json")
-        # The planner's rule: the tokenizers agree; padded vocab sizes may differ.
-        vocabulary = check_vocabulary(args.target, args.draft, self.target_shape, draft_shape) \
-            if args.algorithm == "STANDALONE" else None
-        kv = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-        self.target_runner = ModelRunner(args.target, args.device, args.dtype, name="target", kv_cache_dtype=kv)
-        if args.algorithm in EAGLE_ALGORITHMS:
-            self.draft_runner = EagleRunner(args.draft, self.target_runner, args.algorithm)
-        elif args.algorithm == "MTP":
-            self.draft_runner = MTPRunner(args.draft or args.target, self.target_runner)
-        elif args.draft:
-            self.draft_runner = ModelRunner(args.draft, args.device, args.dtype, name="draft",
-                                            quantization=args.draft_quantization,
-                                            kv_cache_dtype=kv)
-            if vocabulary is not None and not DraftVocabulary(vocabulary).is_identity:
-                self.draft_runner.vocabulary = DraftVocabulary(vocabulary)
+        self.target_shape, self.target_runner, self.draft_runner = wiring.create_runners(self.method, self.args)
 
     def model_runners(self) -> list[ModelRunner]:
         """The target's runner, then the draft's when there is one."""
@@ -216,7 +148,7 @@ class Engine:
             )
         if args.max_total_tokens is not None:
             tokens = min(tokens, args.max_total_tokens)
-        k = 0 if args.algorithm == "NONE" else args.num_draft_tokens
+        k = args.num_draft_tokens if self.method.drafts else 0
         self.memory_pool_config = MemoryPoolConfig(tokens, args.max_running_requests, args.context_len + k + 1)
         target.alloc_memory_pool(self.memory_pool_config)
         if draft:
@@ -226,14 +158,7 @@ class Engine:
         if self.phase < Phase.POOLS_ALLOCATED:
             raise PhaseError("phase 3 (init attention backends and CUDA graphs) needs phase 2 "
                              "(allocate KV pools) first")
-        args = self.args
-        for runner in self.model_runners():
-            if runner is self.target_runner and args.algorithm in ("STANDALONE", "NGRAM"):
-                runner.init_backends(args.cuda_graph_max_bs, verify_tokens=args.num_draft_tokens + 1)
-            elif runner is self.target_runner and args.algorithm in (*EAGLE_ALGORITHMS, "MTP"):
-                runner.init_backends(0)  # its passes return features too: the speculator graphs them
-            else:
-                runner.init_backends(args.cuda_graph_max_bs)
+        wiring.init_backends(self.method, self.args, self.target_runner, self.draft_runner)
 
     def _warm_up(self) -> None:
         """The longest prompt in chunks (the draft catching up over it), then one speculative round
@@ -261,33 +186,16 @@ class Engine:
                 tp.broadcast(("stop",))  # the followers leave the warm-up's replay loop
 
     def _make_speculator(self) -> Speculator:
-        args = self.args
-        if args.algorithm in EAGLE_ALGORITHMS or args.algorithm == "MTP":
-            spec = self._make_eagle_speculator()
-            if self.device.type == "cuda" and args.cuda_graph_max_bs > 0:
-                spec.capture_graphs(min(args.cuda_graph_max_bs, args.max_running_requests))
-            return spec
-        return StandaloneSpeculator(args.algorithm, self.target_runner, self.draft_runner, args.num_draft_tokens,
-                                    args.ngram_max, chunk_tokens=args.chunked_prefill_size)
-
-    def _make_eagle_speculator(self) -> EagleSpeculator:
-        args = self.args
-        if args.algorithm in EAGLE_ALGORITHMS:
-            return EagleSpeculator(args.algorithm, self.target_runner, self.draft_runner,
-                                   args.speculative_num_steps or args.num_draft_tokens, args.speculative_eagle_topk,
-                                   args.num_draft_tokens, chunk_tokens=args.chunked_prefill_size)
-        # MTP: the NextN layer drafts chains from the target's hidden states, as EAGLE does
-        return EagleSpeculator(args.algorithm, self.target_runner, self.draft_runner, args.num_draft_tokens,
-                               chunk_tokens=args.chunked_prefill_size)
+        return wiring.create_speculator(self.method, self.args, self.target_runner, self.draft_runner)
 
     def _make_scheduler(self) -> None:
         """Speculation control over the finished speculator, then the scheduler that feeds it."""
         args, spec = self.args, self.speculator
-        k = 0 if args.algorithm == "NONE" else args.num_draft_tokens
-        cost = measure_step_cost(args.spec_policy, args.algorithm, k, spec, self.draft_runner,
+        k = args.num_draft_tokens if self.method.drafts else 0
+        cost = measure_step_cost(args.spec_policy, self.method, k, spec, self.draft_runner,
                                  args.max_running_requests, args.context_len, args.chunked_prefill_size,
                                  self.target_shape.num_hidden_layers)
-        self.control = build_controller(args.spec_policy, args.algorithm, k, spec, cost, args.ngram_max,
+        self.control = build_controller(args.spec_policy, self.method.name, k, spec, cost, args.ngram_max,
                                         waiting=lambda: self.num_waiting)
         self.scheduler = Scheduler(self.target_runner.slots, spec.slots_per_round, self.stats,
                                    chunk_tokens=args.chunked_prefill_size, new_token_ratio=args.new_token_ratio,
@@ -302,33 +210,11 @@ class Engine:
         return self.scheduler is not None
 
     # ---- requests -------------------------------------------------------------------------
-    def slots_needed(self, req: Request) -> int:
-        return len(req.prompt_ids) + req.params.max_tokens + self.speculator.slots_per_round
-
-    def check_fits(self, req: Request) -> None:
-        """Refuse a request that could never run, whatever else is running."""
-        req.params.validate()
-        if not req.prompt_ids:
-            raise InputError("the prompt is empty")
-        cap = req.max_draft_tokens
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
-            raise InputError(f"max_draft_tokens must be a non-negative integer (0 turns drafting off), got {cap!r}")
-        ctx = self.args.context_len
-        if len(req.prompt_ids) + req.params.max_tokens > ctx:
-            raise InputError(f"prompt ({len(req.prompt_ids)} tokens) plus max_tokens ({req.params.max_tokens}) "
-                             f"exceeds the context length {ctx}; shorten the prompt or lower max_tokens")
-        cap = self.memory_pool_config.max_total_num_tokens
-        if self.slots_needed(req) > cap:
-            raise InputError(f"the request needs {self.slots_needed(req)} KV slots but the pool holds {cap}; "
-                             "shorten the prompt or lower max_tokens")
-        vocab = self.target_shape.vocab_size
-        if any(not 0 <= t < vocab for t in req.prompt_ids):
-            raise InputError(f"prompt token ids must be in [0, {vocab})")
-
     def submit(self, req: Request) -> Request:
         if not self.ready:
             raise PhaseError("the engine is still initialising")
-        self.check_fits(req)
+        check_request(req, self.args.context_len, self.memory_pool_config.max_total_num_tokens,
+                      self.speculator.slots_per_round, self.target_shape.vocab_size)
         if req.generator is None:
             req.generator = make_generator(req.params.seed)
         req.eos_token_ids = req.eos_token_ids or self.eos_token_ids

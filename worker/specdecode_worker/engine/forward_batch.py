@@ -45,6 +45,11 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = field(default_factory=list)
 
     @property
+    def is_tree(self) -> bool:
+        """A TreeForwardBatch: its tokens see their tree ancestors through a mask."""
+        return False
+
+    @property
     def batch_size(self) -> int:
         return len(self.extend_lens)
 

@@ -96,13 +96,13 @@ class ModelRunner:
             model = self.model_cls(self.config, **({"tp": self.tp} if self.tp.size > 1 else {}))
         load_safetensors(model, self.model_dir, self.device, self.dtype)
         model.rotary.reset(self.device)
-        if hasattr(model, "stack_experts") and attention_backend_name(self.device) == "triton":
+        if attention_backend_name(self.device) == "triton":
             model.stack_experts()  # MoE in CUDA graphs reads only the chosen experts at small batches
         if self.quantization == "int8":
             # Dynamic int8 linear layers in the decoder (a cheap CPU draft); the tied head stays.
             model.model.layers = torch.ao.quantization.quantize_dynamic(model.model.layers, {torch.nn.Linear},
                                                                         torch.qint8)
-        if hasattr(model, "fuse_projections") and self.quantization != "int8":
+        if self.quantization != "int8":
             model.fuse_projections()  # fewer, larger matrix products per layer; the same bytes
         self.model = model.eval().requires_grad_(False)  # no autograd state, also in CUDA graphs
         self.weight_bytes = tensor_bytes(model)
@@ -143,9 +143,9 @@ class ModelRunner:
         if self.token_to_kv_pool_allocator.size != cfg.max_total_num_tokens:
             raise ValueError(f"{self.name}: adopted allocator holds {self.token_to_kv_pool_allocator.size} slots, "
                              f"config says {cfg.max_total_num_tokens}")
-        if hasattr(self.model, "make_kv_pool"):  # a model with its own cell layout (MLA's latent)
-            self.token_to_kv_pool = self.model.make_kv_pool(cfg.max_total_num_tokens, self.kv_dtype, self.device)
-        else:
+        # A model with its own cell layout (MLA's latent) makes its pool; the others share one layout.
+        self.token_to_kv_pool = self.model.make_kv_pool(cfg.max_total_num_tokens, self.kv_dtype, self.device)
+        if self.token_to_kv_pool is None:
             self.token_to_kv_pool = MHATokenToKVPool(
                 cfg.max_total_num_tokens, self.shape.num_hidden_layers, self.shape.kv_heads_per_gpu(self.tp.size),
                 self.shape.head_dim, self.shape.v_head_dim, self.kv_dtype, self.device,
@@ -176,7 +176,7 @@ class ModelRunner:
 
             self.cuda_graphs = CudaGraphRunner(self.model, self.backend, cuda_graph_max_bs,
                                                self.memory_pool_config.context_len, self.device)
-            if verify_tokens > 1 and not hasattr(self.backend, "decode_ctx"):  # torch-native fixes lengths
+            if verify_tokens > 1 and not self.backend.fixed_width_under_graphs:
                 self.verify_graphs = CudaGraphRunner(self.model, self.backend, cuda_graph_max_bs,
                                                      self.memory_pool_config.context_len, self.device,
                                                      tokens_per_req=verify_tokens, pool=self.cuda_graphs.pool)

@@ -1,4 +1,5 @@
-"""The three initialisation phases and the error raised when one runs out of order."""
+"""The three initialisation phases, the error raised when one runs out of order, and the one raised
+when the worker cannot serve what was planned."""
 
 from __future__ import annotations
 
@@ -26,3 +27,7 @@ class PhaseError(RuntimeError):
 def require(current: Phase, needed: Phase, doing: str, who: str) -> None:
     if current < needed:
         raise PhaseError(f"{who}: cannot {doing} before {PHASE_STEP[needed]} has finished (now after {current.name})")
+
+
+class StartupError(RuntimeError):
+    """The worker cannot serve what was planned (for example fewer KV tokens than the floor)."""

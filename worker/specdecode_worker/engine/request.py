@@ -83,3 +83,22 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+
+def check_request(req: Request, context_len: int, pool_tokens: int, slots_per_round: int, vocab_size: int) -> None:
+    """Refuse a request that could never run, whatever else is running."""
+    req.params.validate()
+    if not req.prompt_ids:
+        raise InputError("the prompt is empty")
+    cap = req.max_draft_tokens
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+        raise InputError(f"max_draft_tokens must be a non-negative integer (0 turns drafting off), got {cap!r}")
+    if len(req.prompt_ids) + req.params.max_tokens > context_len:
+        raise InputError(f"prompt ({len(req.prompt_ids)} tokens) plus max_tokens ({req.params.max_tokens}) "
+                         f"exceeds the context length {context_len}; shorten the prompt or lower max_tokens")
+    needed = len(req.prompt_ids) + req.params.max_tokens + slots_per_round
+    if needed > pool_tokens:
+        raise InputError(f"the request needs {needed} KV slots but the pool holds {pool_tokens}; "
+                         "shorten the prompt or lower max_tokens")
+    if any(not 0 <= t < vocab_size for t in req.prompt_ids):
+        raise InputError(f"prompt token ids must be in [0, {vocab_size})")

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 # (each a sort over the vocabulary), the most memory a round's sampling and acceptance can take.
 WARM_UP_SAMPLING = SamplingParams(max_tokens=1, temperature=1.0, top_k=2, top_p=0.9, seed=0)
 # Counters a speculator keeps across rounds; the warm-up puts them back as they were.
-SPECULATOR_COUNTERS = ("draft_tokens", "last_draft_seconds")
+SPECULATOR_COUNTERS = ("draft_tokens",)  # what a round counts on the speculator (Speculator.draft_tokens)
 
 
 class WarmUpOutOfMemory(RuntimeError):
@@ -139,38 +139,32 @@ class Workloads:
         chunk = max(1, min(chunk_tokens or prompt, prompt))
         # NGRAM finds K tokens after the latest earlier match of the last n tokens: two periods of
         # k + 1 distinct tokens after n of them repeat far enough back.
-        batch_prompt = max(1, min(prompt, getattr(spec, "ngram_max", 0) + 2 * (k + 1)))
+        batch_prompt = max(1, min(prompt, spec.ngram_max + 2 * (k + 1)))
         batch = max(1, min(batch, slots.free_rows(), slots.free_slots() // (batch_prompt + per_round)))
-        tree = getattr(spec, "tree_shape", None) if getattr(spec, "tree", False) else None
+        tree = spec.tree_shape if spec.tree else None
         width = tree.width if tree is not None else k + 1
         return cls(prompt, chunk, batch, batch_prompt, width)
 
     def passes(self, spec) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """What serving runs that each workload exercises, in words (the DynamicPeak note)."""
-        draft = _draft_name(spec)
+        draft = spec.method.draft_name if spec.draft is not None else None
         long = [f"target prefill of a {self.prompt}-token prompt in passes of up to {self.chunk} tokens"]
         if draft:
-            reads = " with the target features it reads" if spec.algorithm != "STANDALONE" else ""
+            reads = " with the target features it reads" if spec.method.reads_target_features else ""
             long.append(f"{draft} catch-up over that prompt in passes of up to {self.chunk} tokens{reads}")
         full = []
-        if draft and getattr(spec, "tree", False):
+        if draft and spec.tree:
             shape = spec.tree_shape
             full.append(f"{draft} tree steps: {self.batch} requests x {shape.steps} steps of top-{shape.topk}")
         elif draft:
             full.append(f"{draft} chain steps: {self.batch} requests x {spec.k}")
-        elif spec.algorithm == "NGRAM":
+        elif spec.method.drafts:  # a lookup, no pass
             full.append(f"n-gram lookups: {self.batch} requests x {spec.k} tokens")
-        kind = "tree verify" if getattr(spec, "tree", False) else "verify" if spec.k else "decode"
-        features = " (+ features)" if spec.algorithm in ("EAGLE", "EAGLE3", "MTP") else ""
+        kind = "tree verify" if spec.tree else "verify" if spec.k else "decode"
+        features = " (+ features)" if spec.method.reads_target_features else ""
         full.append(f"{kind}{features}: {self.batch} requests x {self.width} tokens, then sampling "
                     f"(temperature, top-k, top-p) and acceptance")
         return tuple(long), tuple(full)
-
-
-def _draft_name(spec) -> str | None:
-    if getattr(spec, "draft", None) is None:
-        return None
-    return {"STANDALONE": "draft model", "MTP": "NextN layer"}.get(spec.algorithm, "EAGLE head")
 
 
 def warm_up(spec, runners, planned: int | None, chunk_tokens: int, batch: int) -> DynamicPeak:
@@ -221,7 +215,7 @@ class _leaves_no_trace:
 
     def __enter__(self) -> "_leaves_no_trace":
         self.free_lists = self.slots.snapshot()
-        self.counters = {name: getattr(self.spec, name) for name in SPECULATOR_COUNTERS if hasattr(self.spec, name)}
+        self.counters = {name: getattr(self.spec, name) for name in SPECULATOR_COUNTERS}
         self.transfers = to_host.count
         self.taken: list[tuple[Request, torch.Tensor]] = []
         return self

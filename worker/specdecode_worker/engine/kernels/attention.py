@@ -89,6 +89,10 @@ def attend_slots(q: torch.Tensor, k_buf, v_buf, slots: torch.Tensor, mask: torch
 
 
 class TorchNativeAttnBackend:
+    # Decode gathers a [batch, width] block of K/V: under a CUDA graph the width is fixed at the
+    # context length (``decode_ctx``), so a graph of varying-length verify passes cannot take it.
+    fixed_width_under_graphs = True
+
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, sliding_window: int | None):
         self.req_to_token = req_to_token_pool.req_to_token
         self.kv_pool = kv_pool

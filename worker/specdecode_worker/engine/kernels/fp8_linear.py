@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import InputError
-from ..parallel.distributed import SINGLE, TPGroup
+from ..parallel.group import SINGLE, TPGroup
 from ..parallel.parallel_layers import _mark
 
 FP8_DTYPE = torch.float8_e4m3fn

@@ -25,14 +25,21 @@ from .attention import attend_slots, use_triton
 class TreeForwardBatch(ForwardBatch):
     """``extend_lens`` are all n; E extra slots per request."""
 
+
     prefix_lens: torch.Tensor | None = None  # [B] committed positions each request sees causally
     key_slots: torch.Tensor | None = None  # [B, E] KV slots beyond the prefix
     key_positions: torch.Tensor | None = None  # [B, E] their positions
     mask: torch.Tensor | None = None  # [B, n, E] int8, nonzero: the token sees the slot
     prefix_lens_cpu: list[int] = field(default_factory=list)  # for the torch-native loop
 
+    @property
+    def is_tree(self) -> bool:
+        return True
+
 
 class TreeAttnBackend:
+    fixed_width_under_graphs = False
+
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, sliding_window: int | None):
         self.req_to_token = req_to_token_pool.req_to_token
         self.kv_pool = kv_pool

@@ -309,6 +309,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 class TritonAttnBackend:
+    fixed_width_under_graphs = False  # lengths are read on the device
     """Same interface as TorchNativeAttnBackend and TreeAttnBackend: one object serves decode,
     extend (prefill, chain verification) and tree batches (a ``TreeForwardBatch``)."""
 
@@ -317,7 +318,7 @@ class TritonAttnBackend:
         self.kv_pool = kv_pool
         self.sliding_window = sliding_window
         self.num_sms = _sm_count(self.req_to_token.device)
-        self._meta = BatchMeta(lambda fb, device: self._tree_meta(fb, device) if hasattr(fb, "mask")
+        self._meta = BatchMeta(lambda fb, device: self._tree_meta(fb, device) if fb.is_tree
                                else self._extend_meta(fb, device))
 
     def num_splits(self, batch_size: int) -> int:
@@ -327,7 +328,7 @@ class TritonAttnBackend:
         """q: [N, H, D], k/v: [N, Hkv, D] for the new tokens; returns [N, H, Dv]."""
         self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
-        tree = hasattr(fb, "mask")
+        tree = fb.is_tree
         if fb.is_decode and not tree:
             return decode_attention(q, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, fb.seq_lens, scaling,
                                     self.sliding_window, self.num_splits(fb.batch_size))

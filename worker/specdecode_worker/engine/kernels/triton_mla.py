@@ -214,6 +214,7 @@ def mla_extend(q, kv_buf, kv_lora_rank: int, req_to_token, req_pool_indices, q_s
 
 
 class TritonMLABackend:
+    fixed_width_under_graphs = False  # lengths are read on the device
     """Same interface as TorchNativeAttnBackend over an MLA pool: decode and extend (prefill,
     chain verification). Draft trees are not drafted over MLA (MTP drafts chains)."""
 
@@ -230,7 +231,7 @@ class TritonMLABackend:
     def forward(self, q, k, v, layer_id: int, fb: ForwardBatch, scaling: float) -> torch.Tensor:
         """q: [N, H, kv_lora_rank + rope] absorbed queries; k: the new latent rows [N, 1, width]
         (``v`` is their first columns, stored with them); returns [N, H, kv_lora_rank]."""
-        if hasattr(fb, "mask"):  # a TreeForwardBatch
+        if fb.is_tree:
             raise NotImplementedError("tree-masked attention over an MLA pool: MTP drafts chains only")
         self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         kv_buf = self.kv_pool.k_buffer[layer_id]

@@ -24,7 +24,8 @@ from torch import nn
 from ...errors import InputError
 from ..forward_batch import ForwardBatch
 from ..memory.mla_pool import MLATokenToKVPool
-from ..parallel.distributed import SINGLE, TPGroup
+from ..parallel.group import SINGLE, TPGroup
+from .base import ServedModel
 from .deepseek_v3 import DecoderLayer, Linears, MLARotary, MoE, check_moe_splits, stack_layer_experts
 from .llama import RMSNorm
 
@@ -65,7 +66,7 @@ class _Layers(nn.Module):
         self.layers = nn.ModuleDict({str(index): layer})
 
 
-class DeepseekMTP(nn.Module):
+class DeepseekMTP(ServedModel):
     sliding_window = None
 
     def __init__(self, config, tp: TPGroup = SINGLE):

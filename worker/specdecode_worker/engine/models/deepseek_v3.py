@@ -37,7 +37,7 @@ from ..forward_batch import ForwardBatch
 from ..kernels.fp8_linear import Fp8BlockLinear, dense_weight, fp8_block_size
 from ..kernels.layer_kernels import silu_mul
 from ..memory.mla_pool import MLATokenToKVPool
-from ..parallel.distributed import SINGLE, TPGroup
+from ..parallel.group import SINGLE, TPGroup
 from ..parallel.parallel_layers import (
     RowParallelLinear,
     column_linear,
@@ -46,6 +46,7 @@ from ..parallel.parallel_layers import (
     row_linear,
     vocab_embedding,
 )
+from .base import ServedModel
 from .llama import RMSNorm
 from .rope import RotaryEmbedding, _rope_parameters
 
@@ -353,7 +354,7 @@ def check_moe_splits(config, size: int, where: str) -> None:
                              f"divide by {size}")
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(ServedModel):
     """The target model. ``forward`` matches LlamaForCausalLM's (an MTP draft reads ``capture``)."""
 
     sliding_window = None

@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from ..kernels.layer_kernels import silu_mul
-from ..parallel.distributed import SINGLE, TPGroup
+from ..parallel.group import SINGLE, TPGroup
 from ..parallel.parallel_layers import column_linear, kv_head_block, lm_head, row_linear
+from .base import ServedModel
 from .llama import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -98,7 +99,7 @@ class HeadLayer(nn.Module):
         return x + self.mlp(h)
 
 
-class EagleHead(nn.Module):
+class EagleHead(ServedModel):
     """EAGLE-1/2. ``fc_bias`` and ``first_input_norm`` follow what the checkpoint holds."""
 
     eagle3 = False
@@ -127,7 +128,7 @@ class EagleHead(nn.Module):
         return x, x
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(ServedModel):
     eagle3 = True
 
     def __init__(self, config, target_hidden_size: int, draft_vocab_size: int | None, has_d2t: bool,

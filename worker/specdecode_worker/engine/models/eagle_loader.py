@@ -25,7 +25,7 @@ import torch
 from ...errors import InputError
 from ...model_rules.eagle_rule import aux_layer_ids
 from ...model_rules.model_config import read_config
-from ..parallel.distributed import SINGLE, TPGroup
+from ..parallel.group import SINGLE, TPGroup
 from ..parallel.parallel_layers import take_shard
 from .eagle import Eagle3Head, EagleHead
 
@@ -89,6 +89,7 @@ def head_config(raw: dict):
 def load_eagle_head(
     model_dir: str | Path,
     algorithm: str,
+    feature_layers: int,
     target_hidden_size: int,
     target_vocab_size: int,
     target_num_layers: int,
@@ -97,13 +98,16 @@ def load_eagle_head(
     tp: TPGroup = SINGLE,
 ) -> LoadedHead:
     model_dir = Path(model_dir)
+    # EAGLE3 heads read three target layers through a wider fc, with a vocabulary of their own;
+    # EAGLE-1/2 heads read one and use the target's lm_head.
+    eagle3 = feature_layers > 1
     where = str(model_dir / "config.json")
     raw = read_config(model_dir)
     config = head_config(raw)
     tensors, files = read_head_tensors(model_dir)
     tensors = {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIXES)}
 
-    shared = ["embed_tokens.weight"] + (["lm_head.weight"] if algorithm == "EAGLE" else [])
+    shared = ["embed_tokens.weight"] + ([] if eagle3 else ["lm_head.weight"])
     skipped = [n for n in shared if n in tensors]
     for n in skipped:
         del tensors[n]
@@ -115,7 +119,7 @@ def load_eagle_head(
     if "fc.weight" not in tensors:
         raise InputError(f"{files}: tensor 'fc.weight' is missing; an {algorithm} head maps the target's hidden "
                          "states through fc (is this an EAGLE head checkpoint?)")
-    if algorithm == "EAGLE3":
+    if eagle3:
         if config.num_hidden_layers != 1:
             raise InputError(f"{where}: field 'num_hidden_layers' is {config.num_hidden_layers}; "
                              "an EAGLE3 head has 1 layer")
@@ -123,7 +127,7 @@ def load_eagle_head(
         if th != target_hidden_size:
             raise InputError(f"{where}: field 'target_hidden_size' is {th} but the target's hidden_size is "
                              f"{target_hidden_size}")
-        fc_in = 3 * target_hidden_size
+        fc_in = feature_layers * target_hidden_size
         head_vocab = tuple(tensors["lm_head.weight"].shape)[0] if "lm_head.weight" in tensors else None
         _check_vocab_maps(tensors, raw, head_vocab, target_vocab_size, files, where)
         aux = aux_layer_ids(raw, target_num_layers, where)
@@ -136,7 +140,7 @@ def load_eagle_head(
         )
 
     with torch.device("meta"):
-        if algorithm == "EAGLE3":
+        if eagle3:
             head = Eagle3Head(config, target_hidden_size, head_vocab, has_d2t="d2t" in tensors, tp=tp)
         else:
             head = EagleHead(config, fc_bias="fc.bias" in tensors,

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..forward_batch import ForwardBatch
 from ..kernels.layer_kernels import rms_norm, silu_mul
-from ..parallel.distributed import SINGLE, TPGroup
+from ..parallel.group import SINGLE, TPGroup
 from ..parallel.parallel_layers import (
     column_linear,
     fuse_linears,
@@ -20,6 +20,7 @@ from ..parallel.parallel_layers import (
     row_linear,
     vocab_embedding,
 )
+from .base import ServedModel
 from .rope import RotaryEmbedding
 
 
@@ -137,7 +138,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(ServedModel):
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
         self.config = config

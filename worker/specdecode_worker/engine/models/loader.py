@@ -57,8 +57,7 @@ def tensor_bytes(module: torch.nn.Module) -> int:
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
     for m in module.modules():  # dynamically quantized linears keep packed weights, not parameters
-        packed = getattr(m, "_packed_params", None)
-        if packed is not None and hasattr(m, "weight") and callable(m.weight):
+        if isinstance(m, torch.ao.nn.quantized.dynamic.Linear):
             w, b = m.weight(), m.bias()
             total += w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
     return total

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import InputError
-from .distributed import SINGLE, TPGroup, get_tp
+from .group import SINGLE, TPGroup, get_tp
 
 
 def _mark(param: nn.Parameter, tp: TPGroup, dim: int, start: int, length: int,

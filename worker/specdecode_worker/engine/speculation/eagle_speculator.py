@@ -32,7 +32,6 @@ import logging
 
 import torch
 
-from ...contract import EAGLE_ALGORITHMS
 from ...errors import InputError
 from ...model_rules.model_config import load_shape, read_config
 from ..batch import Segment, chunk_segments, make_batch, padded_chain_batch, with_cache_locs
@@ -48,6 +47,7 @@ from ..parallel.distributed import announce_graph
 from ..parallel.parallel_layers import check_splits, parallel_logits
 from ..phases import Phase, PhaseError, require
 from ..request import Request
+from . import algorithms
 from .speculative import Lookup, RoundResult, Speculator, accept_chains, chain_segments, first_uniforms, ragged_ids
 from .tree import DeviceTrees, TreeDrafter, TreeShape, accept_trees
 from .tree_graph import TreeGraphInputs
@@ -80,16 +80,17 @@ class EagleRunner(ModelRunner):
     """The head on one device, sharded as the target is; phases 2 and 3 are ModelRunner's (the
     head's own K/V layers, ``max(1, kv / t)`` heads per rank)."""
 
-    def __init__(self, model_dir: str, target_runner: ModelRunner, algorithm: str):
-        if algorithm not in EAGLE_ALGORITHMS:
-            raise ValueError(f"unknown EAGLE algorithm {algorithm}")
+    def __init__(self, model_dir: str, target_runner: ModelRunner, algorithm_name: str):
+        method = algorithms.algorithm(algorithm_name)
+        if method.drafter is not algorithms.Drafter.HEAD:
+            raise ValueError(f"{algorithm_name} drafts with no EAGLE head")
         tp = target_runner.tp
         if tp.size > 1:  # the planner's rule: the head splits t ways as the target does
             check_splits(head_config(read_config(model_dir)), tp.size, f"{model_dir}/config.json")
         # config.json only (the layer count is known before any weight); dtypes are the target's.
         self._init_state(model_dir, "draft", target_runner.device, load_shape(model_dir), target_runner.dtype,
                          target_runner.kv_dtype, tp)
-        self.algorithm = algorithm
+        self.algorithm, self.method = algorithm_name, method
         self.target = target_runner
         self.aux_layers: list[int] | None = None
         self.tree_backend = None  # set in phase 3
@@ -101,8 +102,8 @@ class EagleRunner(ModelRunner):
         require(self.target.phase, Phase.WEIGHTS_LOADED, "load an EAGLE head that shares the target's embedding",
                 self.name)
         t = self.target.shape
-        loaded = load_eagle_head(self.model_dir, self.algorithm, t.hidden_size, t.vocab_size, t.num_hidden_layers,
-                                 self.device, self.dtype, self.tp)
+        loaded = load_eagle_head(self.model_dir, self.method.name, self.method.feature_layers, t.hidden_size,
+                                 t.vocab_size, t.num_hidden_layers, self.device, self.dtype, self.tp)
         self.model, self.aux_layers = loaded.head, loaded.aux_layers
         self.weight_bytes = tensor_bytes(self.model)  # shared tensors stay in the target's module
         if loaded.skipped_shared:
@@ -144,7 +145,7 @@ class EagleSpeculator(Speculator):
         num_draft_tokens = num_steps if num_draft_tokens is None else num_draft_tokens
         check_tree_args(topk, num_steps, num_draft_tokens)
         self.chunk_tokens = chunk_tokens  # most tokens in one head pass catching up (chunkedPrefillSize); 0: no cap
-        self.algorithm = algorithm
+        self.algorithm, self.method = algorithm, algorithms.algorithm(algorithm)
         self.target = target_runner
         self.draft = draft_runner
         self.head = draft_runner.model
@@ -176,7 +177,7 @@ class EagleSpeculator(Speculator):
             self._capture(max_bs, eager)
 
     def _capture(self, max_bs: int, eager: bool) -> None:
-        graphable = lambda backend: eager or not hasattr(backend, "decode_ctx")  # noqa: E731
+        graphable = lambda backend: eager or not backend.fixed_width_under_graphs  # noqa: E731
         device, shape = self.target.device, self.tree_shape
         hidden = dict(extra_widths=(self.draft.shape.hidden_size,), extra_dtype=self.target.dtype)
         graphs = {}  # every graph of a round shares one pool: they never run at once

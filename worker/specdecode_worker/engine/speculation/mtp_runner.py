@@ -60,7 +60,7 @@ class MTPRunner(ModelRunner):
             model = DeepseekMTP(self.config, self.tp)
         load_safetensors(model, self.model_dir, self.device, self.dtype)
         model.rotary.reset(self.device)
-        if hasattr(model, "stack_experts") and attention_backend_name(self.device) == "triton":
+        if attention_backend_name(self.device) == "triton":
             model.stack_experts()  # MoE in CUDA graphs reads only the chosen experts at small batches
         self.model = model.eval().requires_grad_(False)
         self.weight_bytes = tensor_bytes(model)  # the embedding and lm_head stay the target's

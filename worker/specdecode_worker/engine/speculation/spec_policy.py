@@ -63,13 +63,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .algorithms import ALGORITHMS
 from .step_cost import StepCost
 
 ADAPTIVE, FIXED = "adaptive", "fixed"
 MODES = (ADAPTIVE, FIXED)
 
 # First-position acceptance to expect before anything is measured (later positions alike).
-ALGORITHM_PRIORS = {"NGRAM": 0.5, "STANDALONE": 0.7, "EAGLE": 0.7, "EAGLE3": 0.75, "MTP": 0.75}
 
 
 class Acceptance:
@@ -236,7 +236,7 @@ class SpecPolicy:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"unknown speculation policy {self.mode!r}; use one of {', '.join(MODES)}")
-        self.prior = ALGORITHM_PRIORS.get(self.algorithm, 0.5)
+        self.prior = ALGORITHMS[self.algorithm].prior
         self.algorithm_acceptance = Acceptance(self.max_draft, self.prior, prior_weight=2.0, decay=0.95)
         self.class_acceptance = [Acceptance(self.max_draft, self.prior, prior_weight=2.0, decay=0.95)
                                  for _ in range(self.classes)]

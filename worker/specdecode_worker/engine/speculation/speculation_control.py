@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..request import Request
+from .algorithms import Algorithm, Drafter
 from .ngram_index import ContextGuesses
 from .spec_policy import FIXED, SpecPolicy
 from .speculative import Lookup, RoundResult, Speculator
@@ -93,7 +94,7 @@ def build_controller(mode: str, algorithm: str, k: int, speculator: Speculator, 
     return SpeculationController(policy, speculator, guesses, waiting)
 
 
-def measure_step_cost(mode: str, algorithm: str, k: int, speculator: Speculator, draft_runner, batch: int,
+def measure_step_cost(mode: str, method: Algorithm, k: int, speculator: Speculator, draft_runner, batch: int,
                       context_len: int, chunk_tokens: int, target_layers: int) -> StepCost:
     """The policy's round-cost model, measured on one device (a few passes at batch 1 and full,
     width 1, 2 and k + 1); with tensor parallelism the ranks cannot time passes alone, so a guess
@@ -109,14 +110,14 @@ def measure_step_cost(mode: str, algorithm: str, k: int, speculator: Speculator,
     else:
         target, curve = target_points(target_runner, batch, k, context_len, speculator, chunk_tokens=chunk_tokens)
     plain = {1: target[(1, 0)], batch: target[(batch, 0)]}
-    if algorithm == "STANDALONE" and draft_runner.tp.size > 1:
+    if method.drafter is Drafter.MODEL and draft_runner.tp.size > 1:
         # A sharded draft cannot be timed alone either: its decode cost scales with its weight bytes.
         share = draft_runner.weight_bytes / max(target_runner.weight_bytes, 1)
         draft = {j: s * share for j, s in plain.items()}
         catch_up = share * catch_up_seconds(target[(1, 0)], target[(1, k)], k + 1)
-    elif algorithm == "STANDALONE":
+    elif method.drafter is Drafter.MODEL:
         draft, catch_up = draft_points(draft_runner, batch, context_len, chunk_tokens=chunk_tokens)
-    elif algorithm == "NGRAM":
+    elif not method.draft_name:  # a lookup: no pass
         draft = None
     else:  # an EAGLE head or NextN layer: one layer against the target's many
         layers = max(target_layers, 1)

@@ -19,18 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ...contract import EAGLE_ALGORITHMS, SERVED_ALGORITHMS
 from ..batch import PaddedChains, Segment, chunk_segments, forward_segments, padded_chain_batch
 from ..batch_sampling import chain_rows, choose_tokens, to_host, uniforms, verify_chains
 from ..cuda_graph import chain_graph_width
 from ..forward_batch import to_device
 from ..model_runner import ModelRunner
 from ..request import Request
+from .algorithms import Algorithm, Drafter, algorithm
 from .ngram_index import RequestIndexes
-
-# EAGLE (and MTP, whose NextN layer drafts like an EAGLE head) have their own speculator.
-ALGORITHMS = tuple(a for a in SERVED_ALGORITHMS if a not in EAGLE_ALGORITHMS and a != "MTP")
-
 
 @dataclass(frozen=True)
 class RoundResult:
@@ -60,7 +56,15 @@ class Speculator(ABC):
     """
 
     algorithm: str
+    method: Algorithm  # the algorithm's declaration (speculation/algorithms.py)
     target: ModelRunner
+    draft: ModelRunner | None = None  # the model that drafts, if any
+    k: int = 0  # most tokens a request drafts in one round
+    # An EAGLE tree's shape, where a round drafts a tree (the warm-up sizes its passes by it).
+    tree: bool = False
+    tree_shape = None
+    ngram_max: int = 0  # longest suffix an n-gram lookup matches (0: no lookups)
+    draft_tokens: int = 0  # tokens the draft model has processed (catch-up and proposals)
 
     @property
     @abstractmethod
@@ -201,24 +205,25 @@ class StandaloneSpeculator(Speculator):
 
     catches_up = True  # a STANDALONE draft's cache; 0 tokens without a draft model
 
-    def __init__(self, algorithm: str, target_runner: ModelRunner, draft_runner: ModelRunner | None = None,
+    def __init__(self, algorithm_name: str, target_runner: ModelRunner, draft_runner: ModelRunner | None = None,
                  num_draft_tokens: int = 4, ngram_max: int = 4, chunk_tokens: int = 0):
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {algorithm}")
-        self.algorithm = algorithm
+        self.method = algorithm(algorithm_name)
+        if self.method.reads_target_features:
+            raise ValueError(f"{algorithm_name} drafts from the target's features: EagleSpeculator runs it")
+        self.algorithm = algorithm_name
         self.target = target_runner
         self.draft = draft_runner
-        self.k = 0 if algorithm == "NONE" else num_draft_tokens
+        self.k = num_draft_tokens if self.method.drafts else 0
         self.ngram_max = ngram_max
         self.chunk_tokens = chunk_tokens  # most tokens of one draft catch-up pass (0: no cap)
         self.draft_tokens = 0  # tokens the draft model has processed (catch-up and proposals)
         # An n-gram proposal's class is its matched suffix's length: a one-token match (a common
         # word seen before) is rarely what follows, a four-token one in copied text nearly always.
-        self.draft_classes = ngram_max + 1 if algorithm == "NGRAM" else 0
+        self.draft_classes = ngram_max + 1 if self.method.drafter is Drafter.LOOKUP else 0
         self._ngram_indexes = RequestIndexes(ngram_max)  # while each request runs
 
     def look_ahead(self, reqs: list[Request], caps: list[int]) -> Lookup | None:
-        if self.algorithm != "NGRAM":
+        if self.method.drafter is not Drafter.LOOKUP:
             return None
         matches = [self._ngram_indexes.match(r, min(c, self.k)) if c > 0 else ([], 0) for r, c in zip(reqs, caps)]
         return Lookup([m[0] for m in matches], [m[1] for m in matches])
@@ -278,9 +283,9 @@ class StandaloneSpeculator(Speculator):
         """Proposals ``[B, max(ks)]`` on the target's device, the distributions they were drawn from
         (None: point masses), and each request's real draft length (a lookup may find fewer)."""
         device = self.target.device
-        if self.algorithm == "NONE":
+        if not self.method.drafts:
             return torch.zeros(len(reqs), 0, dtype=torch.int64, device=device), None, [0] * len(reqs)
-        if self.algorithm == "NGRAM":
+        if self.method.drafter is Drafter.LOOKUP:
             lookup = lookup or self.look_ahead(reqs, ks)
             found = [p[:k] for p, k in zip(lookup.proposals, ks)]
             width = max((len(f) for f in found), default=0)

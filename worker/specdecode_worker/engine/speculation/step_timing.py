@@ -68,7 +68,7 @@ def _wait_for(device) -> None:
 def _verify_pass(runner: ModelRunner, speculator, rows: list[int], prefix: int, width: int) -> None:
     """``width`` new tokens per request, run as a round runs them: a verify pass that the verify
     graphs take is padded to their width (its cost does not grow with the draft length)."""
-    graphs = getattr(runner, "verify_graphs", None) if speculator is None else speculator.chain_verify_graphs
+    graphs = runner.verify_graphs if speculator is None else speculator.chain_verify_graphs
     padded_width = chain_graph_width(graphs, len(rows), width - 1)
     if padded_width:
         chains = torch.zeros(len(rows), width, dtype=torch.int64, device=runner.device)
