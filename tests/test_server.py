@@ -340,7 +340,8 @@ def test_eagle3_head_serves_the_target_greedy_text(models, reference, tmp_path, 
     [
         ("/v1/completions", {"prompt": "the", "frobnicate": 1}, "unknown parameter 'frobnicate'"),
         ("/v1/completions", {"prompt": "the", "presence_penalty": 0.5}, "'presence_penalty' is not supported"),
-        ("/v1/completions", {"prompt": "the", "logprobs": 3}, "'logprobs' is not supported"),
+        ("/v1/completions", {"prompt": "the", "logprobs": 21}, "top logprobs must be an integer in [0, 20]"),
+        ("/v1/completions", {"prompt": "the", "logprobs": True}, "'logprobs' must be an integer in [0, 20]"),
         ("/v1/completions", {"prompt": "the", "echo": True}, "'echo' is not supported"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                   "response_format": {"type": "json_object"}}, "'response_format' is not supported"),
@@ -355,7 +356,7 @@ def test_eagle3_head_serves_the_target_greedy_text(models, reference, tmp_path, 
 )
 def test_unknown_and_unimplemented_parameters_get_400_naming_them(server, path, body, needle):
     """Nothing a client asks for is silently ignored: an unknown parameter, or an OpenAI feature
-    this server does not implement asked for (logprobs, penalties, JSON output, tools, echo), or a
+    this server does not implement asked for (penalties, JSON output, tools, echo), or a
     chat role or content part it does not serve, is a 400 that names it."""
     base, _ = server
     r = httpx.post(base + path, json=body, timeout=60)

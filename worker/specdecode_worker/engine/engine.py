@@ -283,7 +283,7 @@ class Engine:
         with self.scheduler.ending_together():
             for r, result in zip(reqs, results):
                 self.stats.count_verified(r, result)
-                self.scheduler.commit(r, result.tokens)
+                self.scheduler.commit(r, result.tokens, result.logprobs)
 
     # ---- observability --------------------------------------------------------------------
     @property

@@ -25,6 +25,18 @@ def make_generator(seed: int | None) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") % (1 << 63))
 
 
+MAX_TOP_LOGPROBS = 20  # as vLLM and the OpenAI API cap top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target, and the likeliest tokens at its position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, log-probability), most likely first
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -33,6 +45,9 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k cut
     seed: int | None = None
     ignore_eos: bool = False
+    # Log-probabilities of the emitted tokens with this many of the likeliest tokens at each
+    # position (None: none are computed).
+    logprobs: int | None = None
 
     def validate(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -45,6 +60,10 @@ class SamplingParams:
             raise InputError(f"top_k must be a non-negative integer (0 turns it off), got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InputError(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise InputError(f"the number of top logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +82,7 @@ class Request:
     speculative: bool = True  # False: this request never drafts (plain decoding)
     max_draft_tokens: int | None = None  # a cap on its draft length per round (None: the engine's)
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
     finish_reason: str | None = None
     error: str | None = None
     # Engine state: request row, tokens in the target's KV pool, tokens in the draft's.

@@ -22,11 +22,14 @@ import math
 import threading
 from collections import deque
 from contextlib import contextmanager
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .memory.kv_slots import KVSlots
-from .request import Request
+from .request import Request, TokenLogprob
 from .stats import Stats
+
+if TYPE_CHECKING:
+    from .speculation.speculative import RoundResult
 
 log = logging.getLogger(__name__)
 
@@ -124,17 +127,17 @@ class Scheduler:
             budget -= n
         return reqs, ends
 
-    def prefilled(self, reqs: list[Request], first_tokens: list[int | None]) -> None:
+    def prefilled(self, reqs: list[Request], firsts: list[RoundResult | None]) -> None:
         """After the prefill pass: a request whose prompt is cached decodes from the next step; a
         fresh one commits its first token (a recompute has its tokens already)."""
         with self.ending_together():
-            for r, token in zip(reqs, first_tokens):
+            for r, first in zip(reqs, firsts):
                 if r.kv_len < len(r.prefill_ids):
                     continue  # more chunks to come
                 r.prefill_ids = None
-                if token is not None:
+                if first is not None:
                     self.stats.prompt_tokens += len(r.prompt_ids)
-                    self.commit(r, [token])
+                    self.commit(r, first.tokens, first.logprobs)
 
     def decoding(self) -> list[Request]:
         """The requests of this step's decode round: those prefilled, as many as the free slots
@@ -143,8 +146,9 @@ class Scheduler:
         return [r for r in self.running if r.prefill_ids is None][:room]
 
     # ---- output ------------------------------------------------------------------------------
-    def commit(self, r: Request, tokens: list[int]) -> None:
-        """Append new tokens up to EOS or max_tokens, the one place output grows; finish if done."""
+    def commit(self, r: Request, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append new tokens (and their log-probabilities) up to EOS or max_tokens, the one place
+        output grows; finish if done."""
         kept, reason = [], None
         for t in tokens:
             kept.append(t)
@@ -154,6 +158,8 @@ class Scheduler:
             if len(r.output_ids) + len(kept) >= r.params.max_tokens:
                 reason = "length"
                 break
+        if logprobs is not None:
+            r.output_logprobs.extend(logprobs[: len(kept)])
         r.output_ids.extend(kept)
         self.stats.generated_tokens += len(kept)
         if r.on_update and kept:

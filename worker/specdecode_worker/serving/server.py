@@ -28,6 +28,7 @@ from ..engine.request import Request, SamplingParams
 from ..errors import InputError
 from .detokenize import IncrementalText
 from .metrics import RequestLatency
+from .openai_logprobs import chat_logprobs, completion_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +64,17 @@ EXPECTED = {
     "prompt": "a non-empty string or a list of token ids",
     "messages": "a non-empty list of {role, content} objects, content a string or a list of text parts",
     "speculative": "true or false", "max_draft_tokens": "a non-negative integer (0 turns drafting off)",
+    "logprobs": "an integer in [0, 20] on /v1/completions, true or false on /v1/chat/completions",
+    "top_logprobs": "an integer in [0, 20]",
 }
 
 
 # OpenAI parameters this server does not implement. Each is accepted at the value that asks for
 # nothing (what a client sends when it leaves the feature off) and refused with a 400 naming it
-# otherwise: a client that asks for logprobs or JSON must not get plain text back silently.
+# otherwise: a client that asks for penalties or JSON must not get plain text back silently.
 UNSUPPORTED: dict[str, tuple] = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logprobs": (False, 0),
-    "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "logit_bias": ({},), "suffix": ("",),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "echo": (False,),
+    "best_of": (1,), "logit_bias": ({},), "suffix": ("",),
     "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "min_tokens": (0,),
 }
@@ -123,6 +126,10 @@ class GenerationBody(BaseModel):
             raise InputError(f"'max_draft_tokens' must be {EXPECTED['max_draft_tokens']}, got {self.max_draft_tokens}")
         return {"speculative": self.speculative, "max_draft_tokens": self.max_draft_tokens}
 
+    def top_logprobs_wanted(self) -> int | None:
+        """How many of the likeliest tokens to report at each position (None: no logprobs)."""
+        return None
+
     def sampling_params(self) -> SamplingParams:
         if self.n != 1:
             raise InputError(f"'n' must be 1 (one choice per request), got {self.n!r}")
@@ -134,6 +141,7 @@ class GenerationBody(BaseModel):
             top_k=self.top_k or 0,
             seed=self.seed,
             ignore_eos=bool(self.ignore_eos),
+            logprobs=self.top_logprobs_wanted(),
         )
         params.validate()
         return params
@@ -147,6 +155,10 @@ class GenerationBody(BaseModel):
 
 class CompletionBody(GenerationBody):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | None = None
+    logprobs: StrictInt | None = None
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -179,6 +191,13 @@ class Message(BaseModel):
 
 class ChatBody(GenerationBody):
     messages: list[Message]
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+
+    def top_logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InputError("'top_logprobs' needs 'logprobs': true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def parse_body(model: type[BaseModel], body: dict) -> Any:
@@ -313,31 +332,33 @@ class _Stream:
 
 
 async def _text_pieces(state: ServerState, req: Request, sink: _Stream, stops: list[str]) -> AsyncIterator:
-    """Yields (text delta, finish_reason) as tokens arrive; applies stop strings. Each update decodes
-    only its new tokens' window. Text that could begin a stop string is held back until the next
-    tokens show whether it does, so no part of a stop string is ever sent."""
+    """Yields (text delta, finish_reason, tokens received so far) as tokens arrive; applies stop
+    strings. Each update decodes only its new tokens' window. Text that could begin a stop string
+    is held back until the next tokens show whether it does, so no part of a stop string is ever sent."""
     text = IncrementalText(state.tokenizer)
     held = ""  # decoded, not sent: its end may be the start of a stop string
+    received = 0
     while True:
         tokens = await sink.queue.get()
         if tokens is None:
             if req.error:
                 raise RuntimeError(req.error)
             if held:
-                yield held, None
-            yield "", req.finish_reason
+                yield held, None, received
+            yield "", req.finish_reason, received
             return
+        received += len(tokens)
         held += text.push(tokens)
         cuts = [at for at in (held.find(stop) for stop in stops) if at >= 0]
         if cuts:
             state.engine.abort(req)
             if min(cuts):
-                yield held[: min(cuts)], None
-            yield "", "stop"
+                yield held[: min(cuts)], None, received
+            yield "", "stop", received
             return
         keep = _stop_prefix_length(held, stops)
         if len(held) > keep:
-            yield held[: len(held) - keep], None
+            yield held[: len(held) - keep], None, received
             held = held[len(held) - keep :]
 
 
@@ -360,17 +381,19 @@ async def _generate(state: ServerState, body: GenerationBody, ids: list[int], ch
     pieces = _text_pieces(state, req, sink, stops)
     if body.stream:
         return StreamingResponse(_events(state, req, pieces, head, chat), media_type="text/event-stream")
-    text, finish = "", None
+    text, finish, received = "", None, 0
     try:
-        async for piece, fin in pieces:
+        async for piece, fin, upto in pieces:
             text += piece
-            finish = fin or finish
+            finish, received = fin or finish, upto
     except RuntimeError as exc:
         return _error(500, str(exc))
+    logprobs = _logprobs(state, req, 0, received, chat)
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                  "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
             "usage": _usage(req)}
 
@@ -378,18 +401,20 @@ async def _generate(state: ServerState, body: GenerationBody, ids: list[int], ch
 async def _events(state: ServerState, req: Request, pieces: AsyncIterator, head: dict, chat: bool):
     """Server-sent events: one chunk per text delta, the last with the finish reason and usage."""
     obj = "chat.completion.chunk" if chat else "text_completion"
-    first = True
+    first, sent, offset = True, 0, 0  # tokens whose logprobs went out, and the text's length so far
     try:
-        async for piece, fin in pieces:
+        async for piece, fin, received in pieces:
             if not (piece or fin):
                 continue
+            logprobs = _logprobs(state, req, sent, received, chat, offset)
+            sent, offset = received, offset + len(piece)
             if not chat:
-                choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": fin}
+                choice = {"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": fin}
             else:
                 delta = {"content": piece} if piece else {}
                 if first:  # the role goes in the first chunk only
                     delta, first = {"role": "assistant", **delta}, False
-                choice = {"index": 0, "delta": delta, "finish_reason": fin}
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": fin}
             data = {**head, "object": obj, "choices": [choice]}
             if fin:
                 data["usage"] = _usage(req)
@@ -400,6 +425,16 @@ async def _events(state: ServerState, req: Request, pieces: AsyncIterator, head:
         if not req.done.is_set():
             state.engine.abort(req)  # the client went away
     yield "data: [DONE]\n\n"
+
+
+def _logprobs(state: ServerState, req: Request, start: int, end: int, chat: bool, offset: int = 0) -> dict | None:
+    """The log-probabilities of output tokens ``start .. end - 1`` (None: the request asked for none)."""
+    if req.params.logprobs is None:
+        return None
+    entries = req.output_logprobs[start:end]
+    if chat:
+        return chat_logprobs(state.tokenizer, entries)
+    return completion_logprobs(state.tokenizer, entries, offset)
 
 
 def _usage(req: Request) -> dict:

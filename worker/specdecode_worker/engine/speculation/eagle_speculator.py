@@ -48,7 +48,8 @@ from ..parallel.parallel_layers import check_splits, parallel_logits
 from ..phases import Phase, PhaseError, require
 from ..request import Request
 from . import algorithms
-from .speculative import Lookup, RoundResult, Speculator, accept_chains, chain_segments, first_uniforms, ragged_ids
+from .speculative import (Lookup, RoundResult, Speculator, accept_chains, chain_segments, emitted_logprobs,
+                          first_uniforms, ragged_ids)
 from .tree import DeviceTrees, TreeDrafter, TreeShape, accept_trees
 from .tree_graph import TreeGraphInputs
 
@@ -299,7 +300,7 @@ class EagleSpeculator(Speculator):
         return logits, feature[rows]
 
     # ---- prefill ----------------------------------------------------------------------------
-    def prefill(self, reqs: list[Request], ends: list[int]) -> list[int | None]:
+    def prefill(self, reqs: list[Request], ends: list[int]) -> list[RoundResult | None]:
         """Target features of every prefilled position wait for the head's first extend (D = 0)."""
         segments = chunk_segments(self.target.slots, reqs, ends)
         fb = with_cache_locs(make_batch(segments, self.target.device), self.target.req_to_token_pool, segments)
@@ -427,16 +428,16 @@ class EagleSpeculator(Speculator):
             fb = with_cache_locs(make_batch(segments, device), slots.rows, segments)
             fb.input_ids = ragged_ids(chains, ks)
         target_logits, features = self._target(fb, "target")
-        accepted, nexts, drafted = accept_chains(reqs, tokens, probs, target_logits, ks, padded)
+        accepted, nexts, drafted, logprobs = accept_chains(reqs, tokens, probs, target_logits, ks, padded)
         results, start, rejected = [], 0, []
-        for r, k, n, nxt, chain in zip(reqs, ks, accepted, nexts, drafted):
+        for r, k, n, nxt, chain, lp in zip(reqs, ks, accepted, nexts, drafted, logprobs):
             rows = slice(start, start + k + 1)
             start += k + 1 if padded is None else padded.width
             last = r.kv_len
             r.kv_len = last + n + 1
             rejected.append((r.req_idx, r.kv_len, last + self.k + 1))
             self._features[r.rid] = features[rows][: n + 1].clone()  # graph outputs are overwritten
-            results.append(RoundResult(chain[:n] + [nxt], proposed=k, accepted=n))
+            results.append(RoundResult(chain[:n] + [nxt], proposed=k, accepted=n, logprobs=lp))
         slots.release(rejected)
         return results
 
@@ -502,6 +503,10 @@ class EagleSpeculator(Speculator):
         count, nxt, path = accept_trees(trees, shape, valid, logits, params, u)
         count, nxt, path, tokens, slot_ids = to_host(count, nxt, path, trees.tokens, slots)
         features = features.view(batch, n, -1)
+        # The accepted path's nodes verified its tokens: node path[j] predicts the (j + 1)-th.
+        emitted = [[tokens[i][x] for x in path[i][1: count[i] + 1]] + [nxt[i]] for i in range(batch)]
+        logprobs = emitted_logprobs(reqs, logits, [[i * n + x for x in path[i][: count[i] + 1]] for i in range(batch)],
+                                    emitted)
         results, rejected = [], []
         for i, r in enumerate(reqs):
             keep = path[i][: count[i] + 1]
@@ -512,8 +517,7 @@ class EagleSpeculator(Speculator):
             rejected += [s for x, s in enumerate(slot_ids[i]) if x not in kept]
             r.kv_len = last + len(keep)
             self._features[r.rid] = features[i].index_select(0, to_device(keep, features.device))
-            results.append(RoundResult([tokens[i][x] for x in keep[1:]] + [nxt[i]], proposed=ks[i],
-                                       accepted=count[i]))
+            results.append(RoundResult(emitted[i], proposed=ks[i], accepted=count[i], logprobs=logprobs[i]))
         kv_slots.give_back(torch.tensor(rejected, dtype=torch.int64))
         return results
 

@@ -24,7 +24,8 @@ from ..batch_sampling import chain_rows, choose_tokens, to_host, uniforms, verif
 from ..cuda_graph import chain_graph_width
 from ..forward_batch import to_device
 from ..model_runner import ModelRunner
-from ..request import Request
+from ..logprobs import token_logprobs
+from ..request import Request, TokenLogprob
 from .algorithms import Algorithm, Drafter, algorithm
 from .ngram_index import RequestIndexes
 
@@ -35,6 +36,7 @@ class RoundResult:
     tokens: list[int]
     proposed: int  # draft tokens the target verified this round
     accepted: int  # how many of them it accepted
+    logprobs: list[TokenLogprob] | None = None  # one per token, where the request asked for them
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ class Speculator(ABC):
         """KV slots a request may hold beyond its committed tokens during one round."""
 
     @abstractmethod
-    def prefill(self, reqs: list[Request], ends: list[int]) -> list[int | None]:
+    def prefill(self, reqs: list[Request], ends: list[int]) -> list[RoundResult | None]:
         """Cache prefill positions ``r.kv_len .. end - 1`` of each request in one target pass.
 
         Returns the first token of each request whose prompt this chunk finished, None for the
@@ -93,7 +95,7 @@ class Speculator(ABC):
         return 0
 
     @staticmethod
-    def first_tokens(reqs: list[Request], ends: list[int], logits: torch.Tensor) -> list[int | None]:
+    def first_tokens(reqs: list[Request], ends: list[int], logits: torch.Tensor) -> list[RoundResult | None]:
         """Advance each request past its chunk (``logits``: its last row); sample, in one batch
         and one transfer, the first token of each request whose chunk ends a fresh prompt."""
         fresh = []
@@ -101,14 +103,16 @@ class Speculator(ABC):
             r.kv_len = end
             if end >= len(r.prefill_ids) and not r.output_ids:  # a recompute samples nothing
                 fresh.append(i)
-        out: list[int | None] = [None] * len(reqs)
+        out: list[RoundResult | None] = [None] * len(reqs)
         if fresh:
             picked = [reqs[i] for i in fresh]
             rows = logits.index_select(0, to_device(fresh, logits.device))
             params = [r.params for r in picked]
             tokens, _ = choose_tokens(rows, params, first_uniforms(picked, 1, rows.device))
-            for i, t in zip(fresh, to_host(tokens)[0]):
-                out[i] = t
+            tokens = to_host(tokens)[0]
+            logprobs = emitted_logprobs(picked, logits, [[i] for i in fresh], [[t] for t in tokens])
+            for i, t, lp in zip(fresh, tokens, logprobs):
+                out[i] = RoundResult([t], proposed=0, accepted=0, logprobs=lp)
         return out
 
     @property
@@ -151,10 +155,11 @@ def first_uniforms(reqs: list[Request], counts, device) -> torch.Tensor | None:
 
 def accept_chains(reqs: list[Request], draft: torch.Tensor, draft_probs: torch.Tensor | None,
                   logits: torch.Tensor, ks: list[int], padded: PaddedChains | None = None
-                  ) -> tuple[list[int], list[int], list[list[int]]]:
+                  ) -> tuple[list[int], list[int], list[list[int]], list[list[TokenLogprob] | None]]:
     """Verify every request's chain on the device and read the results back once: accepted counts,
-    next tokens and the proposals. ``logits``: the verify pass's rows, ``ks[i] + 1`` per request,
-    or ``padded.width`` per request (its first ``ks[i] + 1`` real) for a padded batch."""
+    next tokens, the proposals, and the emitted tokens' log-probabilities where asked for.
+    ``logits``: the verify pass's rows, ``ks[i] + 1`` per request, or ``padded.width`` per request
+    (its first ``ks[i] + 1`` real) for a padded batch."""
     width = max(ks, default=0)
     draft = draft[:, :width]
     draft_probs = None if draft_probs is None else draft_probs[:, :width]
@@ -169,7 +174,25 @@ def accept_chains(reqs: list[Request], draft: torch.Tensor, draft_probs: torch.T
     u = uniforms(params, [r.generator for r in reqs], [k + 1 for k in ks], logits.device)
     n, nxt = verify_chains(draft, draft_probs, target, lengths, params, u)
     n, nxt, drafted = to_host(n, nxt, draft)
-    return n, nxt, drafted
+    widths = [padded.width] * len(reqs) if padded else [k + 1 for k in ks]
+    starts = [sum(widths[:i]) for i in range(len(reqs))]  # each request's first row in ``logits``
+    logprobs = emitted_logprobs(reqs, logits, [range(s, s + a + 1) for s, a in zip(starts, n)],
+                                [d[:a] + [t] for d, a, t in zip(drafted, n, nxt)])
+    return n, nxt, drafted, logprobs
+
+
+def emitted_logprobs(reqs: list[Request], logits: torch.Tensor, rows: list, tokens: list[list[int]]
+                     ) -> list[list[TokenLogprob] | None]:
+    """Per request, its emitted ``tokens``' log-probabilities under its verifying ``rows`` of
+    ``logits``, or None where it did not ask (nothing is computed when none did)."""
+    asking = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    out: list[list[TokenLogprob] | None] = [None] * len(reqs)
+    if asking:
+        found = token_logprobs(logits, [list(rows[i]) for i in asking], [tokens[i] for i in asking],
+                               [reqs[i].params.logprobs for i in asking])
+        for i, lp in zip(asking, found):
+            out[i] = lp
+    return out
 
 
 def chain_segments(reqs: list[Request], ks: list[int]) -> list[Segment]:
@@ -245,7 +268,7 @@ class StandaloneSpeculator(Speculator):
     # prefill: the target only. The draft's cache of a request is built when the request first
     # drafts (the catch-up of ``_draft_propose``, in chunks), so a request that never drafts costs
     # no draft prefill.
-    def prefill(self, reqs: list[Request], ends: list[int]) -> list[int | None]:
+    def prefill(self, reqs: list[Request], ends: list[int]) -> list[RoundResult | None]:
         logits = forward_segments(self.target, chunk_segments(self.target.slots, reqs, ends), last_only=True)
         return self.first_tokens(reqs, ends, logits)
 
@@ -267,14 +290,14 @@ class StandaloneSpeculator(Speculator):
             padded = None
             logits = forward_segments(self.target, chain_segments(reqs, found), last_only=False,
                                       input_ids=ragged_ids(chains, found))
-        accepted, nexts, drafted = accept_chains(reqs, draft, draft_probs, logits, found, padded)
+        accepted, nexts, drafted, logprobs = accept_chains(reqs, draft, draft_probs, logits, found, padded)
         results, rejected = [], []
-        for r, k, f, n, nxt, tokens in zip(reqs, ks, found, accepted, nexts, drafted):
+        for r, k, f, n, nxt, tokens, lp in zip(reqs, ks, found, accepted, nexts, drafted, logprobs):
             last = r.kv_len
             r.kv_len = last + n + 1  # the last token and the n accepted proposals are now cached
             r.draft_kv_len = min(r.draft_kv_len, r.kv_len)
             rejected.append((r.req_idx, r.kv_len, last + k + 1))
-            results.append(RoundResult(tokens[:n] + [nxt], proposed=f, accepted=n))
+            results.append(RoundResult(tokens[:n] + [nxt], proposed=f, accepted=n, logprobs=lp))
         slots.release(rejected)
         return results
 

@@ -1,0 +1,103 @@
+"""logprobs over the OpenAI API, driven by the ``openai`` client against the real server with a
+STANDALONE draft: values equal transformers' forward pass over the returned tokens, streamed or not."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+openai = pytest.importorskip("openai")
+transformers = pytest.importorskip("transformers")
+
+from tests.engine_helpers import tiny_models  # noqa: E402
+from tests.server_helpers import free_port, serve_argv, serving  # noqa: E402
+
+PROMPT = "one two three four five"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tiny_models(tmp_path_factory.mktemp("logprobs-server"))
+
+
+@pytest.fixture(scope="module")
+def client(models):
+    with serving(serve_argv(models, free_port(), "--spec-policy", "fixed")) as (base, _state):
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+
+
+@pytest.fixture(scope="module")
+def hf(models):
+    tok = transformers.AutoTokenizer.from_pretrained(models["target"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
+    return tok, model
+
+
+def forward_logprobs(hf, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    _tok, model = hf
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + output_ids])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt_ids) - 1: -1], dim=-1)
+
+
+def test_completion_logprobs_equal_the_forward_pass(client, hf):
+    tok, model = hf
+    out = client.completions.create(model="target", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    prompt_ids = tok(PROMPT).input_ids
+    greedy = model.generate(torch.tensor([prompt_ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    output_ids = greedy[0, len(prompt_ids):].tolist()  # the target's own greedy tokens: the server's too
+    assert lp.tokens == [tok.decode([t]) for t in output_ids]
+    expected = forward_logprobs(hf, prompt_ids, output_ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    for i, (value, top) in enumerate(zip(lp.token_logprobs, lp.top_logprobs)):
+        assert value == pytest.approx(expected[i, output_ids[i]].item(), abs=1e-4)
+        best = expected[i].topk(2)
+        assert list(top.values()) == pytest.approx(best.values.tolist(), abs=1e-4)
+        assert list(top) == [tok.decode([t]) for t in best.indices.tolist()]
+        assert value == pytest.approx(max(top.values()), abs=1e-6)  # greedy: the chosen token is the likeliest
+
+
+def test_chat_logprobs_streamed_equal_those_not_streamed(client):
+    messages = [{"role": "user", "content": "count with me"}]
+    kw = dict(model="target", messages=messages, max_tokens=10, temperature=0, logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(**kw).choices[0]
+    content = whole.logprobs.content
+    assert len(content) == 10
+    assert all(len(c.top_logprobs) == 3 and c.bytes == list(c.token.encode()) for c in content)
+    assert all(math.isclose(c.logprob, c.top_logprobs[0].logprob, abs_tol=1e-6) for c in content)
+    streamed = [c for chunk in client.chat.completions.create(stream=True, **kw) if chunk.choices
+                and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+
+
+def test_sampled_tokens_get_their_own_logprobs(client):
+    out = client.completions.create(model="target", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=3,
+                                    logprobs=0, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == 12 and all(v <= 0 for v in lp.token_logprobs)
+    assert lp.top_logprobs == [{}] * 12
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(logprobs=21), "logprobs"),
+    (dict(logprobs=-1), "logprobs"),
+])
+def test_bad_completion_logprobs_get_400(client, kw, needle):
+    with pytest.raises(openai.BadRequestError, match=needle):
+        client.completions.create(model="target", prompt=PROMPT, max_tokens=2, **kw)
+
+
+def test_top_logprobs_without_logprobs_gets_400(client):
+    with pytest.raises(openai.BadRequestError, match="'top_logprobs' needs 'logprobs': true"):
+        client.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       top_logprobs=2)
+
+
+def test_without_logprobs_the_field_is_null(client):
+    out = client.completions.create(model="target", prompt=PROMPT, max_tokens=3, temperature=0)
+    assert out.choices[0].logprobs is None

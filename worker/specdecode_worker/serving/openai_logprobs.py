@@ -1,0 +1,38 @@
+"""Log-probabilities in the OpenAI response shapes: the legacy completions object and chat's
+``content`` list. Each token is shown as the tokenizer decodes it alone (``token_id:N`` without a
+tokenizer), as vLLM shows it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..engine.request import TokenLogprob
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
+
+
+def completion_logprobs(tokenizer: Any, entries: list[TokenLogprob], offset: int = 0) -> dict:
+    """``{tokens, token_logprobs, top_logprobs, text_offset}``; ``offset``: where the first token's
+    text starts in the completion (a stream's later chunks continue the count)."""
+    tokens = [token_text(tokenizer, e.token) for e in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{token_text(tokenizer, t): v for t, v in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer: Any, entries: list[TokenLogprob]) -> dict:
+    """``{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
+    def one(token: int, logprob: float) -> dict:
+        text = token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]} for e in entries]}
