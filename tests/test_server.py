@@ -339,7 +339,8 @@ def test_eagle3_head_serves_the_target_greedy_text(models, reference, tmp_path, 
     "path,body,needle",
     [
         ("/v1/completions", {"prompt": "the", "frobnicate": 1}, "unknown parameter 'frobnicate'"),
-        ("/v1/completions", {"prompt": "the", "presence_penalty": 0.5}, "'presence_penalty' is not supported"),
+        ("/v1/completions", {"prompt": "the", "presence_penalty": 2.5}, "presence_penalty must be a number in [-2, 2]"),
+        ("/v1/completions", {"prompt": "the", "repetition_penalty": "x"}, "'repetition_penalty' must be a number"),
         ("/v1/completions", {"prompt": "the", "logprobs": 21}, "top logprobs must be an integer in [0, 20]"),
         ("/v1/completions", {"prompt": "the", "logprobs": True}, "'logprobs' must be an integer in [0, 20]"),
         ("/v1/completions", {"prompt": "the", "echo": True}, "'echo' is not supported"),
@@ -356,7 +357,7 @@ def test_eagle3_head_serves_the_target_greedy_text(models, reference, tmp_path, 
 )
 def test_unknown_and_unimplemented_parameters_get_400_naming_them(server, path, body, needle):
     """Nothing a client asks for is silently ignored: an unknown parameter, or an OpenAI feature
-    this server does not implement asked for (penalties, JSON output, tools, echo), or a
+    this server does not implement asked for (JSON output, tools, echo), or a
     chat role or content part it does not serve, is a 400 that names it."""
     base, _ = server
     r = httpx.post(base + path, json=body, timeout=60)
@@ -385,3 +386,12 @@ def test_what_clients_send_by_default_is_accepted(server, reference):
     b = httpx.post(f"{base}/v1/chat/completions", json=joined, timeout=60)
     assert a.status_code == b.status_code == 200, (a.text, b.text)
     assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]
+
+
+def test_penalties_reach_the_engine(server, reference):
+    """A frequency penalty on a greedy request changes the text the unpenalised request gets."""
+    base, _ = server
+    prompt, text = next(iter(reference.items()))
+    r = _complete(base, prompt, frequency_penalty=2.0, presence_penalty=2.0, repetition_penalty=3.0)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] != text

@@ -48,6 +48,9 @@ class SamplingParams:
     # Log-probabilities of the emitted tokens with this many of the likeliest tokens at each
     # position (None: none are computed).
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def validate(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -60,6 +63,13 @@ class SamplingParams:
             raise InputError(f"top_k must be a non-negative integer (0 turns it off), got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InputError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                raise InputError(f"{name} must be a number in [-2, 2], got {value!r}")
+        value = self.repetition_penalty
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 10:
+            raise InputError(f"repetition_penalty must be a number in (0, 10] (1 turns it off), got {value!r}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise InputError(f"the number of top logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "

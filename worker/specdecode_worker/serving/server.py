@@ -66,15 +66,16 @@ EXPECTED = {
     "speculative": "true or false", "max_draft_tokens": "a non-negative integer (0 turns drafting off)",
     "logprobs": "an integer in [0, 20] on /v1/completions, true or false on /v1/chat/completions",
     "top_logprobs": "an integer in [0, 20]",
+    "presence_penalty": "a number in [-2, 2]", "frequency_penalty": "a number in [-2, 2]",
+    "repetition_penalty": "a number in (0, 10] (1 turns it off)",
 }
 
 
 # OpenAI parameters this server does not implement. Each is accepted at the value that asks for
 # nothing (what a client sends when it leaves the feature off) and refused with a 400 naming it
-# otherwise: a client that asks for penalties or JSON must not get plain text back silently.
+# otherwise: a client that asks for JSON or tools must not get plain text back silently.
 UNSUPPORTED: dict[str, tuple] = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "echo": (False,),
-    "best_of": (1,), "logit_bias": ({},), "suffix": ("",),
+    "echo": (False,), "best_of": (1,), "logit_bias": ({},), "suffix": ("",),
     "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "min_tokens": (0,),
 }
@@ -114,6 +115,9 @@ class GenerationBody(BaseModel):
     top_p: Number | None = None
     top_k: StrictInt | None = None
     seed: StrictInt | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
     n: Any = 1
     ignore_eos: Any = False
     stop: StrictStr | list[StrictStr] | None = None
@@ -142,6 +146,9 @@ class GenerationBody(BaseModel):
             seed=self.seed,
             ignore_eos=bool(self.ignore_eos),
             logprobs=self.top_logprobs_wanted(),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
         )
         params.validate()
         return params
