@@ -159,7 +159,7 @@ def test_sampling_with_a_seed_is_reproducible(server):
         ("/v1/completions", {"prompt": "the", "top_p": 0}, "top_p"),
         ("/v1/completions", {"prompt": "the", "top_k": -3}, "top_k"),
         ("/v1/completions", {"prompt": "the", "max_tokens": 0}, "max_tokens"),
-        ("/v1/completions", {"prompt": "the", "n": 2}, "'n'"),
+        ("/v1/completions", {"prompt": "the", "n": 17}, "'n' must be an integer in [1, 16]"),
         ("/v1/completions", {"prompt": "the", "stop": 5}, "stop"),
         ("/v1/completions", {"prompt": "the", "stream": "yes"}, "stream"),
         ("/v1/completions", {"prompt": ""}, "prompt"),

@@ -8,27 +8,24 @@ a pydantic model of their fields; every ``InputError`` becomes a 400 that says w
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Union
 
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi import Request as HttpRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from ..engine.request import Request, SamplingParams
+from ..engine.request import SamplingParams
 from ..errors import InputError
-from .detokenize import IncrementalText
+from .generation import MAX_CHOICES, generate
 from .metrics import RequestLatency
-from .openai_logprobs import chat_logprobs, completion_logprobs
+from .openai_shapes import error_response
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +47,6 @@ class NotReady(Exception):
     """The engine cannot take requests yet (initialising) or ever (initialisation failed)."""
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    kind = "invalid_request_error" if status == 400 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
-
-
 # ---- request bodies ----------------------------------------------------------------------------
 # What a field must be, for the 400 message when it is not.
 EXPECTED = {
@@ -68,6 +60,7 @@ EXPECTED = {
     "top_logprobs": "an integer in [0, 20]",
     "presence_penalty": "a number in [-2, 2]", "frequency_penalty": "a number in [-2, 2]",
     "repetition_penalty": "a number in (0, 10] (1 turns it off)",
+    "n": f"an integer in [1, {MAX_CHOICES}]",
 }
 
 
@@ -118,7 +111,7 @@ class GenerationBody(BaseModel):
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     repetition_penalty: Number | None = None
-    n: Any = 1
+    n: StrictInt | None = None
     ignore_eos: Any = False
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
@@ -134,9 +127,14 @@ class GenerationBody(BaseModel):
         """How many of the likeliest tokens to report at each position (None: no logprobs)."""
         return None
 
+    def choices(self) -> int:
+        """How many samples of the prompt to return."""
+        n = 1 if self.n is None else self.n
+        if not 1 <= n <= MAX_CHOICES:
+            raise InputError(f"'n' must be {EXPECTED['n']}, got {n}")
+        return n
+
     def sampling_params(self) -> SamplingParams:
-        if self.n != 1:
-            raise InputError(f"'n' must be 1 (one choice per request), got {self.n!r}")
         max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
         params = SamplingParams(
             max_tokens=16 if max_tokens is None else max_tokens,
@@ -301,7 +299,7 @@ async def completions(http: HttpRequest, body: GenerationRequest):
         ids = list(prompt)
     else:
         raise InputError(f"'prompt' must be {EXPECTED['prompt']}")
-    return await _generate(state, request, ids, chat=False)
+    return await generate(state, request, ids, chat=False, n=request.choices())
 
 
 @router.post("/v1/chat/completions")
@@ -315,7 +313,7 @@ async def chat_completions(http: HttpRequest, body: GenerationRequest):
         raise InputError("this model has no chat template; use /v1/completions")
     messages = [m.as_template_input() for m in request.messages]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return await _generate(state, request, _encode(state, text, special=False), chat=True)
+    return await generate(state, request, _encode(state, text, special=False), chat=True, n=request.choices())
 
 
 def _encode(state: ServerState, text: str, special: bool = True) -> list[int]:
@@ -324,129 +322,6 @@ def _encode(state: ServerState, text: str, special: bool = True) -> list[int]:
     if not text:
         raise InputError("the prompt is empty")
     return state.tokenizer.encode(text, add_special_tokens=special)
-
-
-# ---- generation ----------------------------------------------------------------------------------
-class _Stream:
-    """Collects a request's tokens from the engine thread into the event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    def __call__(self, _req: Request, tokens: list[int] | None) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, tokens)
-
-
-async def _text_pieces(state: ServerState, req: Request, sink: _Stream, stops: list[str]) -> AsyncIterator:
-    """Yields (text delta, finish_reason, tokens received so far) as tokens arrive; applies stop
-    strings. Each update decodes only its new tokens' window. Text that could begin a stop string
-    is held back until the next tokens show whether it does, so no part of a stop string is ever sent."""
-    text = IncrementalText(state.tokenizer)
-    held = ""  # decoded, not sent: its end may be the start of a stop string
-    received = 0
-    while True:
-        tokens = await sink.queue.get()
-        if tokens is None:
-            if req.error:
-                raise RuntimeError(req.error)
-            if held:
-                yield held, None, received
-            yield "", req.finish_reason, received
-            return
-        received += len(tokens)
-        held += text.push(tokens)
-        cuts = [at for at in (held.find(stop) for stop in stops) if at >= 0]
-        if cuts:
-            state.engine.abort(req)
-            if min(cuts):
-                yield held[: min(cuts)], None, received
-            yield "", "stop", received
-            return
-        keep = _stop_prefix_length(held, stops)
-        if len(held) > keep:
-            yield held[: len(held) - keep], None, received
-            held = held[len(held) - keep :]
-
-
-def _stop_prefix_length(text: str, stops: list[str]) -> int:
-    """The longest end of ``text`` that a stop string begins with (shorter than that stop)."""
-    for n in range(min(len(text), max((len(s) for s in stops), default=1) - 1), 0, -1):
-        if any(stop.startswith(text[-n:]) for stop in stops):
-            return n
-    return 0
-
-
-async def _generate(state: ServerState, body: GenerationBody, ids: list[int], chat: bool):
-    params = body.sampling_params()
-    stops = body.stop_strings()
-    sink = _Stream(asyncio.get_running_loop())
-    req = Request(ids, params, on_update=state.latency.timed(sink), **body.draft_control())
-    state.engine.submit(req)  # raises InputError for a request that can never fit
-    head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
-            "model": state.model_name}
-    pieces = _text_pieces(state, req, sink, stops)
-    if body.stream:
-        return StreamingResponse(_events(state, req, pieces, head, chat), media_type="text/event-stream")
-    text, finish, received = "", None, 0
-    try:
-        async for piece, fin, upto in pieces:
-            text += piece
-            finish, received = fin or finish, upto
-    except RuntimeError as exc:
-        return _error(500, str(exc))
-    logprobs = _logprobs(state, req, 0, received, chat)
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-            "usage": _usage(req)}
-
-
-async def _events(state: ServerState, req: Request, pieces: AsyncIterator, head: dict, chat: bool):
-    """Server-sent events: one chunk per text delta, the last with the finish reason and usage."""
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    first, sent, offset = True, 0, 0  # tokens whose logprobs went out, and the text's length so far
-    try:
-        async for piece, fin, received in pieces:
-            if not (piece or fin):
-                continue
-            logprobs = _logprobs(state, req, sent, received, chat, offset)
-            sent, offset = received, offset + len(piece)
-            if not chat:
-                choice = {"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": fin}
-            else:
-                delta = {"content": piece} if piece else {}
-                if first:  # the role goes in the first chunk only
-                    delta, first = {"role": "assistant", **delta}, False
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": fin}
-            data = {**head, "object": obj, "choices": [choice]}
-            if fin:
-                data["usage"] = _usage(req)
-            yield f"data: {json.dumps(data)}\n\n"
-    except RuntimeError as exc:
-        yield f"data: {json.dumps({'error': {'message': str(exc), 'code': 500}})}\n\n"
-    finally:
-        if not req.done.is_set():
-            state.engine.abort(req)  # the client went away
-    yield "data: [DONE]\n\n"
-
-
-def _logprobs(state: ServerState, req: Request, start: int, end: int, chat: bool, offset: int = 0) -> dict | None:
-    """The log-probabilities of output tokens ``start .. end - 1`` (None: the request asked for none)."""
-    if req.params.logprobs is None:
-        return None
-    entries = req.output_logprobs[start:end]
-    if chat:
-        return chat_logprobs(state.tokenizer, entries)
-    return completion_logprobs(state.tokenizer, entries, offset)
-
-
-def _usage(req: Request) -> dict:
-    prompt, completion = len(req.prompt_ids), len(req.output_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 # ---- the app -------------------------------------------------------------------------------------
@@ -468,11 +343,11 @@ def build_app(state: ServerState, on_startup=None, on_shutdown=None) -> FastAPI:
 
 
 async def _bad_request(_http: HttpRequest, exc: Exception) -> JSONResponse:
-    return _error(400, str(exc))
+    return error_response(400, str(exc))
 
 
 async def _unavailable(_http: HttpRequest, exc: Exception) -> JSONResponse:
-    return _error(503, str(exc))
+    return error_response(503, str(exc))
 
 
 def start_engine_in_background(state: ServerState, on_failure) -> threading.Thread:

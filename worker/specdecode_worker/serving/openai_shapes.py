@@ -1,12 +1,26 @@
-"""Log-probabilities in the OpenAI response shapes: the legacy completions object and chat's
-``content`` list. Each token is shown as the tokenizer decodes it alone (``token_id:N`` without a
-tokenizer), as vLLM shows it."""
+"""Pieces of the OpenAI response shapes: errors, usage, and log-probabilities (the legacy
+completions object and chat's ``content`` list). Each token is shown as the tokenizer decodes it
+alone (``token_id:N`` without a tokenizer), as vLLM shows it."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..engine.request import TokenLogprob
+from fastapi.responses import JSONResponse
+
+from ..engine.request import Request, TokenLogprob
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def usage(reqs: list[Request]) -> dict:
+    """The n samples of one prompt count its tokens once, as OpenAI counts them."""
+    prompt = len(reqs[0].prompt_ids)
+    completion = sum(len(r.output_ids) for r in reqs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def token_text(tokenizer: Any, token: int) -> str:

@@ -1,5 +1,6 @@
-"""logprobs over the OpenAI API, driven by the ``openai`` client against the real server with a
-STANDALONE draft: values equal transformers' forward pass over the returned tokens, streamed or not."""
+"""The OpenAI API as the ``openai`` client drives it against the real server with a STANDALONE
+draft: logprobs equal to transformers' forward pass over the returned tokens, streamed or not,
+and ``n`` samples of one prompt."""
 
 from __future__ import annotations
 
@@ -101,3 +102,49 @@ def test_top_logprobs_without_logprobs_gets_400(client):
 def test_without_logprobs_the_field_is_null(client):
     out = client.completions.create(model="target", prompt=PROMPT, max_tokens=3, temperature=0)
     assert out.choices[0].logprobs is None
+
+
+def test_n_greedy_samples_are_the_same_text(client):
+    out = client.completions.create(model="target", prompt=PROMPT, max_tokens=6, temperature=0, n=3,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({c.text for c in out.choices}) == 1
+    one = client.completions.create(model="target", prompt=PROMPT, max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == one.choices[0].text
+    assert out.usage.completion_tokens == 3 * 6 and out.usage.prompt_tokens == one.usage.prompt_tokens
+
+
+def test_n_seeded_samples_differ_and_repeat(client):
+    def texts(stream: bool):
+        kw = dict(model="target", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11, n=3,
+                  extra_body={"ignore_eos": True})
+        if not stream:
+            return [c.text for c in client.completions.create(**kw).choices]
+        joined = ["", "", ""]
+        for chunk in client.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                joined[c.index] += c.text
+        return joined
+
+    first = texts(False)
+    assert len(set(first)) > 1, "sample i draws from seed + i, not one stream n times"
+    assert texts(False) == first and texts(True) == first
+
+
+def test_n_chat_streams_name_each_choice(client):
+    stream = client.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=4, temperature=0, n=2, stream=True)
+    finished, roles = {}, {}
+    for chunk in stream:
+        for c in chunk.choices:
+            roles.setdefault(c.index, c.delta.role)
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert roles == {0: "assistant", 1: "assistant"} and set(finished) == {0, 1}
+
+
+@pytest.mark.parametrize("n", [0, 17])
+def test_n_out_of_range_gets_400(client, n):
+    with pytest.raises(openai.BadRequestError, match=r"'n' must be an integer in \[1, 16\]"):
+        client.completions.create(model="target", prompt=PROMPT, max_tokens=2, n=n)

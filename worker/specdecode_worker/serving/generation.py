@@ -1,0 +1,214 @@
+"""One generation call of the OpenAI endpoints: submit the ``n`` samples of a prompt, turn each
+one's tokens into text deltas, and answer with one response or a stream of server-sent events.
+
+Each sample is its own engine request (sample i draws from ``seed + i`` when a seed is given), so
+the engine's admission, speculation and retraction treat it like any other request. Text that could
+begin a stop string is held back until the next tokens decide it, so no part of a stop string is
+ever sent, in a stream or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from ..engine.request import Request
+from .detokenize import IncrementalText
+from .openai_shapes import chat_logprobs, completion_logprobs, error_response, usage
+
+MAX_CHOICES = 16  # samples per request: more is a batch job, better sent as separate requests
+
+
+class _Sink:
+    """Carries a request's tokens from the engine thread into the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def __call__(self, _req: Request, tokens: list[int] | None) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, tokens)
+
+
+@dataclass
+class Piece:
+    """A text delta of one choice; ``received``: that choice's tokens so far, for its logprobs."""
+
+    index: int
+    text: str
+    finish: str | None
+    received: int
+
+
+async def text_pieces(engine: Any, tokenizer: Any, index: int, req: Request, sink: _Sink,
+                      stops: list[str]) -> AsyncIterator[Piece]:
+    """One choice's text as its tokens arrive, cut at the first stop string. Each update decodes
+    only its new tokens' window."""
+    text = IncrementalText(tokenizer)
+    held = ""  # decoded, not sent: its end may be the start of a stop string
+    received = 0
+    while True:
+        tokens = await sink.queue.get()
+        if tokens is None:
+            if req.error:
+                raise RuntimeError(req.error)
+            if held:
+                yield Piece(index, held, None, received)
+            yield Piece(index, "", req.finish_reason, received)
+            return
+        received += len(tokens)
+        held += text.push(tokens)
+        cuts = [at for at in (held.find(stop) for stop in stops) if at >= 0]
+        if cuts:
+            engine.abort(req)
+            if min(cuts):
+                yield Piece(index, held[: min(cuts)], None, received)
+            yield Piece(index, "", "stop", received)
+            return
+        keep = stop_prefix_length(held, stops)
+        if len(held) > keep:
+            yield Piece(index, held[: len(held) - keep], None, received)
+            held = held[len(held) - keep :]
+
+
+def stop_prefix_length(text: str, stops: list[str]) -> int:
+    """The longest end of ``text`` that a stop string begins with (shorter than that stop)."""
+    for n in range(min(len(text), max((len(s) for s in stops), default=1) - 1), 0, -1):
+        if any(stop.startswith(text[-n:]) for stop in stops):
+            return n
+    return 0
+
+
+async def merged(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
+    """The pieces of every choice in the order they arrive; the first error ends them all."""
+    if len(streams) == 1:  # the common case needs no tasks
+        async for piece in streams[0]:
+            yield piece
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator[Piece]) -> None:
+        try:
+            async for piece in stream:
+                await queue.put(piece)
+            await queue.put(done)
+        except Exception as exc:  # handed to the consumer, which raises it
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def generate(state: Any, body: Any, ids: list[int], chat: bool, n: int):
+    """The response to a generation request: ``n`` samples of the prompt ``ids``."""
+    params = body.sampling_params()
+    stops = body.stop_strings()
+    loop = asyncio.get_running_loop()
+    reqs, streams = [], []
+    try:
+        for i in range(n):
+            seed = params.seed + i if params.seed is not None else None
+            sink = _Sink(loop)
+            req = Request(ids, dataclasses.replace(params, seed=seed), on_update=state.latency.timed(sink),
+                          **body.draft_control())
+            state.engine.submit(req)  # raises InputError for a request that can never fit
+            reqs.append(req)
+            streams.append(text_pieces(state.engine, state.tokenizer, i, req, sink, stops))
+    except Exception:
+        _abort(state, reqs)
+        raise
+    head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
+            "model": state.model_name}
+    pieces = merged(streams)
+    if body.stream:
+        return StreamingResponse(events(state, reqs, pieces, head, chat), media_type="text/event-stream")
+    texts, finishes, received = [""] * n, [None] * n, [0] * n
+    try:
+        async for p in pieces:
+            texts[p.index] += p.text
+            finishes[p.index] = p.finish or finishes[p.index]
+            received[p.index] = p.received
+    except RuntimeError as exc:
+        _abort(state, reqs)
+        return error_response(500, str(exc))
+    choices = []
+    for i, req in enumerate(reqs):
+        logprobs = _logprobs(state, req, 0, received[i], chat)
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": logprobs,
+                            "finish_reason": finishes[i]})
+        else:
+            choices.append({"index": i, "text": texts[i], "logprobs": logprobs, "finish_reason": finishes[i]})
+    return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+            "usage": usage(reqs)}
+
+
+async def events(state: Any, reqs: list[Request], pieces: AsyncIterator[Piece], head: dict, chat: bool):
+    """Server-sent events: one chunk per text delta, naming its choice's ``index``; usage goes with
+    the chunk that finishes the last choice."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    n = len(reqs)
+    sent, offsets = [0] * n, [0] * n  # per choice: tokens whose logprobs went out, text length so far
+    role_sent, unfinished = [False] * n, n
+    try:
+        async for p in pieces:
+            if not (p.text or p.finish):
+                continue
+            i = p.index
+            logprobs = _logprobs(state, reqs[i], sent[i], p.received, chat, offsets[i])
+            sent[i], offsets[i] = p.received, offsets[i] + len(p.text)
+            if not chat:
+                choice = {"index": i, "text": p.text, "logprobs": logprobs, "finish_reason": p.finish}
+            else:
+                delta = {"content": p.text} if p.text else {}
+                if not role_sent[i]:  # the role goes in a choice's first chunk only
+                    delta, role_sent[i] = {"role": "assistant", **delta}, True
+                choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": p.finish}
+            data = {**head, "object": obj, "choices": [choice]}
+            if p.finish:
+                unfinished -= 1
+                if not unfinished:
+                    data["usage"] = usage(reqs)
+            yield f"data: {json.dumps(data)}\n\n"
+    except RuntimeError as exc:
+        yield f"data: {json.dumps({'error': {'message': str(exc), 'code': 500}})}\n\n"
+    finally:
+        _abort(state, reqs)  # the client went away, or one choice failed
+    yield "data: [DONE]\n\n"
+
+
+def _abort(state: Any, reqs: list[Request]) -> None:
+    for req in reqs:
+        if not req.done.is_set():
+            state.engine.abort(req)
+
+
+def _logprobs(state: Any, req: Request, start: int, end: int, chat: bool, offset: int = 0) -> dict | None:
+    """The log-probabilities of output tokens ``start .. end - 1`` (None: the request asked for none)."""
+    if req.params.logprobs is None:
+        return None
+    entries = req.output_logprobs[start:end]
+    if chat:
+        return chat_logprobs(state.tokenizer, entries)
+    return completion_logprobs(state.tokenizer, entries, offset)
