@@ -3,8 +3,8 @@
 - The engine does not import the planner or the HTTP layer: what both need lives in ``contract``
   or ``model_rules``.
 - The planner, the model rules and the contract import no torch, and nothing from the engine.
-- The operator imports from the worker package only ``contract`` and the engines' pricing and
-  flags (``planner.runtimes``, standard library only).
+- The operator imports from the worker package only ``contract`` (the engines' pinning flags
+  included).
 - Only tests import ``tests``.
 """
 
@@ -55,16 +55,16 @@ def test_the_engine_imports_neither_the_planner_nor_the_http_layer():
 
 def test_the_planner_the_model_rules_and_the_contract_import_no_torch_and_no_engine():
     forbidden = ("torch", "triton", "specdecode_worker.engine", "specdecode_worker.serving")
-    found = [v for folder in (WORKER / "planner", WORKER / "model_rules")
+    found = [v for folder in (WORKER / "planner", WORKER / "model_rules", WORKER / "contract")
              for v in _violations(folder, WORKER.parent, forbidden)]
-    for path in (WORKER / "contract.py", WORKER / "devices.py", WORKER / "errors.py"):
+    for path in (WORKER / "devices.py", WORKER / "errors.py"):
         found += [f"{path.name} imports {n}" for n in imports(path, WORKER.parent)
                   if any(n == f or n.startswith(f + ".") for f in forbidden)]
     assert found == []
 
 
-def test_the_operator_imports_only_the_contract_and_the_engines_flags_from_the_worker():
-    allowed = ("specdecode_worker.contract", "specdecode_worker.planner.runtimes")
+def test_the_operator_imports_only_the_contract_from_the_worker():
+    allowed = ("specdecode_worker.contract",)
     operator = ROOT / "operator" / "specdecode_operator"
     used = {name for path in operator.rglob("*.py") for name in imports(path, operator.parent)
             if name.startswith("specdecode_worker")}

@@ -11,8 +11,7 @@ import json
 import math
 from typing import Any
 
-from specdecode_worker.contract import DEFAULT_ENGINE, EAGLE_ALGORITHMS, GIB, MIB
-from specdecode_worker.planner.runtimes import sglang, vllm
+from specdecode_worker.contract import DEFAULT_ENGINE, EAGLE_ALGORITHMS, GIB, MIB, sglang_flags, vllm_flags
 
 from . import labels, models, podsecurity
 from .spec import SpecView, draft_proposals
@@ -111,9 +110,9 @@ def engine_args(view: SpecView, plan: dict[str, Any]) -> list[str]:
         kv_cache_dtype=s.kv_cache_dtype, dtype=view.target_dtype, port=HTTP_PORT,
     )
     if view.engine == "vllm":
-        args = vllm.args(proposals=draft_proposals(view), **common)
+        args = vllm_flags.args(proposals=draft_proposals(view), **common)
     else:
-        args = sglang.args(num_steps=view.num_steps, proposals=draft_proposals(view), **common)
+        args = sglang_flags.args(num_steps=view.num_steps, proposals=draft_proposals(view), **common)
     return args + list(view.runtime.extra_args)
 
 

@@ -1,7 +1,7 @@
 """The memory plan: pure arithmetic over shapes, weight bytes and device memory.
 
 No torch here. The MemoryPlan document it builds, and the formula every plan must satisfy
-(``kv_token_capacity``), are the contract in ``contract.py``, which the operator reads too.
+(``kv_token_capacity``), are the contract in ``contract``, which the operator reads too.
 
 All terms are bytes per GPU under tensor-parallel size t:
 

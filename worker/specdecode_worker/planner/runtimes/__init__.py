@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...contract import DEFAULT_ENGINE, ENGINES
+from ...contract import DEFAULT_ENGINE, ENGINES, sglang_flags, vllm_flags
 from . import sglang, vllm
 
-RULES = {"vllm": vllm, "sglang": sglang}
+FLAGS = {"vllm": vllm_flags, "sglang": sglang_flags}
 
 # What each engine can serve of what the planner plans. Both engines support every algorithm as a
 # chain of proposals; only this project's engine verifies an EAGLE tree (topK > 1) and adapts the
@@ -58,4 +58,4 @@ def price(engine: str, plan: dict[str, Any], dtype: str, transient_bytes: int = 
 
 def owned_flags(engine: str) -> tuple[str, ...]:
     """Flags the operator sets from the plan and the spec, which runtime.extraArgs may not set."""
-    return RULES[engine].OWNED_FLAGS if engine in RULES else ()
+    return FLAGS[engine].OWNED_FLAGS if engine in FLAGS else ()

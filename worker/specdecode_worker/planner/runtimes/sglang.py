@@ -1,4 +1,4 @@
-"""SGLang's sizing rules, read from SGLang 0.5.23, and the flags that pin it to the plan.
+"""SGLang's sizing rules, read from SGLang 0.5.23 (``contract.sglang_flags`` pins SGLang to them).
 
 SGLang sizes its KV pool after loading every weight (``KVCacheConfigurator._profile_available_bytes``):
 
@@ -34,15 +34,6 @@ PAGE_SIZE = 1  # token-granular pages, as this project's engine; pinned with --p
 # plan's dynamic reserve is set aside here, which a GPU run has yet to check (docs/engines.md).
 EXTRA_RESERVE_BYTES = 0
 
-OWNED_FLAGS = (
-    "--model-path", "--model", "--served-model-name", "--host", "--port", "--tp-size", "--tp", "--dp-size",
-    "--dp", "--pp-size", "--mem-fraction-static", "--max-total-tokens", "--page-size", "--context-length",
-    "--max-running-requests", "--chunked-prefill-size", "--cuda-graph-max-bs-decode", "--cuda-graph-max-bs",
-    "--kv-cache-dtype", "--dtype", "--speculative-algorithm", "--speculative-draft-model-path",
-    "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
-)
-
-ALGORITHMS = {"EAGLE": "EAGLE", "EAGLE3": "EAGLE3", "STANDALONE": "STANDALONE", "MTP": "NEXTN", "NGRAM": "NGRAM"}
 
 
 def _ceil3(x: float) -> float:
@@ -80,34 +71,4 @@ def price(plan: dict[str, Any], transient_bytes: int = 0) -> dict[str, Any]:
              + (f"; SGLang holds {transient_bytes / GIB:.2f} GiB of draft copies while it sizes the pool"
                 if transient_bytes else ""))
     out["message"] = where if out["fits"] else f"{where}; {out['message']}"
-    return out
-
-
-def args(*, target_dir: str, served_name: str, draft_dir: str | None, algorithm: str, num_steps: int,
-         proposals: int, plan: dict[str, Any], context_length: int, max_running: int, chunk: int, graph_bs: int,
-         kv_cache_dtype: str, dtype: str, port: int) -> list[str]:
-    """``python -m sglang.launch_server`` arguments that pin every planned number."""
-    rt = plan["runtime"]
-    out = [
-        "--model-path", target_dir, "--served-model-name", served_name,
-        "--host", "0.0.0.0", "--port", str(port),
-        "--tp-size", str(plan["tensorParallelSize"]),
-        "--mem-fraction-static", f"{rt['memFractionStatic']:.3f}",
-        "--max-total-tokens", str(rt["reportedTokens"]),
-        "--page-size", str(rt["pageSize"]),
-        "--context-length", str(context_length),
-        "--max-running-requests", str(max_running),
-        "--chunked-prefill-size", str(chunk),
-        "--cuda-graph-max-bs-decode", str(graph_bs),
-        "--kv-cache-dtype", kv_cache_dtype,
-        "--dtype", rt.get("dtype") or dtype,
-        "--speculative-algorithm", ALGORITHMS[algorithm],
-    ]
-    if algorithm == "NGRAM":
-        out += ["--speculative-num-draft-tokens", str(proposals)]
-    else:
-        if draft_dir and algorithm != "MTP":
-            out += ["--speculative-draft-model-path", draft_dir]
-        out += ["--speculative-num-steps", str(num_steps), "--speculative-eagle-topk", "1",
-                "--speculative-num-draft-tokens", str(num_steps + 1)]
     return out

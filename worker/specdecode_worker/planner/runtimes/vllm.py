@@ -1,4 +1,4 @@
-"""vLLM's sizing rules, read from vLLM 0.32.0, and the flags that pin it to the plan.
+"""vLLM's sizing rules, read from vLLM 0.32.0 (``contract.vllm_flags`` pins vLLM to them).
 
 vLLM sizes one KV byte budget for every attention layer it runs, the draft's included
 (``get_kv_cache_config_from_groups``: ``num_blocks = budget // bytes_per_block``, where a block
@@ -14,7 +14,6 @@ vLLM reports ``kv_cache_size_tokens`` (log line "KV cache size", metric
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any
 
 from ...contract import GIB
@@ -31,16 +30,6 @@ MLA_BLOCK_SIZE = 64
 # checked this number yet (docs/engines.md).
 EXTRA_RESERVE_BYTES = GIB
 
-# The flags the rendered command sets; runtime.extraArgs may not set them.
-OWNED_FLAGS = (
-    "--model", "--served-model-name", "--host", "--port", "--tensor-parallel-size", "-tp",
-    "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp", "--kv-cache-memory-bytes",
-    "--gpu-memory-utilization", "--num-gpu-blocks-override", "--block-size", "--max-model-len",
-    "--max-num-seqs", "--max-num-batched-tokens", "--speculative-config", "--kv-cache-dtype", "--dtype",
-    "--max-cudagraph-capture-size",
-)
-
-METHODS = {"EAGLE": "eagle", "EAGLE3": "eagle3", "STANDALONE": "draft_model", "MTP": "mtp", "NGRAM": "ngram"}
 
 
 def block_size(algorithm: str) -> int:
@@ -82,36 +71,3 @@ def price(plan: dict[str, Any]) -> dict[str, Any]:
              f"{usable} usable KV tokens (need {need}) beside a {EXTRA_RESERVE_BYTES / GIB:.2f} GiB graph allowance")
     out["message"] = where if out["fits"] else f"{where}; {out['message']}"
     return out
-
-
-def speculative_config(algorithm: str, draft_dir: str | None, proposals: int) -> dict[str, Any]:
-    """vLLM's --speculative-config for the planned algorithm."""
-    config: dict[str, Any] = {"method": METHODS[algorithm], "num_speculative_tokens": proposals}
-    if algorithm == "NGRAM":
-        # vLLM drafts only where a suffix of at least prompt_lookup_min tokens recurs (default 5).
-        config.update(prompt_lookup_min=2, prompt_lookup_max=5)
-    elif algorithm != "MTP" and draft_dir:
-        config["model"] = draft_dir
-    return config
-
-
-def args(*, target_dir: str, served_name: str, draft_dir: str | None, algorithm: str, proposals: int,
-         plan: dict[str, Any], context_length: int, max_running: int, chunk: int, graph_bs: int,
-         kv_cache_dtype: str, dtype: str, port: int) -> list[str]:
-    """``python -m vllm.entrypoints.openai.api_server`` arguments that pin every planned number."""
-    rt = plan["runtime"]
-    return [
-        "--model", target_dir, "--served-model-name", served_name,
-        "--host", "0.0.0.0", "--port", str(port),
-        "--tensor-parallel-size", str(plan["tensorParallelSize"]),
-        "--kv-cache-memory-bytes", str(rt["kvCacheMemoryBytes"]),
-        "--block-size", str(rt["blockSize"]),
-        "--max-model-len", str(context_length),
-        "--max-num-seqs", str(max_running),
-        "--max-num-batched-tokens", str(chunk),
-        "--max-cudagraph-capture-size", str(graph_bs * (proposals + 1)),
-        "--kv-cache-dtype", {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}.get(kv_cache_dtype, "auto"),
-        "--dtype", rt.get("dtype") or dtype,
-        "--speculative-config", json.dumps(speculative_config(algorithm, draft_dir, proposals),
-                                           separators=(",", ":")),
-    ]

@@ -1,0 +1,50 @@
+"""The command line that pins SGLang to a plan: every number the planner priced
+(``planner.runtimes.sglang``), set by flag, read from the plan's ``runtime`` section.
+
+Standard library only: the operator renders it into the worker pod.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The flags the rendered command sets; runtime.extraArgs may not set them.
+OWNED_FLAGS = (
+    "--model-path", "--model", "--served-model-name", "--host", "--port", "--tp-size", "--tp", "--dp-size",
+    "--dp", "--pp-size", "--mem-fraction-static", "--max-total-tokens", "--page-size", "--context-length",
+    "--max-running-requests", "--chunked-prefill-size", "--cuda-graph-max-bs-decode", "--cuda-graph-max-bs",
+    "--kv-cache-dtype", "--dtype", "--speculative-algorithm", "--speculative-draft-model-path",
+    "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
+)
+
+ALGORITHMS = {"EAGLE": "EAGLE", "EAGLE3": "EAGLE3", "STANDALONE": "STANDALONE", "MTP": "NEXTN", "NGRAM": "NGRAM"}
+
+
+def args(*, target_dir: str, served_name: str, draft_dir: str | None, algorithm: str, num_steps: int,
+         proposals: int, plan: dict[str, Any], context_length: int, max_running: int, chunk: int, graph_bs: int,
+         kv_cache_dtype: str, dtype: str, port: int) -> list[str]:
+    """``python -m sglang.launch_server`` arguments that pin every planned number."""
+    rt = plan["runtime"]
+    out = [
+        "--model-path", target_dir, "--served-model-name", served_name,
+        "--host", "0.0.0.0", "--port", str(port),
+        "--tp-size", str(plan["tensorParallelSize"]),
+        "--mem-fraction-static", f"{rt['memFractionStatic']:.3f}",
+        "--max-total-tokens", str(rt["reportedTokens"]),
+        "--page-size", str(rt["pageSize"]),
+        "--context-length", str(context_length),
+        "--max-running-requests", str(max_running),
+        "--chunked-prefill-size", str(chunk),
+        "--cuda-graph-max-bs-decode", str(graph_bs),
+        "--kv-cache-dtype", kv_cache_dtype,
+        "--dtype", rt.get("dtype") or dtype,
+        "--speculative-algorithm", ALGORITHMS[algorithm],
+    ]
+    if algorithm == "NGRAM":
+        out += ["--speculative-num-draft-tokens", str(proposals)]
+    else:
+        if draft_dir and algorithm != "MTP":
+            out += ["--speculative-draft-model-path", draft_dir]
+        out += ["--speculative-num-steps", str(num_steps), "--speculative-eagle-topk", "1",
+                "--speculative-num-draft-tokens", str(num_steps + 1)]
+    return out
