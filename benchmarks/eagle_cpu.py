@@ -7,7 +7,7 @@ changes in machine load hit them alike. Every output is checked token for token 
 engine's own output without speculation. Acceptance length = tokens committed per target verify
 pass (accepted drafts + 1).
 
-Run:  python benchmarks/eagle_train.py            # once: trains the head into the cache (minutes)
+Run:  python devtools/training/eagle_train.py            # once: trains the head into the cache (minutes)
       python benchmarks/eagle_cpu.py [--max-new-tokens 48] [--prompts 2] [--threads 2] [--json out.json]
 """
 
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.eagle_train import prompts  # noqa: E402
+from devtools.training.eagle_train import prompts  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from devtools.smollm2 import cache_dir, smollm2_dir  # noqa: E402
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
 
     target = smollm2_dir()
     if not (args.head / "model.safetensors").is_file():
-        raise SystemExit(f"{args.head}: no head; run benchmarks/eagle_train.py first")
+        raise SystemExit(f"{args.head}: no head; run devtools/training/eagle_train.py first")
     tok = AutoTokenizer.from_pretrained(target)
 
     def encode(t):

@@ -1,12 +1,12 @@
 """MTP drafting against no speculation on CPU, with the tiny DeepSeek-V3 whose NextN layer
-benchmarks/mtp_train.py trained.
+devtools/training/mtp_train.py trained.
 
 Greedy, one process, one request at a time; each engine is built once and the methods are
 interleaved prompt by prompt so changes in machine load hit them alike. Every output is checked
 token for token against the engine's own output without speculation. Acceptance = accepted /
 proposed drafts; accept length = tokens committed per target verify pass (accepted drafts + 1).
 
-Run:  python benchmarks/mtp_train.py      # once: builds and trains the model into the cache
+Run:  python devtools/training/mtp_train.py      # once: builds and trains the model into the cache
       python benchmarks/mtp_cpu.py [--max-new-tokens 48] [--prompts 6] [--threads 2] [--json out.json]
 """
 
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.mtp_train import PROMPT, model_dir, random_sequences  # noqa: E402
+from devtools.training.mtp_train import PROMPT, model_dir, random_sequences  # noqa: E402
 from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from specdecode_worker.engine.request import SamplingParams  # noqa: E402
 
@@ -45,7 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not (model_dir() / "config.json").is_file():
-        sys.exit(f"{model_dir()} is missing: run benchmarks/mtp_train.py first")
+        sys.exit(f"{model_dir()} is missing: run devtools/training/mtp_train.py first")
     prompts = random_sequences(args.prompts, 7)[:, :PROMPT].tolist()  # not the training contexts
     engines = {name: engine(alg, k) for name, alg, k in CONFIGS}
     params = SamplingParams(max_tokens=args.max_new_tokens, ignore_eos=True)

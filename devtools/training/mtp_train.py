@@ -7,7 +7,7 @@ DeepSeek-V3 decoder layer is the trainable block; the trained layer is written b
 checkpoint under the published names. A random NextN layer would accept almost nothing; this one
 shows what MTP drafting does with a layer that has learnt the target.
 
-Run:  python benchmarks/mtp_train.py [--steps 300]   # writes ~/.cache/specdecode/models/tiny-deepseek-v3-mtp
+Run:  python devtools/training/mtp_train.py [--steps 300]   # writes ~/.cache/specdecode/models/tiny-deepseek-v3-mtp
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from devtools.deepseek_models import write_tiny_deepseek  # noqa: E402
 from devtools.smollm2 import cache_dir  # noqa: E402

