@@ -345,7 +345,11 @@ def test_eagle3_head_serves_the_target_greedy_text(models, reference, tmp_path, 
         ("/v1/completions", {"prompt": "the", "logprobs": True}, "'logprobs' must be an integer in [0, 20]"),
         ("/v1/completions", {"prompt": "the", "echo": True}, "'echo' is not supported"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                  "response_format": {"type": "json_object"}}, "'response_format' is not supported"),
+                                  "response_format": {"type": "json_object"}},
+         "no token of this model's vocabulary can begin such an output"),
+        ("/v1/completions", {"prompt": "the", "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "bogus"}}}}, "Invalid type: bogus"),
+        ("/v1/completions", {"prompt": "the", "response_format": "json"}, "'response_format' must be"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                   "tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools'"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "role 'wizard'"),
@@ -357,8 +361,8 @@ def test_eagle3_head_serves_the_target_greedy_text(models, reference, tmp_path, 
 )
 def test_unknown_and_unimplemented_parameters_get_400_naming_them(server, path, body, needle):
     """Nothing a client asks for is silently ignored: an unknown parameter, or an OpenAI feature
-    this server does not implement asked for (JSON output, tools, echo), or a
-    chat role or content part it does not serve, is a 400 that names it."""
+    this server does not implement asked for (tools, echo), a JSON format the model cannot
+    produce, or a chat role or content part it does not serve, is a 400 that names it."""
     base, _ = server
     r = httpx.post(base + path, json=body, timeout=60)
     assert r.status_code == 400, r.text

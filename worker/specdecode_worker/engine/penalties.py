@@ -6,9 +6,7 @@
 - presence: minus the penalty once for a token the output holds.
 
 A verify row scores the token after some of the round's proposals, so they count as output for
-it. Only the target's rows are penalised: the tokens a round emits are the ones the target alone,
-with the same penalties, would emit. A draft proposes unpenalised, which can lower acceptance but
-not change the output: rejection sampling reads the distribution each proposal was drawn from.
+it (``chain_extra``, ``tree_extra``); ``output_rules`` applies the penalties to the target's rows.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import hashlib
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -91,6 +91,7 @@ class Request:
     rid: int = field(default_factory=lambda: next(_ids))
     speculative: bool = True  # False: this request never drafts (plain decoding)
     max_draft_tokens: int | None = None  # a cap on its draft length per round (None: the engine's)
+    grammar: Any = None  # a TokenGrammar: the tokens its output may take (structured outputs)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
     finish_reason: str | None = None

@@ -152,7 +152,9 @@ class Scheduler:
         kept, reason = [], None
         for t in tokens:
             kept.append(t)
-            if t in r.eos_token_ids and not r.params.ignore_eos:
+            if r.grammar is not None:
+                r.grammar.commit([t])
+            if t in r.eos_token_ids and not r.params.ignore_eos or r.grammar is not None and r.grammar.complete:
                 reason = "stop"
                 break
             if len(r.output_ids) + len(kept) >= r.params.max_tokens:

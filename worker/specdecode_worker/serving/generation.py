@@ -1,8 +1,9 @@
 """One generation call of the OpenAI endpoints: submit the ``n`` samples of a prompt, turn each
 one's tokens into text deltas, and answer with one response or a stream of server-sent events.
 
-Each sample is its own engine request (sample i draws from ``seed + i`` when a seed is given), so
-the engine's admission, speculation and retraction treat it like any other request. Text that could
+Each sample is its own engine request (sample i draws from ``seed + i`` when a seed is given, and
+holds its own grammar under ``response_format``), so the engine's admission, speculation and
+retraction treat it like any other request. Text that could
 begin a stop string is held back until the next tokens decide it, so no part of a stop string is
 ever sent, in a stream or not.
 """
@@ -23,6 +24,7 @@ from fastapi.responses import StreamingResponse
 from ..engine.request import Request
 from .detokenize import IncrementalText
 from .openai_shapes import chat_logprobs, completion_logprobs, error_response, usage
+from .structured import grammar_source, token_grammar
 
 MAX_CHOICES = 16  # samples per request: more is a batch job, better sent as separate requests
 
@@ -124,6 +126,7 @@ async def generate(state: Any, body: Any, ids: list[int], chat: bool, n: int):
     """The response to a generation request: ``n`` samples of the prompt ``ids``."""
     params = body.sampling_params()
     stops = body.stop_strings()
+    grammar = grammar_source(body.response_format)
     loop = asyncio.get_running_loop()
     reqs, streams = [], []
     try:
@@ -131,6 +134,8 @@ async def generate(state: Any, body: Any, ids: list[int], chat: bool, n: int):
             seed = params.seed + i if params.seed is not None else None
             sink = _Sink(loop)
             req = Request(ids, dataclasses.replace(params, seed=seed), on_update=state.latency.timed(sink),
+                          grammar=grammar and token_grammar(state.tokenizer, state.engine.target_shape.vocab_size,
+                                                            grammar),
                           **body.draft_control())
             state.engine.submit(req)  # raises InputError for a request that can never fit
             reqs.append(req)

@@ -69,7 +69,7 @@ EXPECTED = {
 # otherwise: a client that asks for JSON or tools must not get plain text back silently.
 UNSUPPORTED: dict[str, tuple] = {
     "echo": (False,), "best_of": (1,), "logit_bias": ({},), "suffix": ("",),
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+"tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "min_tokens": (0,),
 }
 # Accepted and ignored, with the reason (the docs' parameter table says the same).
@@ -117,6 +117,7 @@ class GenerationBody(BaseModel):
     stream: StrictBool = False
     speculative: StrictBool = True  # false: this request is decoded without drafting
     max_draft_tokens: StrictInt | None = None  # a cap on its draft length per round
+    response_format: Any = None  # structured outputs (``structured.grammar_source`` checks it)
 
     def draft_control(self) -> dict:
         if self.max_draft_tokens is not None and self.max_draft_tokens < 0:

@@ -39,7 +39,7 @@ from ..batch_sampling import choose_tokens, to_host, uniforms
 from ..cuda_graph import GraphRunner, chain_graph_width
 from ..forward_batch import to_device
 from ..kernels.attention import make_attn_backend
-from ..penalties import penalise, penalised, tree_extra
+from ..output_rules import ruled_next, ruled_tree
 from ..kernels.tree_attention import TreeForwardBatch, make_tree_attn_backend
 from ..model_runner import ModelRunner
 from ..models.eagle_loader import head_config, load_eagle_head
@@ -353,7 +353,8 @@ class EagleSpeculator(Speculator):
         segments = [Segment(r.req_idx, [r.all_ids[-1]], r.kv_len) for r in reqs]
         fb = with_cache_locs(make_batch(segments, self.target.device), slots.rows, segments)
         logits, features = self._target(fb, "target")
-        tokens, _ = choose_tokens(logits, [r.params for r in reqs], first_uniforms(reqs, 1, logits.device))
+        tokens, _ = choose_tokens(ruled_next(reqs, logits), [r.params for r in reqs],
+                                  first_uniforms(reqs, 1, logits.device))
         results = []
         for i, (r, token) in enumerate(zip(reqs, to_host(tokens)[0])):
             r.kv_len += 1
@@ -501,7 +502,8 @@ class EagleSpeculator(Speculator):
         valid = torch.arange(n, device=device)[None, :] <= to_device(ks, device)[:, None]
         params = [r.params for r in reqs]
         u = uniforms(params, [r.generator for r in reqs], shape.steps * shape.topk + 1, device)
-        count, nxt, path = accept_trees(trees, shape, valid, penalised_tree_rows(reqs, logits, trees), params, u)
+        ruled = ruled_tree(reqs, logits, trees.tokens, trees.parents, trees.mask)  # logprobs read the raw rows
+        count, nxt, path = accept_trees(trees, shape, valid, ruled, params, u)
         count, nxt, path, tokens, slot_ids = to_host(count, nxt, path, trees.tokens, slots)
         features = features.view(batch, n, -1)
         # The accepted path's nodes verified its tokens: node path[j] predicts the (j + 1)-th.
@@ -521,20 +523,6 @@ class EagleSpeculator(Speculator):
             results.append(RoundResult(emitted[i], proposed=ks[i], accepted=count[i], logprobs=logprobs[i]))
         kv_slots.give_back(torch.tensor(rejected, dtype=torch.int64))
         return results
-
-
-def penalised_tree_rows(reqs, logits: torch.Tensor, trees: DeviceTrees) -> torch.Tensor:
-    """``logits`` (``[B x n, V]``), or a copy whose penalised requests' node rows count the tokens
-    on each node's path (the raw rows stay for logprobs)."""
-    if not any(penalised(r.params) for r in reqs):
-        return logits
-    n = trees.tokens.shape[1]
-    scored = logits.clone()
-    for i, r in enumerate(reqs):
-        if penalised(r.params):
-            rows = slice(i * n, (i + 1) * n)
-            scored[rows] = penalise(logits[rows], r, tree_extra(trees.tokens[i], trees.mask[i], logits.shape[-1]))
-    return scored
 
 
 def _batch_to(fb, device):

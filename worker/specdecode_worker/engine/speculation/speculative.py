@@ -25,7 +25,7 @@ from ..cuda_graph import chain_graph_width
 from ..forward_batch import to_device
 from ..model_runner import ModelRunner
 from ..logprobs import token_logprobs
-from ..penalties import chain_extra, penalise, penalised
+from ..output_rules import ruled_chain, ruled_next
 from ..request import Request, TokenLogprob
 from .algorithms import Algorithm, Drafter, algorithm
 from .ngram_index import RequestIndexes
@@ -107,10 +107,7 @@ class Speculator(ABC):
         out: list[RoundResult | None] = [None] * len(reqs)
         if fresh:
             picked = [reqs[i] for i in fresh]
-            rows = logits.index_select(0, to_device(fresh, logits.device))
-            for j, r in enumerate(picked):
-                if penalised(r.params):
-                    rows[j] = penalise(rows[j: j + 1], r)[0]
+            rows = ruled_next(picked, logits.index_select(0, to_device(fresh, logits.device)))
             params = [r.params for r in picked]
             tokens, _ = choose_tokens(rows, params, first_uniforms(picked, 1, rows.device))
             tokens = to_host(tokens)[0]
@@ -174,11 +171,7 @@ def accept_chains(reqs: list[Request], draft: torch.Tensor, draft_probs: torch.T
     else:  # rows already laid out per request; the lengths are on the device with the batch
         target = logits.view(len(reqs), padded.width, -1)[:, : width + 1]
         lengths = padded.lengths - 1
-    if any(penalised(r.params) for r in reqs):
-        target = target.clone()  # logprobs read the raw rows
-        for i, r in enumerate(reqs):
-            if penalised(r.params):
-                target[i] = penalise(target[i], r, chain_extra(draft[i], target.shape[-1]))
+    target = ruled_chain(reqs, target, draft, ks)  # a ruled copy: logprobs read the raw rows
     params = [r.params for r in reqs]
     u = uniforms(params, [r.generator for r in reqs], [k + 1 for k in ks], logits.device)
     n, nxt = verify_chains(draft, draft_probs, target, lengths, params, u)

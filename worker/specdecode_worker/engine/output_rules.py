@@ -1,0 +1,74 @@
+"""The rules a request sets on its output (penalties, a grammar), applied to the target's rows.
+
+A row scores the token after the committed output and, in a verify pass, after the round's
+proposals before it; each rule reads that prefix. Only the target's rows are ruled, so the tokens a
+round emits are the ones the target alone would emit under the same rules; a draft proposes
+unruled, which can lower acceptance but not change the output (rejection sampling reads the
+distribution each proposal was drawn from). The raw rows stay untouched for logprobs.
+
+A grammar needs the proposals on the host: a round that holds a request with a grammar reads its
+proposals back once before verifying.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .penalties import chain_extra, penalise, penalised, tree_extra
+from .request import Request
+
+
+def ruled(r: Request) -> bool:
+    return r.grammar is not None or penalised(r.params)
+
+
+def ruled_next(reqs: list[Request], rows: torch.Tensor) -> torch.Tensor:
+    """``rows``: ``[B, V]``, request i's row after its committed output."""
+    if not any(ruled(r) for r in reqs):
+        return rows
+    out = rows.clone()
+    for i, r in enumerate(reqs):
+        if penalised(r.params):
+            out[i] = penalise(rows[i: i + 1], r)[0]
+        if r.grammar is not None:
+            out[i] = _masked(out[i: i + 1], r.grammar.mask()[None])[0]
+    return out
+
+
+def ruled_chain(reqs: list[Request], target: torch.Tensor, draft: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """``target``: ``[B, W + 1, V]``, request i's first ``ks[i] + 1`` rows verifying its chain
+    ``draft[i, :ks[i]]``."""
+    if not any(ruled(r) for r in reqs):
+        return target
+    out = target.clone()
+    drafted = draft.tolist() if any(r.grammar is not None for r in reqs) else None
+    for i, r in enumerate(reqs):
+        if penalised(r.params):
+            out[i] = penalise(target[i], r, chain_extra(draft[i], target.shape[-1]))
+        if r.grammar is not None:
+            rows = ks[i] + 1
+            out[i, :rows] = _masked(out[i, :rows], r.grammar.masks_along(drafted[i][: ks[i]]))
+    return out
+
+
+def ruled_tree(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+              ancestors: torch.Tensor) -> torch.Tensor:
+    """``logits``: ``[B x n, V]``, request i's rows for its tree's n nodes (``tokens``,
+    ``parents``, ``ancestors``: ``[B, n]``, ``[B, n]``, ``[B, n, n]``); node x's row scores the
+    token after the path from the root to x."""
+    if not any(ruled(r) for r in reqs):
+        return logits
+    n = tokens.shape[1]
+    out = logits.clone()
+    host = (tokens.tolist(), parents.tolist()) if any(r.grammar is not None for r in reqs) else None
+    for i, r in enumerate(reqs):
+        rows = slice(i * n, (i + 1) * n)
+        if penalised(r.params):
+            out[rows] = penalise(logits[rows], r, tree_extra(tokens[i], ancestors[i], logits.shape[-1]))
+        if r.grammar is not None:
+            out[rows] = _masked(out[rows], r.grammar.tree_masks(host[0][i], host[1][i]))
+    return out
+
+
+def _masked(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
