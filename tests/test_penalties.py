@@ -57,13 +57,19 @@ def reference(model_dir, prompt: list[int], presence: float, frequency: float, r
     return out
 
 
+def _base(case: str) -> str:
+    return case.removesuffix("-graphs").removesuffix("-plain")
+
+
 def _outputs(models, case, **penalties):
-    target, draft, kw = CASES[case.removesuffix("-graphs")]
+    target, draft, kw = CASES[_base(case)]
     eng = engine(models[target], case.split("-")[0], models[draft] if draft else None, max_running_requests=3, **kw)
     if case.endswith("-graphs"):  # verify rows padded per request, as CUDA graphs lay them out (eager stand-ins)
         eng.speculator.capture_graphs(3, eager=True)
     params = SamplingParams(max_tokens=NEW, ignore_eos=True, **penalties)
-    return [r.output_ids for r in run_all(eng, [Request(p, params) for p in PROMPTS])], eng
+    # "-plain": requests that never draft, so EAGLE runs its plain rounds
+    reqs = [Request(p, params, speculative=not case.endswith("-plain")) for p in PROMPTS]
+    return [r.output_ids for r in run_all(eng, reqs)], eng
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -76,10 +82,10 @@ def test_repetition_penalty_equals_transformers_rule(models, case):
         assert eng.stats.accepted_tokens > 0, "accepted proposals were penalised by their own rows"
 
 
-@pytest.mark.parametrize("case", list(CASES) + ["EAGLE-graphs", "EAGLE3-tree-graphs"])
+@pytest.mark.parametrize("case", list(CASES) + ["EAGLE-graphs", "EAGLE3-tree-graphs", "EAGLE-plain"])
 def test_presence_and_frequency_penalties_equal_the_target_alone(models, case):
     got, _ = _outputs(models, case, presence_penalty=0.6, frequency_penalty=0.9)
-    target = models[CASES[case.removesuffix("-graphs")][0]]
+    target = models[CASES[_base(case)][0]]
     assert got == [reference(target, p, 0.6, 0.9, 1.0) for p in PROMPTS]
 
 
