@@ -53,6 +53,30 @@ def test_kv_slots_reserve_release_and_restore():
     assert (kv.free_slots(), kv.free_rows()) == (10, 2)
 
 
+def test_the_free_list_hands_out_first_freed_first_over_many_wraps():
+    """Against a deque: any mix of takes and gives returns the same slots in the same order."""
+    from collections import deque
+    import random
+
+    allocator, model = TokenToKVPoolAllocator(7, "cpu"), deque(range(1, 8))
+    held: list[int] = []
+    rng = random.Random(0)
+    for _ in range(300):
+        if held and rng.random() < 0.5:
+            give = [held.pop(rng.randrange(len(held))) for _ in range(rng.randint(1, len(held)))]
+            allocator.free(torch.tensor(give))
+            model.extend(give)
+        else:
+            n = rng.randint(0, len(model))
+            got = allocator.alloc(n).tolist()
+            assert got == [model.popleft() for _ in range(n)]
+            held += got
+        assert allocator.available_size() == len(model)
+        assert allocator.free_slots().tolist() == list(model)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        allocator.free(torch.arange(1, 9))
+
+
 def test_admission_counts_expected_growth_and_retracted_requests_come_first():
     kv = slots(rows=4, tokens=40)
     s, _, _ = scheduler(kv, new_token_ratio=0.5)

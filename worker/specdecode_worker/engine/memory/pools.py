@@ -85,32 +85,49 @@ class ReqToTokenPool:
 
 
 class TokenToKVPoolAllocator:
-    """Free list of KV token slots. Slot 0 is a padding slot that is never handed out."""
+    """Free list of KV token slots. Slot 0 is a padding slot that is never handed out.
+
+    A ring over one preallocated buffer, first freed first reused: taking n slots or giving n back
+    touches those n entries only, so a round that rejects a token costs O(rejected), not O(pool).
+    """
 
     def __init__(self, size: int, device: torch.device | str):
         self.size = size
         self.device = device
-        self._free = torch.arange(1, size + 1, dtype=torch.int64)
+        self._ring = torch.arange(1, size + 1, dtype=torch.int64)
+        self._head = 0  # where the oldest free slot sits
+        self._count = size  # free slots, from the head on (wrapping)
 
     def available_size(self) -> int:
-        return int(self._free.numel())
+        return self._count
+
+    def _positions(self, start: int, n: int) -> torch.Tensor:
+        return (start + torch.arange(n)) % self.size
 
     def alloc(self, n: int) -> torch.Tensor:
-        if n > self._free.numel():
-            raise OutOfSlotsError(f"need {n} KV slots, {self._free.numel()} free")
-        out, self._free = self._free[:n], self._free[n:]
+        if n > self._count:
+            raise OutOfSlotsError(f"need {n} KV slots, {self._count} free")
+        out = self._ring[self._positions(self._head, n)]
+        self._head, self._count = (self._head + n) % self.size, self._count - n
         return host_to_device(out, self.device)  # a pageable copy would wait for the stream
 
     def free(self, slots: torch.Tensor) -> None:
-        if slots.numel():
-            self._free = torch.cat([self._free, slots.to("cpu", torch.int64)])
+        n = slots.numel()
+        if not n:
+            return
+        if self._count + n > self.size:
+            raise RuntimeError(f"freeing {n} KV slots with {self._count} of {self.size} already free: "
+                               "a slot was freed twice")
+        self._ring[self._positions(self._head + self._count, n)] = slots.to("cpu", torch.int64).reshape(-1)
+        self._count += n
 
     def free_slots(self) -> torch.Tensor:
         """The free list in its order, for ``restore_free_slots`` (a pass that must leave no trace)."""
-        return self._free.clone()
+        return self._ring[self._positions(self._head, self._count)].clone()
 
     def restore_free_slots(self, slots: torch.Tensor) -> None:
-        self._free = slots.clone()
+        self._ring[: slots.numel()] = slots
+        self._head, self._count = 0, slots.numel()
 
 
 class MHATokenToKVPool:
