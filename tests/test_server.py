@@ -351,18 +351,23 @@ def test_eagle3_head_serves_the_target_greedy_text(models, reference, tmp_path, 
             "name": "x", "schema": {"type": "bogus"}}}}, "Invalid type: bogus"),
         ("/v1/completions", {"prompt": "the", "response_format": "json"}, "'response_format' must be"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools'"),
+                                  "tools": [{"type": "function", "function": {"name": "f"}}]},
+         "this model's chat template takes no tools"),
+        ("/v1/completions", {"prompt": "the", "tools": [{"type": "function", "function": {"name": "f"}}]},
+         "'tools' is not supported"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "role 'wizard'"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
             {"type": "image_url", "text": "x"}]}]}, "type 'text'"),
-        ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]},
-         "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "c"}]},
+         "this model's chat template takes no tools"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "a user message needs 'content'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "audio": {}}]}, "messages"),
     ],
 )
 def test_unknown_and_unimplemented_parameters_get_400_naming_them(server, path, body, needle):
     """Nothing a client asks for is silently ignored: an unknown parameter, or an OpenAI feature
-    this server does not implement asked for (tools, echo), a JSON format the model cannot
-    produce, or a chat role or content part it does not serve, is a 400 that names it."""
+    this server does not implement asked for (echo, tools on completions), tools or a JSON format
+    the model cannot produce, or a chat role or content part it does not serve, is a 400 that names it."""
     base, _ = server
     r = httpx.post(base + path, json=body, timeout=60)
     assert r.status_code == 400, r.text

@@ -24,7 +24,8 @@ from fastapi.responses import StreamingResponse
 from ..engine.request import Request
 from .detokenize import IncrementalText
 from .openai_shapes import chat_logprobs, completion_logprobs, error_response, usage
-from .structured import grammar_source, token_grammar
+from .structured import token_grammar
+from .tools import parse_calls
 
 MAX_CHOICES = 16  # samples per request: more is a batch job, better sent as separate requests
 
@@ -122,21 +123,29 @@ async def merged(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
             task.cancel()
 
 
-async def generate(state: Any, body: Any, ids: list[int], chat: bool, n: int):
+@dataclass(frozen=True)
+class Answer:
+    """How a request's output is shaped: a grammar it must match (llguidance source), and the tool
+    call format its text is parsed in (None: plain text)."""
+
+    grammar: str | None = None
+    tool_format: str | None = None
+
+
+async def generate(state: Any, body: Any, ids: list[int], chat: bool, n: int, answer: Answer = Answer()):
     """The response to a generation request: ``n`` samples of the prompt ``ids``."""
     params = body.sampling_params()
     stops = body.stop_strings()
-    grammar = grammar_source(body.response_format)
+    vocab = state.engine.target_shape.vocab_size
     loop = asyncio.get_running_loop()
     reqs, streams = [], []
     try:
         for i in range(n):
             seed = params.seed + i if params.seed is not None else None
             sink = _Sink(loop)
+            grammar = token_grammar(state.tokenizer, vocab, answer.grammar) if answer.grammar else None
             req = Request(ids, dataclasses.replace(params, seed=seed), on_update=state.latency.timed(sink),
-                          grammar=grammar and token_grammar(state.tokenizer, state.engine.target_shape.vocab_size,
-                                                            grammar),
-                          **body.draft_control())
+                          grammar=grammar, **body.draft_control())
             state.engine.submit(req)  # raises InputError for a request that can never fit
             reqs.append(req)
             streams.append(text_pieces(state.engine, state.tokenizer, i, req, sink, stops))
@@ -147,7 +156,8 @@ async def generate(state: Any, body: Any, ids: list[int], chat: bool, n: int):
             "model": state.model_name}
     pieces = merged(streams)
     if body.stream:
-        return StreamingResponse(events(state, reqs, pieces, head, chat), media_type="text/event-stream")
+        return StreamingResponse(events(state, reqs, pieces, head, chat, answer.tool_format),
+                                 media_type="text/event-stream")
     texts, finishes, received = [""] * n, [None] * n, [0] * n
     try:
         async for p in pieces:
@@ -161,37 +171,62 @@ async def generate(state: Any, body: Any, ids: list[int], chat: bool, n: int):
     for i, req in enumerate(reqs):
         logprobs = _logprobs(state, req, 0, received[i], chat)
         if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": logprobs,
-                            "finish_reason": finishes[i]})
+            message, finish = _message(texts[i], finishes[i], answer.tool_format)
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
         else:
             choices.append({"index": i, "text": texts[i], "logprobs": logprobs, "finish_reason": finishes[i]})
     return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
             "usage": usage(reqs)}
 
 
-async def events(state: Any, reqs: list[Request], pieces: AsyncIterator[Piece], head: dict, chat: bool):
+def _message(text: str, finish: str | None, tool_format: str | None) -> tuple[dict, str | None]:
+    """A chat answer: its text, or its text and tool calls (finish reason ``tool_calls``)."""
+    if tool_format is None:
+        return {"role": "assistant", "content": text}, finish
+    content, calls = parse_calls(tool_format, text)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls" if finish == "stop" else finish
+
+
+async def events(state: Any, reqs: list[Request], pieces: AsyncIterator[Piece], head: dict, chat: bool,
+                 tool_format: str | None = None):
     """Server-sent events: one chunk per text delta, naming its choice's ``index``; usage goes with
-    the chunk that finishes the last choice."""
+    the chunk that finishes the last choice. With tools, a choice's answer is held until it ends
+    (whether it is calls is known only then) and goes out in one chunk: its text, then its calls
+    as ``tool_calls`` deltas, each whole."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     n = len(reqs)
     sent, offsets = [0] * n, [0] * n  # per choice: tokens whose logprobs went out, text length so far
+    held = [""] * n
     role_sent, unfinished = [False] * n, n
     try:
         async for p in pieces:
-            if not (p.text or p.finish):
-                continue
             i = p.index
+            if tool_format is not None:
+                held[i] += p.text
+                if not p.finish:
+                    continue
+            elif not (p.text or p.finish):
+                continue
             logprobs = _logprobs(state, reqs[i], sent[i], p.received, chat, offsets[i])
             sent[i], offsets[i] = p.received, offsets[i] + len(p.text)
+            finish = p.finish
             if not chat:
-                choice = {"index": i, "text": p.text, "logprobs": logprobs, "finish_reason": p.finish}
+                choice = {"index": i, "text": p.text, "logprobs": logprobs, "finish_reason": finish}
             else:
-                delta = {"content": p.text} if p.text else {}
+                if tool_format is not None:
+                    message, finish = _message(held[i], finish, tool_format)
+                    delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+                    for j, call in enumerate(delta.get("tool_calls", [])):
+                        delta["tool_calls"][j] = {"index": j, **call}
+                else:
+                    delta = {"content": p.text} if p.text else {}
                 if not role_sent[i]:  # the role goes in a choice's first chunk only
                     delta, role_sent[i] = {"role": "assistant", **delta}, True
-                choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": p.finish}
+                choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             data = {**head, "object": obj, "choices": [choice]}
-            if p.finish:
+            if finish:
                 unfinished -= 1
                 if not unfinished:
                     data["usage"] = usage(reqs)

@@ -23,9 +23,11 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, 
 
 from ..engine.request import SamplingParams
 from ..errors import InputError
-from .generation import MAX_CHOICES, generate
+from .generation import MAX_CHOICES, Answer, generate
 from .metrics import RequestLatency
 from .openai_shapes import error_response
+from .structured import grammar_source
+from .tools import call_grammar, template_format, tool_request
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +71,14 @@ EXPECTED = {
 # otherwise: a client that asks for JSON or tools must not get plain text back silently.
 UNSUPPORTED: dict[str, tuple] = {
     "echo": (False,), "best_of": (1,), "logit_bias": ({},), "suffix": ("",),
-"tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],),  # tools: chat only (ChatBody takes them)
     "function_call": ("none",), "min_tokens": (0,),
 }
 # Accepted and ignored, with the reason (the docs' parameter table says the same).
 IGNORED = {
     "user": "a caller's identifier for its own records; the output does not depend on it",
     "stream_options": "usage always comes with a stream's last chunk",
-    "parallel_tool_calls": "no tools are called",
+    "parallel_tool_calls": "only chat calls tools",
     "metadata": "kept by OpenAI for stored completions; nothing is stored here",
     "store": "nothing is stored here",
 }
@@ -167,7 +169,7 @@ class CompletionBody(GenerationBody):
         return self.logprobs
 
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class TextPart(BaseModel):
@@ -176,13 +178,33 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: StrictStr
+    arguments: StrictStr  # JSON, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: StrictStr
+    type: StrictStr = "function"
+    function: ToolCallFunction
+
+
 class Message(BaseModel):
-    """A chat turn: a role this server serves, and text (a string, or text parts, joined)."""
+    """A chat turn: a role this server serves, and text (a string, or text parts, joined); an
+    assistant turn may hold tool calls instead, and a tool turn answers one."""
 
     model_config = ConfigDict(extra="forbid")
     role: StrictStr
-    content: StrictStr | list[TextPart]
+    content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+
+    @property
+    def uses_tools(self) -> bool:
+        return self.role == "tool" or bool(self.tool_calls)
 
     def as_template_input(self) -> dict:
         if self.role not in ROLES:
@@ -192,13 +214,39 @@ class Message(BaseModel):
             if any(part.type != "text" for part in content):
                 raise InputError("message content parts must be of type 'text' (no images or audio here)")
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content, **({"name": self.name} if self.name else {})}
+        if content is None and not (self.role == "assistant" and self.tool_calls):
+            raise InputError(f"'messages': a {self.role} message needs 'content' (only an assistant's tool calls "
+                             "may stand alone)")
+        if self.tool_calls and self.role != "assistant":
+            raise InputError("only an assistant message holds 'tool_calls'")
+        if self.role == "tool" and not self.tool_call_id:
+            raise InputError("a tool message needs the 'tool_call_id' of the call it answers")
+        turn: dict = {"role": self.role, "content": content}
+        if self.name:
+            turn["name"] = self.name
+        if self.tool_call_id:
+            turn["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        return turn
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as chat templates take them: the JSON parsed."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise InputError(f"a tool call's 'arguments' must be JSON, got {text[:80]!r}") from None
 
 
 class ChatBody(GenerationBody):
     messages: list[Message]
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    tools: Any = None  # ``tools.tool_request`` checks these three
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
 
     def top_logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -300,7 +348,8 @@ async def completions(http: HttpRequest, body: GenerationRequest):
         ids = list(prompt)
     else:
         raise InputError(f"'prompt' must be {EXPECTED['prompt']}")
-    return await generate(state, request, ids, chat=False, n=request.choices())
+    answer = Answer(grammar=grammar_source(request.response_format))
+    return await generate(state, request, ids, chat=False, n=request.choices(), answer=answer)
 
 
 @router.post("/v1/chat/completions")
@@ -312,9 +361,22 @@ async def chat_completions(http: HttpRequest, body: GenerationRequest):
     tokenizer = state.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InputError("this model has no chat template; use /v1/completions")
+    tools = tool_request(request.tools, request.tool_choice, request.parallel_tool_calls)
+    tool_format = template_format(tokenizer.chat_template)
+    if (tools.tools or any(m.uses_tools for m in request.messages)) and tool_format is None:
+        raise InputError("this model's chat template takes no tools (it teaches neither the hermes nor the "
+                         "llama3_json call format); leave out 'tools' and tool messages")
     messages = [m.as_template_input() for m in request.messages]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return await generate(state, request, _encode(state, text, special=False), chat=True, n=request.choices())
+    text = tokenizer.apply_chat_template(messages, tools=tools.tools or None, add_generation_prompt=True,
+                                         tokenize=False)
+    grammar = grammar_source(request.response_format)
+    if tools.forced:
+        if grammar:
+            raise InputError("'response_format' and a required tool call both shape the answer; send one of them")
+        grammar = call_grammar(tool_format, tools)
+    answer = Answer(grammar=grammar, tool_format=tool_format if tools.active else None)
+    return await generate(state, request, _encode(state, text, special=False), chat=True, n=request.choices(),
+                          answer=answer)
 
 
 def _encode(state: ServerState, text: str, special: bool = True) -> list[int]:
