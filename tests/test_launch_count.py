@@ -6,6 +6,7 @@ torch ops, 34. Counted, not timed: on a GPU each launch costs a few microseconds
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "launch_count.py"
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
+    # The script turns the Triton backend on for its own process at import; in this one it must not
+    # outlive these tests (every later engine would run interpreted Triton attention).
+    saved = dict(os.environ)
     spec = importlib.util.spec_from_file_location("launch_count", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules["launch_count"] = module
@@ -26,12 +30,12 @@ def bench(tmp_path_factory):
     shape = {**module.LLAMA_8B_2_LAYERS, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
              "num_key_value_heads": 2}
     module.target = module.write_random_llama(tmp_path_factory.mktemp("launches") / "llama", **shape)
-    return module
+    yield module
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def test_fused_layer_kernels_launch_at_most_12_per_layer_outside_attention(bench, monkeypatch):
-    import os
-
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("counts Triton launches under the interpreter (tests/conftest.py turns it on without a GPU)")
     monkeypatch.setenv("SPECDECODE_ATTENTION_BACKEND", "triton")
