@@ -118,3 +118,21 @@ def test_token_logprobs_reads_the_rows_it_is_given():
     expected = torch.log_softmax(logits, dim=-1)
     assert [lp.logprob for lp in first] == pytest.approx([expected[1, 0].item(), expected[0, 2].item()])
     assert [t for t, _ in first[0].top] == [0, 1] and [t for t, _ in first[1].top] == [2, 1]
+
+
+@pytest.mark.parametrize("case", ["NONE", "STANDALONE", "EAGLE"])
+def test_prompt_logprobs_equal_the_forward_pass_across_prefill_chunks(models, case):
+    """Prefill in chunks of 3 tokens: each prompt token after the first is scored by the row before
+    it, whichever chunk holds that row."""
+    target, draft, kw = CASES[case]
+    eng = engine(models[target], case, models[draft] if draft else None, max_running_requests=3,
+                 chunked_prefill_size=3, **kw)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0, prompt_logprobs=TOP)
+    reqs = run_all(eng, [Request(p, params) for p in PROMPTS])
+    for r, prompt in zip(reqs, PROMPTS):
+        expected = reference(models[target], prompt[:1], prompt[1:], TOP)
+        assert [e.token for e in r.prompt_token_logprobs] == prompt[1:]
+        for got, (value, ids, values) in zip(r.prompt_token_logprobs, expected):
+            assert got.logprob == pytest.approx(value, abs=1e-4)
+            assert [t for t, _ in got.top] == ids and [v for _, v in got.top] == pytest.approx(values, abs=1e-4)
+    assert eng.kv_usage()[0] == 0

@@ -19,6 +19,7 @@ from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3], [4, 0, 7, 7, 2, 1, 3, 6, 5, 0, 1]]
 NEW = 14
+EOS = 3  # the tiny models' eos_token_id
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +41,10 @@ CASES = {
 }
 
 
-def reference(model_dir, prompt: list[int], presence: float, frequency: float, repetition: float) -> list[int]:
-    """The target alone, one token at a time: its last logits, penalised, argmax (no EOS rule: the
-    requests ignore EOS)."""
+def reference(model_dir, prompt: list[int], presence: float, frequency: float, repetition: float,
+              bias: dict[int, float] | None = None, min_tokens: int = 0) -> list[int]:
+    """The target alone, one token at a time: its last logits, biased (EOS barred before
+    ``min_tokens``), penalised, argmax (no EOS rule: the requests ignore EOS)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     repeated = transformers.RepetitionPenaltyLogitsProcessor(repetition)
     out: list[int] = []
@@ -50,6 +52,10 @@ def reference(model_dir, prompt: list[int], presence: float, frequency: float, r
         ids = torch.tensor([prompt + out])
         with torch.no_grad():
             scores = hf(ids).logits[:, -1].float()
+        for token, value in (bias or {}).items():
+            scores[0, token] += value
+        if len(out) < min_tokens:
+            scores[0, EOS] = float("-inf")
         scores = repeated(ids, scores)[0]
         counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=scores.shape[0]).float()
         scores = scores - frequency * counts - presence * (counts > 0).float()
@@ -68,7 +74,8 @@ def _outputs(models, case, **penalties):
         eng.speculator.capture_graphs(3, eager=True)
     params = SamplingParams(max_tokens=NEW, ignore_eos=True, **penalties)
     # "-plain": requests that never draft, so EAGLE runs its plain rounds
-    reqs = [Request(p, params, speculative=not case.endswith("-plain")) for p in PROMPTS]
+    reqs = [Request(p, params, eos_token_ids=frozenset({EOS}), speculative=not case.endswith("-plain"))
+            for p in PROMPTS]
     return [r.output_ids for r in run_all(eng, reqs)], eng
 
 
@@ -87,6 +94,16 @@ def test_presence_and_frequency_penalties_equal_the_target_alone(models, case):
     got, _ = _outputs(models, case, presence_penalty=0.6, frequency_penalty=0.9)
     target = models[CASES[_base(case)][0]]
     assert got == [reference(target, p, 0.6, 0.9, 1.0) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("case", list(CASES) + ["EAGLE3-tree-graphs"])
+def test_logit_bias_and_min_tokens_equal_the_target_alone(models, case):
+    """EOS is pushed up by a bias yet barred for the first 5 tokens; another token is pushed down."""
+    bias = {EOS: 8.0, 6: -5.0, 5: 1.5}
+    got, eng = _outputs(models, case, logit_bias=tuple(bias.items()), min_tokens=5, frequency_penalty=0.3)
+    target = models[CASES[_base(case)][0]]
+    assert got == [reference(target, p, 0.0, 0.3, 1.0, bias, 5) for p in PROMPTS]
+    assert all(EOS not in out[:5] and EOS in out for out in got), "the floor held and the bias then showed"
 
 
 def test_sampling_with_penalties_runs_and_leaves_no_slot(models):

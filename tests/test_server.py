@@ -339,11 +339,16 @@ def test_eagle3_head_serves_the_target_greedy_text(models, reference, tmp_path, 
     "path,body,needle",
     [
         ("/v1/completions", {"prompt": "the", "frobnicate": 1}, "unknown parameter 'frobnicate'"),
+        ("/v1/completions", {"prompt": "the", "logit_bias": {"x": 1}}, "'logit_bias' keys must be token ids"),
+        ("/v1/completions", {"prompt": "the", "logit_bias": {"5": 200}}, "numbers in [-100, 100]"),
+        ("/v1/completions", {"prompt": "the", "logit_bias": {"9999": 1}}, "logit_bias token ids must be in [0, 160)"),
+        ("/v1/completions", {"prompt": "the", "min_tokens": 99}, "min_tokens must be an integer in [0, max_tokens]"),
         ("/v1/completions", {"prompt": "the", "presence_penalty": 2.5}, "presence_penalty must be a number in [-2, 2]"),
         ("/v1/completions", {"prompt": "the", "repetition_penalty": "x"}, "'repetition_penalty' must be a number"),
         ("/v1/completions", {"prompt": "the", "logprobs": 21}, "top logprobs must be an integer in [0, 20]"),
         ("/v1/completions", {"prompt": "the", "logprobs": True}, "'logprobs' must be an integer in [0, 20]"),
-        ("/v1/completions", {"prompt": "the", "echo": True}, "'echo' is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True},
+         "'echo' is not supported"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                   "response_format": {"type": "json_object"}},
          "no token of this model's vocabulary can begin such an output"),
@@ -366,7 +371,7 @@ def test_eagle3_head_serves_the_target_greedy_text(models, reference, tmp_path, 
 )
 def test_unknown_and_unimplemented_parameters_get_400_naming_them(server, path, body, needle):
     """Nothing a client asks for is silently ignored: an unknown parameter, or an OpenAI feature
-    this server does not implement asked for (echo, tools on completions), tools or a JSON format
+    this server does not implement asked for (echo on chat, tools on completions), tools or a JSON format
     the model cannot produce, or a chat role or content part it does not serve, is a 400 that names it."""
     base, _ = server
     r = httpx.post(base + path, json=body, timeout=60)

@@ -148,3 +148,26 @@ def test_n_chat_streams_name_each_choice(client):
 def test_n_out_of_range_gets_400(client, n):
     with pytest.raises(openai.BadRequestError, match=r"'n' must be an integer in \[1, 16\]"):
         client.completions.create(model="target", prompt=PROMPT, max_tokens=2, n=n)
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(client, hf):
+    tok, model = hf
+    kw = dict(model="target", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2, echo=True,
+              extra_body={"ignore_eos": True})
+    choice = client.completions.create(**kw).choices[0]
+    prompt_ids = tok(PROMPT).input_ids
+    prompt_text = tok.decode(prompt_ids)
+    assert choice.text.startswith(prompt_text) and len(choice.text) > len(prompt_text)
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes the first token
+    ids = prompt_ids + tok(choice.text[len(prompt_text):], add_special_tokens=False).input_ids
+    assert len(lp.tokens) == len(prompt_ids) + 4
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)
+    for i in range(1, len(prompt_ids)):
+        assert lp.token_logprobs[i] == pytest.approx(logp[i - 1, ids[i]].item(), abs=1e-4)
+        assert list(lp.top_logprobs[i].values()) == pytest.approx(logp[i - 1].topk(2).values.tolist(), abs=1e-4)
+    assert lp.text_offset[len(prompt_ids)] == len(prompt_text)
+    streamed = [c for chunk in client.completions.create(stream=True, **kw) for c in chunk.choices]
+    assert "".join(c.text for c in streamed) == choice.text
+    assert [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs] == lp.token_logprobs

@@ -1,4 +1,5 @@
-"""The rules a request sets on its output (penalties, a grammar), applied to the target's rows.
+"""The rules a request sets on its output (logit bias, penalties, a minimum length, a grammar),
+applied to the target's rows.
 
 A row scores the token after the committed output and, in a verify pass, after the round's
 proposals before it; each rule reads that prefix. Only the target's rows are ruled, so the tokens a
@@ -19,7 +20,24 @@ from .request import Request
 
 
 def ruled(r: Request) -> bool:
-    return r.grammar is not None or penalised(r.params)
+    p = r.params
+    return r.grammar is not None or penalised(p) or bool(p.logit_bias) or p.min_tokens > 0
+
+
+def _bias_and_floor(scores: torch.Tensor, r: Request, lengths: torch.Tensor) -> torch.Tensor:
+    """``scores``: ``[m, V]``; ``lengths``: ``[m]``, the output length each row extends. Adds the
+    logit bias, and bars EOS from rows before ``min_tokens``."""
+    p = r.params
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], device=scores.device)
+        scores = scores.float().index_add(1, ids, torch.tensor([float(b) for _, b in p.logit_bias],
+                                                                device=scores.device).expand(len(scores), -1))
+    if p.min_tokens and r.eos_token_ids:
+        early = (lengths.to(scores.device) < p.min_tokens)[:, None]
+        eos = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
+        eos[[t for t in r.eos_token_ids if t < scores.shape[-1]]] = True
+        scores = scores.masked_fill(early & eos[None], float("-inf"))
+    return scores
 
 
 def ruled_next(reqs: list[Request], rows: torch.Tensor) -> torch.Tensor:
@@ -28,8 +46,9 @@ def ruled_next(reqs: list[Request], rows: torch.Tensor) -> torch.Tensor:
         return rows
     out = rows.clone()
     for i, r in enumerate(reqs):
+        out[i] = _bias_and_floor(rows[i: i + 1], r, torch.tensor([len(r.output_ids)]))[0]
         if penalised(r.params):
-            out[i] = penalise(rows[i: i + 1], r)[0]
+            out[i] = penalise(out[i: i + 1], r)[0]
         if r.grammar is not None:
             out[i] = _masked(out[i: i + 1], r.grammar.mask()[None])[0]
     return out
@@ -43,8 +62,9 @@ def ruled_chain(reqs: list[Request], target: torch.Tensor, draft: torch.Tensor, 
     out = target.clone()
     drafted = draft.tolist() if any(r.grammar is not None for r in reqs) else None
     for i, r in enumerate(reqs):
+        out[i] = _bias_and_floor(target[i], r, len(r.output_ids) + torch.arange(target.shape[1]))
         if penalised(r.params):
-            out[i] = penalise(target[i], r, chain_extra(draft[i], target.shape[-1]))
+            out[i] = penalise(out[i], r, chain_extra(draft[i], target.shape[-1]))
         if r.grammar is not None:
             rows = ks[i] + 1
             out[i, :rows] = _masked(out[i, :rows], r.grammar.masks_along(drafted[i][: ks[i]]))
@@ -63,8 +83,10 @@ def ruled_tree(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor, 
     host = (tokens.tolist(), parents.tolist()) if any(r.grammar is not None for r in reqs) else None
     for i, r in enumerate(reqs):
         rows = slice(i * n, (i + 1) * n)
+        depths = ancestors[i].sum(-1) - 1  # a node sees itself and the root among its ancestors
+        out[rows] = _bias_and_floor(logits[rows], r, len(r.output_ids) + depths)
         if penalised(r.params):
-            out[rows] = penalise(logits[rows], r, tree_extra(tokens[i], ancestors[i], logits.shape[-1]))
+            out[rows] = penalise(out[rows], r, tree_extra(tokens[i], ancestors[i], logits.shape[-1]))
         if r.grammar is not None:
             out[rows] = _masked(out[rows], r.grammar.tree_masks(host[0][i], host[1][i]))
     return out

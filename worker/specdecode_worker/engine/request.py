@@ -25,6 +25,7 @@ def make_generator(seed: int | None) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") % (1 << 63))
 
 
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI caps logit_bias
 MAX_TOP_LOGPROBS = 20  # as vLLM and the OpenAI API cap top_logprobs
 
 
@@ -48,9 +49,14 @@ class SamplingParams:
     # Log-probabilities of the emitted tokens with this many of the likeliest tokens at each
     # position (None: none are computed).
     logprobs: int | None = None
+    # The same for the prompt's tokens (echo): each one after the first, under the prefill's rows.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Added to the target's logit of each (token, bias) before any other rule, as OpenAI defines it.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # EOS may not be emitted before this many output tokens
 
     def validate(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -70,10 +76,18 @@ class SamplingParams:
         value = self.repetition_penalty
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 10:
             raise InputError(f"repetition_penalty must be a number in (0, 10] (1 turns it off), got {value!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise InputError(f"the number of top logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
-                             f"got {self.logprobs!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 or isinstance(b, bool)
+                or not isinstance(b, (int, float)) or not -100 <= b <= 100 for t, b in self.logit_bias):
+            raise InputError(f"logit_bias must map up to {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InputError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        for value in (self.logprobs, self.prompt_logprobs):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_TOP_LOGPROBS):
+                raise InputError(f"the number of top logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                 f"got {value!r}")
 
     @property
     def greedy(self) -> bool:
@@ -94,6 +108,7 @@ class Request:
     grammar: Any = None  # a TokenGrammar: the tokens its output may take (structured outputs)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
+    prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., if asked
     finish_reason: str | None = None
     error: str | None = None
     # Engine state: request row, tokens in the target's KV pool, tokens in the draft's.
@@ -133,3 +148,5 @@ def check_request(req: Request, context_len: int, pool_tokens: int, slots_per_ro
                          "shorten the prompt or lower max_tokens")
     if any(not 0 <= t < vocab_size for t in req.prompt_ids):
         raise InputError(f"prompt token ids must be in [0, {vocab_size})")
+    if any(t >= vocab_size for t, _ in req.params.logit_bias):
+        raise InputError(f"logit_bias token ids must be in [0, {vocab_size})")

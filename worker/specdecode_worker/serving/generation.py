@@ -23,7 +23,7 @@ from fastapi.responses import StreamingResponse
 
 from ..engine.request import Request
 from .detokenize import IncrementalText
-from .openai_shapes import chat_logprobs, completion_logprobs, error_response, usage
+from .openai_shapes import chat_logprobs, completion_logprobs, error_response, joined, prompt_logprobs, usage
 from .structured import token_grammar
 from .tools import parse_calls
 
@@ -130,6 +130,7 @@ class Answer:
 
     grammar: str | None = None
     tool_format: str | None = None
+    echo: bool = False  # a completion that begins with its prompt
 
 
 async def generate(state: Any, body: Any, ids: list[int], chat: bool, n: int, answer: Answer = Answer()):
@@ -156,7 +157,7 @@ async def generate(state: Any, body: Any, ids: list[int], chat: bool, n: int, an
             "model": state.model_name}
     pieces = merged(streams)
     if body.stream:
-        return StreamingResponse(events(state, reqs, pieces, head, chat, answer.tool_format),
+        return StreamingResponse(events(state, reqs, pieces, head, chat, answer.tool_format, answer.echo),
                                  media_type="text/event-stream")
     texts, finishes, received = [""] * n, [None] * n, [0] * n
     try:
@@ -174,7 +175,13 @@ async def generate(state: Any, body: Any, ids: list[int], chat: bool, n: int, an
             message, finish = _message(texts[i], finishes[i], answer.tool_format)
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
         else:
-            choices.append({"index": i, "text": texts[i], "logprobs": logprobs, "finish_reason": finishes[i]})
+            text = texts[i]
+            if answer.echo:
+                prompt_text, prompt_part = _echo(state, req)
+                text = prompt_text + text
+                if logprobs is not None:
+                    logprobs = joined(prompt_part, _logprobs(state, req, 0, received[i], chat, len(prompt_text)))
+            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finishes[i]})
     return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
             "usage": usage(reqs)}
 
@@ -190,11 +197,12 @@ def _message(text: str, finish: str | None, tool_format: str | None) -> tuple[di
 
 
 async def events(state: Any, reqs: list[Request], pieces: AsyncIterator[Piece], head: dict, chat: bool,
-                 tool_format: str | None = None):
+                 tool_format: str | None = None, echo: bool = False):
     """Server-sent events: one chunk per text delta, naming its choice's ``index``; usage goes with
     the chunk that finishes the last choice. With tools, a choice's answer is held until it ends
     (whether it is calls is known only then) and goes out in one chunk: its text, then its calls
-    as ``tool_calls`` deltas, each whole."""
+    as ``tool_calls`` deltas, each whole. An echoed prompt is a completion choice's first chunk (sent
+    once its prefill, which scores the prompt, is done)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     n = len(reqs)
     sent, offsets = [0] * n, [0] * n  # per choice: tokens whose logprobs went out, text length so far
@@ -203,6 +211,11 @@ async def events(state: Any, reqs: list[Request], pieces: AsyncIterator[Piece], 
     try:
         async for p in pieces:
             i = p.index
+            if echo and not role_sent[i]:  # completions: the flag marks the echo sent
+                prompt_text, prompt_part = _echo(state, reqs[i])
+                role_sent[i], offsets[i] = True, len(prompt_text)
+                choice = {"index": i, "text": prompt_text, "logprobs": prompt_part, "finish_reason": None}
+                yield f"data: {json.dumps({**head, 'object': obj, 'choices': [choice]})}\n\n"
             if tool_format is not None:
                 held[i] += p.text
                 if not p.finish:
@@ -242,6 +255,14 @@ def _abort(state: Any, reqs: list[Request]) -> None:
     for req in reqs:
         if not req.done.is_set():
             state.engine.abort(req)
+
+
+def _echo(state: Any, req: Request) -> tuple[str, dict | None]:
+    """The prompt a completion echoes: its text and, when logprobs were asked, its part of them."""
+    text = state.tokenizer.decode(req.prompt_ids) if state.tokenizer is not None else ""
+    if req.params.logprobs is None:
+        return text, None
+    return text, prompt_logprobs(state.tokenizer, req.prompt_ids, req.prompt_token_logprobs)
 
 
 def _logprobs(state: Any, req: Request, start: int, end: int, chat: bool, offset: int = 0) -> dict | None:

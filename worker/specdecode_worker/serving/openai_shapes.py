@@ -43,6 +43,24 @@ def completion_logprobs(tokenizer: Any, entries: list[TokenLogprob], offset: int
     }
 
 
+def prompt_logprobs(tokenizer: Any, prompt_ids: list[int], entries: list[TokenLogprob]) -> dict:
+    """The echoed prompt's part of a completion's logprobs: its first token has none (nothing
+    precedes it), each later one its log-probability under the row before it."""
+    tokens = [token_text(tokenizer, t) for t in prompt_ids]
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None, *(e.logprob for e in entries)],
+        "top_logprobs": [None, *({token_text(tokenizer, t): v for t, v in e.top} for e in entries)],
+        "text_offset": offsets,
+    }
+
+
+def joined(first: dict, then: dict) -> dict:
+    """Two parts of a completion's logprobs as one (the prompt's, then the output's)."""
+    return {key: first[key] + then[key] for key in first}
+
+
 def chat_logprobs(tokenizer: Any, entries: list[TokenLogprob]) -> dict:
     """``{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
     def one(token: int, logprob: float) -> dict:

@@ -62,6 +62,8 @@ EXPECTED = {
     "top_logprobs": "an integer in [0, 20]",
     "presence_penalty": "a number in [-2, 2]", "frequency_penalty": "a number in [-2, 2]",
     "repetition_penalty": "a number in (0, 10] (1 turns it off)",
+    "logit_bias": "an object mapping token ids (as strings) to numbers in [-100, 100]",
+    "min_tokens": "an integer in [0, max_tokens]",
     "n": f"an integer in [1, {MAX_CHOICES}]",
 }
 
@@ -70,9 +72,9 @@ EXPECTED = {
 # nothing (what a client sends when it leaves the feature off) and refused with a 400 naming it
 # otherwise: a client that asks for JSON or tools must not get plain text back silently.
 UNSUPPORTED: dict[str, tuple] = {
-    "echo": (False,), "best_of": (1,), "logit_bias": ({},), "suffix": ("",),
+    "echo": (False,), "best_of": (1,), "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],),  # tools: chat only (ChatBody takes them)
-    "function_call": ("none",), "min_tokens": (0,),
+    "function_call": ("none",),
 }
 # Accepted and ignored, with the reason (the docs' parameter table says the same).
 IGNORED = {
@@ -113,6 +115,8 @@ class GenerationBody(BaseModel):
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     repetition_penalty: Number | None = None
+    logit_bias: dict[StrictStr, Number] | None = None
+    min_tokens: StrictInt | None = None
     n: StrictInt | None = None
     ignore_eos: Any = False
     stop: StrictStr | list[StrictStr] | None = None
@@ -128,6 +132,10 @@ class GenerationBody(BaseModel):
 
     def top_logprobs_wanted(self) -> int | None:
         """How many of the likeliest tokens to report at each position (None: no logprobs)."""
+        return None
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """The same for the prompt's tokens (an echoed completion)."""
         return None
 
     def choices(self) -> int:
@@ -147,12 +155,23 @@ class GenerationBody(BaseModel):
             seed=self.seed,
             ignore_eos=bool(self.ignore_eos),
             logprobs=self.top_logprobs_wanted(),
+            prompt_logprobs=self.prompt_logprobs_wanted(),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.token_bias(),
+            min_tokens=self.min_tokens or 0,
         )
         params.validate()
         return params
+
+    def token_bias(self) -> tuple[tuple[int, float], ...]:
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise InputError(f"'logit_bias' keys must be token ids, got {key!r}")
+            bias.append((int(key), value))
+        return tuple(bias)
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -164,9 +183,13 @@ class GenerationBody(BaseModel):
 class CompletionBody(GenerationBody):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | None = None
     logprobs: StrictInt | None = None
+    echo: StrictBool = False
 
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -348,7 +371,7 @@ async def completions(http: HttpRequest, body: GenerationRequest):
         ids = list(prompt)
     else:
         raise InputError(f"'prompt' must be {EXPECTED['prompt']}")
-    answer = Answer(grammar=grammar_source(request.response_format))
+    answer = Answer(grammar=grammar_source(request.response_format), echo=request.echo)
     return await generate(state, request, ids, chat=False, n=request.choices(), answer=answer)
 
 

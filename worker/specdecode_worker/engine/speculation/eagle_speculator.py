@@ -50,6 +50,7 @@ from ..phases import Phase, PhaseError, require
 from ..request import Request
 from . import algorithms
 from .speculative import (Lookup, RoundResult, Speculator, accept_chains, chain_segments, emitted_logprobs,
+                          record_prompt_logprobs, wants_prompt_rows,
                           first_uniforms, ragged_ids)
 from .tree import DeviceTrees, TreeDrafter, TreeShape, accept_trees
 from .tree_graph import TreeGraphInputs
@@ -305,7 +306,10 @@ class EagleSpeculator(Speculator):
         """Target features of every prefilled position wait for the head's first extend (D = 0)."""
         segments = chunk_segments(self.target.slots, reqs, ends)
         fb = with_cache_locs(make_batch(segments, self.target.device), self.target.req_to_token_pool, segments)
-        logits, features = self._target(fb, "target", last_only=True)
+        every_row = wants_prompt_rows(reqs)
+        logits, features = self._target(fb, "target", last_only=not every_row)
+        if every_row:
+            logits = record_prompt_logprobs(reqs, segments, logits)
         start = 0
         for r, s in zip(reqs, segments):
             chunk = features[start : start + len(s.tokens)]

@@ -148,6 +148,32 @@ class Speculator(ABC):
         ``lookup``: this round's ``look_ahead``, whose proposals the round then drafts."""
 
 
+def wants_prompt_rows(reqs: list[Request]) -> bool:
+    """Whether a prefill must keep every row: a request asked for its prompt's logprobs and has
+    prompt positions left to score (a recompute after a retraction has none)."""
+    return any(r.params.prompt_logprobs is not None and len(r.prompt_token_logprobs) < len(r.prompt_ids) - 1
+               and r.kv_len < len(r.prompt_ids) - 1 for r in reqs)
+
+
+def record_prompt_logprobs(reqs: list[Request], segments: list[Segment], logits: torch.Tensor) -> torch.Tensor:
+    """``logits``: every row of a prefill chunk. Records the prompt tokens' logprobs each request
+    asked for (the row at position p scores prompt token p + 1) and returns each segment's last row."""
+    starts = [sum(len(s.tokens) for s in segments[:i]) for i in range(len(segments))]
+    asking, rows, tokens = [], [], []
+    for r, s, first in zip(reqs, segments, starts):
+        if r.params.prompt_logprobs is None:
+            continue
+        begin, end = max(s.start, len(r.prompt_token_logprobs)), min(s.start + len(s.tokens), len(r.prompt_ids) - 1)
+        if begin < end:
+            asking.append(r)
+            rows.append([first + p - s.start for p in range(begin, end)])
+            tokens.append(r.prompt_ids[begin + 1 : end + 1])
+    for r, found in zip(asking, token_logprobs(logits, rows, tokens, [r.params.prompt_logprobs for r in asking])):
+        r.prompt_token_logprobs.extend(found)
+    last = [first + len(s.tokens) - 1 for s, first in zip(segments, starts)]
+    return logits.index_select(0, to_device(last, logits.device))
+
+
 def first_uniforms(reqs: list[Request], counts, device) -> torch.Tensor | None:
     """Uniforms for a sampling pass over ``reqs``, ``[B]`` for one draw each."""
     u = uniforms([r.params for r in reqs], [r.generator for r in reqs], counts, device)
@@ -271,7 +297,11 @@ class StandaloneSpeculator(Speculator):
     # drafts (the catch-up of ``_draft_propose``, in chunks), so a request that never drafts costs
     # no draft prefill.
     def prefill(self, reqs: list[Request], ends: list[int]) -> list[RoundResult | None]:
-        logits = forward_segments(self.target, chunk_segments(self.target.slots, reqs, ends), last_only=True)
+        segments = chunk_segments(self.target.slots, reqs, ends)
+        every_row = wants_prompt_rows(reqs)
+        logits = forward_segments(self.target, segments, last_only=not every_row)
+        if every_row:
+            logits = record_prompt_logprobs(reqs, segments, logits)
         return self.first_tokens(reqs, ends, logits)
 
     def decode_round(self, reqs: list[Request], draft_lengths: list[int] | None = None,
