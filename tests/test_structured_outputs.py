@@ -159,3 +159,32 @@ def test_masks_past_the_grammars_end_leave_the_committed_state_alone(tokenizer):
     assert [row.nonzero().flatten().tolist() for row in rows[:3]] == [[4, 5], [7], [EOS]]
     grammar.commit([4, 7])
     assert grammar.complete and not grammar.matcher.is_error()
+
+
+def test_drafts_propose_within_the_grammar(models, tokenizer):
+    """A draft that is a copy of the target, masked to the grammar as it drafts, proposes the
+    target's own constrained choices: every proposal is accepted (unmasked, it proposes the
+    target's unconstrained choices, which the grammar refuses wherever it binds)."""
+    reqs, eng = _run(models, tokenizer, "STANDALONE", temperature=0.0)
+    assert eng.stats.proposed_tokens > 0
+    assert eng.stats.accepted_tokens == eng.stats.proposed_tokens
+
+
+def test_lookups_are_cut_where_the_grammar_refuses(models, tokenizer):
+    """NGRAM proposals stop before a token the grammar refuses: the prompts repeat tokens the
+    grammar never allows, and no verified proposal is one of them."""
+    reqs, eng = _run(models, tokenizer, "NGRAM", temperature=0.0)
+    allowed = {4, 5, 7, EOS}  # the, a, of, and EOS after "of"
+    seen = []
+    real = eng.speculator.decode_round
+
+    def spy(reqs, draft_lengths=None, lookup=None):
+        if lookup is not None:
+            seen.extend(t for proposal in lookup.proposals for t in proposal)
+        return real(reqs, draft_lengths, lookup)
+
+    eng.speculator.decode_round = spy
+    more = [Request(p, SamplingParams(max_tokens=NEW), grammar=grammar_for(tokenizer, models["small"]))
+            for p in PROMPTS]
+    run_all(eng, more)
+    assert seen and set(seen) <= allowed

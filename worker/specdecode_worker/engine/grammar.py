@@ -28,6 +28,10 @@ class TokenGrammar:
         """``[V]`` bool: the tokens allowed after the committed output."""
         return self._mask_of(self.matcher)
 
+    def mask_after(self, matcher: Any) -> torch.Tensor:
+        """The mask of a copy of this grammar's matcher (one that follows a draft's proposals)."""
+        return self._mask_of(matcher)
+
     def _mask_of(self, matcher: Any) -> torch.Tensor:
         allowed = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8) != 0
         out = torch.zeros(self.vocab_size, dtype=torch.bool)

@@ -94,3 +94,41 @@ def ruled_tree(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor, 
 
 def _masked(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+
+
+class DraftGrammars:
+    """A draft's logits masked to each request's grammar while its chain is drafted: a copy of the
+    request's matcher follows the proposals, so a draft proposes only tokens that verification
+    can accept (exactness needs none of this; acceptance does: an unmasked draft proposes what the
+    grammar forbids wherever it binds). Rounds that hold a request with a grammar read each draft
+    step's tokens back to the host."""
+
+    def __init__(self, reqs: list[Request]):
+        self.grammars = {i: r.grammar for i, r in enumerate(reqs) if r.grammar is not None}
+        self.cursors = {i: g.matcher.deep_copy() for i, g in self.grammars.items()}
+
+    def masked(self, logits: torch.Tensor, rows_of: list[int]) -> torch.Tensor:
+        """``logits``: one row per request ``rows_of[j]``; rows of requests with a grammar masked."""
+        if not self.cursors:
+            return logits
+        out = logits.clone()
+        for j, i in enumerate(rows_of):
+            if i in self.cursors:
+                allowed = self.grammars[i].mask_after(self.cursors[i])
+                width = min(allowed.numel(), out.shape[-1])
+                keep = torch.zeros(out.shape[-1], dtype=torch.bool)
+                keep[:width] = allowed[:width]
+                out[j] = _masked(out[j: j + 1], keep[None])[0]
+        return out
+
+    def advance(self, tokens: torch.Tensor, rows_of: list[int]) -> None:
+        """The tokens just drafted (one per row); a request whose grammar refuses its token (never,
+        when its row was masked) is no longer followed."""
+        if not self.cursors:
+            return
+        for t, i in zip(tokens.tolist(), rows_of):
+            cursor = self.cursors.get(i)
+            if cursor is not None and cursor.validate_tokens([t]) == 1:
+                cursor.consume_tokens([t])
+            elif cursor is not None:
+                del self.cursors[i]

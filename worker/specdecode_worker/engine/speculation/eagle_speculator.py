@@ -39,7 +39,7 @@ from ..batch_sampling import choose_tokens, to_host, uniforms
 from ..cuda_graph import GraphRunner, chain_graph_width
 from ..forward_batch import to_device
 from ..kernels.attention import make_attn_backend
-from ..output_rules import ruled_next, ruled_tree
+from ..output_rules import DraftGrammars, ruled_next, ruled_tree
 from ..kernels.tree_attention import TreeForwardBatch, make_tree_attn_backend
 from ..model_runner import ModelRunner
 from ..models.eagle_loader import head_config, load_eagle_head
@@ -410,8 +410,10 @@ class EagleSpeculator(Speculator):
         device, params = self.target.device, [r.params for r in reqs]
         tokens = torch.zeros(len(reqs), self.k, dtype=torch.int64, device=device)
         probs = None
+        grammars, rows = DraftGrammars(reqs), list(range(len(reqs)))
         for step in range(self.k):
-            token, p = choose_tokens(logits, params, first_uniforms(reqs, 1, logits.device))
+            token, p = choose_tokens(grammars.masked(logits, rows), params, first_uniforms(reqs, 1, logits.device))
+            grammars.advance(token, rows)
             tokens[:, step] = token
             if p is not None:
                 if probs is None:

@@ -25,7 +25,7 @@ from ..cuda_graph import chain_graph_width
 from ..forward_batch import to_device
 from ..model_runner import ModelRunner
 from ..logprobs import token_logprobs
-from ..output_rules import ruled_chain, ruled_next
+from ..output_rules import DraftGrammars, ruled_chain, ruled_next
 from ..request import Request, TokenLogprob
 from .algorithms import Algorithm, Drafter, algorithm
 from .ngram_index import RequestIndexes
@@ -277,7 +277,10 @@ class StandaloneSpeculator(Speculator):
         if self.method.drafter is not Drafter.LOOKUP:
             return None
         matches = [self._ngram_indexes.match(r, min(c, self.k)) if c > 0 else ([], 0) for r, c in zip(reqs, caps)]
-        return Lookup([m[0] for m in matches], [m[1] for m in matches])
+        # A proposal is cut before the first token its request's grammar refuses: verification would reject it.
+        proposals = [m[0][: r.grammar.matcher.validate_tokens(m[0])] if r.grammar is not None and m[0] else m[0]
+                     for r, m in zip(reqs, matches)]
+        return Lookup(proposals, [m[1] for m in matches])
 
     def release(self, r: Request) -> None:
         self._ngram_indexes.release(r.rid)
@@ -360,6 +363,7 @@ class StandaloneSpeculator(Speculator):
         self._catch_up([r for r, k in zip(reqs, ks) if k])
         segments = [Segment(r.req_idx, r.all_ids[r.draft_kv_len :], r.draft_kv_len) for r, k in zip(reqs, ks) if k]
         ids = None
+        grammars = DraftGrammars(reqs)
         for step in range(width):
             self.draft_tokens += sum(len(s.tokens) for s in segments)
             drafting = [i for i, k in enumerate(ks) if k > step]
@@ -369,7 +373,9 @@ class StandaloneSpeculator(Speculator):
                 ids = tokens[:, step - 1].index_select(0, index)
             logits = forward_segments(self.draft, segments, last_only=True, input_ids=ids)
             picked = [reqs[i] for i in drafting]
-            token, p = choose_tokens(logits, [r.params for r in picked], first_uniforms(picked, 1, logits.device))
+            token, p = choose_tokens(grammars.masked(logits, drafting), [r.params for r in picked],
+                                     first_uniforms(picked, 1, logits.device))
+            grammars.advance(token, drafting)
             tokens[:, step].index_copy_(0, index, token.to(device))
             if p is not None:
                 if probs is None:
