@@ -1,6 +1,7 @@
-"""The OpenAI API as the ``openai`` client drives it against the real server with a STANDALONE
-draft: logprobs equal to transformers' forward pass over the returned tokens, streamed or not,
-and ``n`` samples of one prompt."""
+"""The OpenAI API as the ``openai`` client drives it against the real server, under each kind of
+draft (a STANDALONE model, NGRAM lookups, an EAGLE3 head as a chain and as a tree): logprobs equal
+to transformers' forward pass over the returned tokens, streamed or not, echoed prompts, and ``n``
+samples of one prompt."""
 
 from __future__ import annotations
 
@@ -12,20 +13,42 @@ torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
 
+from tests.eagle_heads import write_eagle3_head  # noqa: E402
 from tests.engine_helpers import tiny_models  # noqa: E402
 from tests.server_helpers import free_port, serve_argv, serving  # noqa: E402
 
 PROMPT = "one two three four five"
+# algorithm, the model folder it drafts with, and its own flags
+DRAFTS = {
+    "STANDALONE": ("STANDALONE", "draft", ()),
+    "NGRAM": ("NGRAM", None, ()),
+    "EAGLE3": ("EAGLE3", "eagle3", ("--num-draft-tokens", "3")),
+    "EAGLE3-tree": ("EAGLE3", "eagle3", ("--num-draft-tokens", "5", "--speculative-num-steps", "2",
+                                         "--speculative-eagle-topk", "2")),
+}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return tiny_models(tmp_path_factory.mktemp("logprobs-server"))
+    root = tmp_path_factory.mktemp("logprobs-server")
+    found = tiny_models(root)
+    # the target has 2 layers: the head reads the states entering layers 0, 1 and 2 (the last one's output)
+    found["eagle3"] = write_eagle3_head(root / "eagle3", found["target"], draft_vocab=96, seed=3,
+                                        aux_layer_ids=[-1, 0, 1])
+    return found
 
 
-@pytest.fixture(scope="module")
-def client(models):
-    with serving(serve_argv(models, free_port(), "--spec-policy", "fixed")) as (base, _state):
+@pytest.fixture(scope="module", params=list(DRAFTS))
+def client(models, request):
+    algorithm, draft, flags = DRAFTS[request.param]
+    argv = serve_argv(models, free_port(), "--spec-policy", "fixed", *flags)
+    argv[argv.index("--algorithm") + 1] = algorithm
+    at = argv.index("--draft")
+    if draft is None:
+        del argv[at: at + 2]
+    else:
+        argv[at + 1] = str(models[draft])
+    with serving(argv) as (base, _state):
         yield openai.OpenAI(base_url=f"{base}/v1", api_key="none")
 
 
