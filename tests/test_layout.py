@@ -6,11 +6,14 @@
 - The operator imports from the worker package only ``contract`` (the engines' pinning flags
   included).
 - Only tests import ``tests``.
+- Model and speculator code never sees leader or follower: their one channel to the other ranks
+  is their runner's ``Mirror``; nothing of theirs imports the rank driver (``parallel.distributed``).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +73,19 @@ def test_the_operator_imports_only_the_contract_from_the_worker():
             if name.startswith("specdecode_worker")}
     assert used, "the operator reads the contract: an empty set means this test reads nothing"
     assert sorted(n for n in used if not any(n == a or n.startswith(a + ".") for a in allowed)) == []
+
+
+def test_model_and_speculator_code_import_nothing_from_the_rank_driver():
+    engine = WORKER / "engine"
+    found = []
+    for folder in (engine / "models", engine / "speculation", engine / "kernels", engine / "memory"):
+        found += _violations(folder, WORKER.parent, ("specdecode_worker.engine.parallel.distributed",))
+    for path in (engine / "model_runner.py", engine / "batch.py", engine / "forward_batch.py"):
+        found += [f"{path.name} imports {n}" for n in imports(path, WORKER.parent)
+                  if n.startswith("specdecode_worker.engine.parallel.distributed")]
+    assert found == []
+    back = [p.name for p in engine.rglob("*.py") if re.search(r"\.speculator\s*=\s*self\s*$", p.read_text(), re.M)]
+    assert back == [], "no runner points back at its speculator"
 
 
 def test_only_tests_import_tests():

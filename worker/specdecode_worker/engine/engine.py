@@ -172,7 +172,7 @@ class Engine:
         tp = self.target_runner.tp
         together = tp.size > 1 and measurable(self.device)
         if together and not tp.is_leader:
-            follow({r.name: r for r in self.model_runners() if r.tp.size > 1})
+            follow({r.name: r for r in self.model_runners() if r.tp.size > 1}, self.speculator)
             return DynamicPeak(args.planned_dynamic_bytes, None,
                                note="warm-up replayed from rank 0, which measures the peak")
         try:

@@ -20,7 +20,7 @@ from .memory.kv_slots import KVSlots
 from .memory.pools import MemoryPoolConfig, MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator, resolve_kv_dtype
 from .models import model_class
 from .models.loader import load_safetensors, tensor_bytes
-from .parallel.distributed import announce_forward
+from .parallel.mirror import Mirror
 from .parallel.parallel_layers import model_tp
 from .phases import Phase, PhaseError, require
 
@@ -75,6 +75,7 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_dtype = kv_dtype
         self.tp = tp
+        self.mirror = Mirror(tp)  # where its passes go to the group's other ranks (rank 0 only)
         self.quantization = quantization
         self.phase = Phase.CREATED
         self.model = None
@@ -190,8 +191,7 @@ class ModelRunner:
         require(self.phase, Phase.BACKENDS_READY, "run a forward pass", self.name)
         if self.vocabulary is not None:
             fb.input_ids = self.vocabulary.inputs(fb.input_ids)
-        if self.tp.size > 1 and self.tp.is_leader:  # the followers run the same pass on their shards
-            announce_forward(self.name, fb, self.req_to_token_pool.req_to_token, last_only)
+        self.mirror.forward(self.name, fb, self.req_to_token_pool.req_to_token, last_only)
         # A decode batch has one row per request, so "last only" and "all rows" are the same.
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(fb):
             logits = self.cuda_graphs.replay(fb)

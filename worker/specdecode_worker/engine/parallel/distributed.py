@@ -3,10 +3,9 @@
 One process per rank. ``launch`` starts them and supervises: the first rank that fails stops
 every other rank and the whole worker fails with that rank's message, so the pod restarts as a
 whole and no rank is left waiting in a collective. Rank 0 schedules; the other ranks follow:
-every forward pass rank 0 runs on a sharded model is announced to them (``announce_forward``)
-and ``follow`` replays it, so the collectives inside the model line up; a speculator's graph
-replay is announced as that graph and its staged inputs (``announce_graph``), and the followers
-replay the same graph.
+every pass rank 0 runs on sharded weights reaches them through its runner's ``Mirror``
+(``mirror.py``, the one seam model and speculator code sees), and ``follow`` runs it here, so
+the collectives inside the model line up.
 
 A replica larger than one node runs the same group over several pods (``nnodes``): each pod's
 supervisor starts its local ranks (global ranks ``node_rank * local ... + local - 1``), the
@@ -21,9 +20,7 @@ follower may idle as long as the server does); supervision, not a timeout, ends 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import logging
-import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -36,11 +33,10 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
 
 from ..forward_batch import ForwardBatch
 from .group import DEFAULT_TIMEOUT_S, SINGLE, TPGroup, destroy_tp, get_tp, init_tp  # noqa: F401 - one import for callers
+from .mirror import receive_graph
 
 log = logging.getLogger(__name__)
 
@@ -51,68 +47,6 @@ class RankFailure(RuntimeError):
 
 
 # ---- rank 0 leads, the others follow ---------------------------------------------------------
-
-def announce_forward(name: str, fb: ForwardBatch, req_to_token: torch.Tensor, last_only: bool) -> None:
-    """Send the followers one forward pass: the batch plus the request rows it reads."""
-    width = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else 0
-    rows = req_to_token[fb.req_pool_indices, :width].cpu()
-    batch = {k: getattr(fb, k).cpu()
-             for k in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")}
-    get_tp().broadcast(("forward", name, batch, list(fb.extend_lens), list(fb.seq_lens_cpu), rows, last_only))
-
-
-# A graph replay is announced in two parts: a pickled header on the control group (the batch's
-# type, its host-side lengths, and the name, shape and dtype of every tensor), then the tensors
-# themselves on the model's group, one broadcast per dtype (device to device under NCCL). Rank 0
-# never reads a device value back for it, so a round keeps its one host sync.
-_ROWS, _EXTRA = "@rows", "@extra"
-
-
-def announce_graph(runner: str, key, fb: ForwardBatch, req_to_token: torch.Tensor, extras=()) -> None:
-    """Rank 0: the followers replay graph ``key`` of ``runner``'s speculator with this batch, the
-    req_to_token rows it reads and the per-token ``extras`` (an EAGLE head's features)."""
-    tp = get_tp()
-    if tp.size == 1 or not tp.is_leader:
-        return
-    width = max(fb.seq_lens_cpu, default=0)
-    tensors, host = {}, {}
-    for f in dataclasses.fields(fb):
-        value = getattr(fb, f.name)
-        (tensors if isinstance(value, torch.Tensor) else host)[f.name] = value
-    tensors[_ROWS] = req_to_token[fb.req_pool_indices, :width]
-    tensors.update({f"{_EXTRA}{i}": x for i, x in enumerate(extras)})
-    specs = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
-    tp.broadcast(("graph", runner, key, type(fb), host, specs))
-    _broadcast_tensors(tp, specs, list(tensors.values()), req_to_token.device)
-
-
-def receive_graph(msg: tuple, req_to_token: torch.Tensor) -> tuple[Any, ForwardBatch, list[torch.Tensor]]:
-    """A follower: the graph key, the batch and the extras of an announced replay; the batch's
-    req_to_token rows are mirrored into this rank's pool."""
-    _, _, key, batch_type, host, specs = msg
-    got = dict(zip((name for name, _, _ in specs), _broadcast_tensors(get_tp(), specs, None, req_to_token.device)))
-    rows = got.pop(_ROWS)
-    extras = [got.pop(name) for name, _, _ in specs if name.startswith(_EXTRA)]
-    fb = batch_type(**got, **host)
-    req_to_token[fb.req_pool_indices, : rows.shape[1]] = rows
-    return key, fb, extras
-
-
-def _broadcast_tensors(tp: TPGroup, specs, tensors, device) -> list[torch.Tensor]:
-    """Rank 0's ``tensors`` (None on the others) on every rank, as ``specs`` describe them."""
-    out: list[torch.Tensor | None] = [None] * len(specs)
-    for dtype in sorted({d for _, _, d in specs}, key=str):
-        idx = [i for i, (_, _, d) in enumerate(specs) if d == dtype]
-        sizes = [math.prod(specs[i][1]) for i in idx]
-        if tensors is not None:
-            flat = torch.cat([tensors[i].to(device).reshape(-1) for i in idx])
-        else:
-            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-        dist.broadcast(flat, src=0, group=tp.group)
-        for i, part in zip(idx, flat.split(sizes)):
-            out[i] = part.view(specs[i][1])
-    return out
-
 
 _followers_stopped = False
 
@@ -132,8 +66,10 @@ def stop_followers() -> None:
         tp.broadcast(("stop",))
 
 
-def follow(runners: dict[str, Any]) -> int:
-    """Replay rank 0's forward passes on this rank's shards until it says stop; returns the count."""
+def follow(runners: dict[str, Any], speculator: Any = None) -> int:
+    """Replay rank 0's passes on this rank's shards until it says stop; returns the count. A
+    runner's forward pass is replayed by that runner; a speculator's own passes (a graph, or an
+    EAGLE round's target pass or head step) by ``speculator``."""
     tp = get_tp()
     count = 0
     while True:
@@ -141,12 +77,11 @@ def follow(runners: dict[str, Any]) -> int:
         if msg[0] == "stop":
             return count
         if msg[0] == "graph":  # a speculator's graph, replayed with rank 0's staged inputs
-            runner = runners[msg[1]]
-            runner.speculator.replay_graph(*receive_graph(msg, runner.req_to_token_pool.req_to_token))
+            speculator.replay_graph(*receive_graph(msg, runners[msg[1]].req_to_token_pool.req_to_token))
             count += 1
             continue
-        if msg[0] == "replay":  # a runner's own kind of pass (an EAGLE round's target pass or head step)
-            runners[msg[1]].replay(msg[2])
+        if msg[0] == "replay":
+            speculator.replay(msg[2])
             count += 1
             continue
         _, name, batch, extend_lens, seq_lens_cpu, rows, last_only = msg

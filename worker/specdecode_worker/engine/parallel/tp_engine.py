@@ -39,7 +39,7 @@ def run_rank(args: EngineArgs, lead: Callable[[Engine], Any], report: Callable[[
             return lead(engine)
         finally:
             engine.stop()  # releases the followers
-    follow(sharded_runners(engine))
+    follow(sharded_runners(engine), engine.speculator)
     return report(engine) if report else None
 
 
@@ -47,7 +47,7 @@ def follow_rank(args: EngineArgs) -> None:
     """A follower's whole life: its shards through the three phases, then replay until released."""
     engine = Engine(args)
     engine.init_model_worker()
-    follow(sharded_runners(engine))
+    follow(sharded_runners(engine), engine.speculator)
 
 
 def run_tensor_parallel(tp: int, rank_main: Callable[..., int], args: tuple, device: str,

@@ -21,8 +21,8 @@ Under tensor parallelism the head shards with the target (``models.eagle``). Ran
 rounds; each target pass and head step it runs is announced to the other ranks with its batch,
 the req_to_token rows it reads, and (head steps) the features, so every rank runs the same pass
 on its shards and the collectives line up: a graph replay as a replay of the same graph with the
-same staged inputs (``distributed.announce_graph``, ``replay_graph``), an eager pass as that pass
-(``EagleSpeculator.replay``).
+same staged inputs (``Mirror.graph``, ``replay_graph``), an eager pass as that pass
+(``Mirror.call``, ``EagleSpeculator.replay``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from ..kernels.tree_attention import TreeForwardBatch, make_tree_attn_backend
 from ..model_runner import ModelRunner
 from ..models.eagle_loader import head_config, load_eagle_head
 from ..models.loader import tensor_bytes
-from ..parallel.distributed import announce_graph
 from ..parallel.parallel_layers import check_splits, parallel_logits
 from ..phases import Phase, PhaseError, require
 from ..request import Request
@@ -97,7 +96,6 @@ class EagleRunner(ModelRunner):
         self.target = target_runner
         self.aux_layers: list[int] | None = None
         self.tree_backend = None  # set in phase 3
-        self.speculator = None  # the EagleSpeculator over this head: a follower replays through it
 
     def load_weights(self) -> None:
         if self.phase >= Phase.WEIGHTS_LOADED:
@@ -121,11 +119,6 @@ class EagleRunner(ModelRunner):
         self.tree_backend = make_tree_attn_backend(self.req_to_token_pool, self.token_to_kv_pool, None)
         log.info("%s: chain draft steps are graphed by the speculator where the backend allows", self.name)
         self.phase = Phase.BACKENDS_READY
-
-    def replay(self, call: tuple) -> None:
-        """A follower: run rank 0's announced target pass or head step on this rank's shards."""
-        self.speculator.replay(call)
-
 
 def check_tree_args(topk: int, num_steps: int, num_draft_tokens: int) -> None:
     if topk < 1 or num_steps < 1 or num_draft_tokens < 1:
@@ -161,7 +154,7 @@ class EagleSpeculator(Speculator):
                                                           target_runner.model.sliding_window)
         self.embed = target_runner.model.model.embed_tokens
         self.tp = draft_runner.tp  # the target's group: heads and the MTP layer shard with it
-        draft_runner.speculator = self
+        self.mirror = target_runner.mirror  # the group's other ranks run this speculator's passes too
         d2t = getattr(self.head, "d2t", None)
         self._draft_ids = None if d2t is None else torch.arange(d2t.numel(), device=d2t.device) + d2t
         self._features: dict[int, torch.Tensor] = {}  # rid -> target features not yet in the draft cache
@@ -229,15 +222,14 @@ class EagleSpeculator(Speculator):
         return {"target": self.target.backend, "target_tree": self.target_tree_backend,
                 "draft": self.draft.backend, "draft_tree": self.draft.tree_backend}[name]
 
-    def _announce(self, call: str, backend: str, fb, rows, hidden=None, from_target: bool = False) -> None:
-        """Rank 0: send the other ranks this pass (they run it on their shards, see ``replay``)."""
-        if self.tp.size == 1 or not self.tp.is_leader:
-            return
+    def _mirror(self, call: str, backend: str, fb, rows, hidden=None, from_target: bool = False) -> None:
+        """This pass, for the group's other ranks to run on their shards (``replay``)."""
+        if not self.mirror.sending:
+            return  # nobody to tell: spare the host copies
         width = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else 0
         req_rows = self.target.req_to_token_pool.req_to_token[fb.req_pool_indices, :width].cpu()
         hidden = None if hidden is None else hidden.cpu()
-        self.tp.broadcast(("replay", self.draft.name,
-                           (call, backend, _batch_to(fb, "cpu"), req_rows, rows.cpu(), hidden, from_target)))
+        self.mirror.call((call, backend, _batch_to(fb, "cpu"), req_rows, rows.cpu(), hidden, from_target))
 
     def replay(self, call: tuple) -> None:
         name, backend, fb, req_rows, rows, hidden, from_target = call
@@ -261,11 +253,11 @@ class EagleSpeculator(Speculator):
         require(self.target.phase, Phase.BACKENDS_READY, "run a forward pass", self.target.name)
         graph = self._graphs.get((backend, fb.extend_lens[0] if fb.extend_lens else 0))
         if rows is None and not last_only and graph is not None and graph.can_run(fb):
-            announce_graph(self.draft.name, (backend, graph.tokens_per_req), fb,
+            self.mirror.graph(self.draft.name, (backend, graph.tokens_per_req), fb,
                            self.target.req_to_token_pool.req_to_token)
             return graph.replay(fb)  # every row of the batch, as below
         rows = fb.logit_rows(last_only) if rows is None else rows
-        self._announce("target", backend, fb, rows)
+        self._mirror("target", backend, fb, rows)
         return self._target_pass(fb, self._backend(backend), rows)
 
     def _target_pass(self, fb, backend, rows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,10 +272,10 @@ class EagleSpeculator(Speculator):
         graph = self._graphs.get((backend, fb.extend_lens[0] if fb.extend_lens else 0))
         if not from_target and graph is not None and graph.can_run(fb) \
                 and rows.numel() == fb.input_ids.numel():  # a draft step (chain or tree): every row
-            announce_graph(self.draft.name, (backend, graph.tokens_per_req), fb,
+            self.mirror.graph(self.draft.name, (backend, graph.tokens_per_req), fb,
                            self.target.req_to_token_pool.req_to_token, (hidden,))
             return graph.replay(fb, hidden)
-        self._announce("draft", backend, fb, rows, hidden, from_target)
+        self._mirror("draft", backend, fb, rows, hidden, from_target)
         return self._draft_pass(fb, self._backend(backend), hidden, from_target, rows)
 
     def _draft_pass(self, fb, backend, hidden, from_target: bool, rows) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,7 +51,6 @@ class MTPRunner(ModelRunner):
         self.target = target_runner
         self.aux_layers = None  # the speculator's capture keeps the target's final hidden state
         self.tree_backend = None  # MTP drafts chains
-        self.speculator = None  # the EagleSpeculator over this layer: a follower replays through it
 
     def load_weights(self) -> None:
         if self.phase >= Phase.WEIGHTS_LOADED:
@@ -80,11 +79,6 @@ class MTPRunner(ModelRunner):
         log.info("%s: NextN attention on %s; chain steps are graphed by the speculator where it can",
                  self.name, type(self.backend).__name__)
         self.phase = Phase.BACKENDS_READY
-
-    def replay(self, call: tuple) -> None:
-        """A follower: run rank 0's announced target pass or NextN step on this rank's shards."""
-        self.speculator.replay(call)
-
 
 def check_mtp_args(topk: int, num_steps: int | None, num_draft_tokens: int) -> None:
     """MTP drafts one chain: one proposal per step, the NextN layer reused for each."""
