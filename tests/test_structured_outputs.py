@@ -14,6 +14,7 @@ from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E4
 from specdecode_worker.errors import InputError  # noqa: E402
 from specdecode_worker.serving.structured import grammar_source, token_grammar  # noqa: E402
 
+from devtools.deepseek_models import write_tiny_deepseek  # noqa: E402
 from tests.engine_helpers import engine, run_all, tiny_models_with_eagle_heads  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3], [4, 0, 7, 7, 2, 1, 3, 6, 5, 0, 1]]
@@ -27,8 +28,10 @@ EOS = 3
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return tiny_models_with_eagle_heads(tmp_path_factory.mktemp("grammar"), vocab=8, num_hidden_layers=6,
-                                        draft_vocab=6)
+    root = tmp_path_factory.mktemp("grammar")
+    found = tiny_models_with_eagle_heads(root, vocab=8, num_hidden_layers=6, draft_vocab=6)
+    found["mtp"] = write_tiny_deepseek(root / "mtp", mtp=True)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +46,7 @@ CASES = {
     "NGRAM": ("small", None, {}),
     "EAGLE": ("small", "eagle", dict(num_draft_tokens=3)),
     "EAGLE3-tree": ("small", "eagle3", dict(num_draft_tokens=6, speculative_num_steps=3, speculative_eagle_topk=3)),
+    "MTP": ("mtp", None, dict(num_draft_tokens=3)),  # the target's own NextN layer drafts
 }
 
 
