@@ -82,6 +82,14 @@ def run_all(eng: Engine, reqs):
     return reqs
 
 
+def assert_every_slot_back(eng) -> None:
+    """No slot leaked: every slot is free or in the prefix cache, and no finished request still
+    holds a cached one."""
+    slots = eng.target_runner.slots
+    assert slots.allocator.available_size() + slots.cached() == slots.size
+    assert slots.cache is None or slots.cache.evictable == slots.cache.size
+
+
 def record_rounds(eng) -> list[list[int]]:
     """Each round's verified draft lengths, request by request."""
     rounds, real = [], eng.speculator.decode_round

@@ -132,7 +132,7 @@ def test_requests_ending_in_one_step_are_read_back_once(models, case, monkeypatc
     """Four requests reach max_tokens in the same step (after their round, or at their first token):
     their slots come back in one read, every slot comes back, and the output is the target's greedy."""
     from specdecode_worker.engine.request import Request, SamplingParams
-    from tests.engine_helpers import engine, hf_greedy
+    from tests.engine_helpers import assert_every_slot_back, engine, hf_greedy
 
     algorithm, draft, max_tokens = ENDING[case]
     frees = _count_frees(monkeypatch)
@@ -149,30 +149,38 @@ def test_requests_ending_in_one_step_are_read_back_once(models, case, monkeypatc
         ending_steps.append((sum(r.done.is_set() for r in reqs) - done_before, outside))
     assert (4, 1) in ending_steps, ending_steps  # all four in one step, one read
     assert all(outside == (ended > 0) for ended, outside in ending_steps), ending_steps
-    alloc, pool = eng.target_runner.token_to_kv_pool_allocator, eng.target_runner.req_to_token_pool
-    assert alloc.available_size() == alloc.size and pool.available_size() == pool.size
+    pool = eng.target_runner.req_to_token_pool
+    assert_every_slot_back(eng)
+    assert pool.available_size() == pool.size
     assert [r.output_ids for r in reqs] == hf_greedy(models["target"], prompts, max_tokens)
 
 
-def test_requests_retracted_together_are_read_back_once(models, monkeypatch):
+@pytest.mark.parametrize("cache", [False, True], ids=["no cache", "prefix cache"])
+def test_requests_retracted_together_are_read_back_once(models, monkeypatch, cache):
     """When the pool runs dry, one step retracts several requests: one read for all of them, and the
-    output is still the target's greedy."""
+    output is still the target's greedy. (With the prefix cache their slots are read once into the
+    cache, then evicted from it on the host.)"""
+    from specdecode_worker.engine.memory.kv_slots import KVSlots
     from specdecode_worker.engine.request import Request, SamplingParams
-    from tests.engine_helpers import engine, hf_greedy
+    from tests.engine_helpers import assert_every_slot_back, engine, hf_greedy
 
     frees = _count_frees(monkeypatch)
-    eng = engine(models["target"], "STANDALONE", models["copy"], num_draft_tokens=4)
+    reads: list = []
+    if cache:  # the one read of request rows is KVSlots._read_rows; the allocator then frees host slots
+        real = KVSlots._read_rows
+        monkeypatch.setattr(KVSlots, "_read_rows", lambda self, rows: reads.append(rows) or real(self, rows))
+    eng = engine(models["target"], "STANDALONE", models["copy"], num_draft_tokens=4, prefix_cache=cache)
     prompts = [[3 + i, 5, 9] for i in range(4)]
     reqs = [eng.submit(Request(p, SamplingParams(max_tokens=20, ignore_eos=True))) for p in prompts]
     eng.step()  # all four admitted, prefilled and one round in
     alloc = eng.target_runner.token_to_kv_pool_allocator
     held = alloc.alloc(alloc.available_size())  # the pool runs dry: the step must retract
     make_room: list[int] = []
-    _counted(frees, eng.scheduler.make_room, make_room)()
+    _counted(reads if cache else frees, eng.scheduler.make_room, make_room)()
     # Each holds 8 slots and a round takes 5: four need 20, so the two newest go back (16 slots).
     assert eng.stats.retracted_requests == 2 and make_room == [1]
     alloc.free(held)
     while not all(r.done.is_set() for r in reqs):
         eng.step()
-    assert alloc.available_size() == alloc.size
+    assert_every_slot_back(eng)
     assert [r.output_ids for r in reqs] == hf_greedy(models["target"], prompts, 20)

@@ -19,7 +19,7 @@ from specdecode_worker.planner import plan_cli  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
 from tests.eagle_heads import write_eagle3_head  # noqa: E402
-from tests.engine_helpers import engine, record_rounds, run_all, tiny_models_with_eagle_heads  # noqa: E402
+from tests.engine_helpers import assert_every_slot_back, engine, record_rounds, run_all, tiny_models_with_eagle_heads  # noqa: E402
 from devtools.tiny_models import write_tiny_model  # noqa: E402
 
 CUDA = dict(device="cuda", device_memory_bytes=None, max_total_tokens=4096, cuda_graph_max_bs=8,
@@ -200,8 +200,7 @@ def test_ragged_verify_rounds_replay_the_captured_verify_graph(models, monkeypat
         params = SamplingParams(max_tokens=16, ignore_eos=True)
         reqs = run_all(eng, [Request(p, params, **(fields[i] if i < len(fields) else {}))
                              for i, p in enumerate(prompts)])
-        allocator = eng.target_runner.token_to_kv_pool_allocator
-        assert allocator.available_size() == allocator.size
+        assert_every_slot_back(eng)
         return [r.output_ids for r in reqs], [ks for ks in rounds if any(ks)]
 
     eager, _ = outputs(0)

@@ -19,7 +19,7 @@ from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 
 from tests.eagle_heads import make_repeating, write_copying_eagle_head, write_eagle3_head, write_eagle_head  # noqa: E402
-from tests.engine_helpers import engine, run_all  # noqa: E402
+from tests.engine_helpers import assert_every_slot_back, engine, run_all  # noqa: E402
 from devtools.tiny_models import write_tiny_model  # noqa: E402
 
 from specdecode_worker.contract import GIB  # noqa: E402
@@ -75,8 +75,7 @@ def test_greedy_output_is_the_target_greedy_output(models, reference, head, mode
     # Some rounds accepted drafts, so the commit of accepted slots and features ran.
     assert stats.accepted_tokens > 0, stats.accept_lengths
     assert sum(n * c for n, c in stats.accept_lengths.items()) == stats.accepted_tokens
-    kv = eng.target_runner.token_to_kv_pool_allocator
-    assert kv.available_size() == kv.size  # every slot (verify, rejected, tree scratch) came back
+    assert_every_slot_back(eng)  # every slot (verify, rejected, tree scratch) came back
 
 
 @pytest.mark.parametrize("kw", [CHAIN, TREE], ids=["chain", "tree"])

@@ -19,7 +19,7 @@ from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
 from tests.eagle_heads import make_repeating, write_copying_eagle_head  # noqa: E402
-from tests.engine_helpers import engine, record_rounds, run_all, tiny_models_with_eagle_heads  # noqa: E402
+from tests.engine_helpers import assert_every_slot_back, engine, record_rounds, run_all, tiny_models_with_eagle_heads  # noqa: E402
 from devtools.tiny_models import VOCAB_SIZE, write_tiny_model  # noqa: E402
 
 VOCAB, MAX_BS = 16, 4
@@ -121,8 +121,7 @@ def test_greedy_output_through_graph_buffers_equals_eager(models, monkeypatch, a
         assert {w for w, _ in seen} - {1} == ({3, 7} if tree else {4})
         if batch > 1:  # (at batch 1 these random heads happen to have every proposal rejected)
             assert eng.stats.accepted_tokens > 0  # accepted drafts were committed from the graphs' outputs
-    kv = eng.target_runner.token_to_kv_pool_allocator
-    assert kv.available_size() == kv.size  # every slot (verify, rejected, tree scratch) came back
+    assert_every_slot_back(eng)  # every slot (verify, rejected, tree scratch) came back
 
 
 def test_deep_tree_paths_through_graph_buffers_keep_the_target_greedy_output(tmp_path, monkeypatch):
@@ -148,8 +147,7 @@ def test_deep_tree_paths_through_graph_buffers_keep_the_target_greedy_output(tmp
     assert {w for w, _ in seen} - {1} == {3, 7}
     lengths = eng.stats.accept_lengths
     assert max(lengths) == 3 and min(lengths) < 3, lengths
-    kv = eng.target_runner.token_to_kv_pool_allocator
-    assert kv.available_size() == kv.size
+    assert_every_slot_back(eng)
 
 
 @pytest.mark.slow
@@ -173,8 +171,7 @@ def test_tree_greedy_output_through_graph_buffers_on_triton(models, monkeypatch,
     seen = _count_replays(monkeypatch)
     assert _outputs(eng, prompts, max_tokens=6) == [o[:6] for o in plain]
     assert {w for w, _ in seen} - {1} == {3, 7}
-    kv = eng.target_runner.token_to_kv_pool_allocator
-    assert kv.available_size() == kv.size
+    assert_every_slot_back(eng)
 
 
 def test_mtp_greedy_output_through_graph_buffers_equals_eager(tmp_path, monkeypatch):
@@ -344,8 +341,7 @@ def test_ragged_rounds_replay_the_verify_graph_and_keep_greedy_output(models, mo
     if algorithm != "EAGLE" and algorithm != "EAGLE3":
         # A round where nobody verifies anything is a plain decode step through the decode graph.
         assert len([w for w, _ in seen if w == 1]) >= len(rounds) - len(drafting)
-    allocator = eng.target_runner.token_to_kv_pool_allocator
-    assert allocator.available_size() == allocator.size
+    assert_every_slot_back(eng)
 
 
 @pytest.mark.slow
@@ -447,5 +443,4 @@ def test_mtp_ragged_rounds_replay_the_verify_graph_and_keep_greedy_output(tmp_pa
     drafting = [ks for ks in rounds if any(ks)]
     assert len([w for w, _ in seen if w == k + 1]) == len(drafting) > 0
     assert any(len(set(ks)) > 1 for ks in drafting) and reqs[0].proposed_draft_tokens == 0
-    allocator = eng.target_runner.token_to_kv_pool_allocator
-    assert allocator.available_size() == allocator.size
+    assert_every_slot_back(eng)

@@ -34,4 +34,5 @@ class EngineArgs:
     # Admission reserves this share of the tokens a request may still generate (1.0: the worst case,
     # prompt + max_tokens up front); an estimate that proves short is paid for by retraction.
     new_token_ratio: float = 0.5
+    prefix_cache: bool = True  # finished and prefilled requests leave their KV for later prompts to reuse
     planned_dynamic_bytes: int | None = None  # the plan's reserve.dynamicBytes, checked by phase 3's warm-up

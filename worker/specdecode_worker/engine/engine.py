@@ -152,7 +152,7 @@ class Engine:
         self.memory_pool_config = MemoryPoolConfig(tokens, args.max_running_requests, args.context_len + k + 1)
         target.alloc_memory_pool(self.memory_pool_config)
         if draft:
-            draft.alloc_memory_pool(self.memory_pool_config, *target.get_memory_pool())
+            draft.alloc_memory_pool(self.memory_pool_config, *target.get_memory_pool(), slots=target.slots)
 
     def init_backends(self) -> None:
         if self.phase < Phase.POOLS_ALLOCATED:
@@ -197,6 +197,8 @@ class Engine:
                                  self.target_shape.num_hidden_layers)
         self.control = build_controller(args.spec_policy, self.method.name, k, spec, cost, args.ngram_max,
                                         waiting=lambda: self.num_waiting)
+        if args.prefix_cache:  # after the warm-up and the timed passes: they leave no trace
+            self.target_runner.slots.attach_cache(wiring.create_prefix_cache(self.method))
         self.scheduler = Scheduler(self.target_runner.slots, spec.slots_per_round, self.stats,
                                    chunk_tokens=args.chunked_prefill_size, new_token_ratio=args.new_token_ratio,
                                    release=spec.release, forget=self.control.forget)
@@ -280,6 +282,7 @@ class Engine:
         seconds = time.perf_counter() - start
         self.control.observe(plan, results, seconds)
         self.stats.count_round(plan.draft_lengths, results, seconds)
+        self.scheduler.keep_prefixes(reqs)  # a head's first drafting round makes a prompt reusable
         with self.scheduler.ending_together():
             for r, result in zip(reqs, results):
                 self.stats.count_verified(r, result)
@@ -295,5 +298,16 @@ class Engine:
         return self.scheduler.num_waiting if self.scheduler else 0
 
     def kv_usage(self) -> tuple[int, int]:
+        """Slots running requests hold (cached ones they share included; cached positions no
+        request holds are free capacity), and the pool's size."""
         slots = self.target_runner.slots
-        return slots.used(), slots.size
+        return slots.size - slots.free_slots(), slots.size
+
+    def prefix_cache_usage(self) -> dict[str, int] | None:
+        """The prefix cache's share of the pool now (None: it is off)."""
+        slots = self.target_runner.slots if self.target_runner else None
+        if slots is None or slots.cache is None:
+            return None
+        cache = slots.cache
+        return {"cachedTokens": cache.size, "evictableTokens": cache.evictable, "evictedTokens": cache.evicted,
+                "poolTokens": slots.size}

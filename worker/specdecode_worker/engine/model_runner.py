@@ -123,8 +123,10 @@ class ModelRunner:
         memory_pool_config: MemoryPoolConfig | None = None,
         req_to_token_pool: ReqToTokenPool | None = None,
         token_to_kv_pool_allocator: TokenToKVPoolAllocator | None = None,
+        slots: KVSlots | None = None,
     ) -> None:
-        """Create the pools from ``memory_pool_config``, adopting the shared ones when given."""
+        """Create the pools from ``memory_pool_config``, adopting the shared ones when given (and
+        ``slots``, their owner: one object hands out every pool's slots)."""
         require(self.phase, Phase.WEIGHTS_LOADED, "allocate KV pools", self.name)
         if self.phase >= Phase.POOLS_ALLOCATED:
             raise PhaseError(f"{self.name}: KV pools are already allocated")
@@ -151,6 +153,7 @@ class ModelRunner:
                 cfg.max_total_num_tokens, self.shape.num_hidden_layers, self.shape.kv_heads_per_gpu(self.tp.size),
                 self.shape.head_dim, self.shape.v_head_dim, self.kv_dtype, self.device,
             )
+        self._slots = slots
         self.phase = Phase.POOLS_ALLOCATED
         log.info("%s: KV pool of %d tokens (%d bytes, %s), %s req_to_token pool", self.name, cfg.max_total_num_tokens,
                  self.token_to_kv_pool.nbytes(), str(self.kv_dtype).replace("torch.", ""),
@@ -164,7 +167,9 @@ class ModelRunner:
     def slots(self) -> KVSlots:
         """Rows and slots of the pools it holds or adopted (a draft's are the target's)."""
         require(self.phase, Phase.POOLS_ALLOCATED, "hand out KV slots", self.name)
-        return KVSlots(self.req_to_token_pool, self.token_to_kv_pool_allocator)
+        if self._slots is None:
+            self._slots = KVSlots(self.req_to_token_pool, self.token_to_kv_pool_allocator)
+        return self._slots
 
     # phase 3
     def init_backends(self, cuda_graph_max_bs: int = 0, verify_tokens: int = 0) -> None:

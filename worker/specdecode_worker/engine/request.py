@@ -106,6 +106,7 @@ class Request:
     speculative: bool = True  # False: this request never drafts (plain decoding)
     max_draft_tokens: int | None = None  # a cap on its draft length per round (None: the engine's)
     grammar: Any = None  # a TokenGrammar: the tokens its output may take (structured outputs)
+    cache_prompt: bool = True  # False: neither reuse cached KV nor leave this request's KV in the cache
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
     prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., if asked
@@ -119,6 +120,9 @@ class Request:
     # after a retraction the prompt plus every committed token but the last (recomputed, not resampled).
     prefill_ids: list[int] | None = None
     retractions: int = 0
+    cached_tokens: int = 0  # prompt positions the prefix cache served (usage's cached_tokens)
+    cache_node: Any = None  # the prefix cache's node this request's row holds (its first positions)
+    cache_held: int = 0  # how many positions that is
     accepted_draft_tokens: int = 0
     proposed_draft_tokens: int = 0
     verify_rounds: int = 0

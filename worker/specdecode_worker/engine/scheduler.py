@@ -24,7 +24,7 @@ from collections import deque
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable
 
-from .memory.kv_slots import KVSlots
+from .memory.kv_slots import Closing, Keep, KVSlots
 from .request import Request, TokenLogprob
 from .stats import Stats
 
@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from .speculation.speculative import RoundResult
 
 log = logging.getLogger(__name__)
+
+# A waiting prompt that shares this many positions with a prompt still prefilling waits for that
+# prefill to reach the prefix cache, rather than computing them again beside it.
+SHARED_PREFILL_MIN = 32
 
 
 class Scheduler:
@@ -49,7 +53,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._retracted: deque[Request] = deque()  # wait ahead of new requests
         self.running: list[Request] = []  # admitted (prefilling or decoding), oldest first
-        self._ending: list[tuple[int, int]] | None = None  # (row, kv_len) of requests ending in a group
+        self._ending: list[Closing] | None = None  # rows of requests ending in a group
         self._finished: list[Request] = []  # finished in that group, told once their slots are back
 
     # ---- the queue (thread-safe) --------------------------------------------------------------
@@ -87,31 +91,52 @@ class Scheduler:
 
     def admit(self) -> list[Request]:
         """Waiting requests, retracted ones first, while their expected slots fit beside the running
-        requests' (the first always, when nothing runs)."""
+        requests' (the first always, when nothing runs). A request starts with the longest prefix
+        the cache holds; one whose prompt shares a long prefix with a prompt still prefilling waits
+        for that prefill, which then serves it from the cache."""
         admitted = []
         spare = self.slots.free_slots() - sum(self._expected_slots(r) for r in self.running)
         while self.slots.free_rows() > 0 and (req := self._next_waiting()) is not None:
-            need = self._expected_slots(req)
-            if need > spare and self.running:
-                break  # wait for running requests to finish or grow less than estimated
-            self._pop_waiting()
             if req.abort_requested:
+                self._pop_waiting()
                 self.finish(req, reason="abort")
                 continue
-            req.req_idx = self.slots.open_row()
-            req.prefill_ids = req.all_ids[:-1] if req.output_ids else list(req.prompt_ids)
+            prefill_ids = req.all_ids[:-1] if req.output_ids else list(req.prompt_ids)
+            if self._shares_a_prefill(req, prefill_ids):
+                break
+            free = self.slots.free_slots()
+            # A request scoring its prompt (echo with logprobs) prefills every position.
+            reuse = self._caches(req) and req.params.prompt_logprobs is None
+            hit = self.slots.borrow(prefill_ids, len(prefill_ids) - 1) if reuse else None
+            cached = hit.length if hit else 0
+            need = self._expected_slots(req, cached) + free - self.slots.free_slots()  # held cache is not free
+            if need > spare and self.running:
+                if hit is not None:
+                    self.slots.give_back_hit(hit)
+                break  # wait for running requests to finish or grow less than estimated
+            self._pop_waiting()
+            req.req_idx = self.slots.open_row(hit)
+            req.prefill_ids = prefill_ids
+            req.cache_held = cached
+            if not req.output_ids:
+                req.cached_tokens = cached
+            if hit is not None:
+                req.kv_len, req.draft_kv_len, req.cache_node = hit.length, hit.draft_length, hit.node
             spare -= need
             self.running.append(req)
             admitted.append(req)
         return admitted
 
     def make_room(self) -> None:
-        """Retract the newest requests until this step fits."""
+        """Retract the newest requests until this step fits, then make its slots free (evicting
+        cached positions no request holds)."""
         with self.ending_together():
-            returning = 0  # slots of the requests retracted so far, back when the block ends
+            returning = 0  # slots the requests retracted so far free, once the block ends
             while len(self.running) > 1 and self.slots.free_slots() + returning < self._room_needed():
-                returning += self.running[-1].kv_len
-                self._retract(self.running[-1])
+                r = self.running[-1]
+                returning += self.slots.returned_by(r.kv_len, r.cache_node)
+                self._retract(r)
+        self.slots.make_free(self._room_needed())
 
     def prefill_chunk(self) -> tuple[list[Request], list[int]]:
         """The requests of this step's prefill pass, oldest first, and the position each reaches."""
@@ -128,15 +153,18 @@ class Scheduler:
         return reqs, ends
 
     def prefilled(self, reqs: list[Request], firsts: list[RoundResult | None]) -> None:
-        """After the prefill pass: a request whose prompt is cached decodes from the next step; a
-        fresh one commits its first token (a recompute has its tokens already)."""
+        """After the prefill pass: a request whose prompt is cached decodes from the next step (and
+        leaves its prompt in the prefix cache for later prompts); a fresh one commits its first
+        token (a recompute has its tokens already)."""
+        done = [(r, first) for r, first in zip(reqs, firsts) if r.kv_len >= len(r.prefill_ids)]
+        for r, _ in done:
+            r.prefill_ids = None
+        self.keep_prefixes([r for r, _ in done])
         with self.ending_together():
-            for r, first in zip(reqs, firsts):
-                if r.kv_len < len(r.prefill_ids):
-                    continue  # more chunks to come
-                r.prefill_ids = None
+            for r, first in done:
                 if first is not None:
                     self.stats.prompt_tokens += len(r.prompt_ids)
+                    self.stats.cached_prompt_tokens += r.cached_tokens
                     self.commit(r, first.tokens, first.logprobs)
 
     def decoding(self) -> list[Request]:
@@ -210,11 +238,12 @@ class Scheduler:
             _tell_done(finished)
 
     # ---- internals ---------------------------------------------------------------------------
-    def _expected_slots(self, r: Request) -> int:
+    def _expected_slots(self, r: Request, cached: int = 0) -> int:
         """Slots ``r`` will take beyond those it holds: its prefill left, one round's, and a share of
-        the tokens it may still generate (the whole of them once it has been retracted)."""
+        the tokens it may still generate (the whole of them once it has been retracted).
+        ``cached``: for a waiting request, the positions the prefix cache will serve."""
         if r.req_idx is None:  # waiting: the prompt, or prompt + committed tokens after a retraction
-            prefill_left = len(r.all_ids) - (1 if r.output_ids else 0)
+            prefill_left = len(r.all_ids) - (1 if r.output_ids else 0) - cached
         else:
             prefill_left = len(r.prefill_ids) - r.kv_len if r.prefill_ids is not None else 0
         ratio = 1.0 if r.retractions else self.new_token_ratio
@@ -231,7 +260,8 @@ class Scheduler:
         return self._decoding_count() * self.slots_per_round + chunk
 
     def _retract(self, r: Request) -> None:
-        """Free every slot of ``r`` and queue it for recompute."""
+        """Free every slot of ``r`` (its committed positions stay in the prefix cache, if on, until
+        evicted) and queue it for recompute."""
         self._close_row(r)
         self.release(r)
         r.req_idx, r.kv_len, r.draft_kv_len, r.prefill_ids = None, 0, 0, None
@@ -243,12 +273,44 @@ class Scheduler:
                  len(r.output_ids))
 
     def _close_row(self, r: Request) -> None:
-        """Give back ``r``'s row and the slots of its ``kv_len`` positions; inside
-        ``ending_together`` they go back when the block ends, with the rest of the group."""
+        """Give back ``r``'s row and the slots of its ``kv_len`` positions (into the prefix cache,
+        if on); inside ``ending_together`` they go back when the block ends, with the rest of the group."""
+        closing = Closing(r.req_idx, r.kv_len, self._keep(r) if self._caches(r) else None)
+        r.cache_node, r.cache_held = None, 0
         if self._ending is not None:
-            self._ending.append((r.req_idx, r.kv_len))
+            self._ending.append(closing)
         else:
-            self.slots.close_rows([(r.req_idx, r.kv_len)])
+            self.slots.close_rows([closing])
+
+    # ---- the prefix cache ------------------------------------------------------------------------
+    def keep_prefixes(self, reqs: list[Request]) -> None:
+        """Leave the prompts of running requests in the cache, once their KV can be reused (after
+        the prefill; for a draft that reads the next token, after its first drafting round)."""
+        keeping = [(r, self._keep(r)) for r in reqs if self._caches(r) and r.prefill_ids is None
+                   and r.cache_held < len(r.prompt_ids) - 1]
+        keeping = [(r, keep) for r, keep in keeping if self.slots.keepable(keep) > r.cache_held]
+        if keeping:
+            for (r, keep), node in zip(keeping, self.slots.keep_rows([(r.req_idx, k) for r, k in keeping])):
+                r.cache_node, r.cache_held = node, self.slots.keepable(keep)
+
+    def _caches(self, r: Request) -> bool:
+        return self.slots.cache is not None and r.cache_prompt
+
+    @staticmethod
+    def _keep(r: Request) -> Keep:
+        """What ``r``'s row leaves in the cache: its cached positions' tokens, how far its draft's
+        K/V is valid, and the token after them where it is known."""
+        ids = r.all_ids
+        return Keep(ids[: r.kv_len], min(r.draft_kv_len, r.kv_len), ids[r.kv_len] if r.kv_len < len(ids) else None,
+                    r.cache_node)
+
+    def _shares_a_prefill(self, req: Request, ids: list[int]) -> bool:
+        """Whether a running request is prefilling at least ``SHARED_PREFILL_MIN`` positions of
+        ``ids`` that the cache does not hold yet: admitting ``req`` now would compute them twice."""
+        if not self._caches(req):
+            return False
+        return any(r.prefill_ids is not None and self._caches(r)
+                   and _common_prefix(r.prefill_ids, ids) - r.cache_held >= SHARED_PREFILL_MIN for r in self.running)
 
 
 def _tell_done(reqs: list[Request]) -> None:
@@ -256,3 +318,11 @@ def _tell_done(reqs: list[Request]) -> None:
         if r.on_update:
             r.on_update(r, None)
         r.done.set()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

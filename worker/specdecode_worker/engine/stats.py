@@ -13,6 +13,7 @@ from .speculation.speculative import RoundResult
 class Stats:
     generated_tokens: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of them, positions the prefix cache served (not prefilled)
     proposed_tokens: int = 0
     accepted_tokens: int = 0
     verify_rounds: int = 0

@@ -295,7 +295,8 @@ class EagleSpeculator(Speculator):
 
     # ---- prefill ----------------------------------------------------------------------------
     def prefill(self, reqs: list[Request], ends: list[int]) -> list[RoundResult | None]:
-        """Target features of every prefilled position wait for the head's first extend (D = 0)."""
+        """Target features of every prefilled position wait for the head's first extend (D: where the
+        prefill began, 0 or the end of the cached prefix whose head K/V the request reuses)."""
         segments = chunk_segments(self.target.slots, reqs, ends)
         fb = with_cache_locs(make_batch(segments, self.target.device), self.target.req_to_token_pool, segments)
         every_row = wants_prompt_rows(reqs)
@@ -306,11 +307,8 @@ class EagleSpeculator(Speculator):
         for r, s in zip(reqs, segments):
             chunk = features[start : start + len(s.tokens)]
             start += len(s.tokens)
-            if s.start == 0:
-                r.draft_kv_len = 0
-                self._features[r.rid] = chunk
-            else:
-                self._features[r.rid] = torch.cat([self._features[r.rid], chunk])
+            pending = self._features.get(r.rid)
+            self._features[r.rid] = chunk if pending is None else torch.cat([pending, chunk])
         return self.first_tokens(reqs, ends, logits)
 
     def release(self, r: Request) -> None:

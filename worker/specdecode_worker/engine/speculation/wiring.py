@@ -9,6 +9,7 @@ from ...errors import InputError
 from ...model_rules.model_config import ModelShape, load_shape
 from ...model_rules.mtp_rule import check_standalone_draft
 from ...model_rules.vocabulary import check_vocabulary
+from ..memory.prefix_cache import DraftKV, PrefixCache
 from ..model_runner import ModelRunner
 from .algorithms import Algorithm, Drafter
 from .eagle_speculator import EagleRunner, EagleSpeculator, check_tree_args
@@ -87,3 +88,13 @@ def create_speculator(method: Algorithm, args: EngineArgs, target: ModelRunner, 
     if target.device.type == "cuda" and args.cuda_graph_max_bs > 0:
         spec.capture_graphs(min(args.cuda_graph_max_bs, args.max_running_requests))
     return spec
+
+
+# What each drafter's K/V at a position reads, which says when a later request may reuse it.
+DRAFT_KV = {Drafter.NONE: DraftKV.NONE, Drafter.LOOKUP: DraftKV.NONE, Drafter.MODEL: DraftKV.SAME,
+            Drafter.HEAD: DraftKV.NEXT, Drafter.NEXTN: DraftKV.NEXT}
+
+
+def create_prefix_cache(method: Algorithm) -> PrefixCache:
+    """A prefix cache over every pool ``method`` keeps."""
+    return PrefixCache(DRAFT_KV[method.drafter])
