@@ -96,7 +96,10 @@ def test_chat_logprobs_streamed_equal_those_not_streamed(client):
     assert all(math.isclose(c.logprob, c.top_logprobs[0].logprob, abs_tol=1e-6) for c in content)
     streamed = [c for chunk in client.chat.completions.create(stream=True, **kw) if chunk.choices
                 and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
-    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    # The second request reuses the first's prompt KV (prefix cache): its prefill computes the last
+    # position alone, in another order of float sums, so the values agree within rounding.
+    assert all(math.isclose(a.logprob, b.logprob, abs_tol=1e-5) for a, b in zip(streamed, content))
 
 
 def test_sampled_tokens_get_their_own_logprobs(client):
@@ -194,3 +197,29 @@ def test_echo_returns_the_prompt_and_its_logprobs(client, hf):
     streamed = [c for chunk in client.completions.create(stream=True, **kw) for c in chunk.choices]
     assert "".join(c.text for c in streamed) == choice.text
     assert [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs] == lp.token_logprobs
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(client, hf):
+    """The second request of a prompt reuses the first's KV (the prefix cache): usage says how much,
+    /metrics and /plan count it, and the answer is the same."""
+    tok, _ = hf
+    prompt = " ".join(["seven eight nine ten"] * 12)  # long enough for n samples to share it too
+    n_prompt = len(tok(prompt).input_ids)
+    kw = dict(model="target", prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    first, second = client.completions.create(**kw), client.completions.create(**kw)
+    assert first.usage.prompt_tokens == n_prompt
+    assert first.usage.prompt_tokens_details.cached_tokens <= 1, "at most a start token other prompts share"
+    assert second.usage.prompt_tokens_details.cached_tokens == n_prompt - 1, "all but the last prompt token"
+    assert second.choices[0].text == first.choices[0].text
+    private = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "cache_prompt": False}})
+    assert private.usage.prompt_tokens_details.cached_tokens == 0
+    assert private.choices[0].text == first.choices[0].text
+    base = str(client.base_url).removesuffix("/v1/")
+    import httpx
+
+    metrics = httpx.get(f"{base}/metrics").text
+    cached = next(float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith("specdecode_prompt_cached_tokens_total"))
+    assert cached >= n_prompt - 1
+    plan = httpx.get(f"{base}/plan").json()["prefixCache"]
+    assert plan["cachedTokens"] >= n_prompt - 1 and plan["poolTokens"] > plan["cachedTokens"]

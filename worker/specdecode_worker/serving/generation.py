@@ -146,7 +146,7 @@ async def generate(state: Any, body: Any, ids: list[int], chat: bool, n: int, an
             sink = _Sink(loop)
             grammar = token_grammar(state.tokenizer, vocab, answer.grammar) if answer.grammar else None
             req = Request(ids, dataclasses.replace(params, seed=seed), on_update=state.latency.timed(sink),
-                          grammar=grammar, **body.draft_control())
+                          grammar=grammar, **body.engine_options())
             state.engine.submit(req)  # raises InputError for a request that can never fit
             reqs.append(req)
             streams.append(text_pieces(state.engine, state.tokenizer, i, req, sink, stops))

@@ -80,7 +80,12 @@ class _EngineCollector:
             return g
 
         yield gauge("ready", "1 once phase 3 finished", 1.0 if engine.ready else 0.0)
-        yield counter("prompt_tokens", "prompt tokens prefilled", stats.prompt_tokens)
+        yield counter("prompt_tokens", "prompt tokens of requests (those the prefix cache served included)",
+                      stats.prompt_tokens)
+        yield counter("prompt_cached_tokens", "prompt tokens the prefix cache served (not prefilled)",
+                      stats.cached_prompt_tokens)
+        hit = stats.cached_prompt_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
+        yield gauge("prefix_cache_hit_rate", "prompt tokens the prefix cache served / prompt tokens, since start", hit)
         yield counter("generation_tokens", "tokens generated", stats.generated_tokens)
         yield counter("requests_finished", "requests finished", stats.finished_requests)
         yield counter("draft_proposed_tokens", "draft tokens proposed for verification", stats.proposed_tokens)
@@ -120,7 +125,14 @@ class _EngineCollector:
                         "since start (CUDA only)", peak)
         if engine.ready:
             used, total = engine.kv_usage()
-            yield gauge("kv_pool_used_tokens", "KV token slots in use", used)
+            yield gauge("kv_pool_used_tokens", "KV token slots running requests hold", used)
+            cache = engine.prefix_cache_usage()
+            if cache is not None:
+                yield gauge("prefix_cache_tokens", "KV token slots the prefix cache holds", cache["cachedTokens"])
+                yield gauge("prefix_cache_evictable_tokens", "of them, slots no running request holds (free capacity)",
+                            cache["evictableTokens"])
+                yield counter("prefix_cache_evicted_tokens", "cached KV token slots evicted under pressure",
+                              cache["evictedTokens"])
             yield gauge("kv_pool_capacity_tokens", "KV token slots in the pool", total)
             yield gauge("kv_pool_usage_ratio", "share of KV token slots in use", used / total if total else 0.0)
             yield gauge("running_requests", "requests being decoded", engine.num_running)

@@ -20,7 +20,10 @@ def usage(reqs: list[Request]) -> dict:
     """The n samples of one prompt count its tokens once, as OpenAI counts them."""
     prompt = len(reqs[0].prompt_ids)
     completion = sum(len(r.output_ids) for r in reqs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    # The first sample's: the others wait for its prompt to be cached, then reuse it.
+    cached = reqs[0].cached_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def token_text(tokenizer: Any, token: int) -> str:

@@ -59,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
                    help="adaptive: each round drafts the length (down to none) that maximises expected tokens/s "
                         "from load and acceptance; fixed: always --num-draft-tokens")
     p.add_argument("--ngram-max", type=int, default=4, help="longest suffix NGRAM matches")
+    p.add_argument("--disable-prefix-cache", action="store_true",
+                   help="recompute every prompt from its first token (default: prompts that start as an earlier "
+                        "one did reuse its KV, for the target and the draft alike)")
     p.add_argument("--draft-quantization", choices=("none", "int8"), default="none",
                    help="int8: dynamically quantised draft linears (cpu only; a cheap draft of a copy of the target)")
     p.add_argument("--log-level", default="info")
@@ -153,7 +156,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization,
         kv_cache_dtype=kv_cache_dtype, spec_policy=args.spec_policy,
         chunked_prefill_size=shape.chunked_prefill_size,
-        planned_dynamic_bytes=reserve.get("dynamicBytes"),
+        planned_dynamic_bytes=reserve.get("dynamicBytes"), prefix_cache=not args.disable_prefix_cache,
     )
     return engine_args, plan
 

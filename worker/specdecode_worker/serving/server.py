@@ -57,7 +57,8 @@ EXPECTED = {
     "stop": "a non-empty string or a list of up to 4 of them",
     "prompt": "a non-empty string or a list of token ids",
     "messages": "a non-empty list of {role, content} objects, content a string or a list of text parts",
-    "speculative": "true or false", "max_draft_tokens": "a non-negative integer (0 turns drafting off)",
+    "speculative": "true or false", "cache_prompt": "true or false",
+    "max_draft_tokens": "a non-negative integer (0 turns drafting off)",
     "logprobs": "an integer in [0, 20] on /v1/completions, true or false on /v1/chat/completions",
     "top_logprobs": "an integer in [0, 20]",
     "presence_penalty": "a number in [-2, 2]", "frequency_penalty": "a number in [-2, 2]",
@@ -124,11 +125,14 @@ class GenerationBody(BaseModel):
     speculative: StrictBool = True  # false: this request is decoded without drafting
     max_draft_tokens: StrictInt | None = None  # a cap on its draft length per round
     response_format: Any = None  # structured outputs (``structured.grammar_source`` checks it)
+    cache_prompt: StrictBool = True  # false: neither reuse cached KV nor leave this request's in the cache
 
-    def draft_control(self) -> dict:
+    def engine_options(self) -> dict:
+        """This server's own per-request controls, as ``Request`` fields."""
         if self.max_draft_tokens is not None and self.max_draft_tokens < 0:
             raise InputError(f"'max_draft_tokens' must be {EXPECTED['max_draft_tokens']}, got {self.max_draft_tokens}")
-        return {"speculative": self.speculative, "max_draft_tokens": self.max_draft_tokens}
+        return {"speculative": self.speculative, "max_draft_tokens": self.max_draft_tokens,
+                "cache_prompt": self.cache_prompt}
 
     def top_logprobs_wanted(self) -> int | None:
         """How many of the likeliest tokens to report at each position (None: no logprobs)."""
@@ -348,7 +352,8 @@ async def plan(http: HttpRequest):
     dynamic = {"planned": (state.plan or {}).get("reserve", {}).get("dynamicBytes"), "measured": None,
                **(peak.as_dict() if peak else {})}
     return {"plan": state.plan, "actual": actual, "plannedMaxTotalNumTokens": planned,
-            "actualMaxTotalNumTokens": actual and actual["max_total_num_tokens"], "dynamicBytes": dynamic}
+            "actualMaxTotalNumTokens": actual and actual["max_total_num_tokens"], "dynamicBytes": dynamic,
+            "prefixCache": engine.prefix_cache_usage() if engine.ready else None}
 
 
 @router.get("/metrics")
