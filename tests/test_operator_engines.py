@@ -186,3 +186,22 @@ def test_the_crd_refuses_exactly_the_flags_the_operator_owns():
     [rule] = [r["rule"] for r in runtime["x-kubernetes-validations"] if "extraArgs.all" in r["rule"]]
     refused = set(re.search(r"\^\(([^)]*)\)", rule).group(1).split("|"))
     assert refused == set(owned_flags("vllm")) | set(owned_flags("sglang"))
+
+
+@pytest.mark.parametrize("engine, on, off", [
+    ("specdecode", [], ["--disable-prefix-cache"]),
+    ("vllm", ["--enable-prefix-caching"], ["--no-enable-prefix-caching"]),
+    ("sglang", [], ["--disable-radix-cache"]),
+])
+def test_serving_prefix_cache_reaches_every_engine(engine, on, off):
+    """serving.prefixCache (default true) is pinned with each engine's own flag."""
+    prefix_flags = {"--disable-prefix-cache", "--enable-prefix-caching", "--no-enable-prefix-caching",
+                    "--disable-radix-cache"}
+    for enabled, expected in ((True, on), (False, off)):
+        body = sdd(engine)
+        if not enabled:
+            body["spec"]["serving"]["prefixCache"] = False
+        view = parse_spec(body, "img:1")
+        plan = priced(engine) if engine != "specdecode" else make_plan()
+        args = workload.render_deployment(view, plan, "k", OWNER)["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert [a for a in args if a in prefix_flags] == expected

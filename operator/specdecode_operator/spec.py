@@ -53,6 +53,7 @@ class Serving:
     mem_fraction_static: float | None = None
     cuda_graph_max_batch_size: int | None = None
     chunked_prefill_size: int | None = None
+    prefix_cache: bool = True  # prompts that start as an earlier one did reuse its KV
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,7 @@ def parse_spec(body: dict[str, Any], default_image: str = DEFAULT_WORKER_IMAGE) 
             mem_fraction_static=serving.get("memFractionStatic"),
             cuda_graph_max_batch_size=serving.get("cudaGraphMaxBatchSize"),
             chunked_prefill_size=serving.get("chunkedPrefillSize"),
+            prefix_cache=serving.get("prefixCache", True),
         ),
         gpu_product=gpu.get("product"),
         gpu_memory_gib=gpu.get("memoryGiB"),

@@ -76,6 +76,8 @@ def worker_args(view: SpecView, plan: dict[str, Any]) -> list[str]:
         args += ["--chunked-prefill-size", str(chunk)]
     args += ["--dtype", view.target_dtype, "--num-draft-tokens", str(draft_proposals(view)),
              "--spec-policy", view.spec_policy]
+    if not s.prefix_cache:
+        args.append("--disable-prefix-cache")
     if view.algorithm in EAGLE_ALGORITHMS:
         args += ["--speculative-num-steps", str(view.num_steps), "--speculative-eagle-topk", str(view.top_k)]
     return args
@@ -107,7 +109,7 @@ def engine_args(view: SpecView, plan: dict[str, Any]) -> list[str]:
         max_running=int(reserve.get("maxRunningRequests", s.max_running_requests)),
         chunk=int(reserve.get("chunkedPrefillSize") or s.chunked_prefill_size or s.context_length),
         graph_bs=int(reserve.get("cudaGraphMaxBs") or s.cuda_graph_max_batch_size or 1),
-        kv_cache_dtype=s.kv_cache_dtype, dtype=view.target_dtype, port=HTTP_PORT,
+        kv_cache_dtype=s.kv_cache_dtype, dtype=view.target_dtype, port=HTTP_PORT, prefix_cache=s.prefix_cache,
     )
     if view.engine == "vllm":
         args = vllm_flags.args(proposals=draft_proposals(view), **common)

@@ -14,7 +14,7 @@ OWNED_FLAGS = (
     "--dp", "--pp-size", "--mem-fraction-static", "--max-total-tokens", "--page-size", "--context-length",
     "--max-running-requests", "--chunked-prefill-size", "--cuda-graph-max-bs-decode", "--cuda-graph-max-bs",
     "--kv-cache-dtype", "--dtype", "--speculative-algorithm", "--speculative-draft-model-path",
-    "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
+    "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--disable-radix-cache",
 )
 
 ALGORITHMS = {"EAGLE": "EAGLE", "EAGLE3": "EAGLE3", "STANDALONE": "STANDALONE", "MTP": "NEXTN", "NGRAM": "NGRAM"}
@@ -22,7 +22,7 @@ ALGORITHMS = {"EAGLE": "EAGLE", "EAGLE3": "EAGLE3", "STANDALONE": "STANDALONE", 
 
 def args(*, target_dir: str, served_name: str, draft_dir: str | None, algorithm: str, num_steps: int,
          proposals: int, plan: dict[str, Any], context_length: int, max_running: int, chunk: int, graph_bs: int,
-         kv_cache_dtype: str, dtype: str, port: int) -> list[str]:
+         kv_cache_dtype: str, dtype: str, port: int, prefix_cache: bool = True) -> list[str]:
     """``python -m sglang.launch_server`` arguments that pin every planned number."""
     rt = plan["runtime"]
     out = [
@@ -40,6 +40,8 @@ def args(*, target_dir: str, served_name: str, draft_dir: str | None, algorithm:
         "--dtype", rt.get("dtype") or dtype,
         "--speculative-algorithm", ALGORITHMS[algorithm],
     ]
+    if not prefix_cache:
+        out.append("--disable-radix-cache")
     if algorithm == "NGRAM":
         out += ["--speculative-num-draft-tokens", str(proposals)]
     else:

@@ -15,7 +15,7 @@ OWNED_FLAGS = (
     "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp", "--kv-cache-memory-bytes",
     "--gpu-memory-utilization", "--num-gpu-blocks-override", "--block-size", "--max-model-len",
     "--max-num-seqs", "--max-num-batched-tokens", "--speculative-config", "--kv-cache-dtype", "--dtype",
-    "--max-cudagraph-capture-size",
+    "--max-cudagraph-capture-size", "--enable-prefix-caching", "--no-enable-prefix-caching",
 )
 
 METHODS = {"EAGLE": "eagle", "EAGLE3": "eagle3", "STANDALONE": "draft_model", "MTP": "mtp", "NGRAM": "ngram"}
@@ -34,7 +34,7 @@ def speculative_config(algorithm: str, draft_dir: str | None, proposals: int) ->
 
 def args(*, target_dir: str, served_name: str, draft_dir: str | None, algorithm: str, proposals: int,
          plan: dict[str, Any], context_length: int, max_running: int, chunk: int, graph_bs: int,
-         kv_cache_dtype: str, dtype: str, port: int) -> list[str]:
+         kv_cache_dtype: str, dtype: str, port: int, prefix_cache: bool = True) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server`` arguments that pin every planned number."""
     rt = plan["runtime"]
     return [
@@ -51,4 +51,5 @@ def args(*, target_dir: str, served_name: str, draft_dir: str | None, algorithm:
         "--dtype", rt.get("dtype") or dtype,
         "--speculative-config", json.dumps(speculative_config(algorithm, draft_dir, proposals),
                                            separators=(",", ":")),
+        "--enable-prefix-caching" if prefix_cache else "--no-enable-prefix-caching",
     ]
