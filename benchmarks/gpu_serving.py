@@ -29,7 +29,10 @@ rest still run):
   mtp         MTP (k = 3) against no speculation at batch 1, and the load-aware sweep: no
               speculation, fixed k = 3 and the adaptive policy at 1, 4, 16 and 64 requests;
   longer      EAGLE3 and the 1B draft at k = 5, controlled;
-  tree        an EAGLE3 tree (top-3, 3 steps, 6 nodes) with a random head: its graphs and cost.
+  tree        an EAGLE3 tree (top-3, 3 steps, 6 nodes) with a random head: its graphs and cost;
+  prefix      the prefix cache on a multi-turn chat workload (benchmarks/multi_turn.py: 8
+              conversations of 4 turns under one 500-token system prompt), no speculation and the
+              EAGLE3 chain, cache off and on: time to first token, tok/s, hit rate, same output.
 Controlled rows (``controlled_draft.AcceptanceControl``): the draft's real forward passes, with each
 proposal the target's own greedy token with probability 0.6, 0.8 or 0.9, at batch 1 and 16, against
 the plain engine on the same prompts; the output must stay the plain engine's. Every engine row
@@ -62,6 +65,7 @@ for _p in (ROOT, ROOT / "worker", ROOT / "operator", ROOT / "benchmarks"):
         sys.path.insert(0, str(_p))
 
 from controlled_draft import AcceptanceControl  # noqa: E402
+from multi_turn import random_workload, serve  # noqa: E402
 from specdecode_worker.serving import serve_cli  # noqa: E402
 from specdecode_worker.engine import model_runner  # noqa: E402
 from specdecode_worker.engine.speculation import mtp_runner  # noqa: E402
@@ -122,13 +126,15 @@ class Settings:
     acceptances: tuple[float, ...] = (0.6, 0.8, 0.9)  # controlled drafts: chance each proposal is the target's
     draft_ks: tuple[int, ...] = (3, 5)  # controlled drafts: proposals per round
     spec_tokens: int = 128  # new tokens per request in the speculative rows and their baseline
+    # prefix cache: conversations, turns, system prompt and user message tokens, tokens per answer
+    chat: tuple[int, int, int, int, int] = (8, 4, 500, 24, 64)
 
 
 FULL = Settings("cuda", 8192, 1024, 256, (1, 8, 64), 7168, 64, 16, (1, 16), 3,
                 configs={"target": CONFIGS["llama-3.1-8b-instruct"], "draft1b": LLAMA_1B,
                          "eagle3": CONFIGS["eagle3-llama-3.1-8b"], "deepseek": DEEPSEEK_CUT})
 TINY = Settings("cpu", 256, 24, 6, (1, 2), 180, 2, 3, (1, 2), 3, cpu_budget_gib=2.0, sweep_batches=(1, 2),
-                sweep_tokens=6, acceptances=(0.5, 1.0), draft_ks=(2, 3), spec_tokens=8,
+                sweep_tokens=6, acceptances=(0.5, 1.0), draft_ks=(2, 3), spec_tokens=8, chat=(2, 2, 40, 6, 6),
                 configs={"target": TINY_TARGET, "draft1b": TINY_DRAFT, "eagle3": TINY_EAGLE3,
                          "deepseek": TINY_DEEPSEEK})
 
@@ -534,6 +540,26 @@ def mtp_engine_runs(s: Settings, models, res: dict, method: str, algorithm: str,
                       "drafting_rounds": drafting if algorithm != "NONE" else 0.0, "outputs": out["outputs"]})
 
 
+def prefix_phase(s: Settings, models, res: dict) -> None:
+    """The multi-turn workload with the prefix cache off and on, for no speculation and the EAGLE3
+    chain (random head), one engine at a time; outputs must not change with the cache."""
+    conversations, turns, system, user, new = s.chat
+    rows = res["prefix"] = []
+    for algorithm, draft in (("NONE", None), ("EAGLE3", "eagle3")):
+        outputs = {}
+        for cache in (False, True):
+            flags = () if cache else ("--disable-prefix-cache",)
+            eng, _ = engine(s, models, "target", algorithm, draft, extra=flags)
+            firsts, follow_ups = random_workload(eng.target_shape.vocab_size, conversations, turns, system, user)
+            name = f"{algorithm}, cache {'on' if cache else 'off'}"
+            result = serve(eng, name, firsts, follow_ups, new, eos=None, sync=lambda: sync(s.device))
+            outputs[cache] = result.outputs
+            rows.append(result.summary())
+            del eng
+            release(s.device)
+        rows[-1]["same_output"] = outputs[True] == outputs[False]
+
+
 def generate_counting(eng, s: Settings, batch: int, new_tokens: int, seed: int) -> dict:
     """``generate`` at the standard prompt length, with the acceptance of its rounds."""
     before = (eng.stats.accepted_tokens, eng.stats.proposed_tokens)
@@ -550,7 +576,7 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{where}"[:600]
 
 
-PHASES = ("decode", "startup", "standalone", "mtp", "longer", "tree")
+PHASES = ("decode", "startup", "standalone", "mtp", "longer", "tree", "prefix")
 
 
 def run(s: Settings, root: Path, log=print, save=lambda res: None, phases=PHASES) -> dict:
@@ -598,6 +624,8 @@ def run(s: Settings, root: Path, log=print, save=lambda res: None, phases=PHASES
         phase(f"STANDALONE k={k}", spec_phase, s, models, res, "STANDALONE", "draft1b", k, base)
     if "tree" in phases:
         phase("EAGLE3 tree", tree_phase, s, models, res, base)
+    if "prefix" in phases:
+        phase("prefix cache", prefix_phase, s, models, res)
     return res
 
 
@@ -650,6 +678,12 @@ def table(res: dict) -> str:
     for c, best, adaptive, cells in sweep_rows(res.get("mtp_sweep", [])):
         ratio = "" if adaptive is None else f"; adaptive / best of none, fixed = {adaptive / best:.2f}"
         rows.append((f"MTP k=3 sweep, {c} requests", cells + ratio))
+    for r in res.get("prefix", []):
+        same = f", same output: {r['same_output']}" if "same_output" in r else ""
+        rows.append((f"multi-turn chat, {r['config']}",
+                     f"TTFT first / later turns {1e3 * r['ttft_first_turn_s']:.0f} / "
+                     f"{1e3 * r['ttft_later_turns_s']:.0f} ms, {r['tokens_per_s']:.1f} tok/s, "
+                     f"hit rate {r['hit_rate']:.1%}{same}"))
     rows += peak_rows(res)
     rows += [(f"FAILED {name}", err) for name, err in res.get("errors", {}).items()]
     return _render(rows)

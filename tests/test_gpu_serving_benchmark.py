@@ -72,8 +72,15 @@ def test_tiny_run_reports_every_row(tmp_path, capsys, monkeypatch):
         (m, c) for m in ("none", "fixed", "adaptive") for c in bench.TINY.sweep_batches)
     assert all(r["same_output"] and r["tok_s"] > 0 for r in sweep)
     assert all(r["drafting_rounds"] == 1.0 for r in sweep if r["method"] == "fixed")
+    # The multi-turn chat workload: cache off and on per algorithm, later turns served from the cache.
+    prefix = res["prefix"]
+    assert [r["config"] for r in prefix] == ["NONE, cache off", "NONE, cache on", "EAGLE3, cache off",
+                                             "EAGLE3, cache on"]
+    assert all(r["hit_rate"] == 0 for r in prefix[::2]) and all(r["hit_rate"] > 0.5 for r in prefix[1::2])
+    assert all(r["same_output"] for r in prefix[1::2])
     table = capsys.readouterr().out
-    for label in ("KV tokens planned / allocated", "dynamic bytes planned / measured", "decode batch 1",
+    for label in ("multi-turn chat, EAGLE3, cache on",
+                  "KV tokens planned / allocated", "dynamic bytes planned / measured", "decode batch 1",
                   "decode batch 1, one step", "step time at live length",
                   "EAGLE3 tree top-3, 3 steps, 6 nodes batch 1", "draft1b k=3 rate 0.5 batch 2",
                   "eagle3 k=2 rate 1.0 batch 1", "MTP (DeepSeek-V3 cut) k=3 batch 1", "MTP k=3 sweep, 2 requests",
