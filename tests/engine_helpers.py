@@ -38,6 +38,19 @@ def tiny_models_with_eagle_heads(root: Path, vocab: int, num_hidden_layers: int,
     return found
 
 
+def every_algorithm_models(root: Path) -> dict[str, Path]:
+    """``tiny_models`` plus what every algorithm drafts with: a llama over 8 tokens ("small") with
+    an EAGLE ("eagle") and an EAGLE3 head ("eagle3"), and a tiny DeepSeek-V3 with its NextN layer ("mtp")."""
+    from devtools.deepseek_models import write_tiny_deepseek
+
+    found = tiny_models(root / "pair")
+    small = write_tiny_model(root / "small", "llama", seed=0, weight_scale=3.0, vocab_size=8, num_hidden_layers=6)
+    found.update(small=small, eagle=write_eagle_head(root / "eagle", small, seed=1),
+                 eagle3=write_eagle3_head(root / "eagle3", small, draft_vocab=6, seed=3),
+                 mtp=write_tiny_deepseek(root / "mtp", mtp=True))
+    return found
+
+
 def noisy_copy(target: Path, dest: Path, scale: float, seed: int = 0) -> Path:
     """The target with Gaussian noise of ``scale`` x each tensor's spread: a draft that is partly right."""
     from safetensors.torch import load_file, save_file

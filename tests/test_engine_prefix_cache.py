@@ -19,10 +19,7 @@ pytest.importorskip("transformers")
 
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
-from devtools.deepseek_models import write_tiny_deepseek  # noqa: E402
-from devtools.tiny_models import write_tiny_model  # noqa: E402
-from tests.eagle_heads import write_eagle3_head, write_eagle_head  # noqa: E402
-from tests.engine_helpers import engine, tiny_models  # noqa: E402
+from tests.engine_helpers import engine, every_algorithm_models  # noqa: E402
 
 NEW = 12
 CHUNK = 16  # prefill chunk: the system prompt spans three
@@ -30,14 +27,7 @@ CHUNK = 16  # prefill chunk: the system prompt spans three
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("prefix")
-    found = tiny_models(root / "pair")
-    small = write_tiny_model(root / "small", "llama", seed=0, weight_scale=3.0, vocab_size=8, num_hidden_layers=6)
-    found.update(small=small, eagle=write_eagle_head(root / "eagle", small, seed=1),
-                 eagle3=write_eagle3_head(root / "eagle3", small, draft_vocab=6, seed=3),
-                 mtp=write_tiny_deepseek(root / "mtp", mtp=True))
-    return found
-
+    return every_algorithm_models(tmp_path_factory.mktemp("prefix"))
 
 CASES = {
     "NONE": ("small", None, {}),

@@ -13,10 +13,7 @@ from specdecode_worker.engine.penalties import chain_extra, penalise, tree_extra
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 
-from devtools.deepseek_models import write_tiny_deepseek  # noqa: E402
-from devtools.tiny_models import write_tiny_model  # noqa: E402
-from tests.eagle_heads import write_eagle3_head, write_eagle_head  # noqa: E402
-from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
+from tests.engine_helpers import engine, every_algorithm_models, run_all  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3], [4, 0, 7, 7, 2, 1, 3, 6, 5, 0, 1]]
 NEW = 14
@@ -25,14 +22,7 @@ EOS = 3  # the tiny models' eos_token_id
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("penalties")
-    found = tiny_models(root / "pair")
-    small = write_tiny_model(root / "small", "llama", seed=0, weight_scale=3.0, vocab_size=8, num_hidden_layers=6)
-    found.update(small=small, eagle=write_eagle_head(root / "eagle", small, seed=1),
-                 eagle3=write_eagle3_head(root / "eagle3", small, draft_vocab=6, seed=3),
-                 mtp=write_tiny_deepseek(root / "mtp", mtp=True))
-    return found
-
+    return every_algorithm_models(tmp_path_factory.mktemp("penalties"))
 
 CASES = {
     "NONE": ("small", None, {}),

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable
 
 from .memory.kv_slots import Closing, Keep, KVSlots
+from .memory.prefix_cache import common_prefix
 from .request import Request, TokenLogprob
 from .stats import Stats
 
@@ -310,7 +311,7 @@ class Scheduler:
         if not self._caches(req):
             return False
         return any(r.prefill_ids is not None and self._caches(r)
-                   and _common_prefix(r.prefill_ids, ids) - r.cache_held >= SHARED_PREFILL_MIN for r in self.running)
+                   and common_prefix(r.prefill_ids, ids) - r.cache_held >= SHARED_PREFILL_MIN for r in self.running)
 
 
 def _tell_done(reqs: list[Request]) -> None:
@@ -319,10 +320,3 @@ def _tell_done(reqs: list[Request]) -> None:
             r.on_update(r, None)
         r.done.set()
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

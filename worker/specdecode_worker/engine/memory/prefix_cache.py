@@ -110,7 +110,7 @@ class PrefixCache:
         """The nodes along ``keys``, the last one split where the match ends."""
         path, node, i, now = [], self.root, 0, next(self._clock)
         while i < len(keys) and (child := node.children.get(keys[i])) is not None:
-            common = _common(child.key, keys, i)
+            common = common_prefix(child.key, keys, i)
             if common < len(child.key):
                 child = self._split(child, common)
             child.last_used = now
@@ -175,7 +175,7 @@ class PrefixCache:
                 self.evictable += len(child.key)
                 node = child
                 break
-            common = _common(child.key, keys, i)
+            common = common_prefix(child.key, keys, i)
             if common < len(child.key):
                 child = self._split(child, common)
             mine = slots[i : i + common]
@@ -229,8 +229,8 @@ class PrefixCache:
             stack.extend(node.children.values())
 
 
-def _common(key: list[Key], keys: list[Key], start: int) -> int:
-    """How many leading keys of ``key`` equal ``keys[start:]``."""
+def common_prefix(key: list, keys: list, start: int = 0) -> int:
+    """How many leading items of ``key`` equal ``keys[start:]``."""
     n = min(len(key), len(keys) - start)
     i = 0
     while i < n and key[i] == keys[start + i]:
