@@ -8,6 +8,8 @@
 - Only tests import ``tests``.
 - Model and speculator code never sees leader or follower: their one channel to the other ranks
   is their runner's ``Mirror``; nothing of theirs imports the rank driver (``parallel.distributed``).
+- The engine stays split by responsibility: ``engine.py`` is the loop and its wiring, and no
+  engine class grows past about 20 methods (a class that does has two jobs).
 """
 
 from __future__ import annotations
@@ -134,3 +136,26 @@ def test_the_name_comparison_finder_finds_them(tmp_path):
     source.write_text('if args.algorithm == "NGRAM":\n    pass\nif algorithm in ("EAGLE",):\n    pass\n'
                       'if hasattr(fb, "mask"):\n    pass\nif method.drafts:\n    pass\n')
     assert _algorithm_comparisons(source) == [1, 3, 5]
+
+
+ENGINE_LINES = 200  # engine.py: the loop and the wiring
+CLASS_METHODS = 22  # any engine class
+
+
+def methods_per_class(path: Path) -> dict[str, int]:
+    return {node.name: sum(isinstance(x, (ast.FunctionDef, ast.AsyncFunctionDef)) for x in node.body)
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)}
+
+
+def test_the_engine_stays_split_by_responsibility():
+    assert len((WORKER / "engine" / "engine.py").read_text().splitlines()) <= ENGINE_LINES
+    crowded = {f"{p.relative_to(ROOT)}:{name}": n for p in (WORKER / "engine").rglob("*.py")
+               for name, n in methods_per_class(p).items() if n > CLASS_METHODS}
+    assert crowded == {}
+
+
+def test_the_method_counter_counts_methods_not_nested_functions(tmp_path):
+    source = tmp_path / "x.py"
+    source.write_text("class A:\n    def f(self):\n        def g():\n            pass\n    @property\n"
+                      "    def h(self):\n        pass\n    x = 1\nclass B:\n    pass\n")
+    assert methods_per_class(source) == {"A": 2, "B": 0}

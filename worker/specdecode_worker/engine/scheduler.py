@@ -50,39 +50,22 @@ class Scheduler:
         self.chunk_tokens = chunk_tokens or slots.size
         self.new_token_ratio = new_token_ratio
         self.release, self.forget = release, forget
-        self._lock = threading.Lock()  # submit runs on the server's threads
-        self._waiting: deque[Request] = deque()
-        self._retracted: deque[Request] = deque()  # wait ahead of new requests
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []  # admitted (prefilling or decoding), oldest first
         self._ending: list[Closing] | None = None  # rows of requests ending in a group
         self._finished: list[Request] = []  # finished in that group, told once their slots are back
 
     # ---- the queue (thread-safe) --------------------------------------------------------------
     def add(self, req: Request) -> None:
-        with self._lock:
-            self._waiting.append(req)
+        self.waiting.add(req)
 
     @property
     def num_waiting(self) -> int:
-        with self._lock:
-            return len(self._waiting) + len(self._retracted)
+        return len(self.waiting)
 
     @property
     def idle(self) -> bool:
         return not self.running and self.num_waiting == 0
-
-    def _next_waiting(self) -> Request | None:
-        if self._retracted:
-            return self._retracted[0]
-        with self._lock:
-            return self._waiting[0] if self._waiting else None
-
-    def _pop_waiting(self) -> None:
-        if self._retracted:
-            self._retracted.popleft()
-        else:
-            with self._lock:
-                self._waiting.popleft()
 
     # ---- one step's decisions -------------------------------------------------------------------
     def end_aborted(self) -> None:
@@ -97,9 +80,9 @@ class Scheduler:
         for that prefill, which then serves it from the cache."""
         admitted = []
         spare = self.slots.free_slots() - sum(self._expected_slots(r) for r in self.running)
-        while self.slots.free_rows() > 0 and (req := self._next_waiting()) is not None:
+        while self.slots.free_rows() > 0 and (req := self.waiting.peek()) is not None:
             if req.abort_requested:
-                self._pop_waiting()
+                self.waiting.pop()
                 self.finish(req, reason="abort")
                 continue
             prefill_ids = req.all_ids[:-1] if req.output_ids else list(req.prompt_ids)
@@ -115,7 +98,7 @@ class Scheduler:
                 if hit is not None:
                     self.slots.give_back_hit(hit)
                 break  # wait for running requests to finish or grow less than estimated
-            self._pop_waiting()
+            self.waiting.pop()
             req.req_idx = self.slots.open_row(hit)
             req.prefill_ids = prefill_ids
             req.cache_held = cached
@@ -269,14 +252,14 @@ class Scheduler:
         r.retractions += 1
         self.stats.retracted_requests += 1
         self.running.remove(r)
-        self._retracted.appendleft(r)  # retracted newest first, so the older comes back first
+        self.waiting.put_back(r)
         log.info("request %d retracted under KV pressure (%d tokens committed, recomputed later)", r.rid,
                  len(r.output_ids))
 
     def _close_row(self, r: Request) -> None:
         """Give back ``r``'s row and the slots of its ``kv_len`` positions (into the prefix cache,
         if on); inside ``ending_together`` they go back when the block ends, with the rest of the group."""
-        closing = Closing(r.req_idx, r.kv_len, self._keep(r) if self._caches(r) else None)
+        closing = Closing(r.req_idx, r.kv_len, _keep(r) if self._caches(r) else None)
         r.cache_node, r.cache_held = None, 0
         if self._ending is not None:
             self._ending.append(closing)
@@ -287,7 +270,7 @@ class Scheduler:
     def keep_prefixes(self, reqs: list[Request]) -> None:
         """Leave the prompts of running requests in the cache, once their KV can be reused (after
         the prefill; for a draft that reads the next token, after its first drafting round)."""
-        keeping = [(r, self._keep(r)) for r in reqs if self._caches(r) and r.prefill_ids is None
+        keeping = [(r, _keep(r)) for r in reqs if self._caches(r) and r.prefill_ids is None
                    and r.cache_held < len(r.prompt_ids) - 1]
         keeping = [(r, keep) for r, keep in keeping if self.slots.keepable(keep) > r.cache_held]
         if keeping:
@@ -297,14 +280,6 @@ class Scheduler:
     def _caches(self, r: Request) -> bool:
         return self.slots.cache is not None and r.cache_prompt
 
-    @staticmethod
-    def _keep(r: Request) -> Keep:
-        """What ``r``'s row leaves in the cache: its cached positions' tokens, how far its draft's
-        K/V is valid, and the token after them where it is known."""
-        ids = r.all_ids
-        return Keep(ids[: r.kv_len], min(r.draft_kv_len, r.kv_len), ids[r.kv_len] if r.kv_len < len(ids) else None,
-                    r.cache_node)
-
     def _shares_a_prefill(self, req: Request, ids: list[int]) -> bool:
         """Whether a running request is prefilling at least ``SHARED_PREFILL_MIN`` positions of
         ``ids`` that the cache does not hold yet: admitting ``req`` now would compute them twice."""
@@ -312,6 +287,48 @@ class Scheduler:
             return False
         return any(r.prefill_ids is not None and self._caches(r)
                    and common_prefix(r.prefill_ids, ids) - r.cache_held >= SHARED_PREFILL_MIN for r in self.running)
+
+
+class WaitingQueue:
+    """Requests waiting to run: new ones, added from the server's threads, and retracted ones, which
+    wait ahead of them (newest retracted first, so the older comes back first)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._new: deque[Request] = deque()
+        self._retracted: deque[Request] = deque()  # only the engine's thread touches these
+
+    def add(self, req: Request) -> None:
+        with self._lock:
+            self._new.append(req)
+
+    def put_back(self, req: Request) -> None:
+        self._retracted.appendleft(req)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._new) + len(self._retracted)
+
+    def peek(self) -> Request | None:
+        if self._retracted:
+            return self._retracted[0]
+        with self._lock:
+            return self._new[0] if self._new else None
+
+    def pop(self) -> None:
+        if self._retracted:
+            self._retracted.popleft()
+        else:
+            with self._lock:
+                self._new.popleft()
+
+
+def _keep(r: Request) -> Keep:
+    """What ``r``'s row leaves in the cache: its cached positions' tokens, how far its draft's
+    K/V is valid, and the token after them where it is known."""
+    ids = r.all_ids
+    return Keep(ids[: r.kv_len], min(r.draft_kv_len, r.kv_len), ids[r.kv_len] if r.kv_len < len(ids) else None,
+                r.cache_node)
 
 
 def _tell_done(reqs: list[Request]) -> None:

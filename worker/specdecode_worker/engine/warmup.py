@@ -22,7 +22,7 @@ the plan is logged as a warning with both numbers; running out of memory is a st
 naming the workload and what to lower.
 
 Under tensor parallelism rank 0 runs the workloads (every pass announced as in serving) while the
-other ranks replay them (``Engine._warm_up``); rank 0's peak is the one reported.
+other ranks replay them (``ModelWorker.warm_up``); rank 0's peak is the one reported.
 
 Only CUDA's caching allocator keeps a peak. On CPU there is nothing to read: the warm-up is skipped
 (it would only cost start-up time) and the measured value is None, reported as not measured,

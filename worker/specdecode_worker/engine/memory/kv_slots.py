@@ -51,11 +51,7 @@ class Closing:
 class KVSlots:
     def __init__(self, rows: ReqToTokenPool, allocator: TokenToKVPoolAllocator):
         self.rows, self.allocator = rows, allocator
-        self.cache: PrefixCache | None = None
-
-    def attach_cache(self, cache: PrefixCache) -> None:
-        """From now on closed rows leave their KV in ``cache`` (after the warm-up: it leaves no trace)."""
-        self.cache = cache
+        self.cache: PrefixCache | None = None  # set once: from then on closed rows leave their KV in it
 
     @property
     def req_to_token(self) -> torch.Tensor:

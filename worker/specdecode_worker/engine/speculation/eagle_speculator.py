@@ -40,7 +40,7 @@ from ..cuda_graph import GraphRunner, chain_graph_width
 from ..forward_batch import to_device
 from ..kernels.attention import make_attn_backend
 from ..output_rules import DraftGrammars, ruled_next, ruled_tree
-from ..kernels.tree_attention import TreeForwardBatch, make_tree_attn_backend
+from ..kernels.tree_attention import make_tree_attn_backend
 from ..model_runner import ModelRunner
 from ..models.eagle_loader import head_config, load_eagle_head
 from ..models.loader import tensor_bytes
@@ -51,7 +51,7 @@ from . import algorithms
 from .speculative import (Lookup, RoundResult, Speculator, accept_chains, chain_segments, emitted_logprobs,
                           record_prompt_logprobs, wants_prompt_rows,
                           first_uniforms, ragged_ids)
-from .tree import DeviceTrees, TreeDrafter, TreeShape, accept_trees
+from .tree import DeviceTrees, TreeDrafter, TreeShape, accept_trees, tree_step_batch, tree_verify_batch
 from .tree_graph import TreeGraphInputs
 
 log = logging.getLogger(__name__)
@@ -160,6 +160,7 @@ class EagleSpeculator(Speculator):
         self._features: dict[int, torch.Tensor] = {}  # rid -> target features not yet in the draft cache
         self._graphs: dict[tuple[str, int], GraphRunner] = {}  # (model, tokens per request) -> graphs
 
+    @torch.inference_mode()
     def capture_graphs(self, max_bs: int, eager: bool = False) -> None:
         """Graphs, by batch size up to ``max_bs``, for the plain target step and, for a chain, its
         draft steps (one token per request and the head's own features) and its verify pass (k + 1
@@ -169,10 +170,6 @@ class EagleSpeculator(Speculator):
         ``eager``: the CPU stand-in (``cuda_graph.EagerGraph``). Under tensor parallelism every rank
         captures the same graphs in the same order (their collectives line up) and replays the ones
         rank 0 announces (``replay_graph``)."""
-        with torch.inference_mode():
-            self._capture(max_bs, eager)
-
-    def _capture(self, max_bs: int, eager: bool) -> None:
         graphable = lambda backend: eager or not backend.fixed_width_under_graphs  # noqa: E731
         device, shape = self.target.device, self.tree_shape
         hidden = dict(extra_widths=(self.draft.shape.hidden_size,), extra_dtype=self.target.dtype)
@@ -450,7 +447,7 @@ class EagleSpeculator(Speculator):
         front_hidden = hidden.repeat_interleave(k, dim=0)  # [B x k, H]: every root child's parent feature
         slots = torch.stack(scratch).to(device)
         for step in range(1, shape.steps):
-            fb = self._tree_step_batch(reqs, drafter, kv, req_idx, slots, step)
+            fb = tree_step_batch(shape, drafter, kv, req_idx, slots, step, [r.kv_len for r in reqs])
             step_logits, step_hidden = self._draft(fb, "draft_tree", front_hidden, False, fb.logit_rows(False))
             came_from = drafter.expand(step_logits)
             width = step_hidden.shape[-1]
@@ -458,26 +455,6 @@ class EagleSpeculator(Speculator):
                 1, came_from[..., None].expand(batch, k, width)).reshape(batch * k, width)
         trees = drafter.select(to_device([r.all_ids[-1] for r in reqs], device))
         return self._verify_trees(reqs, trees, ks, kv, req_idx)
-
-    def _tree_step_batch(self, reqs, drafter: TreeDrafter, kv, req_idx, slots, step) -> TreeForwardBatch:
-        """Draft inputs for expanding the frontier at ``step``: each node reads the prefix and its
-        expanded ancestors (every scratch slot is a key; the mask hides those not yet written)."""
-        k, batch = self.topk, len(reqs)
-        scratch = self.tree_shape.scratch
-        # A node at depth d is the draft's input at position L + d - 1 (it predicts depth d + 1);
-        # scratch slot j holds a node of depth j // k + 1.
-        depth_of_slot = torch.div(torch.arange(scratch, device=kv.device), k, rounding_mode="floor")
-        return TreeForwardBatch(
-            input_ids=drafter.frontier_tokens().reshape(-1),
-            positions=(kv + step - 1).repeat_interleave(k),
-            out_cache_loc=slots[:, (step - 1) * k : step * k].reshape(-1),
-            req_pool_indices=req_idx,
-            seq_lens=kv + step,
-            extend_lens=[k] * batch,
-            seq_lens_cpu=[r.kv_len + step for r in reqs],
-            prefix_lens=kv, key_slots=slots, key_positions=kv[:, None] + depth_of_slot[None, :],
-            mask=drafter.step_mask(step), prefix_lens_cpu=[r.kv_len for r in reqs],
-        )
 
     def _verify_trees(self, reqs, trees: DeviceTrees, ks, kv, req_idx) -> list[RoundResult]:
         shape, device = self.tree_shape, self.target.device
@@ -487,13 +464,7 @@ class EagleSpeculator(Speculator):
         # Every node, the first ks[i] proposals and the rest alike, is verified (static shapes); the
         # rest are left out of acceptance below.
         slots = rows_of[req_idx[:, None], kv[:, None] + torch.arange(n, device=device)]  # [B, n]
-        positions = kv[:, None] + trees.depths
-        fb = TreeForwardBatch(
-            input_ids=trees.tokens.reshape(-1), positions=positions.reshape(-1), out_cache_loc=slots.reshape(-1),
-            req_pool_indices=req_idx, seq_lens=kv + n, extend_lens=[n] * batch,
-            seq_lens_cpu=[r.kv_len + n for r in reqs], prefix_lens=kv, key_slots=slots, key_positions=positions,
-            mask=trees.mask.to(torch.int8), prefix_lens_cpu=[r.kv_len for r in reqs],
-        )
+        fb = tree_verify_batch(trees, kv, req_idx, slots, [r.kv_len for r in reqs])
         logits, features = self._target(fb, "target_tree")
         valid = torch.arange(n, device=device)[None, :] <= to_device(ks, device)[:, None]
         params = [r.params for r in reqs]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..batch_sampling import batch_probs, block_index, draw, sampled_blocks
+from ..kernels.tree_attention import TreeForwardBatch
 from ..request import SamplingParams
 from ..sampling import probs_from_logits, sample
 
@@ -227,6 +228,42 @@ class TreeDrafter:
         depths = torch.cat([zero, cand_depth[chosen]], dim=1)
         tokens = torch.cat([roots.reshape(batch, 1).to(torch.int64), self.tokens.gather(1, chosen)], dim=1)
         return DeviceTrees(tokens, parents, depths, tree_masks(parents, shape.steps))
+
+
+def tree_step_batch(shape: TreeShape, drafter: TreeDrafter, kv: torch.Tensor, req_idx: torch.Tensor,
+                    scratch: torch.Tensor, step: int, kv_lens: list[int]) -> TreeForwardBatch:
+    """Draft inputs for expanding the frontier at ``step``: each node reads the prefix and its
+    expanded ancestors (every scratch slot is a key; the mask hides those not yet written).
+    ``scratch``: [B, shape.scratch] draft K/V slots; ``kv``/``kv_lens``: each request's length."""
+    k, batch = shape.topk, len(kv_lens)
+    # A node at depth d is the draft's input at position L + d - 1 (it predicts depth d + 1);
+    # scratch slot j holds a node of depth j // k + 1.
+    depth_of_slot = torch.div(torch.arange(shape.scratch, device=kv.device), k, rounding_mode="floor")
+    return TreeForwardBatch(
+        input_ids=drafter.frontier_tokens().reshape(-1),
+        positions=(kv + step - 1).repeat_interleave(k),
+        out_cache_loc=scratch[:, (step - 1) * k : step * k].reshape(-1),
+        req_pool_indices=req_idx,
+        seq_lens=kv + step,
+        extend_lens=[k] * batch,
+        seq_lens_cpu=[n + step for n in kv_lens],
+        prefix_lens=kv, key_slots=scratch, key_positions=kv[:, None] + depth_of_slot[None, :],
+        mask=drafter.step_mask(step), prefix_lens_cpu=list(kv_lens),
+    )
+
+
+def tree_verify_batch(trees: DeviceTrees, kv: torch.Tensor, req_idx: torch.Tensor, slots: torch.Tensor,
+                      kv_lens: list[int]) -> TreeForwardBatch:
+    """The target's pass over each request's root and nodes, under the tree's mask. ``slots``:
+    [B, n] the target slots the nodes write, positions L.. of each request."""
+    n = slots.shape[1]
+    positions = kv[:, None] + trees.depths
+    return TreeForwardBatch(
+        input_ids=trees.tokens.reshape(-1), positions=positions.reshape(-1), out_cache_loc=slots.reshape(-1),
+        req_pool_indices=req_idx, seq_lens=kv + n, extend_lens=[n] * len(kv_lens),
+        seq_lens_cpu=[m + n for m in kv_lens], prefix_lens=kv, key_slots=slots, key_positions=positions,
+        mask=trees.mask.to(torch.int8), prefix_lens_cpu=list(kv_lens),
+    )
 
 
 def tree_masks(parents: torch.Tensor, depth: int) -> torch.Tensor:
