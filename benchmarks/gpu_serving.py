@@ -365,15 +365,15 @@ def startup_phase(s: Settings, models, res: dict, base: dict) -> None:
         torch.cuda.reset_peak_memory_stats()
     eng, plan = engine(s, models, "target", "EAGLE3", "eagle3")
     randomise_head(eng.draft_runner.model, 7)
-    r = plan["reserve"]
+    r = plan.reserve
     res["startup"] = "ok"
-    res["planned_kv_tokens"] = plan["kvCache"]["maxTotalNumTokens"]
+    res["planned_kv_tokens"] = plan.kv_cache.max_total_num_tokens
     res["allocated_kv_tokens"] = eng.target_runner.token_to_kv_pool_allocator.size
-    res["planned_dynamic_bytes"] = r["dynamicBytes"]
+    res["planned_dynamic_bytes"] = r.dynamic_bytes
     res["warmup"] = eng.dynamic_peak.as_dict()  # phase 3: allocated peak over the warm-up's workloads
     record_peak(res, "EAGLE3 chain", eng)
-    res["cuda_graph_max_bs"], res["chunked_prefill_size"] = r["cudaGraphMaxBs"], r["chunkedPrefillSize"]
-    generate(eng, s, min(r["cudaGraphMaxBs"], r["maxRunningRequests"]), 16, 4)  # largest graph batch
+    res["cuda_graph_max_bs"], res["chunked_prefill_size"] = r.cuda_graph_max_bs, r.chunked_prefill_size
+    generate(eng, s, min(r.cuda_graph_max_bs, r.max_running_requests), 16, 4)  # largest graph batch
     generate(eng, s, 1, min(s.chunk, s.context - 8), 2)  # largest prefill chunk
     controlled_rows(s, eng, res, "eagle3", s.k, base)
     if s.device == "cuda":  # the allocator's reserved peak since the warm-up, serving included
@@ -394,7 +394,7 @@ def decode_phase(s: Settings, models, res: dict, bw: float, rows: bool = True) -
     """Decode speed against the roofline and step time against live length (``rows``); returns the
     plain engine's runs on the speculative rows' prompts, which they are compared with."""
     eng, plan = engine(s, models, "target")
-    s.chunk = plan["reserve"]["chunkedPrefillSize"]  # every later prompt is admitted in waves of one chunk
+    s.chunk = plan.reserve.chunked_prefill_size  # every later prompt is admitted in waves of one chunk
     runner = eng.target_runner
     cell, weights = runner.token_to_kv_pool.bytes_per_token(), decode_read_bytes(runner)
     res["decode_read_weight_bytes"] = weights
@@ -494,7 +494,7 @@ def tree_phase(s: Settings, models, res: dict, base: dict) -> None:
                           "speedup": out["tok_s"] / base[b]["tok_s"],
                           "same_output": out["outputs"] == base[b]["outputs"],
                           "graphs": sorted(f"{name} x{width}" for name, width in eng.speculator._graphs),
-                          "planned_dynamic_bytes": plan["reserve"]["dynamicBytes"]}
+                          "planned_dynamic_bytes": plan.reserve.dynamic_bytes}
 
 
 MTP_METHODS = (("none", "NONE", "fixed"), ("fixed", "MTP", "fixed"), ("adaptive", "MTP", "adaptive"))

@@ -49,6 +49,7 @@ from devtools.cluster.__main__ import down as plane_down  # noqa: E402
 from devtools.cluster.__main__ import up as plane_up  # noqa: E402
 from devtools.cluster.controlplane import ControlPlane, free_ports  # noqa: E402
 from devtools.cluster.planner_runtime import map_paths, volume_paths  # noqa: E402
+from specdecode_worker.contract import MemoryPlan  # noqa: E402
 
 STATE = Path(os.environ.get("SPECDECODE_DEMO_DIR") or ROOT / ".demo")
 CHART = ROOT / "charts" / "specdecode-operator"
@@ -377,12 +378,12 @@ def plan_json(plane: ControlPlane, pod: dict, container: dict) -> tuple[str, Pat
     fail("the worker pod mounts no plan ConfigMap")
 
 
-def cpu_budget_gib(plan: dict, tokens: int) -> float:
+def cpu_budget_gib(plan: MemoryPlan, tokens: int) -> float:
     """A CPU memory budget standing in for the GPU: the plan's weights and runtime reserve plus
     `tokens` KV slots, at the plan's mem_fraction_static (rounded up to a quarter GiB)."""
-    kv = plan["kvCache"]
-    need = (plan["weights"]["targetBytes"] + plan["weights"]["draftBytes"] + plan["reserve"]["runtimeBytes"]
-            + tokens * (kv["targetBytesPerToken"] + kv["draftBytesPerToken"])) / plan["memFractionStatic"]
+    kv, weights = plan.kv_cache, plan.weights
+    need = (weights.target_bytes + weights.draft_bytes + plan.reserve.runtime_bytes
+            + tokens * (kv.target_bytes_per_token + kv.draft_bytes_per_token)) / plan.mem_fraction_static
     return -(-need // (1 << 28)) / 4
 
 
@@ -395,8 +396,8 @@ def worker_argv(plane: ControlPlane, pod: dict, port: int) -> list[str]:
     mapping[plan_mount] = str(plan_local)
     args = [map_paths(a, mapping) for a in (container.get("command") or ["specdecode-worker"]) + container["args"]]
     args[0] = str(BIN / "specdecode-worker") if args[0] == "specdecode-worker" else args[0]
-    plan = json.loads(next(plan_local.glob("*.json")).read_text())
-    tokens = min(CPU_KV_TOKENS, plan["kvCache"]["maxTotalNumTokens"])
+    plan = MemoryPlan.from_dict(json.loads(next(plan_local.glob("*.json")).read_text()))
+    tokens = min(CPU_KV_TOKENS, plan.kv_cache.max_total_num_tokens)
     replace = {"--device": "cpu", "--host": "127.0.0.1", "--port": str(port), "--max-total-tokens": str(tokens)}
     for i, a in enumerate(args[:-1]):
         if a in replace:

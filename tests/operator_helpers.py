@@ -11,7 +11,7 @@ import yaml
 from specdecode_operator import kube as k8s
 from specdecode_operator import labels
 from specdecode_operator.kube import ApiError
-from specdecode_worker.contract import GIB, kv_token_capacity, validate_plan
+from specdecode_worker.contract import GIB, MemoryPlan, kv_token_capacity, validate_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 OWNER = {"apiVersion": "specdecode.io/v1alpha1", "kind": "SpecDecodeDeployment", "name": "llama-8b-eagle3",
@@ -55,6 +55,11 @@ def make_plan(tp=1, fits=True, target=16_060_522_496, draft=849_763_584, f=0.83,
         "message": "fits" if fits else "does not fit",
         **({"sources": sources} if sources else {}),
     })
+
+
+def typed(plan: dict) -> MemoryPlan:
+    """The plan as the operator's renderers take it (the reconciler reads status.plan so)."""
+    return MemoryPlan.from_dict(plan)
 
 
 NS = "ns"

@@ -11,7 +11,7 @@ from typing import Any
 
 from specdecode_operator import modelcache, models, planner, workload
 from specdecode_operator.spec import parse_spec, plan_key
-from tests.operator_helpers import OWNER, example, hub_sources, make_plan
+from tests.operator_helpers import OWNER, example, hub_sources, make_plan, typed
 
 ALLOWED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
                         "projected", "secret"}
@@ -110,8 +110,9 @@ def rendered_pods():
         yield f"{name}/planner", pod_spec_of(planner.render_planner_pod(view, key, OWNER))
         sources = hub_sources() if view.hub else None
         for tp in (1, 4):
-            dep = workload.render_deployment(view, make_plan(tp=tp, sources=sources), key, OWNER)
+            dep = workload.render_deployment(view, typed(make_plan(tp=tp, sources=sources)), key, OWNER)
             yield f"{name}/worker-tp{tp}", pod_spec_of(dep)
         if models.cache_claim(view):
-            job = modelcache.render_job(view, models.cache_claim(view), sources["target"], OWNER)
+            source = typed(make_plan(sources=sources)).sources.target
+            job = modelcache.render_job(view, models.cache_claim(view), source, OWNER)
             yield f"{name}/model-cache", job["spec"]["template"]["spec"]

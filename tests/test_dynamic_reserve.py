@@ -22,10 +22,10 @@ def test_tiny_model_starts_in_a_2_gib_budget_with_defaults(tmp_path):
         "--device", "cpu", "--device-memory-gib", "2",
     ])
     engine_args, plan = serve_cli.resolve(args)
-    assert plan["fits"], plan["message"]
+    assert plan.fits, plan.message
     # the reserve follows the tiny geometry (hidden 64, vocabulary of the tiny tokenizer), not a GPU's
-    assert plan["reserve"]["dynamicBytes"] < 64 * MIB
-    assert plan["memFractionStatic"] > 0.9
+    assert plan.reserve.dynamic_bytes < 64 * MIB
+    assert plan.mem_fraction_static > 0.9
     eng = Engine(engine_args)
     eng.init_model_worker()
     (req,) = run_all(eng, [Request([3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))])

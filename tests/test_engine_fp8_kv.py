@@ -160,8 +160,8 @@ def test_serve_cli_plans_and_sizes_with_the_kv_dtype(models, kv):
                                           "--context-length", "64", "--kv-cache-dtype", kv])
     engine_args, plan = serve_cli.resolve(args)
     assert engine_args.kv_cache_dtype == kv
-    assert plan["kvCache"]["dtype"] == (kv if kv != "auto" else "float32")
-    assert plan["kvCache"]["targetBytesPerToken"] == (512 if kv == "auto" else 128)
+    assert plan.kv_cache.dtype == (kv if kv != "auto" else "float32")
+    assert plan.kv_cache.target_bytes_per_token == (512 if kv == "auto" else 128)
 
 
 @pytest.mark.parametrize("value", ["int8", "fp8", "float16", "FP8_E4M3"])

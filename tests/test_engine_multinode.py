@@ -151,26 +151,26 @@ def test_pod_place_from_flags_or_the_leaderworkerset_environment(monkeypatch):
     from specdecode_worker.serving.serve_cli import nodes_of, parser
 
     base = ["--target", "t"]
-    plan = {"tensorParallelSize": 16, "nodesPerReplica": 2}
+    plan = (16, 2)  # the plan's tensorParallelSize and nodesPerReplica
     monkeypatch.setenv("LWS_GROUP_SIZE", "2")
     monkeypatch.setenv("LWS_WORKER_INDEX", "1")
     monkeypatch.setenv("LWS_LEADER_ADDRESS", "sdd-0.sdd.ns")
-    nodes = nodes_of(parser().parse_args(base), plan)
+    nodes = nodes_of(parser().parse_args(base), *plan)
     assert (nodes.nnodes, nodes.node_rank, nodes.master_addr, nodes.master_port) == (2, 1, "sdd-0.sdd.ns", 29500)
     assert nodes.local_ranks(16) == list(range(8, 16))
-    flags = nodes_of(parser().parse_args([*base, "--node-rank", "0", "--master-addr", "10.0.0.5"]), plan)
+    flags = nodes_of(parser().parse_args([*base, "--node-rank", "0", "--master-addr", "10.0.0.5"]), *plan)
     assert (flags.node_rank, flags.master_addr) == (0, "10.0.0.5")
     with pytest.raises(InputError, match="plan spreads its 16 GPU.s. over 2 pod"):
-        nodes_of(parser().parse_args([*base, "--nnodes", "4"]), plan)
+        nodes_of(parser().parse_args([*base, "--nnodes", "4"]), *plan)
     with pytest.raises(InputError, match="do not split evenly over 3 pods"):
-        nodes_of(parser().parse_args([*base, "--nnodes", "3"]), {"tensorParallelSize": 8})
+        nodes_of(parser().parse_args([*base, "--nnodes", "3"]), 8, None)
     with pytest.raises(InputError, match=r"--node-rank 2: must be in 0..1"):
-        nodes_of(parser().parse_args([*base, "--node-rank", "2"]), plan)
+        nodes_of(parser().parse_args([*base, "--node-rank", "2"]), *plan)
     monkeypatch.setenv("LWS_WORKER_INDEX", "x")
     with pytest.raises(InputError, match=r"\$LWS_WORKER_INDEX: expected a whole number"):
-        nodes_of(parser().parse_args(base), plan)
+        nodes_of(parser().parse_args(base), *plan)
     monkeypatch.delenv("LWS_GROUP_SIZE")
     monkeypatch.delenv("LWS_WORKER_INDEX")
     monkeypatch.delenv("LWS_LEADER_ADDRESS")
-    alone = nodes_of(parser().parse_args(base), {"tensorParallelSize": 4})
+    alone = nodes_of(parser().parse_args(base), 4, None)
     assert (alone.nnodes, alone.node_rank, alone.master_addr) == (1, 0, "127.0.0.1")

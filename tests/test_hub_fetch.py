@@ -14,7 +14,7 @@ import pytest
 from specdecode_worker.planner import fetch_cli, plan_cli
 from specdecode_worker.serving import serve_cli
 from specdecode_worker.planner.model_identity import check_models
-from specdecode_worker.contract import ExitCode
+from specdecode_worker.contract import ExitCode, MemoryPlan
 from specdecode_worker.planner.hub import HubClient, HubFile, partition
 from tests.hub_server import HubServer
 from devtools.tiny_models import write_tiny_model
@@ -82,7 +82,8 @@ def test_fetch_gets_the_planned_commit_after_the_branch_moved(hub, models, capsy
     code, _, err = fetch(capsys, "--repo", REPO, "--commit", planned, "--dest", dest)
     assert code == ExitCode.OK, err
     assert digests(dest) == digests(models[0]) != digests(models[1])
-    check_models(str(dest), None, plan, "plan.json")  # the model planned from headers is the one fetched
+    # the model planned from headers is the one fetched
+    check_models(str(dest), None, MemoryPlan.from_dict(plan).models, "plan.json")
 
 
 def test_the_fetched_folder_is_what_serve_and_plan_load(hub, models, capsys, tmp_path, monkeypatch):

@@ -383,9 +383,9 @@ def test_with_the_monitoring_api_monitors_select_workers_and_operator(cluster):
     from specdecode_operator import workload
     from specdecode_operator.spec import parse_spec
 
-    from tests.operator_helpers import OWNER, example, make_plan
+    from tests.operator_helpers import OWNER, example, make_plan, typed
 
-    pod = workload.render_deployment(parse_spec(example()), make_plan(), "k", OWNER)["spec"]["template"]
+    pod = workload.render_deployment(parse_spec(example()), typed(make_plan()), "k", OWNER)["spec"]["template"]
     assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     assert pod_monitor["spec"]["namespaceSelector"] == {"any": True}
     [endpoint] = pod_monitor["spec"]["podMetricsEndpoints"]

@@ -15,7 +15,7 @@ from specdecode_operator.reconcile import Options, Reconciler
 from specdecode_operator.kube import Ref
 from specdecode_operator.spec import parse_spec, plan_key, planner_inputs
 from specdecode_worker.planner.runtimes import price
-from tests.operator_helpers import NS, OWNER, Clock, FakeKube, example, make_plan
+from tests.operator_helpers import NS, OWNER, Clock, FakeKube, example, make_plan, typed
 
 NAME = "llama-8b-eagle3"
 
@@ -35,7 +35,7 @@ def priced(engine):
 
 def render(engine, **runtime):
     view = parse_spec(sdd(engine, **runtime), "img:1")
-    dep = workload.render_deployment(view, priced(engine), "k", OWNER)
+    dep = workload.render_deployment(view, typed(priced(engine)), "k", OWNER)
     return dep["spec"]["template"]["spec"]
 
 
@@ -80,7 +80,7 @@ def test_sglang_pod_pins_fraction_and_tokens():
 
 def test_specdecode_engine_is_unchanged():
     view = parse_spec(example(), "img:1")
-    pod = workload.render_deployment(view, make_plan(), "k", OWNER)["spec"]["template"]["spec"]
+    pod = workload.render_deployment(view, typed(make_plan()), "k", OWNER)["spec"]["template"]["spec"]
     assert pod["containers"][0]["command"] == ["specdecode-worker"] and "readinessGates" not in pod
     assert "engine" not in planner_inputs(view)  # specdecode plans keep their keys
     assert "--engine" not in planner.planner_args(view)
@@ -111,8 +111,8 @@ def test_one_block_of_rounding_is_not_a_shortfall():
     plan = priced("vllm")
     planned = plan["runtime"]["reportedTokens"]
     pod = {"metadata": {"name": "p"}}
-    assert kvcheck.check(pod, plan, planned).ok and kvcheck.check(pod, plan, planned - 31).ok
-    short = kvcheck.check(pod, plan, planned - 32)
+    assert kvcheck.check(pod, typed(plan), planned).ok and kvcheck.check(pod, typed(plan), planned - 31).ok
+    short = kvcheck.check(pod, typed(plan), planned - 32)
     assert not short.ok and str(planned) in short.message() and str(planned - 32) in short.message()
 
 
@@ -202,6 +202,6 @@ def test_serving_prefix_cache_reaches_every_engine(engine, on, off):
         if not enabled:
             body["spec"]["serving"]["prefixCache"] = False
         view = parse_spec(body, "img:1")
-        plan = priced(engine) if engine != "specdecode" else make_plan()
+        plan = typed(priced(engine) if engine != "specdecode" else make_plan())
         args = workload.render_deployment(view, plan, "k", OWNER)["spec"]["template"]["spec"]["containers"][0]["args"]
         assert [a for a in args if a in prefix_flags] == expected

@@ -10,8 +10,9 @@ from specdecode_operator import kube as k8s
 from specdecode_operator import modelcache, models
 from specdecode_operator.reconcile import Options, Reconciler
 from specdecode_operator.spec import parse_spec
+from specdecode_worker.contract import PlanSource
 from tests.operator_helpers import (
-    DRAFT_COMMIT, NS, OWNER, TARGET_COMMIT, Clock, FakeKube, example, hub_sources, make_plan,
+    DRAFT_COMMIT, NS, OWNER, TARGET_COMMIT, Clock, FakeKube, example, hub_sources, make_plan, typed,
 )
 
 NAME = "llama-8b-eagle3"
@@ -36,7 +37,7 @@ def test_parse_indexes():
 
 def test_created_claim_is_sized_from_the_plans_bytes_plus_a_margin():
     view = parse_spec(hub_body({"create": {"storageClassName": "fast", "accessMode": "ReadWriteOnce"}}))
-    claim = modelcache.render_claim(view, make_plan(sources=hub_sources()), OWNER)
+    claim = modelcache.render_claim(view, typed(make_plan(sources=hub_sources())), OWNER)
     # 16_060_522_496 + 849_763_584 bytes = 16.9 GB; + 10 % = 18.6e9 B = 17.31 GiB -> 18Gi
     assert claim["spec"] == {"accessModes": ["ReadWriteOnce"], "storageClassName": "fast",
                              "resources": {"requests": {"storage": "18Gi"}}}
@@ -45,7 +46,7 @@ def test_created_claim_is_sized_from_the_plans_bytes_plus_a_margin():
     # small models: the margin is at least 1 GiB; a size the user gives wins
     assert modelcache.claim_size(100_000_000) == "2Gi" and modelcache.claim_size(0) == "1Gi"
     sized = parse_spec(hub_body({"create": {"size": "500Gi"}}))
-    claim = modelcache.render_claim(sized, make_plan(sources=hub_sources()), OWNER)
+    claim = modelcache.render_claim(sized, typed(make_plan(sources=hub_sources())), OWNER)
     assert claim["spec"]["resources"]["requests"]["storage"] == "500Gi"
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"] and "storageClassName" not in claim["spec"]
 
@@ -62,7 +63,7 @@ def test_job_name_is_one_per_claim_repo_and_commit():
 
 def test_download_job_is_indexed_by_part_and_runs_fetch():
     view = parse_spec(hub_body({"claimName": "shared"}))
-    src = hub_sources()["target"]
+    src = typed(make_plan(sources=hub_sources())).sources.target
     pvc_owner = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "name": "shared", "uid": "pvc-1"}
     job = modelcache.render_job(view, "shared", src, pvc_owner)
     assert job["metadata"]["ownerReferences"] == [pvc_owner]  # lives as long as the files it wrote
@@ -86,7 +87,7 @@ def test_download_job_is_indexed_by_part_and_runs_fetch():
 def test_many_parts_run_a_few_at_a_time():
     view = parse_spec(hub_body({"claimName": "shared"}))
     parts = [4_400_000_000] * 32  # a 141 GB model in 32 parts
-    src = hub_sources(target_parts=parts)["target"]
+    src = typed(make_plan(sources=hub_sources(target_parts=parts))).sources.target
     spec = modelcache.render_job(view, "shared", src, {})["spec"]
     assert (spec["completions"], spec["parallelism"]) == (32, modelcache.MAX_PARALLEL_DOWNLOADS) == (32, 8)
     (fetch,) = spec["template"]["spec"]["containers"]
@@ -106,7 +107,7 @@ def _failed_pod(index, message, finished="2026-01-01T00:01:00Z"):
 
 
 def test_progress_is_the_bytes_of_the_completed_parts():
-    src = {"repo": TARGET_REPO, "commit": TARGET_COMMIT, "bytes": 100, "partBytes": [10, 20, 30, 40]}
+    src = PlanSource(repo=TARGET_REPO, revision="main", commit=TARGET_COMMIT, bytes=100, part_bytes=[10, 20, 30, 40])
     assert modelcache.progress(src, None, [], "j").state == modelcache.PENDING
     p = modelcache.progress(src, _job("1,3"), [], "j")
     assert (p.bytes_done, p.bytes_total, p.state) == (60, 100, modelcache.DOWNLOADING)
@@ -118,7 +119,7 @@ def test_progress_is_the_bytes_of_the_completed_parts():
 
 def test_progress_of_a_job_with_another_split_counts_its_parts_as_equal_shares():
     # a Job an older plan of the same commit made with 8 parts; this plan splits the files in 32
-    src = {"repo": TARGET_REPO, "commit": TARGET_COMMIT, "bytes": 3200, "partBytes": [100] * 32}
+    src = PlanSource(repo=TARGET_REPO, revision="main", commit=TARGET_COMMIT, bytes=3200, part_bytes=[100] * 32)
     job = _job("0-1")
     job["spec"] = {"completions": 8}
     p = modelcache.progress(src, job, [], "j")
@@ -128,7 +129,7 @@ def test_progress_of_a_job_with_another_split_counts_its_parts_as_equal_shares()
 
 
 def test_a_failed_part_carries_the_latest_message_of_a_missing_index():
-    src = {"repo": TARGET_REPO, "commit": TARGET_COMMIT, "bytes": 30, "partBytes": [10, 20]}
+    src = PlanSource(repo=TARGET_REPO, revision="main", commit=TARGET_COMMIT, bytes=30, part_bytes=[10, 20])
     pods = [_failed_pod(0, "old failure, part 0 since done", "2026-01-01T00:05:00Z"),
             _failed_pod(1, "404: revision not found", "2026-01-01T00:01:00Z"),
             _failed_pod(1, "404 again: revision not found", "2026-01-01T00:02:00Z")]

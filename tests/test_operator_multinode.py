@@ -10,7 +10,7 @@ import yaml
 
 from specdecode_operator import planner
 from specdecode_operator.spec import parse_spec, plan_key
-from tests.operator_helpers import ROOT, example
+from tests.operator_helpers import ROOT, example, typed
 
 CRD_PATHS = [ROOT / "crds" / "specdecode.io_specdecodedeployments.yaml",
              ROOT / "charts" / "specdecode-operator" / "crds" / "specdecode.io_specdecodedeployments.yaml"]
@@ -75,8 +75,8 @@ def test_a_replica_over_two_nodes_renders_a_leaderworkerset_group():
 
     view = parse_spec(_with_gpu(maxPerReplica=16) | {"spec": example()["spec"] | {"replicas": 3}})
     plan = _group_plan()
-    cm, lws, svc = group.render_children(view, plan, "k1", OWNER, generation=4)
-    assert cm == workload.render_configmap(view, plan, "k1", OWNER)
+    cm, lws, svc = group.render_children(view, typed(plan), "k1", OWNER, generation=4)
+    assert cm == workload.render_configmap(view, typed(plan), "k1", OWNER)
     assert (lws["apiVersion"], lws["kind"], lws["metadata"]["name"]) == \
         ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "llama-8b-eagle3-group")
     assert lws["metadata"]["annotations"] == {"specdecode.io/plan-key": "k1", "specdecode.io/generation": "4"}
@@ -85,7 +85,7 @@ def test_a_replica_over_two_nodes_renders_a_leaderworkerset_group():
     assert spec["replicas"] == 3
     tmpl = spec["leaderWorkerTemplate"]
     assert tmpl["size"] == 2 and tmpl["restartPolicy"] == "RecreateGroupOnPodRestart"
-    dep = workload.render_deployment(view, plan, "k1", OWNER, 4)
+    dep = workload.render_deployment(view, typed(plan), "k1", OWNER, 4)
     dep_container = dep["spec"]["template"]["spec"]["containers"][0]
     for role, pod in (("leader", tmpl["leaderTemplate"]), ("worker", tmpl["workerTemplate"])):
         (container,) = pod["spec"]["containers"]
@@ -121,7 +121,7 @@ def test_the_rendered_group_is_one_the_lws_watch_selects():
     from specdecode_operator import group, handlers
 
     view = parse_spec(_with_gpu(maxPerReplica=16))
-    lws = group.render_leaderworkerset(view, _group_plan(), "k1", OWNER)
+    lws = group.render_leaderworkerset(view, typed(_group_plan()), "k1", OWNER)
     lws_labels = lws["metadata"]["labels"]
     for key, want in handlers.LWS_EVENT_LABELS.items():
         assert key in lws_labels and (want is kopf.PRESENT or lws_labels[key] == want), key
@@ -274,7 +274,7 @@ def test_the_rank_policy_admits_only_the_sdds_own_pods():
     from specdecode_operator import kube as k8s
 
     view = parse_spec(_with_gpu(maxPerReplica=16))
-    plan = _group_plan()
+    plan = typed(_group_plan())
     cm, policy, lws, svc = group.render_children(view, plan, "k1", OWNER, rank_policy=True)
     assert (policy["apiVersion"], policy["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
     assert policy["metadata"]["name"] == "llama-8b-eagle3-ranks"

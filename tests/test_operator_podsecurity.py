@@ -12,7 +12,7 @@ import pytest
 from specdecode_operator import planner, podsecurity, workload
 from specdecode_operator.spec import parse_spec, plan_key
 from tests.restricted_profile import hub_store, pod_spec_of, rendered_pods, violations
-from tests.operator_helpers import OWNER, example, hub_sources, make_plan
+from tests.operator_helpers import OWNER, example, hub_sources, make_plan, typed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ def test_spec_pod_adds_to_the_defaults():
     body = hub_store(example())
     body["spec"]["pod"] = {"serviceAccountName": "puller", "securityContext": {"runAsUser": 2000, "fsGroup": 3000}}
     view = parse_spec(body)
-    spec = pod_spec_of(workload.render_deployment(view, make_plan(sources=hub_sources()), plan_key(view), OWNER))
+    spec = pod_spec_of(workload.render_deployment(view, typed(make_plan(sources=hub_sources())), plan_key(view), OWNER))
     assert spec["serviceAccountName"] == "puller" and spec["automountServiceAccountToken"] is False
     assert spec["securityContext"]["runAsUser"] == 2000 and spec["securityContext"]["fsGroup"] == 3000
     assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -55,7 +55,8 @@ def test_spec_pod_adds_to_the_defaults():
 
 def _clean():
     view = parse_spec(hub_store(example()))
-    return pod_spec_of(workload.render_deployment(view, make_plan(tp=2, sources=hub_sources()), plan_key(view), OWNER))
+    plan = typed(make_plan(tp=2, sources=hub_sources()))
+    return pod_spec_of(workload.render_deployment(view, plan, plan_key(view), OWNER))
 
 
 def _worker(spec):

@@ -9,7 +9,7 @@ import pytest
 from specdecode_operator import labels, planner, workload
 from specdecode_operator.spec import parse_spec, plan_key, planner_inputs
 from specdecode_worker.contract import GIB
-from tests.operator_helpers import DRAFT_COMMIT, OWNER, TARGET_COMMIT, example, hub_sources, make_plan
+from tests.operator_helpers import DRAFT_COMMIT, OWNER, TARGET_COMMIT, example, hub_sources, make_plan, typed
 
 
 def _flag(args: list[str], name: str) -> str:
@@ -50,7 +50,7 @@ def test_the_planner_prices_the_verify_width_the_worker_serves():
 
     def widths(view):
         planner_width = plan_cli.plan_args(plan_cli.parser().parse_args(planner.planner_args(view)[1:])).verify_tokens
-        return planner_width, int(_flag(workload.worker_args(view, make_plan()), "--num-draft-tokens")) + 1
+        return planner_width, int(_flag(workload.worker_args(view, typed(make_plan())), "--num-draft-tokens")) + 1
 
     ngram = parse_spec(example("ngram.yaml"))  # numDraftTokens 8
     assert widths(ngram) == (9, 9)
@@ -79,7 +79,7 @@ def test_planner_args_price_an_eagle_tree_as_the_worker_runs_it():
     body["spec"]["draft"].update(topK=4, numSteps=3, numDraftTokens=8)
     view = parse_spec(body)
     args = planner.planner_args(view)
-    worker = workload.worker_args(view, make_plan())
+    worker = workload.worker_args(view, typed(make_plan()))
     for flag in ("--num-draft-tokens", "--speculative-num-steps", "--speculative-eagle-topk"):
         assert _flag(args, flag) == _flag(worker, flag)
     assert _flag(args, "--num-draft-tokens") == "7" and _flag(args, "--speculative-eagle-topk") == "4"
@@ -167,7 +167,7 @@ def test_deployment_pins_the_plan(tp):
     view = parse_spec(example())
     key = plan_key(view)
     plan = make_plan(tp=tp)
-    dep = workload.render_deployment(view, plan, key, OWNER)
+    dep = workload.render_deployment(view, typed(plan), key, OWNER)
     pod = dep["spec"]["template"]
     c = pod["spec"]["containers"][0]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == tp
@@ -194,7 +194,7 @@ def test_deployment_pins_the_plan(tp):
 def test_startup_probe_covers_weight_loading():
     view = parse_spec(example())
     plan = make_plan()
-    c = workload.render_deployment(view, plan, "k", OWNER)["spec"]["template"]["spec"]["containers"][0]
+    c = workload.render_deployment(view, typed(plan), "k", OWNER)["spec"]["template"]["spec"]["containers"][0]
     weights = plan["weights"]["targetBytes"] + plan["weights"]["draftBytes"]  # ~15.7 GiB
     budget = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
     assert budget >= 300 + weights / (200 * (1 << 20))  # > 380 s at 200 MiB/s
@@ -206,10 +206,10 @@ def test_replicas_change_leaves_the_pod_template_alone():
     body = example()
     view = parse_spec(body)
     plan = make_plan()
-    before = workload.render_deployment(view, plan, plan_key(view), OWNER)
+    before = workload.render_deployment(view, typed(plan), plan_key(view), OWNER)
     body["spec"]["replicas"] = 5
     view5 = parse_spec(body)
-    after = workload.render_deployment(view5, plan, plan_key(view5), OWNER)
+    after = workload.render_deployment(view5, typed(plan), plan_key(view5), OWNER)
     assert after["spec"]["replicas"] == 5
     assert after["spec"]["template"] == before["spec"]["template"]
 
@@ -220,7 +220,7 @@ def test_user_overrides_cannot_break_the_selector():
                            "nodeSelector": {"pool": "gpu"}, "serviceAccountName": "sa",
                            "tolerations": [{"key": "k", "operator": "Exists"}]}
     body["spec"]["resources"] = {"memory": "300Gi", "cpu": 16}
-    dep = workload.render_deployment(parse_spec(body), make_plan(), "k", OWNER)
+    dep = workload.render_deployment(parse_spec(body), typed(make_plan()), "k", OWNER)
     tmpl = dep["spec"]["template"]
     assert tmpl["metadata"]["labels"][labels.NAME] == "llama-8b-eagle3" and tmpl["metadata"]["labels"]["team"] == "a"
     assert tmpl["spec"]["nodeSelector"] == {"pool": "gpu", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
@@ -232,13 +232,13 @@ def test_user_overrides_cannot_break_the_selector():
 def test_configmap_and_service():
     view = parse_spec(example())
     plan = make_plan()
-    cm = workload.render_configmap(view, plan, "k", OWNER)
+    cm = workload.render_configmap(view, typed(plan), "k", OWNER)
     assert cm["metadata"]["name"] == "llama-8b-eagle3-plan"
     assert json.loads(cm["data"]["plan.json"]) == plan
     svc = workload.render_service(view, OWNER)
     assert svc["spec"]["selector"] == labels.selector("llama-8b-eagle3")
     assert svc["spec"]["ports"][0]["port"] == 8000
-    kinds = [o["kind"] for o in workload.render_children(view, plan, "k", OWNER)]
+    kinds = [o["kind"] for o in workload.render_children(view, typed(plan), "k", OWNER)]
     assert kinds == ["ConfigMap", "Deployment", "Service"]
 
 
@@ -291,7 +291,7 @@ def test_a_hub_store_changes_the_plan_key_but_its_cache_does_not():
 def test_hub_workers_without_a_cache_download_the_plans_commits_in_init_containers():
     view = parse_spec(_hub(example()))
     plan = make_plan(sources=hub_sources())
-    spec = workload.render_deployment(view, plan, "k", OWNER)["spec"]["template"]["spec"]
+    spec = workload.render_deployment(view, typed(plan), "k", OWNER)["spec"]["template"]["spec"]
     assert {"name": "models", "emptyDir": {}} in spec["volumes"]
     fetch_t, fetch_d = spec["initContainers"]
     assert fetch_t["args"] == ["fetch", "--repo", "meta-llama/Llama-3.1-8B-Instruct", "--commit", TARGET_COMMIT,
@@ -306,7 +306,8 @@ def test_hub_workers_without_a_cache_download_the_plans_commits_in_init_containe
 
 def test_hub_workers_with_a_cache_mount_it_read_only_and_download_nothing():
     view = parse_spec(_hub(example(), cache={"claimName": "shared-models"}))
-    spec = workload.render_deployment(view, make_plan(sources=hub_sources()), "k", OWNER)["spec"]["template"]["spec"]
+    plan = typed(make_plan(sources=hub_sources()))
+    spec = workload.render_deployment(view, plan, "k", OWNER)["spec"]["template"]["spec"]
     assert "initContainers" not in spec
     assert {"name": "models", "persistentVolumeClaim": {"claimName": "shared-models", "readOnly": True}} \
         in spec["volumes"]
@@ -322,7 +323,7 @@ def test_hub_mtp_workers_draft_from_the_targets_folder():
     view = parse_spec(body)
     sources = hub_sources()
     del sources["draft"]
-    args = workload.worker_args(view, make_plan(sources=sources))
+    args = workload.worker_args(view, typed(make_plan(sources=sources)))
     assert _flag(args, "--draft") == _flag(args, "--target") == \
         f"/models/meta-llama/Llama-3.1-8B-Instruct/{TARGET_COMMIT}"
 
@@ -336,23 +337,23 @@ def test_worker_args_parse_with_the_serve_cli(name):
 
     view = parse_spec(example(name))
     plan = make_plan(tp=2)
-    ns = parser().parse_args(workload.worker_args(view, plan)[1:])
+    ns = parser().parse_args(workload.worker_args(view, typed(plan))[1:])
     assert ns.tp == "2" and ns.plan == "/etc/specdecode/plan.json" and ns.algorithm == view.algorithm
-    check_flags_against_plan(ns, plan, ns.plan)  # raises when a pinned number is not the plan's
+    check_flags_against_plan(ns, typed(plan), ns.plan)  # raises when a pinned number is not the plan's
 
 
 def test_ngram_worker_args():
-    ngram = workload.worker_args(parse_spec(example("ngram.yaml")), make_plan())
+    ngram = workload.worker_args(parse_spec(example("ngram.yaml")), typed(make_plan()))
     assert _flag(ngram, "--num-draft-tokens") == "8" and "--draft" not in ngram
 
 
 def test_eagle_tree_worker_args_count_proposals_without_the_root():
     spec = example()
     spec["spec"]["draft"].update(topK=4, numSteps=3, numDraftTokens=16)
-    args = workload.worker_args(parse_spec(spec), make_plan())
+    args = workload.worker_args(parse_spec(spec), typed(make_plan()))
     assert _flag(args, "--speculative-eagle-topk") == "4" and _flag(args, "--speculative-num-steps") == "3"
     assert _flag(args, "--num-draft-tokens") == "15"  # 16 verified tokens: the root and 15 proposals
-    chain = workload.worker_args(parse_spec(example()), make_plan())
+    chain = workload.worker_args(parse_spec(example()), typed(make_plan()))
     assert _flag(chain, "--speculative-eagle-topk") == "1" and _flag(chain, "--num-draft-tokens") == "3"
 
 
@@ -360,10 +361,10 @@ def test_speculation_policy_renders_to_the_worker_flag():
     """draft.policy.mode reaches `serve --spec-policy`; adaptive when the spec leaves it out."""
     from specdecode_worker.serving.serve_cli import parser
 
-    assert _flag(workload.worker_args(parse_spec(example()), make_plan()), "--spec-policy") == "adaptive"
+    assert _flag(workload.worker_args(parse_spec(example()), typed(make_plan())), "--spec-policy") == "adaptive"
     spec = example()
     spec["spec"]["draft"]["policy"] = {"mode": "fixed"}
-    args = workload.worker_args(parse_spec(spec), make_plan())
+    args = workload.worker_args(parse_spec(spec), typed(make_plan()))
     assert _flag(args, "--spec-policy") == "fixed"
     assert parser().parse_args(args[1:]).spec_policy == "fixed"
 
@@ -412,13 +413,13 @@ def test_rendered_worker_args_serve_exactly_the_shape_the_planner_args_priced(al
 
     view = parse_spec(_spec_of(algorithm, **draft))
     plan = _planned_by(planner.planner_args(view))
-    flags = serve_cli.parser().parse_args(workload.worker_args(view, plan)[1:])
-    serve_shape.fill_from_plan(flags, plan)
-    serve_cli.check_flags_against_plan(flags, plan, flags.plan)
-    assert serve_shape.check_against_plan(flags, plan, flags.plan) == []  # raises when wider; lists narrower
+    flags = serve_cli.parser().parse_args(workload.worker_args(view, typed(plan))[1:])
+    serve_shape.fill_from_plan(flags, typed(plan))
+    serve_cli.check_flags_against_plan(flags, typed(plan), flags.plan)
+    assert serve_shape.check_against_plan(flags, typed(plan), flags.plan) == []  # raises when wider; lists narrower
     reserve = plan["reserve"]
     assert flags.num_draft_tokens + 1 == reserve["verifyTokens"] == view.num_draft_tokens + (algorithm == "NGRAM")
-    shape = serve_shape.serve_shape(flags, plan)
+    shape = serve_shape.serve_shape(flags, typed(plan))
     assert (shape.cuda_graph_max_bs, shape.chunked_prefill_size, shape.max_running_requests) == \
         (reserve["cudaGraphMaxBs"], reserve["chunkedPrefillSize"], reserve["maxRunningRequests"])
     if view.top_k > 1:

@@ -5,6 +5,8 @@ planned at 2 bytes and refused by the worker on a GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from specdecode_operator import planner, workload
@@ -15,7 +17,7 @@ from specdecode_worker.errors import InputError
 from specdecode_worker.planner.plan import ForwardGeometry, dynamic_reserve_bytes
 from specdecode_worker.serving.serve_shape import check_against_plan, planned_dtype
 from devtools.checkpoints import write_checkpoint
-from tests.operator_helpers import example
+from tests.operator_helpers import example, make_plan, typed
 
 # One Llama layer: hidden 64, MLP 128, 4 heads of 16, 2 KV heads, vocabulary 1000, stored bfloat16.
 CONFIG = {
@@ -68,14 +70,14 @@ def test_planner_and_worker_agree_on_the_dtype_and_the_worker_accepts_the_plan(t
     plan = _plan_from_planner_args(view, tiny_bf16)
     assert plan["fits"], plan["message"]
     planner_dtype = _flag(planner.planner_args(view), "--dtype") if dtype != "auto" else "auto"
-    worker = workload.worker_args(view, plan)
+    worker = workload.worker_args(view, typed(plan))
     assert _flag(worker, "--dtype") == planner_dtype == dtype
     if dtype == "auto":
         assert "--dtype" not in planner.planner_args(view)
     flags = serve_cli.parser().parse_args(worker[1:])
     flags.target = str(tiny_bf16)
-    assert planned_dtype(flags, plan, "cuda") == dtype
-    check_against_plan(flags, plan, "plan.json", "cuda")  # raises when wider than planned
+    assert planned_dtype(flags, typed(plan), "cuda") == dtype
+    check_against_plan(flags, typed(plan), "plan.json", "cuda")  # raises when wider than planned
     assert plan["reserve"]["dtypeBytes"] == {"float32": 4, "bfloat16": 2, "auto": 2}[dtype]
 
 
@@ -117,16 +119,18 @@ def test_a_plan_made_without_the_dtype_is_refused_by_a_float32_worker(tiny_bf16)
     del args[at:at + 2]
     args[args.index("--target") + 1] = str(tiny_bf16)
     stale = plan_cli.plan_from_flags(plan_cli.parser().parse_args(args))
-    flags = serve_cli.parser().parse_args(workload.worker_args(view, stale)[1:])
+    flags = serve_cli.parser().parse_args(workload.worker_args(view, typed(stale))[1:])
     with pytest.raises(InputError, match="re-plan with --dtype float32"):
-        check_against_plan(flags, stale, "plan.json", "cuda")
+        check_against_plan(flags, typed(stale), "plan.json", "cuda")
 
 
 def test_auto_on_a_gpu_serves_the_planned_dtype_and_cpu_keeps_auto():
     flags = serve_cli.parser().parse_args(["--target", "/models/t", "--algorithm", "NGRAM"])
-    plan = {"reserve": {"dtype": "bfloat16", "dtypeBytes": 2}}
+    base = typed(make_plan())
+    plan = dataclasses.replace(base, reserve=dataclasses.replace(base.reserve, dtype="bfloat16", dtype_bytes=2))
     assert planned_dtype(flags, plan, "cuda") == "bfloat16" and planned_dtype(flags, plan, "cpu") == "auto"
-    assert planned_dtype(flags, {"reserve": {"dtypeBytes": 2}}, "cuda") == "auto"
+    unnamed = dataclasses.replace(base, reserve=dataclasses.replace(base.reserve, dtype=None, dtype_bytes=2))
+    assert planned_dtype(flags, unnamed, "cuda") == "auto"
 
 
 def test_only_a_dtype_other_than_auto_enters_the_plan_key():

@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from specdecode_worker.serving import serve_cli
-from specdecode_worker.contract import validate_plan
+from specdecode_worker.contract import MemoryPlan, PlanModel, PlanModels, validate_plan
 from specdecode_worker.errors import InputError
 from specdecode_worker.planner.model_identity import check_models, identity
 from specdecode_worker.planner.plan import PlanArgs
@@ -42,13 +42,13 @@ def test_the_plan_records_the_target_by_hand(planned):
     config = hashlib.sha256((target / "config.json").read_bytes()).hexdigest()[:12]
     assert plan["models"] == {"target": {"bytes": TENSOR_BYTES, "config": config}}
     assert validate_plan(plan)["models"] == plan["models"]
-    check_models(str(target), None, plan, "plan.json")  # the planned model: accepted
+    check_models(str(target), None, MemoryPlan.from_dict(plan).models, "plan.json")  # the planned model: accepted
 
 
 def test_a_copy_of_the_planned_model_is_accepted(planned, tmp_path):
     target, plan, _ = planned
     copy = shutil.copytree(target, tmp_path / "elsewhere")
-    check_models(str(copy), None, plan, "plan.json")
+    check_models(str(copy), None, MemoryPlan.from_dict(plan).models, "plan.json")
 
 
 def test_a_changed_config_is_refused_naming_the_model_and_what_to_do(planned, tmp_path, capsys):
@@ -67,7 +67,7 @@ def test_changed_weights_are_refused(planned, tmp_path, capsys):
     wider = [(n, "F32" if "norm" in n else d, s) for n, d, s in TENSORS]  # three norms of 64 stored in float32
     other = write_checkpoint(tmp_path / "other", CONFIG, wider)
     with pytest.raises(InputError, match=rf"weights {TENSOR_BYTES + 3 * 64 * 2} bytes, planned {TENSOR_BYTES}\)"):
-        check_models(str(other), None, plan, str(path))
+        check_models(str(other), None, MemoryPlan.from_dict(plan).models, str(path))
     assert serve_cli.main(_serve(other, path)) == 2
     assert "config.json" not in capsys.readouterr().err
 
@@ -76,7 +76,7 @@ def test_a_different_draft_is_refused_naming_the_draft(tmp_path):
     target = write_checkpoint(tmp_path / "target", CONFIG, TENSORS)
     draft = write_checkpoint(tmp_path / "draft", CONFIG, TENSORS[:-1])
     other = write_checkpoint(tmp_path / "other", CONFIG | {"vocab_size": 1000}, TENSORS[:-2] + TENSORS[-1:])
-    plan = {"models": {"target": identity(target), "draft": identity(draft)}}
+    plan = PlanModels(PlanModel(**identity(target)), PlanModel(**identity(draft)))
     check_models(str(target), str(draft), plan, "p.json")
     with pytest.raises(InputError, match=rf"^--draft {other}: not the draft the plan p.json was made for \(weights"):
         check_models(str(target), str(other), plan, "p.json")
@@ -86,6 +86,6 @@ def test_an_older_plan_without_models_is_served_with_a_warning(planned, caplog):
     target, plan, _ = planned
     old = {k: v for k, v in plan.items() if k != "models"}
     with caplog.at_level(logging.WARNING, logger="specdecode_worker.serve"):
-        check_models(str(target), None, old, "old.json")
+        check_models(str(target), None, MemoryPlan.from_dict(old).models, "old.json")
     assert "the plan old.json does not record the models it was made for" in caplog.text
     assert "re-plan to have them checked" in caplog.text

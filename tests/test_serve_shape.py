@@ -57,7 +57,8 @@ def test_the_plan_records_the_shape_it_priced_and_reads_back():
     assert (read.verify_tokens, read.tree_topk, read.tree_steps, read.dtype_bytes) == (8, 4, 3, 2)
     from specdecode_worker.planner.plan_cli import render_table
 
-    assert "reserve priced for: 8 verify tokens per request (a tree of top-k 4, 3 steps deep)" in render_table(plan)
+    assert "reserve priced for: 8 verify tokens per request (a tree of top-k 4, 3 steps deep)" in \
+        render_table(MemoryPlan.from_dict(plan))
     chain = validate_plan(json.loads(to_json(_plan("NGRAM", verify_tokens=9))))["reserve"]
     assert (chain["verifyTokens"], chain["treeTopk"], chain["dtypeBytes"]) == (9, 1, 2)
     # the recorded shape is the one the reserve was priced at
@@ -163,6 +164,7 @@ def test_every_shape_the_check_accepts_is_priced_within_the_plan(algorithm):
     accepted = 0
     for planned in planned_shapes:
         plan = _plan(algorithm, **planned)
+        typed = MemoryPlan.from_dict(plan)
         for k, topk, steps, bs, chunk in itertools.product((1, 3, 7, 8), (1, 2, 4), (1, 2, 3), (16, 32, 64),
                                                            (2048, 4096)):
             if topk > 1 and algorithm != "EAGLE3":
@@ -171,7 +173,7 @@ def test_every_shape_the_check_accepts_is_priced_within_the_plan(algorithm):
                                        speculative_num_steps=steps if topk > 1 else None, max_running_requests=None,
                                        cuda_graph_max_bs=bs, chunked_prefill_size=chunk)
             try:
-                check_against_plan(flags, plan, "plan.json")
+                check_against_plan(flags, typed, "plan.json")
             except serve_cli.InputError:
                 continue
             accepted += 1

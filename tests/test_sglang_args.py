@@ -16,6 +16,7 @@ from specdecode_worker.planner.plan_cli import make_plan
 from devtools.deepseek_models import write_tiny_deepseek
 from tests.eagle_heads import write_eagle3_head, write_eagle_head
 from tests.engine_pods import ROOT, engine_venv
+from tests.operator_helpers import typed
 from devtools.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
@@ -48,7 +49,7 @@ def rendered(store, algorithm, tp):
         "target": {"model": target}, "draft": draft_spec, "modelStore": {"pvc": {"claimName": "m"}},
         "serving": {"contextLength": 256, "maxRunningRequests": 32}, "gpu": {"memoryGiB": 80},
         "runtime": {"engine": "sglang"}}})
-    return plan, [a.replace("/models/", f"{store}/") for a in engine_args(view, plan)]
+    return plan, [a.replace("/models/", f"{store}/") for a in engine_args(view, typed(plan))]
 
 
 def test_sglang_accepts_every_rendered_command(store):

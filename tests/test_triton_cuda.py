@@ -100,23 +100,23 @@ def test_engine_starts_at_context_8192_with_the_planners_graph_batch(tmp_path):
     eng = Engine(engine_args)
     eng.init_model_worker()
     runner = eng.target_runner
-    assert runner.cuda_graphs is not None and runner.cuda_graphs.max_bs == plan["reserve"]["cudaGraphMaxBs"]
+    assert runner.cuda_graphs is not None and runner.cuda_graphs.max_bs == plan.reserve.cuda_graph_max_bs
     reqs = [Request(list(range(5, 5 + n)), SamplingParams(max_tokens=8, ignore_eos=True)) for n in (3, 700, 4000)]
     for r in reqs:
         eng.submit(r)
     while not all(r.done.is_set() for r in reqs):
         eng.step()
     static = runner.weight_bytes + runner.token_to_kv_pool.nbytes() + runner.req_to_token_pool.nbytes()
-    reserve = plan["reserve"]
+    reserve = plan.reserve
     measured = torch.cuda.max_memory_reserved() - static
-    print(f"dynamic bytes: planned {reserve['dynamicBytes']}, measured {measured} (cuBLAS workspaces included, "
-          f"which the runtime reserve of {reserve['runtimeBytes']} covers)")
+    print(f"dynamic bytes: planned {reserve.dynamic_bytes}, measured {measured} (cuBLAS workspaces included, "
+          f"which the runtime reserve of {reserve.runtime_bytes} covers)")
     # The allocator's peak stays inside what the plan leaves beyond weights and pools.
-    assert measured <= reserve["dynamicBytes"] + reserve["runtimeBytes"]
+    assert measured <= reserve.dynamic_bytes + reserve.runtime_bytes
     # Phase 3's warm-up (largest chunk, largest graph batch) measured its own peak against the plan.
     peak = eng.dynamic_peak
     print(f"warm-up: planned {peak.planned}, measured {peak.measured} ({peak.note})")
-    assert peak.planned == reserve["dynamicBytes"] and peak.measured is not None
+    assert peak.planned == reserve.dynamic_bytes and peak.measured is not None
     assert peak.measured <= peak.planned
 
 

@@ -18,7 +18,7 @@ import copy
 import math
 from typing import Any
 
-from specdecode_worker.contract import GIB
+from specdecode_worker.contract import GIB, MemoryPlan
 
 from . import labels, workload
 from .kube import Ref
@@ -36,8 +36,8 @@ GROUP_ROLE = "specdecode.io/group-role"
 LEADER, FOLLOWER = "leader", "worker"
 
 
-def nodes_per_replica(plan: dict[str, Any]) -> int:
-    return int(plan.get("nodesPerReplica") or 1)
+def nodes_per_replica(plan: MemoryPlan) -> int:
+    return plan.nodes_per_replica or 1  # plans for one node leave it out
 
 
 def lws_name(name: str) -> str:
@@ -45,23 +45,22 @@ def lws_name(name: str) -> str:
     return f"{name}-group"
 
 
-def group_host_memory(view, plan: dict[str, Any]) -> str:
+def group_host_memory(view, plan: MemoryPlan) -> str:
     """The user's value, else this pod's ranks' weights plus headroom (a pod holds t / nodes ranks)."""
     if view.memory:
         return view.memory
-    w = plan.get("weights") or {}
-    ranks = int(plan["tensorParallelSize"]) // nodes_per_replica(plan)
-    total = (w.get("targetBytes", 0) + w.get("draftBytes", 0)) * ranks + workload.HOST_MEMORY_HEADROOM
+    ranks = plan.tensor_parallel_size // nodes_per_replica(plan)
+    total = workload.weight_bytes_per_gpu(plan) * ranks + workload.HOST_MEMORY_HEADROOM
     return f"{math.ceil(total / GIB)}Gi"
 
 
-def _pod_template(dep: dict[str, Any], view, plan: dict[str, Any], role: str) -> dict[str, Any]:
+def _pod_template(dep: dict[str, Any], view, plan: MemoryPlan, role: str) -> dict[str, Any]:
     template = copy.deepcopy(dep["spec"]["template"])
     template["metadata"]["labels"][GROUP_ROLE] = role
     (container,) = [c for c in template["spec"]["containers"] if c["name"] == "worker"]
     nodes = nodes_per_replica(plan)
     container["args"] = container["args"] + ["--nnodes", str(nodes), "--master-port", str(MASTER_PORT)]
-    container["resources"]["limits"]["nvidia.com/gpu"] = int(plan["tensorParallelSize"]) // nodes
+    container["resources"]["limits"]["nvidia.com/gpu"] = plan.tensor_parallel_size // nodes
     container["resources"]["requests"]["memory"] = group_host_memory(view, plan)
     container["env"] = list(container.get("env") or []) + [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
@@ -75,7 +74,7 @@ def _pod_template(dep: dict[str, Any], view, plan: dict[str, Any], role: str) ->
     return template
 
 
-def render_leaderworkerset(view, plan: dict[str, Any], key: str, owner: dict[str, Any],
+def render_leaderworkerset(view, plan: MemoryPlan, key: str, owner: dict[str, Any],
                            generation: int = 0) -> dict[str, Any]:
     dep = workload.render_deployment(view, plan, key, owner, generation)
     meta = dep["metadata"] | {"name": lws_name(view.name)}
@@ -136,7 +135,7 @@ def rank_network_policy_ref(namespace: str, name: str) -> Ref:
     return Ref("networking.k8s.io/v1", "NetworkPolicy", namespace, rank_policy_name(name))
 
 
-def render_children(view, plan: dict[str, Any], key: str, owner: dict[str, Any],
+def render_children(view, plan: MemoryPlan, key: str, owner: dict[str, Any],
                     generation: int = 0, rank_policy: bool = False) -> list[dict[str, Any]]:
     """In apply order, as ``workload.render_children`` for one node: ConfigMap, workload, Service.
 

@@ -15,6 +15,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from specdecode_worker.contract import MemoryPlan
+
 from . import labels
 
 # Where each engine reports the tokens its KV pool holds.
@@ -59,10 +61,10 @@ def reported_tokens(engine: str, body: str) -> int | None:
     raise ValueError(f"no KV report for engine {engine!r}")
 
 
-def rounding(plan: dict[str, Any]) -> int:
+def rounding(plan: MemoryPlan) -> int:
     """Tokens an engine may round away: one vLLM block or one SGLang page."""
-    rt = plan.get("runtime") or {}
-    return int(rt.get("blockSize") or rt.get("pageSize") or 1)
+    rt = plan.runtime
+    return (rt.block_size or rt.page_size or 1) if rt is not None else 1
 
 
 @dataclass(frozen=True)
@@ -86,9 +88,11 @@ class Check:
                 "and that runtime.extraArgs changes no memory setting")
 
 
-def check(pod: dict[str, Any], plan: dict[str, Any], reported: int) -> Check:
-    rt = plan["runtime"]
-    return Check(pod["metadata"]["name"], int(rt["reportedTokens"]), reported, rt["engine"], rounding(plan))
+def check(pod: dict[str, Any], plan: MemoryPlan, reported: int) -> Check:
+    rt = plan.runtime
+    if rt is None:
+        raise ValueError("the plan has no runtime section: specdecode's own engine has no KV report to check")
+    return Check(pod["metadata"]["name"], rt.reported_tokens, reported, rt.engine, rounding(plan))
 
 
 def needs_check(pod: dict[str, Any]) -> bool:

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from specdecode_worker.contract import GIB
+from specdecode_worker.contract import GIB, MemoryPlan, PlanSource
 
 from . import conditions as c
 from . import labels, models, podsecurity
@@ -53,11 +53,11 @@ PENDING, DOWNLOADING, DOWNLOADED, FAILED = "Pending", "Downloading", "Downloaded
 
 # --- the cache claim --------------------------------------------------------------------------------
 
-def unique_sources(view: SpecView, plan: dict[str, Any]) -> list[dict[str, Any]]:
+def unique_sources(view: SpecView, plan: MemoryPlan) -> list[PlanSource]:
     """The plan's hub sources, one per (repo, commit): a draft that is the target is one download."""
-    seen: dict[tuple[str, str], dict[str, Any]] = {}
+    seen: dict[tuple[str, str], PlanSource] = {}
     for src in models.sources(view, plan).values():
-        seen.setdefault((src["repo"], src["commit"]), src)
+        seen.setdefault((src.repo, src.commit), src)
     return list(seen.values())
 
 
@@ -67,11 +67,11 @@ def claim_size(total_bytes: int) -> str:
     return f"{math.ceil((total_bytes + margin) / GIB)}Gi"
 
 
-def render_claim(view: SpecView, plan: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
+def render_claim(view: SpecView, plan: MemoryPlan, owner: dict[str, Any]) -> dict[str, Any]:
     """The PVC ``cache.create`` asks for; owned by the SDD, so it goes when the SDD goes."""
     cache = view.hub_cache
     assert cache is not None and cache.create
-    size = cache.size or claim_size(sum(int(s.get("bytes", 0)) for s in unique_sources(view, plan)))
+    size = cache.size or claim_size(sum(s.bytes for s in unique_sources(view, plan)))
     spec: dict[str, Any] = {"accessModes": [cache.access_mode], "resources": {"requests": {"storage": size}}}
     if cache.storage_class:
         spec["storageClassName"] = cache.storage_class
@@ -102,11 +102,11 @@ def job_name(claim: str, repo: str, commit: str) -> str:
     return f"model-cache-{digest}"
 
 
-def parts(src: dict[str, Any]) -> int:
-    return max(1, len(src.get("partBytes") or []))
+def parts(src: PlanSource) -> int:
+    return max(1, len(src.part_bytes))
 
 
-def render_job(view: SpecView, claim: str, src: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
+def render_job(view: SpecView, claim: str, src: PlanSource, owner: dict[str, Any]) -> dict[str, Any]:
     """The Indexed Job that downloads one model into the cache, one part per index."""
     n = parts(src)
     pod_labels = labels.common(view.name, ROLE_MODEL_CACHE)
@@ -118,7 +118,7 @@ def render_job(view: SpecView, claim: str, src: dict[str, Any], owner: dict[str,
             "image": view.image,
             "imagePullPolicy": view.image_pull_policy,
             "command": ["specdecode-worker"],
-            "args": models.fetch_args(src["repo"], src["commit"], n),
+            "args": models.fetch_args(src.repo, src.commit, n),
             "env": models.hub_env(view),
             "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
             "volumeMounts": [{"name": models.VOLUME, "mountPath": MODELS_MOUNT}],
@@ -135,10 +135,10 @@ def render_job(view: SpecView, claim: str, src: dict[str, Any], owner: dict[str,
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {
-            "name": job_name(claim, src["repo"], src["commit"]),
+            "name": job_name(claim, src.repo, src.commit),
             "namespace": view.namespace,
             "labels": pod_labels,
-            "annotations": {REPO_ANNOTATION: src["repo"], COMMIT_ANNOTATION: src["commit"], CLAIM_ANNOTATION: claim},
+            "annotations": {REPO_ANNOTATION: src.repo, COMMIT_ANNOTATION: src.commit, CLAIM_ANNOTATION: claim},
             "ownerReferences": [owner],
         },
         "spec": {
@@ -222,12 +222,11 @@ def failure_message(pods: list[dict[str, Any]], completed: set[int]) -> str | No
     return None if latest is None else latest[1]
 
 
-def progress(src: dict[str, Any], job: dict[str, Any] | None, pods: list[dict[str, Any]], name: str) -> Progress:
+def progress(src: PlanSource, job: dict[str, Any] | None, pods: list[dict[str, Any]], name: str) -> Progress:
     """Bytes done (the completed parts), and the state: Pending (no Job yet), Downloading,
     Downloaded, or Failed (a part's pod failed: the hub's message; the Job retries it)."""
-    part_bytes = [int(b) for b in src.get("partBytes") or []]
-    total = int(src.get("bytes") or sum(part_bytes))
-    base = dict(repo=src["repo"], commit=src["commit"], bytes_total=total, job=name)
+    part_bytes, total = src.part_bytes, src.bytes  # the contract checked that the parts add up
+    base = dict(repo=src.repo, commit=src.commit, bytes_total=total, job=name)
     if job is None:
         return Progress(bytes_done=0, state=PENDING, **base)
     st = job.get("status") or {}

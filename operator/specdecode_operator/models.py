@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from specdecode_worker.contract import MemoryPlan, PlanSource
+
 from .spec import MODELS_MOUNT, SpecView
 
 VOLUME = "models"
@@ -37,18 +39,18 @@ def hub_env(view: SpecView) -> list[dict[str, Any]]:
     return env
 
 
-def sources(view: SpecView, plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def sources(view: SpecView, plan: MemoryPlan) -> dict[str, PlanSource]:
     """The hub repositories the plan read, by role (target, and draft unless MTP reuses the target
-    or NGRAM has none): each with repo, commit, bytes and partBytes.
+    or NGRAM has none): each with repo, commit, bytes and part_bytes.
 
     Raises ValueError when the plan does not record them (a planner image without hub planning).
     """
-    recorded = plan.get("sources") or {}
+    recorded = {TARGET: plan.sources.target, DRAFT: plan.sources.draft} if plan.sources else {}
     roles = [TARGET] + ([DRAFT] if view.hub_draft is not None else [])
     out = {}
     for role in roles:
         src = recorded.get(role)
-        if not src or not src.get("commit") or not src.get("repo"):
+        if src is None or not src.repo:  # the contract checked the commit of a recorded source
             raise ValueError(f"the plan records no hub commit for the {role} model: the planner image "
                              f"({view.planner_image}) predates planning from the hub; use a newer worker image")
         out[role] = src
@@ -60,16 +62,16 @@ def cache_dir(repo: str, commit: str) -> str:
     return f"{MODELS_MOUNT}/{repo.strip('/')}/{commit}"
 
 
-def model_dirs(view: SpecView, plan: dict[str, Any]) -> tuple[str, str | None]:
+def model_dirs(view: SpecView, plan: MemoryPlan) -> tuple[str, str | None]:
     """The worker's --target and --draft folders."""
     if not view.hub:
         return view.model_path(view.target), view.draft_dir
     found = sources(view, plan)
-    target = cache_dir(found[TARGET]["repo"], found[TARGET]["commit"])
+    target = cache_dir(found[TARGET].repo, found[TARGET].commit)
     if view.algorithm == "NGRAM":
         return target, None
     if DRAFT in found:
-        return target, cache_dir(found[DRAFT]["repo"], found[DRAFT]["commit"])
+        return target, cache_dir(found[DRAFT].repo, found[DRAFT].commit)
     return target, target  # MTP drafts with the target's own NextN layers
 
 
@@ -101,7 +103,7 @@ def fetch_args(repo: str, commit: str, parts: int | None = None) -> list[str]:
     return args + ["--termination-log", TERMINATION_LOG]
 
 
-def fetch_init_containers(view: SpecView, plan: dict[str, Any]) -> list[dict[str, Any]]:
+def fetch_init_containers(view: SpecView, plan: MemoryPlan) -> list[dict[str, Any]]:
     """A hub store without a cache: each worker pod downloads its models before it starts."""
     if not view.hub or cache_claim(view):
         return []
@@ -110,7 +112,7 @@ def fetch_init_containers(view: SpecView, plan: dict[str, Any]) -> list[dict[str
         "image": view.image,
         "imagePullPolicy": view.image_pull_policy,
         "command": ["specdecode-worker"],
-        "args": fetch_args(src["repo"], src["commit"]),
+        "args": fetch_args(src.repo, src.commit),
         "env": hub_env(view),
         "volumeMounts": [{"name": VOLUME, "mountPath": MODELS_MOUNT}],
         "terminationMessagePath": TERMINATION_LOG,

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from specdecode_worker.contract import GIB, PLAN_API_VERSION, PLAN_KIND
+from specdecode_worker.contract import GIB, PLAN_API_VERSION, PLAN_KIND, MemoryPlan
 
 from . import conditions as c
 from . import kube as k8s
@@ -103,18 +103,21 @@ class Reconciler:
         requeue: float | None = None
         refused: c.Verdict | None = None
 
+        # status.plan: the planner's plan with our bookkeeping (key, plannerPod), as the SDD shows it.
         current = status.get("plan") or {}
-        plan = current if current.get("key") == key else None
-        if plan is None:
-            plan, requeue = self._plan(view, key, owner, status, verdicts)
+        record = current if current.get("key") == key else None
+        if record is None:
+            record, requeue = self._plan(view, key, owner, status, verdicts)
             if verdicts[c.PLANNED].reason in REFUSAL_REASONS:
                 refused = verdicts[c.PLANNED]
         else:
-            verdicts[c.PLANNED] = _planned_verdict(plan, status.get("planner"))
+            verdicts[c.PLANNED] = _planned_verdict(record, status.get("planner"))
 
-        if plan is not None and plan.get("fits"):
+        if record is not None and record.get("fits"):
             self._cleanup_planners(view, key)
-            tp = int(plan["tensorParallelSize"])
+            # Typed once, here: a plan that fits passed the contract when the planner wrote it (a misfit may not).
+            plan = MemoryPlan.from_dict(_plan_body(record))
+            tp = plan.tensor_parallel_size
             nodes = group.nodes_per_replica(plan)
             status["gpusPerReplica"] = tp
             if models.cache_claim(view):  # workers start only once every model is in the cache
@@ -133,10 +136,10 @@ class Reconciler:
             dep = self._workload(view, nodes)
             if force_apply or not _applied(dep, key, generation):
                 if nodes > 1:
-                    children = group.render_children(view, _plan_body(plan), key, owner, generation,
+                    children = group.render_children(view, plan, key, owner, generation,
                                                      rank_policy=self.options.rank_network_policy)
                 else:
-                    children = workload.render_children(view, _plan_body(plan), key, owner, generation)
+                    children = workload.render_children(view, plan, key, owner, generation)
                 for child in children:
                     try:
                         applied = self.kube.apply(child)
@@ -157,7 +160,7 @@ class Reconciler:
                 status["nodesPerReplica"] = nodes
             obs = self._observe(view, key, tp, dep, nodes)
             verdicts.update(obs.verdicts)
-            if plan.get("runtime"):
+            if plan.runtime is not None:
                 verdicts.update(self._verify_kv(view, key, plan, status))
             if refused is not None:  # what exists still reports Available; the rest waits on the refusal
                 verdicts[c.DEGRADED] = c.Verdict("True", refused.reason, refused.message)
@@ -166,7 +169,7 @@ class Reconciler:
             status.update(replicas=obs.replicas, readyReplicas=obs.ready_replicas,
                           updatedReplicas=obs.updated_replicas)
         else:  # planning, or the plan does not fit: nothing new is applied
-            if plan is not None:
+            if record is not None:
                 self._cleanup_planners(view, key)
             verdicts.update(self._previous_workers(view, status, verdicts[c.PLANNED]))
 
@@ -208,7 +211,7 @@ class Reconciler:
 
     def _plan(self, view: SpecView, key: str, owner: dict[str, Any], status: dict[str, Any],
               verdicts: dict[str, c.Verdict]) -> tuple[dict[str, Any] | None, float | None]:
-        """Drive the planner pod one step. Returns (plan or None, requeue delay)."""
+        """Drive the planner pod one step. Returns (status.plan or None, requeue delay)."""
         name = planner_pod_name(view, key)
         pod_ref = k8s.pods(view.namespace, name)
         tracker = status.get("planner") or {}
@@ -228,23 +231,23 @@ class Reconciler:
         outcome = planner.read_outcome(pod)
         if outcome.state == "fits" and view.hub:  # workers pin the commits the plan read
             try:
-                models.sources(view, outcome.plan or {})
+                models.sources(view, MemoryPlan.from_dict(outcome.plan))
             except ValueError as exc:
                 outcome = dataclasses.replace(outcome, state="failed", message=str(exc))
         if outcome.state in ("pending", "running"):
             verdicts[c.PLANNED] = c.Verdict("Unknown", c.PLANNING, f"{name}: {outcome.message}")
             return None, POLL_SECONDS
         if outcome.state in ("fits", "misfit"):
-            plan = dict(outcome.plan or {})
-            plan.pop("apiVersion", None)
-            plan.pop("kind", None)
-            plan["key"] = key
-            plan["plannerPod"] = name
-            status["plan"] = plan
+            record = dict(outcome.plan or {})
+            record.pop("apiVersion", None)
+            record.pop("kind", None)
+            record["key"] = key
+            record["plannerPod"] = name
+            status["plan"] = record
             tracker["attempts"] = 0
             tracker.pop("failedPodUID", None)
-            verdicts[c.PLANNED] = _planned_verdict(plan, tracker)
-            return plan, None
+            verdicts[c.PLANNED] = _planned_verdict(record, tracker)
+            return record, None
         # failed: count each failed pod once (by uid), back off, then run it again
         uid = (pod.get("metadata") or {}).get("uid")
         if tracker.get("failedPodUID") != uid:
@@ -310,7 +313,7 @@ class Reconciler:
 
     # --- the hub model cache ---------------------------------------------------------------------
 
-    def _models(self, view: SpecView, plan: dict[str, Any], owner: dict[str, Any],
+    def _models(self, view: SpecView, plan: MemoryPlan, owner: dict[str, Any],
                 status: dict[str, Any]) -> tuple[c.Verdict, float | None]:
         """Drive the cache one step: its PVC, one download Job per model, their progress in
         status.models. Returns ModelsReady and when to look again."""
@@ -330,7 +333,7 @@ class Reconciler:
         previous = {(m.get("repo"), m.get("commit")): m for m in status.get("models") or []}
         entries, items, wait = [], [], DOWNLOAD_POLL_SECONDS
         for src in sources:
-            name = modelcache.job_name(claim_name, src["repo"], src["commit"])
+            name = modelcache.job_name(claim_name, src.repo, src.commit)
             ref = k8s.job(view.namespace, name)
             job = self.kube.get(ref)
             if job is None:
@@ -341,7 +344,7 @@ class Reconciler:
             pods = [] if job is None or modelcache.job_complete(job) else self.kube.list(k8s.pods(view.namespace),
                                                                    f"{modelcache.JOB_NAME_LABEL}={name}")
             item = modelcache.progress(src, job, pods, name)
-            retry = modelcache.next_retry(previous.get((src["repo"], src["commit"])) or {}, job, self.clock())
+            retry = modelcache.next_retry(previous.get((src.repo, src.commit)) or {}, job, self.clock())
             if retry.wait is not None:  # out of retries per part: after the backoff, a new Job
                 if retry.wait <= 0:
                     self.kube.delete(ref)
@@ -431,27 +434,27 @@ class Reconciler:
                                             nodes)
         return observe.observe(view.replicas, template_key == key, dep, pods, capacity)
 
-    def _verify_kv(self, view: SpecView, key: str, plan: dict[str, Any],
+    def _verify_kv(self, view: SpecView, key: str, plan: MemoryPlan,
                    status: dict[str, Any]) -> dict[str, c.Verdict]:
         """Set each new vllm/sglang pod's readiness gate from the engine's own KV report, record
         planned and reported tokens per pod in status.engineKV, and say when one fell short."""
-        rt = plan["runtime"]
+        rt = plan.runtime
         pods = [p for p in self._worker_pods(view)
                 if ((p.get("metadata") or {}).get("annotations") or {}).get(labels.PLAN_KEY) == key]
         for pod in pods:
             if not kvcheck.needs_check(pod):
                 continue
-            url = kvcheck.report_url(pod, rt["engine"], workload.HTTP_PORT)
+            url = kvcheck.report_url(pod, rt.engine, workload.HTTP_PORT)
             body = self.fetch(url) if url else None
-            reported = None if body is None else kvcheck.reported_tokens(rt["engine"], body)
+            reported = None if body is None else kvcheck.reported_tokens(rt.engine, body)
             if reported is None:  # not serving its report yet: the next poll asks again
                 continue
             condition = kvcheck.gate_condition(kvcheck.check(pod, plan, reported), now_iso())
             pod = self.kube.set_pod_condition(pod, condition) or pod
             pods = [pod if p["metadata"]["name"] == pod["metadata"]["name"] else p for p in pods]
         records = [r for r in map(kvcheck.recorded, pods) if r]
-        status["engineKV"] = {"engine": rt["engine"], "version": rt["version"],
-                              "plannedTokens": rt["reportedTokens"], "pods": records}
+        status["engineKV"] = {"engine": rt.engine, "version": rt.version,
+                              "plannedTokens": rt.reported_tokens, "pods": records}
         short = [r for r in records if not r["verified"]]
         if not short:
             return {}
@@ -514,21 +517,24 @@ def _applied(dep: dict[str, Any] | None, key: str, generation: int) -> bool:
     return ann.get(labels.PLAN_KEY) == key and ann.get(labels.GENERATION) == str(generation)
 
 
-def _plan_body(plan: dict[str, Any]) -> dict[str, Any]:
-    """The MemoryPlan as the planner wrote it (what the worker's --plan reads)."""
-    body = {k: v for k, v in plan.items() if k not in ("key", "plannerPod")}
+def _plan_body(record: dict[str, Any]) -> dict[str, Any]:
+    """The MemoryPlan as the planner wrote it (what the worker's --plan reads) from status.plan."""
+    body = {k: v for k, v in record.items() if k not in ("key", "plannerPod")}
     return {"apiVersion": PLAN_API_VERSION, "kind": PLAN_KIND, **body}
 
 
-def _planned_verdict(plan: dict[str, Any], tracker: dict[str, Any] | None = None) -> c.Verdict:
-    """Planned from the stored plan, with where its GPUs per node came from (``status.planner``)."""
-    if (tracker or {}).get("key") != plan.get("key"):
+def _planned_verdict(record: dict[str, Any], tracker: dict[str, Any] | None = None) -> c.Verdict:
+    """Planned from status.plan, with where its GPUs per node came from (``status.planner``).
+
+    Read from the dict: a misfit plan's numbers may be out of the contract's range.
+    """
+    if (tracker or {}).get("key") != record.get("key"):
         tracker = None
-    if plan.get("fits"):
-        return c.Verdict("True", c.PLAN_READY, _with_note(plan.get("message", "plan ready"), tracker))
-    short = plan.get("shortfallBytes", 0)
+    if record.get("fits"):
+        return c.Verdict("True", c.PLAN_READY, _with_note(record.get("message", "plan ready"), tracker))
+    short = record.get("shortfallBytes", 0)
     return c.Verdict("False", c.INSUFFICIENT_GPU_MEMORY, _with_note(
-        f"{in_spec_terms(plan.get('message', 'the models do not fit'))} (short by {short / GIB:.2f} GiB "
+        f"{in_spec_terms(record.get('message', 'the models do not fit'))} (short by {short / GIB:.2f} GiB "
         f"= {short} bytes per GPU)", tracker))
 
 

@@ -11,7 +11,9 @@ import json
 import math
 from typing import Any
 
-from specdecode_worker.contract import DEFAULT_ENGINE, EAGLE_ALGORITHMS, GIB, MIB, sglang_flags, vllm_flags
+from specdecode_worker.contract import (
+    DEFAULT_ENGINE, EAGLE_ALGORITHMS, GIB, MIB, MemoryPlan, sglang_flags, vllm_flags,
+)
 
 from . import labels, models, podsecurity
 from .spec import SpecView, draft_proposals
@@ -33,7 +35,7 @@ def configmap_name(view: SpecView) -> str:
     return f"{view.name}-plan"
 
 
-def render_configmap(view: SpecView, plan: dict[str, Any], key: str, owner: dict[str, Any]) -> dict[str, Any]:
+def render_configmap(view: SpecView, plan: MemoryPlan, key: str, owner: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -43,14 +45,19 @@ def render_configmap(view: SpecView, plan: dict[str, Any], key: str, owner: dict
             "labels": labels.common(view.name, labels.ROLE_WORKER) | {labels.PLAN_KEY: key},
             "ownerReferences": [owner],
         },
-        "data": {PLAN_FILE: json.dumps(plan, separators=(",", ":"))},
+        # The planner's document as it wrote it: the worker's --plan checks its flags against it.
+        "data": {PLAN_FILE: json.dumps(plan.document, separators=(",", ":"))},
     }
 
 
-def worker_args(view: SpecView, plan: dict[str, Any]) -> list[str]:
+def _planned(value: int | None, spec_value: int | None) -> int | None:
+    """The plan's number where it records one (plans written before lack it), else the spec's."""
+    return spec_value if value is None else value
+
+
+def worker_args(view: SpecView, plan: MemoryPlan) -> list[str]:
     """``specdecode-worker serve`` arguments: the plan's numbers, pinned."""
-    s = view.serving
-    reserve = plan.get("reserve") or {}
+    s, reserve = view.serving, plan.reserve
     target_dir, draft_dir = models.model_dirs(view, plan)
     args = ["serve", "--target", target_dir]
     if draft_dir:
@@ -61,17 +68,17 @@ def worker_args(view: SpecView, plan: dict[str, Any]) -> list[str]:
         "--device", "cuda",
         "--host", "0.0.0.0",
         "--port", str(HTTP_PORT),
-        "--tp", str(plan["tensorParallelSize"]),
-        "--mem-fraction-static", repr(float(plan["memFractionStatic"])),
-        "--max-total-tokens", str(plan["kvCache"]["maxTotalNumTokens"]),
+        "--tp", str(plan.tensor_parallel_size),
+        "--mem-fraction-static", repr(float(plan.mem_fraction_static)),
+        "--max-total-tokens", str(plan.kv_cache.max_total_num_tokens),
         "--context-length", str(s.context_length),
         "--kv-cache-dtype", s.kv_cache_dtype,
-        "--max-running-requests", str(reserve.get("maxRunningRequests", s.max_running_requests)),
+        "--max-running-requests", str(_planned(reserve.max_running_requests, s.max_running_requests)),
     ]
-    graph_bs = reserve.get("cudaGraphMaxBs", s.cuda_graph_max_batch_size)
+    graph_bs = _planned(reserve.cuda_graph_max_bs, s.cuda_graph_max_batch_size)
     if graph_bs is not None:
         args += ["--cuda-graph-max-bs", str(graph_bs)]
-    chunk = reserve.get("chunkedPrefillSize", s.chunked_prefill_size)
+    chunk = _planned(reserve.chunked_prefill_size, s.chunked_prefill_size)
     if chunk is not None:
         args += ["--chunked-prefill-size", str(chunk)]
     args += ["--dtype", view.target_dtype, "--num-draft-tokens", str(draft_proposals(view)),
@@ -97,18 +104,18 @@ ENGINE_ENV = {
 }
 
 
-def engine_args(view: SpecView, plan: dict[str, Any]) -> list[str]:
+def engine_args(view: SpecView, plan: MemoryPlan) -> list[str]:
     """The engine's own server arguments: every planned number pinned, then runtime.extraArgs."""
     if view.engine == DEFAULT_ENGINE:
         return worker_args(view, plan)
-    s, reserve = view.serving, plan.get("reserve") or {}
+    s, reserve = view.serving, plan.reserve
     target_dir, draft_dir = models.model_dirs(view, plan)
     common = dict(
         target_dir=target_dir, served_name=view.target.model, draft_dir=draft_dir, algorithm=view.algorithm,
         plan=plan, context_length=s.context_length,
-        max_running=int(reserve.get("maxRunningRequests", s.max_running_requests)),
-        chunk=int(reserve.get("chunkedPrefillSize") or s.chunked_prefill_size or s.context_length),
-        graph_bs=int(reserve.get("cudaGraphMaxBs") or s.cuda_graph_max_batch_size or 1),
+        max_running=int(_planned(reserve.max_running_requests, s.max_running_requests)),
+        chunk=int(reserve.chunked_prefill_size or s.chunked_prefill_size or s.context_length),
+        graph_bs=int(reserve.cuda_graph_max_bs or s.cuda_graph_max_batch_size or 1),
         kv_cache_dtype=s.kv_cache_dtype, dtype=view.target_dtype, port=HTTP_PORT, prefix_cache=s.prefix_cache,
     )
     if view.engine == "vllm":
@@ -118,26 +125,29 @@ def engine_args(view: SpecView, plan: dict[str, Any]) -> list[str]:
     return args + list(view.runtime.extra_args)
 
 
-def host_memory_request(view: SpecView, plan: dict[str, Any]) -> str:
+def weight_bytes_per_gpu(plan: MemoryPlan) -> int:
+    """Target and draft weights one rank holds."""
+    return plan.weights.target_bytes + plan.weights.draft_bytes
+
+
+def host_memory_request(view: SpecView, plan: MemoryPlan) -> str:
     """The user's value, else every rank's weights plus headroom (weights pass through host memory)."""
     if view.memory:
         return view.memory
-    w = plan.get("weights") or {}
-    total = (w.get("targetBytes", 0) + w.get("draftBytes", 0)) * plan["tensorParallelSize"] + HOST_MEMORY_HEADROOM
+    total = weight_bytes_per_gpu(plan) * plan.tensor_parallel_size + HOST_MEMORY_HEADROOM
     return f"{math.ceil(total / GIB)}Gi"
 
 
-def startup_failure_threshold(plan: dict[str, Any]) -> int:
+def startup_failure_threshold(plan: MemoryPlan) -> int:
     """Probe attempts covering loading every weight at the slowest expected rate, plus init."""
-    w = plan.get("weights") or {}
-    total = (w.get("targetBytes", 0) + w.get("draftBytes", 0)) * plan["tensorParallelSize"]
+    total = weight_bytes_per_gpu(plan) * plan.tensor_parallel_size
     seconds = STARTUP_FIXED_SECONDS + total / LOAD_BYTES_PER_SECOND
     return max(30, math.ceil(seconds / STARTUP_PERIOD_SECONDS))
 
 
-def render_deployment(view: SpecView, plan: dict[str, Any], key: str, owner: dict[str, Any],
+def render_deployment(view: SpecView, plan: MemoryPlan, key: str, owner: dict[str, Any],
                       generation: int = 0) -> dict[str, Any]:
-    tp = int(plan["tensorParallelSize"])
+    tp = plan.tensor_parallel_size
     pod_labels = dict(view.pod.get("labels") or {}) | labels.common(view.name, labels.ROLE_WORKER)
     annotations = dict(view.pod.get("annotations") or {}) | {labels.PLAN_KEY: key}
     requests: dict[str, Any] = {"cpu": view.cpu or "2", "memory": host_memory_request(view, plan)}
@@ -227,7 +237,7 @@ def render_service(view: SpecView, owner: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def render_children(view: SpecView, plan: dict[str, Any], key: str, owner: dict[str, Any],
+def render_children(view: SpecView, plan: MemoryPlan, key: str, owner: dict[str, Any],
                     generation: int = 0) -> list[dict[str, Any]]:
     """In apply order: the plan ConfigMap before the Deployment that mounts it."""
     return [render_configmap(view, plan, key, owner), render_deployment(view, plan, key, owner, generation),

@@ -6,7 +6,7 @@ Standard library only: the operator renders it into the worker pod.
 
 from __future__ import annotations
 
-from typing import Any
+from . import MemoryPlan
 
 # The flags the rendered command sets; runtime.extraArgs may not set them.
 OWNED_FLAGS = (
@@ -21,23 +21,25 @@ ALGORITHMS = {"EAGLE": "EAGLE", "EAGLE3": "EAGLE3", "STANDALONE": "STANDALONE", 
 
 
 def args(*, target_dir: str, served_name: str, draft_dir: str | None, algorithm: str, num_steps: int,
-         proposals: int, plan: dict[str, Any], context_length: int, max_running: int, chunk: int, graph_bs: int,
+         proposals: int, plan: MemoryPlan, context_length: int, max_running: int, chunk: int, graph_bs: int,
          kv_cache_dtype: str, dtype: str, port: int, prefix_cache: bool = True) -> list[str]:
     """``python -m sglang.launch_server`` arguments that pin every planned number."""
-    rt = plan["runtime"]
+    rt = plan.runtime
+    if rt is None or rt.mem_fraction_static is None or rt.page_size is None:
+        raise ValueError("the plan was not priced for SGLang: it has no runtime.memFractionStatic and pageSize")
     out = [
         "--model-path", target_dir, "--served-model-name", served_name,
         "--host", "0.0.0.0", "--port", str(port),
-        "--tp-size", str(plan["tensorParallelSize"]),
-        "--mem-fraction-static", f"{rt['memFractionStatic']:.3f}",
-        "--max-total-tokens", str(rt["reportedTokens"]),
-        "--page-size", str(rt["pageSize"]),
+        "--tp-size", str(plan.tensor_parallel_size),
+        "--mem-fraction-static", f"{rt.mem_fraction_static:.3f}",
+        "--max-total-tokens", str(rt.reported_tokens),
+        "--page-size", str(rt.page_size),
         "--context-length", str(context_length),
         "--max-running-requests", str(max_running),
         "--chunked-prefill-size", str(chunk),
         "--cuda-graph-max-bs-decode", str(graph_bs),
         "--kv-cache-dtype", kv_cache_dtype,
-        "--dtype", rt.get("dtype") or dtype,
+        "--dtype", rt.dtype or dtype,
         "--speculative-algorithm", ALGORITHMS[algorithm],
     ]
     if not prefix_cache:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from . import MemoryPlan
+
 # The flags the rendered command sets; runtime.extraArgs may not set them.
 OWNED_FLAGS = (
     "--model", "--served-model-name", "--host", "--port", "--tensor-parallel-size", "-tp",
@@ -33,22 +35,24 @@ def speculative_config(algorithm: str, draft_dir: str | None, proposals: int) ->
 
 
 def args(*, target_dir: str, served_name: str, draft_dir: str | None, algorithm: str, proposals: int,
-         plan: dict[str, Any], context_length: int, max_running: int, chunk: int, graph_bs: int,
+         plan: MemoryPlan, context_length: int, max_running: int, chunk: int, graph_bs: int,
          kv_cache_dtype: str, dtype: str, port: int, prefix_cache: bool = True) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server`` arguments that pin every planned number."""
-    rt = plan["runtime"]
+    rt = plan.runtime
+    if rt is None or rt.kv_cache_memory_bytes is None or rt.block_size is None:
+        raise ValueError("the plan was not priced for vLLM: it has no runtime.kvCacheMemoryBytes and blockSize")
     return [
         "--model", target_dir, "--served-model-name", served_name,
         "--host", "0.0.0.0", "--port", str(port),
-        "--tensor-parallel-size", str(plan["tensorParallelSize"]),
-        "--kv-cache-memory-bytes", str(rt["kvCacheMemoryBytes"]),
-        "--block-size", str(rt["blockSize"]),
+        "--tensor-parallel-size", str(plan.tensor_parallel_size),
+        "--kv-cache-memory-bytes", str(rt.kv_cache_memory_bytes),
+        "--block-size", str(rt.block_size),
         "--max-model-len", str(context_length),
         "--max-num-seqs", str(max_running),
         "--max-num-batched-tokens", str(chunk),
         "--max-cudagraph-capture-size", str(graph_bs * (proposals + 1)),
         "--kv-cache-dtype", {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}.get(kv_cache_dtype, "auto"),
-        "--dtype", rt.get("dtype") or dtype,
+        "--dtype", rt.dtype or dtype,
         "--speculative-config", json.dumps(speculative_config(algorithm, draft_dir, proposals),
                                            separators=(",", ":")),
         "--enable-prefix-caching" if prefix_cache else "--no-enable-prefix-caching",

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..contract import PlanModel, PlanModels
 from ..errors import InputError
 from ..model_rules.checkpoint import TensorInfo, read_checkpoint
 
@@ -40,32 +42,30 @@ def identity(model_dir: str | Path, tensors: Iterable[TensorInfo] | None = None)
     return {"bytes": sum(t.nbytes for t in tensors), "config": config_hash(model_dir)}
 
 
-def check_models(target: str, draft: str | None, plan: dict[str, Any], path: str) -> None:
+def check_models(target: str, draft: str | None, planned: PlanModels | None, path: str) -> None:
     """Refuse (InputError) a --target or --draft other than the model the plan was made for; warn
-    once when the plan does not record its models (a plan from an older planner)."""
-    planned = plan.get("models")
+    once when the plan does not record its models (a plan from an older planner). ``planned``: the
+    plan's ``models``."""
     if planned is None:
         log.warning("the plan %s does not record the models it was made for (a plan from an older planner): "
                     "--target %s%s could not be checked against it; re-plan to have them checked", path, target,
                     f" and --draft {draft}" if draft else "")
         return
-    given = {"target": target}
-    if draft and planned.get("draft") and Path(draft).resolve() != Path(target).resolve():
-        given["draft"] = draft
-    for role, folder in given.items():
-        if role not in planned:
-            continue
+    given = {"target": (target, planned.target)}
+    if draft and planned.draft and Path(draft).resolve() != Path(target).resolve():
+        given["draft"] = (draft, planned.draft)
+    for role, (folder, model) in given.items():
         served = identity(folder)
-        if served != planned[role]:
+        if served != asdict(model):
             raise InputError(
-                f"--{role} {folder}: not the {role} the plan {path} was made for ({_differs(served, planned[role])}); "
+                f"--{role} {folder}: not the {role} the plan {path} was made for ({_differs(served, model)}); "
                 f"re-plan with --{role} {folder}, or give --{role} the folder of the planned model")
 
 
-def _differs(served: dict[str, Any], planned: dict[str, Any]) -> str:
+def _differs(served: dict[str, Any], planned: PlanModel) -> str:
     parts = []
-    if served["config"] != planned.get("config"):
-        parts.append(f"config.json hash {served['config']}, planned {planned.get('config')}")
-    if served["bytes"] != planned.get("bytes"):
-        parts.append(f"weights {served['bytes']} bytes, planned {planned.get('bytes')}")
+    if served["config"] != planned.config:
+        parts.append(f"config.json hash {served['config']}, planned {planned.config}")
+    if served["bytes"] != planned.bytes:
+        parts.append(f"weights {served['bytes']} bytes, planned {planned.bytes}")
     return "; ".join(parts)

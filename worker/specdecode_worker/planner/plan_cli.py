@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import termination
-from ..contract import DEFAULT_ENGINE, ENGINES, FP8_KV_CACHE_DTYPES, GIB, PLANNED_ALGORITHMS, ExitCode, to_json
+from ..contract import (DEFAULT_ENGINE, ENGINES, FP8_KV_CACHE_DTYPES, GIB, PLANNED_ALGORITHMS, ExitCode, MemoryPlan,
+                        PlanReserve, to_json)
 from ..devices import resolve_device_memory
 from ..errors import InputError
 from ..flags import CommandParser, add_sizing_flags
@@ -361,54 +362,53 @@ def _gib(n: int) -> str:
     return f"{n / GIB:9.2f} GiB"
 
 
-def render_table(plan: dict[str, Any]) -> str:
+def render_table(plan: MemoryPlan) -> str:
     """The plan for a person: per-GPU terms in GiB, then the older accountings next to it."""
-    kv, weights, reserve = plan["kvCache"], plan["weights"], plan["reserve"]
-    gpu = plan["gpuMemoryBytes"]
-    fraction = plan["memFractionStatic"]
+    kv, weights, reserve, gpu = plan.kv_cache, plan.weights, plan.reserve, plan.gpu_memory_bytes
+    fraction = plan.mem_fraction_static
     rows = [
-        f"MemoryPlan  {plan['algorithm']}  target={plan['target']}  draft={plan['draft'] or '-'}",
-        f"fits: {'yes' if plan['fits'] else 'NO'}   tensor parallel: {plan['tensorParallelSize']}   "
-        f"nodes: {plan.get('nodesPerReplica', 1)}   "
-        f"GPU: {plan['gpu']['name']} ({plan['gpu']['source']})",
+        f"MemoryPlan  {plan.algorithm}  target={plan.target}  draft={plan.draft or '-'}",
+        f"fits: {'yes' if plan.fits else 'NO'}   tensor parallel: {plan.tensor_parallel_size}   "
+        f"nodes: {plan.nodes_per_replica or 1}   "
+        f"GPU: {plan.gpu.name} ({plan.gpu.source})",
         "",
         "per GPU                          bytes",
         f"  free before weights (G)    {_gib(gpu)}",
         f"  static share f = {fraction:.3f}     {_gib(int(gpu * fraction))}",
-        f"  target weights             {_gib(weights['targetBytes'])}",
-        f"  draft weights              {_gib(weights['draftBytes'])}",
-        f"  runtime reserve            {_gib(reserve['runtimeBytes'])}",
-        f"  KV pools (target + draft)  {_gib(kv['poolBytes'])}",
-        f"  dynamic reserve            {_gib(reserve['dynamicBytes'])}",
+        f"  target weights             {_gib(weights.target_bytes)}",
+        f"  draft weights              {_gib(weights.draft_bytes)}",
+        f"  runtime reserve            {_gib(reserve.runtime_bytes)}",
+        f"  KV pools (target + draft)  {_gib(kv.pool_bytes)}",
+        f"  dynamic reserve            {_gib(reserve.dynamic_bytes)}",
         "",
-        f"KV bytes/token: target {kv['targetBytesPerToken']}, draft {kv['draftBytesPerToken']} "
-        f"({kv['draftNumLayers']} draft layers, {kv['dtype']})",
-        f"KV tokens: {kv['maxTotalNumTokens']}  (floor {kv['minTokens']}, context {kv['contextLength']})",
+        f"KV bytes/token: target {kv.target_bytes_per_token}, draft {kv.draft_bytes_per_token} "
+        f"({kv.draft_num_layers} draft layers, {kv.dtype})",
+        f"KV tokens: {kv.max_total_num_tokens}  (floor {kv.min_tokens}, context {kv.context_length})",
         _priced_for(reserve),
         "",
         "accounting                         KV tokens   peak / fits",
-        f"  this plan (draft priced)      {kv['maxTotalNumTokens']:>12}   fits={plan['fits']}",
-        f"  legacy (target-only profile)  {plan['legacy']['maxTotalNumTokens']:>12}   "
-        f"peak {plan['legacy']['peakBytes'] / GIB:.2f} GiB of {gpu / GIB:.2f} GiB, fits={plan['legacy']['fits']}",
-        f"  layer ratio (scaled cell)     {plan['layerRatio']['maxTotalNumTokens']:>12}   "
-        f"{plan['layerRatio']['bytesPerToken']} B/token",
+        f"  this plan (draft priced)      {kv.max_total_num_tokens:>12}   fits={plan.fits}",
+        f"  legacy (target-only profile)  {plan.legacy.max_total_num_tokens:>12}   "
+        f"peak {plan.legacy.peak_bytes / GIB:.2f} GiB of {gpu / GIB:.2f} GiB, fits={plan.legacy.fits}",
+        f"  layer ratio (scaled cell)     {plan.layer_ratio.max_total_num_tokens:>12}   "
+        f"{plan.layer_ratio.bytes_per_token} B/token",
         "",
-        f"shortfall: {plan['shortfallBytes'] / GIB:.2f} GiB   "
-        f"min mem_fraction_static: {plan['minMemFractionStatic']:.3f}   "
-        f"min tensor parallel: {plan['minTensorParallelSize'] or 'none'}",
-        plan["message"],
+        f"shortfall: {plan.shortfall_bytes / GIB:.2f} GiB   "
+        f"min mem_fraction_static: {plan.min_mem_fraction_static:.3f}   "
+        f"min tensor parallel: {plan.min_tensor_parallel_size or 'none'}",
+        plan.message,
     ]
     return "\n".join(rows) + "\n"
 
 
-def _priced_for(reserve: dict[str, Any]) -> str:
+def _priced_for(reserve: PlanReserve) -> str:
     """The serving shape the dynamic reserve assumes (``serve --plan`` refuses a wider one)."""
-    tree = reserve.get("treeTopk") or 1
-    shape = "a chain" if tree == 1 else f"a tree of top-k {tree}, {reserve.get('treeSteps')} steps deep"
-    return (f"reserve priced for: {reserve.get('verifyTokens')} verify tokens per request ({shape}), "
-            f"{reserve['maxRunningRequests']} running requests, CUDA graphs up to batch {reserve['cudaGraphMaxBs']}, "
-            f"prefill chunks of {reserve['chunkedPrefillSize']} tokens, "
-            f"{reserve.get('dtypeBytes')}-byte activations ({reserve.get('dtype') or 'the checkpoint dtype'})")
+    tree = reserve.tree_topk or 1
+    shape = "a chain" if tree == 1 else f"a tree of top-k {tree}, {reserve.tree_steps} steps deep"
+    return (f"reserve priced for: {reserve.verify_tokens} verify tokens per request ({shape}), "
+            f"{reserve.max_running_requests} running requests, CUDA graphs up to batch {reserve.cuda_graph_max_bs}, "
+            f"prefill chunks of {reserve.chunked_prefill_size} tokens, "
+            f"{reserve.dtype_bytes}-byte activations ({reserve.dtype or 'the checkpoint dtype'})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,10 +416,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plan(args) -> termination.Outcome:
-    plan = plan_from_flags(args)
-    compact = to_json(plan)
+    plan = MemoryPlan.from_dict(plan_from_flags(args))  # what a worker and the operator will read
+    compact = to_json(plan.document)
 
     def show() -> None:
         print(render_table(plan) if args.output == "table" else compact, end="" if args.output == "table" else "\n")
 
-    return compact, ExitCode.OK if plan["fits"] else ExitCode.DOES_NOT_FIT, show
+    return compact, ExitCode.OK if plan.fits else ExitCode.DOES_NOT_FIT, show

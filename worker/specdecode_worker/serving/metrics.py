@@ -103,17 +103,16 @@ class _EngineCollector:
         for name, secs in stats.phase_seconds.items():
             phases.add_metric([name], secs)
         yield phases
-        plan = self.state.plan or {}
-        planned = plan.get("kvCache", {}).get("maxTotalNumTokens")
-        if planned is not None:
-            yield gauge("kv_tokens_planned", "max_total_num_tokens in the memory plan", planned)
+        plan = self.state.plan
+        if plan is not None:
+            yield gauge("kv_tokens_planned", "max_total_num_tokens in the memory plan",
+                        plan.kv_cache.max_total_num_tokens)
         if engine.memory_profile is not None:
             yield gauge("kv_tokens_actual", "max_total_num_tokens measured in phase 2",
                         engine.memory_profile.max_total_num_tokens)
-        dynamic = plan.get("reserve", {}).get("dynamicBytes")
-        if dynamic is not None:
+        if plan is not None:
             yield gauge("dynamic_bytes_planned", "R_dynamic in the memory plan: bytes left free for activations, "
-                        "logits and CUDA graphs", dynamic)
+                        "logits and CUDA graphs", plan.reserve.dynamic_bytes)
         warm = getattr(engine, "dynamic_peak", None)
         if warm is not None and warm.measured is not None:
             yield gauge("dynamic_bytes_measured", "dynamic peak measured by phase 3's warm-up (largest prefill "

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..contract import GIB, KV_CACHE_DTYPES, SERVED_ALGORITHMS, ExitCode
+from ..contract import GIB, KV_CACHE_DTYPES, SERVED_ALGORITHMS, ExitCode, MemoryPlan
 from ..errors import InputError
 from ..flags import CommandParser, add_sizing_flags, asks_for_help
 from ..planner.hub import model_name
@@ -78,8 +78,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_plan_file(path: str) -> dict[str, Any]:
-    from ..contract import validate_plan
+def load_plan_file(path: str) -> MemoryPlan:
 
     try:
         obj = json.loads(Path(path).read_text())
@@ -88,12 +87,12 @@ def load_plan_file(path: str) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise InputError(f"--plan {path}: not valid JSON ({exc})") from None
     try:
-        return validate_plan(obj)
+        return MemoryPlan.from_dict(obj)
     except ValueError as exc:
         raise InputError(f"--plan {path}: {exc}") from None
 
 
-def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+def resolve(args: argparse.Namespace) -> tuple[Any, MemoryPlan]:
     """EngineArgs and the plan they follow."""
     from ..engine.engine import EngineArgs
 
@@ -112,9 +111,9 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     args.dtype = planned_dtype(args, plan, device)
     if plan is not None:
-        if plan["algorithm"] != ("NGRAM" if args.algorithm == "NONE" else args.algorithm):
-            raise InputError(f"--plan {args.plan}: planned for {plan['algorithm']}, serving {args.algorithm}")
-        check_models(args.target, args.draft, plan, args.plan)
+        if plan.algorithm != ("NGRAM" if args.algorithm == "NONE" else args.algorithm):
+            raise InputError(f"--plan {args.plan}: planned for {plan.algorithm}, serving {args.algorithm}")
+        check_models(args.target, args.draft, plan.models, args.plan)
         kv_cache_dtype = plan_kv_cache_dtype(plan, args.kv_cache_dtype, args.plan)
         check_flags_against_plan(args, plan, args.plan)
         for narrower in check_against_plan(args, plan, args.plan, device):
@@ -131,51 +130,42 @@ def resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         ns.gpus_per_node = _gpus_per_pod(args, ns.tp)
         if device == "cpu":
             ns.gpu_memory_gib = args.device_memory_gib
-        plan = make_plan(plan_args(ns))
-    if args.tp not in (None, "auto", str(plan["tensorParallelSize"])):
-        raise InputError(f"--tp {args.tp}: the plan is for {plan['tensorParallelSize']} GPU(s); give --tp "
-                         f"{plan['tensorParallelSize']} or auto")
-    if not plan["fits"]:
-        raise InputError(f"the memory plan does not fit: {plan['message']}")
+        plan = MemoryPlan.from_dict(make_plan(plan_args(ns)))
+    tp = plan.tensor_parallel_size
+    if args.tp not in (None, "auto", str(tp)):
+        raise InputError(f"--tp {args.tp}: the plan is for {tp} GPU(s); give --tp {tp} or auto")
+    if not plan.fits:
+        raise InputError(f"the memory plan does not fit: {plan.message}")
 
-    kv, reserve = plan["kvCache"], plan["reserve"]
+    kv, reserve = plan.kv_cache, plan.reserve
     shape = serve_shape(args, plan)
-    budget = plan["gpuMemoryBytes"]
+    budget = plan.gpu_memory_bytes
     if device == "cpu" and args.device_memory_gib is not None:
         budget = int(args.device_memory_gib * GIB)
     engine_args = EngineArgs(
         target=args.target, draft=args.draft, algorithm=args.algorithm, device=device,
         dtype=None if args.dtype == "auto" else args.dtype,
         device_memory_bytes=budget if device == "cpu" else None,
-        mem_fraction_static=plan["memFractionStatic"], runtime_bytes=reserve["runtimeBytes"],
-        context_len=kv["contextLength"], min_kv_tokens=kv["minTokens"], max_total_tokens=args.max_total_tokens,
+        mem_fraction_static=plan.mem_fraction_static, runtime_bytes=reserve.runtime_bytes,
+        context_len=kv.context_length, min_kv_tokens=kv.min_tokens, max_total_tokens=args.max_total_tokens,
         max_running_requests=shape.max_running_requests, cuda_graph_max_bs=shape.cuda_graph_max_bs,
         num_draft_tokens=shape.num_draft_tokens, ngram_max=args.ngram_max,
         speculative_num_steps=shape.speculative_num_steps, speculative_eagle_topk=shape.speculative_eagle_topk,
-        planned_tokens=kv["maxTotalNumTokens"],
+        planned_tokens=kv.max_total_num_tokens,
         draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization,
         kv_cache_dtype=kv_cache_dtype, spec_policy=args.spec_policy,
         chunked_prefill_size=shape.chunked_prefill_size,
-        planned_dynamic_bytes=reserve.get("dynamicBytes"), prefix_cache=not args.disable_prefix_cache,
+        planned_dynamic_bytes=reserve.dynamic_bytes, prefix_cache=not args.disable_prefix_cache,
     )
     return engine_args, plan
 
 
-# Sizing flags that may come next to --plan (the operator pins them): (flag's attribute, plan keys).
-# The serving limits the reserve is priced from may also be lower (serve_shape.py).
-PINNED_BY_PLAN = (
-    ("mem_fraction_static", ("memFractionStatic",)),
-    ("context_length", ("kvCache", "contextLength")),
-)
-
-
-def check_flags_against_plan(args: argparse.Namespace, plan: dict[str, Any], path: str) -> None:
-    """A sizing flag given with --plan must say what the plan says: the plan's numbers are served."""
-    for name, keys in PINNED_BY_PLAN:
+def check_flags_against_plan(args: argparse.Namespace, plan: MemoryPlan, path: str) -> None:
+    """A sizing flag given with --plan must say what the plan says: the plan's numbers are served.
+    (The serving limits the reserve is priced from may also be lower: serve_shape.py.)"""
+    pinned = {"mem_fraction_static": plan.mem_fraction_static, "context_length": plan.kv_cache.context_length}
+    for name, planned in pinned.items():
         given = getattr(args, name)
-        planned: Any = plan
-        for key in keys:
-            planned = planned.get(key) if isinstance(planned, dict) else None
         if given in (None, "auto") or planned is None:
             continue
         flag = "--" + name.replace("_", "-")
@@ -200,12 +190,12 @@ def _gpus_per_pod(args: argparse.Namespace, tp: str) -> int | None:
     return t // nnodes if nnodes > 1 and t % nnodes == 0 else None
 
 
-def plan_kv_cache_dtype(plan: dict[str, Any], flag: str | None, path: str) -> str:
+def plan_kv_cache_dtype(plan: MemoryPlan, flag: str | None, path: str) -> str:
     """The KV dtype a pinned plan was sized with; a --kv-cache-dtype that contradicts it is refused.
 
     The plan names fp8 as the flag does and auto by the model's dtype (for example bfloat16).
     """
-    planned = plan["kvCache"].get("dtype")
+    planned = plan.kv_cache.dtype
     if planned is None:  # a plan written without it: the flag decides
         return flag or "auto"
     planned_flag = planned if planned in KV_CACHE_DTYPES else "auto"
@@ -262,7 +252,7 @@ def build(argv: list[str]):
     return build_server(engine_args, plan, http_options(args))
 
 
-def build_server(engine_args, plan: dict[str, Any], http: HttpOptions):
+def build_server(engine_args, plan: MemoryPlan, http: HttpOptions):
     """The uvicorn server, its ServerState and the outcome the engine start-up will set."""
     import uvicorn
 
@@ -283,7 +273,7 @@ def build_server(engine_args, plan: dict[str, Any], http: HttpOptions):
 
     def start_engine() -> None:  # the HTTP port is up first, so /health can report the phases
         log.info("planned max_total_num_tokens %s (floor %s), KV cache dtype %s (--kv-cache-dtype %s)",
-                 plan["kvCache"]["maxTotalNumTokens"], plan["kvCache"]["minTokens"], plan["kvCache"].get("dtype"),
+                 plan.kv_cache.max_total_num_tokens, plan.kv_cache.min_tokens, plan.kv_cache.dtype,
                  engine_args.kv_cache_dtype)
         start_engine_in_background(state, on_failure)
 
@@ -292,7 +282,7 @@ def build_server(engine_args, plan: dict[str, Any], http: HttpOptions):
     return server, state, outcome
 
 
-def serve(engine_args, plan: dict[str, Any], http: HttpOptions) -> int:
+def serve(engine_args, plan: MemoryPlan, http: HttpOptions) -> int:
     """Serve HTTP until stopped; the exit code of the module docstring."""
     try:
         server, state, outcome = build_server(engine_args, plan, http)
@@ -305,7 +295,7 @@ def serve(engine_args, plan: dict[str, Any], http: HttpOptions) -> int:
     return outcome["exit"]
 
 
-def nodes_of(args: argparse.Namespace, plan: dict[str, Any]):
+def nodes_of(args: argparse.Namespace, tp: int, planned_nodes: int | None):
     """Where this pod sits in its replica, from the flags or the LeaderWorkerSet environment."""
     import os
 
@@ -321,7 +311,6 @@ def nodes_of(args: argparse.Namespace, plan: dict[str, Any]):
             source = flag if value is not None else f"${env}"
             raise InputError(f"{source}: expected a whole number, got {raw!r}") from None
 
-    tp = plan["tensorParallelSize"]
     nnodes = number("--nnodes", args.nnodes, "LWS_GROUP_SIZE", 1)
     node_rank = number("--node-rank", args.node_rank, "LWS_WORKER_INDEX", 0)
     addr = args.master_addr or os.environ.get("LWS_LEADER_ADDRESS") or "127.0.0.1"
@@ -331,15 +320,14 @@ def nodes_of(args: argparse.Namespace, plan: dict[str, Any]):
         raise InputError(f"--node-rank {node_rank}: must be in 0..{nnodes - 1} for --nnodes {nnodes}")
     if tp % nnodes:
         raise InputError(f"--nnodes {nnodes}: the plan's {tp} GPU(s) do not split evenly over {nnodes} pods")
-    planned = plan.get("nodesPerReplica")
-    if planned is not None and planned != nnodes:
-        raise InputError(f"--nnodes {nnodes}: the plan spreads its {tp} GPU(s) over {planned} pod(s)")
+    if planned_nodes is not None and planned_nodes != nnodes:
+        raise InputError(f"--nnodes {nnodes}: the plan spreads its {tp} GPU(s) over {planned_nodes} pod(s)")
     if not 0 < args.master_port < 65535:
         raise InputError(f"--master-port {args.master_port}: must be in 1..65534 (the next port supervises)")
     return Nodes(nnodes, node_rank, addr, args.master_port)
 
 
-def _serve_rank(engine_args, plan: dict[str, Any], http: HttpOptions) -> int:
+def _serve_rank(engine_args, plan: MemoryPlan, http: HttpOptions) -> int:
     """One rank process of a tensor-parallel worker: rank 0 serves HTTP, the others follow it."""
     from ..engine.parallel.distributed import get_tp
     from ..engine.parallel.tp_engine import follow_rank
@@ -366,9 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(str(exc).split()), file=sys.stderr)
         return ExitCode.BAD_INPUT
     http = http_options(args)
-    tp = plan["tensorParallelSize"]
+    tp = plan.tensor_parallel_size
     try:
-        nodes = nodes_of(args, plan)
+        nodes = nodes_of(args, tp, plan.nodes_per_replica)
     except InputError as exc:
         print(" ".join(str(exc).split()), file=sys.stderr)
         return ExitCode.BAD_INPUT

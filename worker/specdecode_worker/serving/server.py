@@ -21,6 +21,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
+from ..contract import MemoryPlan
 from ..engine.request import SamplingParams
 from ..errors import InputError
 from .generation import MAX_CHOICES, Answer, generate
@@ -38,7 +39,7 @@ Number = Union[StrictInt, StrictFloat]
 class ServerState:
     engine: Any
     model_name: str
-    plan: dict | None = None
+    plan: MemoryPlan | None = None
     tokenizer: Any = None
     init_error: str | None = None
     started_at: float = field(default_factory=time.time)
@@ -347,11 +348,12 @@ async def plan(http: HttpRequest):
         pool = engine.memory_pool_config
         actual = {**engine.memory_profile.as_dict(), "phaseSeconds": engine.stats.phase_seconds,
                   "poolTokens": pool.max_total_num_tokens if pool else None}
-    planned = (state.plan or {}).get("kvCache", {}).get("maxTotalNumTokens")
+    plan = state.plan
     peak = getattr(engine, "dynamic_peak", None)
-    dynamic = {"planned": (state.plan or {}).get("reserve", {}).get("dynamicBytes"), "measured": None,
+    dynamic = {"planned": plan.reserve.dynamic_bytes if plan else None, "measured": None,
                **(peak.as_dict() if peak else {})}
-    return {"plan": state.plan, "actual": actual, "plannedMaxTotalNumTokens": planned,
+    return {"plan": plan.document if plan else None, "actual": actual,
+            "plannedMaxTotalNumTokens": plan.kv_cache.max_total_num_tokens if plan else None,
             "actualMaxTotalNumTokens": actual and actual["max_total_num_tokens"], "dynamicBytes": dynamic,
             "prefixCache": engine.prefix_cache_usage() if engine.ready else None}
 
