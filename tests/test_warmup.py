@@ -10,6 +10,7 @@ counted at the models' forward entry points, the samplers and the acceptance fun
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from types import SimpleNamespace
 
@@ -148,7 +149,15 @@ def _instrument(monkeypatch, extra: int = 0) -> tuple[FakePeak, Passes]:
     return fake, passes
 
 
-def _metric(eng, name: str, plan: dict | None = None) -> float | None:
+def _plan_reserving(dynamic_bytes: int):
+    """A plan whose dynamic reserve is ``dynamic_bytes`` (what /metrics and /plan report as planned)."""
+    from tests.operator_helpers import make_plan, typed
+
+    plan = typed(make_plan())
+    return dataclasses.replace(plan, reserve=dataclasses.replace(plan.reserve, dynamic_bytes=dynamic_bytes))
+
+
+def _metric(eng, name: str, plan=None) -> float | None:
     text = metrics.render(SimpleNamespace(engine=eng, plan=plan, latency=None)).decode()
     for line in text.splitlines():
         if line.startswith(f"specdecode_{name} "):
@@ -356,7 +365,7 @@ def test_a_peak_above_plan_is_warned_with_both_numbers_and_exported(models, monk
     assert (peak.planned, peak.measured) == (PLANNED, PLANNED + 12345) and peak.over_plan
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and str(PLANNED + 12345) in warned[0] and str(PLANNED) in warned[0]
-    plan = {"reserve": {"dynamicBytes": PLANNED}}
+    plan = _plan_reserving(PLANNED)
     assert _metric(eng, "dynamic_bytes_measured", plan) == PLANNED + 12345
     assert _metric(eng, "dynamic_bytes_planned", plan) == PLANNED
 
@@ -369,7 +378,7 @@ def test_a_peak_within_plan_logs_no_warning(models, monkeypatch, caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     # /plan shows planned against measured, and what the warm-up ran.
     http = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(server=SimpleNamespace(
-        engine=eng, plan={"reserve": {"dynamicBytes": PLANNED}}))))
+        engine=eng, plan=_plan_reserving(PLANNED)))))
     dynamic = asyncio.run(server.plan(http))["dynamicBytes"]
     assert (dynamic["planned"], dynamic["measured"]) == (PLANNED, PLANNED - 1)
     assert dynamic["passes"] == list(eng.dynamic_peak.passes) and "decode" in dynamic["passes"][-1]
