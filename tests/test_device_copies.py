@@ -1,9 +1,11 @@
-"""Host-to-device copies on the serving path go through pinned memory (``host_to_device``).
+"""Host-to-device copies on the serving path: each pass sends its metadata once, through pinned memory.
 
 On CUDA a plain ``.to(device)`` of a pageable host tensor synchronises the stream: the host waits
-for every queued kernel, so a round's draft steps could not be queued ahead of the GPU. Without a
-GPU the rule is checked by routing ``host_to_device`` to a stand-in and refusing any other
-``Tensor.to`` while a batch is built or slots are taken.
+for every queued kernel, so a round's draft steps could not be queued ahead of the GPU. And every
+copy is a launch and a host wait of its own, so a pass packs its batch (and the slots it takes)
+into one buffer and sends it once. Without a GPU the rules are checked by routing
+``host_to_device`` to a stand-in that counts, and refusing any other ``Tensor.to`` while a batch
+is built or slots are taken.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from specdecode_worker.engine import forward_batch  # noqa: E402
-from specdecode_worker.engine.batch import Segment, make_batch  # noqa: E402
-from specdecode_worker.engine.memory.pools import TokenToKVPoolAllocator  # noqa: E402
+from specdecode_worker.engine import batch, forward_batch  # noqa: E402
+from specdecode_worker.engine.batch import Segment, fresh_batch, make_batch  # noqa: E402
+from specdecode_worker.engine.memory import kv_slots  # noqa: E402
+from specdecode_worker.engine.memory.kv_slots import KVSlots  # noqa: E402
+from specdecode_worker.engine.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator  # noqa: E402
 
 
 @pytest.fixture
@@ -29,24 +33,43 @@ def staged(monkeypatch):
     def plain_copy(self, *args, **kwargs):
         raise AssertionError(f"a plain Tensor.to{args}: pageable host memory would synchronise the stream")
 
-    monkeypatch.setattr(forward_batch, "host_to_device", pinned_stand_in)
-    monkeypatch.setattr("specdecode_worker.engine.memory.pools.host_to_device", pinned_stand_in)
+    for module in (forward_batch, batch, kv_slots):
+        monkeypatch.setattr(module, "host_to_device", pinned_stand_in)
     monkeypatch.setattr(torch.Tensor, "to", plain_copy)
     return sent
 
 
-def test_a_batch_reaches_the_device_only_through_pinned_staging(staged):
+def test_a_batch_reaches_the_device_in_one_pinned_copy(staged):
     fb = make_batch([Segment(3, [7, 8], 5), Segment(1, [9], 2)], "cuda")
     assert fb.req_pool_indices.tolist() == [3, 1]
     assert fb.input_ids.tolist() == [7, 8, 9] and fb.positions.tolist() == [5, 6, 2]
     assert fb.seq_lens.tolist() == [7, 3]
-    assert [t.tolist() for t in staged] == [[7, 8, 9], [5, 6, 2], [3, 1], [7, 3]]
+    assert fb.logit_rows(last_only=True).tolist() == [1, 2]  # sent with the batch
+    assert [t.tolist() for t in staged] == [[7, 8, 9, 5, 6, 2, 3, 1, 7, 3, 1, 2]]
 
 
-def test_slots_reach_the_device_only_through_pinned_staging(staged):
-    alloc = TokenToKVPoolAllocator(10, "cuda")
-    assert alloc.alloc(3).tolist() == [1, 2, 3]
-    assert [t.tolist() for t in staged] == [[1, 2, 3]]
+def _slots(size: int = 32) -> KVSlots:
+    return KVSlots(ReqToTokenPool(4, 16, "cpu"), TokenToKVPoolAllocator(size, "cpu"))
+
+
+def test_a_batchs_reserved_slots_reach_the_device_in_one_pinned_copy(staged):
+    slots = _slots()
+    a, b = slots.open_row(), slots.open_row()
+    slots.reserve([(a, 0, 3), (b, 4, 6)])
+    assert len(staged) == 1
+    assert slots.req_to_token[a, :3].tolist() == [1, 2, 3] and slots.req_to_token[b, 4:6].tolist() == [4, 5]
+
+
+def test_a_fresh_batch_sends_its_slots_with_it_in_one_copy(staged):
+    """A prefill chunk or a step where nobody drafts: new slots, where they go, and the batch, once."""
+    slots = _slots()
+    a, b = slots.open_row(), slots.open_row()
+    fb = fresh_batch(slots, [Segment(a, [7, 8], 0), Segment(b, [9], 5)], "cuda")
+    assert len(staged) == 1
+    assert fb.out_cache_loc.tolist() == [1, 2, 3]
+    assert slots.req_to_token[a, :2].tolist() == [1, 2] and slots.req_to_token[b, 5].item() == 3
+    assert fb.input_ids.tolist() == [7, 8, 9] and fb.positions.tolist() == [0, 1, 5]
+    assert fb.seq_lens.tolist() == [2, 6] and fb.logit_rows(last_only=True).tolist() == [1, 2]
 
 
 # ---- slots freed after a round: read back to the host once, whatever the batch ----------------------
@@ -184,3 +207,54 @@ def test_requests_retracted_together_are_read_back_once(models, monkeypatch, cac
         eng.step()
     assert_every_slot_back(eng)
     assert [r.output_ids for r in reqs] == hf_greedy(models["target"], prompts, 20)
+
+
+# ---- copies per pass, counted on the serving path -------------------------------------------------
+
+COPY_CASES = {"none": ("NONE", None, {}), "ngram": ("NGRAM", None, {}), "standalone": ("STANDALONE", "draft", {}),
+              **CASES}
+
+
+def _count_copies(monkeypatch) -> list:
+    sent, real = [], forward_batch.host_to_device
+
+    def counted(host, device):
+        sent.append(host.numel())
+        return real(host, device)
+
+    for module in (forward_batch, batch, kv_slots):
+        monkeypatch.setattr(module, "host_to_device", counted)
+    return sent
+
+
+@pytest.mark.parametrize("case", list(COPY_CASES))
+def test_a_plain_step_and_a_prefill_are_one_copy_and_a_round_does_not_grow_with_the_batch(models, case, monkeypatch):
+    """Greedy requests: a prefill pass and a step where nobody drafts send their batch and slots in
+    one copy; so does an n-gram round (its proposals ride with its slots), and a draft model's or
+    head's round sends one more per pass that starts from the host, as many at batch 4 as at 1."""
+    from specdecode_worker.engine.request import Request, SamplingParams
+    from tests.engine_helpers import engine
+
+    algorithm, draft, kw = COPY_CASES[case]
+    sent = _count_copies(monkeypatch)
+
+    def copies(batch_size: int) -> tuple[set[int], set[int]]:
+        eng = engine(models["target"], algorithm, models[draft] if draft else None, spec_policy="fixed", **kw)
+        spec, prefills, rounds = eng.speculator, [], []
+        for name, counts in (("prefill", prefills), ("decode_round", rounds)):
+            setattr(spec, name, _counted(sent, getattr(spec, name), counts))
+        # One prompt for all (it repeats, so n-gram lookups find proposals): every request drafts the
+        # same lengths, so a round has one shape at any batch size.
+        prompt = [3, 4, 5, 6, 3, 4, 5, 7]
+        reqs = [Request(list(prompt), SamplingParams(max_tokens=8, ignore_eos=True)) for _ in range(batch_size)]
+        for r in reqs:
+            eng.submit(r)
+        while not all(r.done.is_set() for r in reqs):
+            eng.step()
+        return set(prefills), set(rounds)
+
+    (prefill_one, round_one), (prefill_four, round_four) = copies(1), copies(4)
+    assert prefill_one == prefill_four == {1}
+    assert round_one == round_four, (round_one, round_four)
+    if algorithm == "NONE":
+        assert round_one == {1}

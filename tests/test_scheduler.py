@@ -36,16 +36,16 @@ def scheduler(kv: KVSlots, **kw) -> tuple[Scheduler, list[Request], list[int]]:
 def test_kv_slots_reserve_release_and_restore():
     kv = slots(rows=2, tokens=10)
     row = kv.open_row()
-    kv.reserve(row, 0, 6)
+    kv.reserve([(row, 0, 6)])
     assert (kv.free_slots(), kv.free_rows(), kv.used()) == (4, 1, 6)
     held = kv.req_to_token[row, :6].tolist()
     assert sorted(held) == [1, 2, 3, 4, 5, 6]  # slot 0 is padding, never handed out
     kv.release([(row, 4, 6)])  # two rejected positions
     assert kv.free_slots() == 6
     before = kv.snapshot()
-    kv.take(3)
+    kv.fresh(3)
     other = kv.open_row()
-    kv.reserve(other, 0, 2)
+    kv.reserve([(other, 0, 2)])
     kv.restore(before)  # the warm-up's undo: the same free lists, in the same order
     assert kv.free_slots() == 6 and kv.free_rows() == 1
     assert kv.snapshot().slots.tolist() == before.slots.tolist()
@@ -97,13 +97,13 @@ def test_make_room_retracts_the_newest_and_it_returns_before_new_requests():
     s.add(new)
     assert s.admit() == [old, new]  # 8 + 4 each with no growth expected: 24 slots
     for r in (old, new):  # both prefilled: 16 of 24 slots held
-        kv.reserve(r.req_idx, 0, 8)
+        kv.reserve([(r.req_idx, 0, 8)])
         r.kv_len, r.prefill_ids = 8, None
         r.output_ids.append(5)
     s.add(later)
     s.make_room()  # two rounds need 8 slots, 8 are free: nothing to do
     assert s.running == [old, new]
-    kv.reserve(old.req_idx, 8, 12)  # the old one grew by a round's slots: only 4 free now
+    kv.reserve([(old.req_idx, 8, 12)])  # the old one grew by a round's slots: only 4 free now
     old.kv_len = 12
     s.make_room()
     assert s.running == [old] and released == [new] and new.retractions == 1
@@ -126,7 +126,7 @@ def test_commit_stops_at_eos_or_max_tokens_and_ending_together_returns_slots_onc
         s.add(r)
     s.admit()
     for r in (a, b):
-        kv.reserve(r.req_idx, 0, 4)
+        kv.reserve([(r.req_idx, 0, 4)])
         r.kv_len, r.prefill_ids = 4, None
     with s.ending_together():
         s.commit(a, [7, 99, 8])  # stops at EOS: the token after it is dropped

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from .forward_batch import ForwardBatch, to_device
+from .forward_batch import ForwardBatch, host_to_device, pack_to_device, to_device
 from .memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
+
+if TYPE_CHECKING:
+    from .memory.kv_slots import KVSlots
 
 
 def alloc_positions(req_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, req_idx: int, start: int,
                     end: int) -> None:
-    """Give positions ``start..end-1`` of request row ``req_idx`` fresh KV slots."""
+    """Give positions ``start..end-1`` of request row ``req_idx`` fresh KV slots (one request
+    outside serving; serving reserves a batch's slots at once: ``KVSlots.reserve``, ``fresh_batch``)."""
     if end > start:
-        req_pool.req_to_token[req_idx, start:end] = allocator.alloc(end - start)
+        req_pool.req_to_token[req_idx, start:end] = host_to_device(allocator.alloc(end - start),
+                                                                   req_pool.req_to_token.device)
 
 
 def free_position_ranges(req_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
@@ -36,31 +42,47 @@ class Segment:
     start: int
 
 
-def chunk_segments(slots, reqs, ends: list[int]) -> list[Segment]:
-    """Take KV slots (``KVSlots``) for prefill positions ``r.kv_len .. end - 1`` of each request;
-    one segment each."""
-    segments = []
-    for r, end in zip(reqs, ends):
-        slots.reserve(r.req_idx, r.kv_len, end)
-        segments.append(Segment(r.req_idx, r.prefill_ids[r.kv_len : end], r.kv_len))
-    return segments
+def chunk_segments(reqs, ends: list[int]) -> list[Segment]:
+    """Prefill positions ``r.kv_len .. end - 1`` of each request; one segment each."""
+    return [Segment(r.req_idx, r.prefill_ids[r.kv_len : end], r.kv_len) for r, end in zip(reqs, ends)]
+
+
+def _layout(segments: list[Segment]) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """Host lists of a batch: token ids, positions, each token's request row, each request's
+    length after the batch, and each request's last row."""
+    ids, pos, rows, seq_lens, last = [], [], [], [], []
+    for s in segments:
+        n = len(s.tokens)
+        ids.extend(s.tokens)
+        pos.extend(range(s.start, s.start + n))
+        rows.extend([s.req_idx] * n)
+        seq_lens.append(s.start + n)
+        last.append(len(ids) - 1)
+    return ids, pos, rows, seq_lens, last
 
 
 def make_batch(segments: list[Segment], device) -> ForwardBatch:
-    ids, pos = [], []
-    for s in segments:
-        ids.extend(s.tokens)
-        pos.extend(range(s.start, s.start + len(s.tokens)))
-    seq_lens = [s.start + len(s.tokens) for s in segments]
-    return ForwardBatch(
-        input_ids=to_device(ids, device, torch.int64),
-        positions=to_device(pos, device, torch.int64),
-        out_cache_loc=torch.empty(0, dtype=torch.int64),
-        req_pool_indices=to_device([s.req_idx for s in segments], device, torch.int64),  # never a pageable copy
-        seq_lens=to_device(seq_lens, device, torch.int64),
-        extend_lens=[len(s.tokens) for s in segments],
-        seq_lens_cpu=seq_lens,
-    )
+    """The batch over positions that hold their slots already (``with_cache_locs`` reads them), in
+    one copy to the device."""
+    ids, pos, _, seq_lens, last = _layout(segments)
+    input_ids, positions, req_idx, lens, last_rows = pack_to_device(
+        [ids, pos, [s.req_idx for s in segments], seq_lens, last], device)
+    return ForwardBatch(input_ids=input_ids, positions=positions, out_cache_loc=torch.empty(0, dtype=torch.int64),
+                        req_pool_indices=req_idx, seq_lens=lens, extend_lens=[len(s.tokens) for s in segments],
+                        seq_lens_cpu=seq_lens, last_rows=last_rows)
+
+
+def fresh_batch(slots: KVSlots, segments: list[Segment], device) -> ForwardBatch:
+    """The batch over new positions (a prefill chunk, a step where nobody drafts): it takes a free
+    slot for each and sends the slots, where they go in ``req_to_token`` and the batch in one copy."""
+    ids, pos, rows, seq_lens, last = _layout(segments)
+    new = slots.fresh(len(ids))
+    input_ids, positions, req_idx, lens, last_rows, token_rows, out_cache_loc = pack_to_device(
+        [ids, pos, [s.req_idx for s in segments], seq_lens, last, rows, new], device)
+    slots.req_to_token[token_rows, positions] = out_cache_loc
+    return ForwardBatch(input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+                        req_pool_indices=req_idx, seq_lens=lens, extend_lens=[len(s.tokens) for s in segments],
+                        seq_lens_cpu=seq_lens, last_rows=last_rows)
 
 
 def with_cache_locs(fb: ForwardBatch, req_pool: ReqToTokenPool, segments: list[Segment]) -> ForwardBatch:
@@ -95,19 +117,36 @@ def padded_chain_batch(req_pool: ReqToTokenPool, req_indices: list[int], starts:
     ``seq_lens``, the real length, so no valid row sees a padding row and the layout is the same
     for the Triton kernels and the torch-native reference. Returns the batch and its layout.
     """
+    req_idx, start, lens = to_device([req_indices, starts, lengths], chains.device, torch.int64).unbind(0)  # one copy
+    return chain_batch(req_pool.req_to_token, req_idx, start, lens, [s + n for s, n in zip(starts, lengths)], chains,
+                       width)
+
+
+def chain_batch(req_to_token: torch.Tensor, req_idx: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+                seq_lens_cpu: list[int], chains: torch.Tensor, width: int) -> tuple[ForwardBatch, PaddedChains]:
+    """``padded_chain_batch`` from per-request rows, starts and chain lengths already on the device
+    (sent with the round's slots): built there, nothing sent. ``width`` equal to every length is
+    the ragged batch itself, without padding."""
     device = chains.device
-    req_idx, start, lens = to_device([req_indices, starts, lengths], device, torch.int64).unbind(0)  # one copy
     offsets = torch.arange(width, device=device)
-    positions = start[:, None] + torch.minimum(offsets[None], lens[:, None] - 1)
-    slots = req_pool.req_to_token[req_idx[:, None], positions]
-    slots = torch.where(offsets[None] < lens[:, None], slots, PAD_SLOT)
-    seq_lens = [s + n for s, n in zip(starts, lengths)]
+    positions = starts[:, None] + torch.minimum(offsets[None], lengths[:, None] - 1)
+    slots = req_to_token[req_idx[:, None], positions]
+    slots = torch.where(offsets[None] < lengths[:, None], slots, PAD_SLOT)
     fb = ForwardBatch(
         input_ids=torch.nn.functional.pad(chains, (0, width - chains.shape[1])).reshape(-1),
         positions=positions.reshape(-1), out_cache_loc=slots.reshape(-1), req_pool_indices=req_idx,
-        seq_lens=start + lens, extend_lens=[width] * len(starts), seq_lens_cpu=seq_lens,
+        seq_lens=starts + lengths, extend_lens=[width] * len(seq_lens_cpu), seq_lens_cpu=seq_lens_cpu,
     )
-    return fb, PaddedChains(width, lens)
+    return fb, PaddedChains(width, lengths)
+
+
+def step_batch(req_to_token: torch.Tensor, req_idx: torch.Tensor, positions: torch.Tensor, positions_cpu: list[int],
+               input_ids: torch.Tensor) -> ForwardBatch:
+    """One token per request at ``positions`` (on the device, their slots reserved), as a draft's
+    chain step takes it: built on the device, nothing sent."""
+    return ForwardBatch(input_ids=input_ids, positions=positions, out_cache_loc=req_to_token[req_idx, positions],
+                        req_pool_indices=req_idx, seq_lens=positions + 1, extend_lens=[1] * len(positions_cpu),
+                        seq_lens_cpu=[p + 1 for p in positions_cpu])
 
 
 def forward_segments(runner, segments: list[Segment], last_only: bool,

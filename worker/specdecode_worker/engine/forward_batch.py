@@ -21,6 +21,13 @@ def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     return host_to_device(torch.tensor(data, dtype=dtype), device)
 
 
+def pack_to_device(parts: list, device) -> list[torch.Tensor]:
+    """Host int lists (or int64 host tensors) on ``device`` in one copy: views of one buffer, in
+    order. Each copy to a GPU is a launch and a wait on the host, so a pass sends its metadata once."""
+    flat = torch.cat([torch.as_tensor(p, dtype=torch.int64).reshape(-1) for p in parts])
+    return list(torch.split(host_to_device(flat, device), [len(p) for p in parts]))
+
+
 @dataclass
 class ForwardBatch:
     """Tokens of several requests, concatenated.
@@ -43,6 +50,7 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] int64
     extend_lens: list[int]
     seq_lens_cpu: list[int] = field(default_factory=list)
+    last_rows: torch.Tensor | None = None  # [B] each request's last row, sent with the batch
 
     @property
     def is_tree(self) -> bool:
@@ -59,7 +67,9 @@ class ForwardBatch:
 
     def logit_rows(self, last_only: bool) -> torch.Tensor:
         """Row indices of the flattened tokens whose logits are wanted."""
-        if not last_only:
-            return torch.arange(self.input_ids.numel(), device=self.input_ids.device)
-        ends = to_device(self.extend_lens, self.input_ids.device).cumsum(0) - 1
-        return ends
+        device = self.input_ids.device
+        if not last_only or self.is_decode:  # one row per request: its last is every row
+            return torch.arange(self.input_ids.numel(), device=device)
+        if self.last_rows is not None:
+            return self.last_rows
+        return to_device(self.extend_lens, device).cumsum(0) - 1

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batch import alloc_positions, free_position_ranges
-from ..forward_batch import host_to_device
+from ..batch import free_position_ranges
+from ..forward_batch import host_to_device, pack_to_device
 from .pools import ReqToTokenPool, TokenToKVPoolAllocator
 from .prefix_cache import Hit, Node, PrefixCache
 
@@ -155,10 +155,24 @@ class KVSlots:
         return list(torch.split(flat, [n for _, n in rows]))
 
     # ---- positions ------------------------------------------------------------------------
-    def reserve(self, row: int, start: int, end: int) -> None:
-        """Fresh slots for positions ``start .. end - 1`` of ``row``."""
-        self.make_free(end - start)
-        alloc_positions(self.rows, self.allocator, row, start, end)
+    def reserve(self, ranges: list[tuple[int, int, int]], also: tuple[list[int], ...] = ()) -> list[torch.Tensor]:
+        """Fresh slots for positions ``start .. end - 1`` of every ``(row, start, end)``, sent to
+        the device in one copy whatever the batch, with the host lists ``also`` (the round's other
+        metadata); returns those on the device."""
+        rows, positions = [], []
+        for row, start, end in ranges:
+            rows += [row] * (end - start)
+            positions += range(start, end)
+        rows_d, positions_d, slots_d, *sent = pack_to_device([rows, positions, self.fresh(len(rows)), *also],
+                                                             self.req_to_token.device)
+        self.req_to_token[rows_d, positions_d] = slots_d
+        return sent
+
+    def fresh(self, n: int) -> torch.Tensor:
+        """``n`` slots that belong to no position yet, on the host (the caller sends them with its
+        pass and places them), evicting cached positions when the allocator is short."""
+        self.make_free(n)
+        return self.allocator.alloc(n)
 
     def make_free(self, n: int) -> None:
         """Evict cached positions until the allocator has ``n`` slots (no-op when it has)."""
@@ -171,13 +185,8 @@ class KVSlots:
         read waits for the GPU: a round's rejections must not cost one wait each)."""
         free_position_ranges(self.rows, self.allocator, ranges)
 
-    def take(self, n: int) -> torch.Tensor:
-        """``n`` slots that belong to no position yet (a draft tree's scratch K/V)."""
-        self.make_free(n)
-        return self.allocator.alloc(n)
-
     def give_back(self, slots: torch.Tensor) -> None:
-        """Slots from ``take``, or a round's rejected slots read back already."""
+        """Slots from ``fresh`` no position took, or a round's rejected slots read back already."""
         self.allocator.free(slots)
 
     # ---- the warm-up's undo ----------------------------------------------------------------

@@ -12,7 +12,6 @@ import torch
 
 from ...contract import FP8_KV_CACHE_DTYPES
 from ...errors import InputError
-from ..forward_batch import host_to_device
 
 # --kv-cache-dtype values: auto stores K/V in the compute dtype; the fp8 formats store one byte per
 # element, the planner's cell. There is no calibration: every tensor's scale is 1.0 (values are cast
@@ -105,11 +104,12 @@ class TokenToKVPoolAllocator:
         return (start + torch.arange(n)) % self.size
 
     def alloc(self, n: int) -> torch.Tensor:
+        """``n`` free slots, on the host: the caller sends them with the rest of its pass (one copy)."""
         if n > self._count:
             raise OutOfSlotsError(f"need {n} KV slots, {self._count} free")
         out = self._ring[self._positions(self._head, n)]
         self._head, self._count = (self._head + n) % self.size, self._count - n
-        return host_to_device(out, self.device)  # a pageable copy would wait for the stream
+        return out
 
     def free(self, slots: torch.Tensor) -> None:
         n = slots.numel()

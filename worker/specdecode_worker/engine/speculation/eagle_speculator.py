@@ -34,12 +34,12 @@ import torch
 
 from ...errors import InputError
 from ...model_rules.model_config import load_shape, read_config
-from ..batch import Segment, chunk_segments, make_batch, padded_chain_batch, with_cache_locs
+from ..batch import Segment, chunk_segments, fresh_batch, make_batch, step_batch, with_cache_locs
 from ..batch_sampling import choose_tokens, to_host, uniforms
-from ..cuda_graph import GraphRunner, chain_graph_width
-from ..forward_batch import to_device
+from ..cuda_graph import GraphRunner
+from ..forward_batch import pack_to_device
 from ..kernels.attention import make_attn_backend
-from ..output_rules import DraftGrammars, ruled_next, ruled_tree
+from ..output_rules import DraftGrammars, ruled_tree
 from ..kernels.tree_attention import make_tree_attn_backend
 from ..model_runner import ModelRunner
 from ..models.eagle_loader import head_config, load_eagle_head
@@ -48,9 +48,9 @@ from ..parallel.parallel_layers import check_splits, parallel_logits
 from ..phases import Phase, PhaseError, require
 from ..request import Request
 from . import algorithms
-from .speculative import (Lookup, RoundResult, Speculator, accept_chains, chain_segments, emitted_logprobs,
-                          record_prompt_logprobs, wants_prompt_rows,
-                          first_uniforms, ragged_ids)
+from .speculative import (Lookup, RoundResult, RoundRows, Speculator, accept_chains, chain_segments,
+                          emitted_logprobs, first_uniforms, ragged_ids, record_prompt_logprobs, reserve_round,
+                          sample_next, verify_width, wants_prompt_rows)
 from .tree import DeviceTrees, TreeDrafter, TreeShape, accept_trees, tree_step_batch, tree_verify_batch
 from .tree_graph import TreeGraphInputs
 
@@ -294,8 +294,8 @@ class EagleSpeculator(Speculator):
     def prefill(self, reqs: list[Request], ends: list[int]) -> list[RoundResult | None]:
         """Target features of every prefilled position wait for the head's first extend (D: where the
         prefill began, 0 or the end of the cached prefix whose head K/V the request reuses)."""
-        segments = chunk_segments(self.target.slots, reqs, ends)
-        fb = with_cache_locs(make_batch(segments, self.target.device), self.target.req_to_token_pool, segments)
+        segments = chunk_segments(reqs, ends)
+        fb = fresh_batch(self.target.slots, segments, self.target.device)
         every_row = wants_prompt_rows(reqs)
         logits, features = self._target(fb, "target", last_only=not every_row)
         if every_row:
@@ -322,36 +322,28 @@ class EagleSpeculator(Speculator):
         if not any(ks):
             return self._plain_round(reqs)
         slots = self.target.slots
-        for r in reqs:
-            slots.reserve(r.req_idx, r.kv_len, r.kv_len + self.k + 1)
-        # A tree's draft K/V scratch is taken before any work is queued.
-        scratch = [slots.take(self.tree_shape.scratch) for _ in reqs] if self.tree else []
+        # A tree's draft K/V scratch is taken before any work is queued, sent with the round's slots
+        # and metadata in one copy, and given back from the host.
+        scratch = slots.fresh(len(reqs) * self.tree_shape.scratch if self.tree else 0)
         try:
+            rows, (scratch_d,) = reserve_round(slots, reqs, [self.k + 1] * len(reqs), ks, scratch)
             logits, hidden = self._draft_extend(reqs)
             if self.tree:
-                return self._tree_round(reqs, logits, hidden, ks, scratch)
+                return self._tree_round(reqs, logits, hidden, ks, rows, scratch_d.view(len(reqs), -1))
         finally:
-            if scratch:  # one read back to the host for the whole batch
-                slots.give_back(torch.cat(scratch))
-        return self._chain_round(reqs, logits, hidden, ks)
+            slots.give_back(scratch)
+        return self._chain_round(reqs, logits, hidden, ks, rows)
 
     def _plain_round(self, reqs) -> list[RoundResult]:
-        """One target step per request; its features join those the head has not read yet, so
-        the next drafting round's extend catches the head's cache up over every skipped token."""
-        slots = self.target.slots
-        for r in reqs:
-            slots.reserve(r.req_idx, r.kv_len, r.kv_len + 1)
+        """One target step per request, its batch and fresh slots sent in one copy; its features
+        join those the head has not read yet, so the next drafting round's extend catches the
+        head's cache up over every skipped token."""
         segments = [Segment(r.req_idx, [r.all_ids[-1]], r.kv_len) for r in reqs]
-        fb = with_cache_locs(make_batch(segments, self.target.device), slots.rows, segments)
-        logits, features = self._target(fb, "target")
-        tokens, _ = choose_tokens(ruled_next(reqs, logits), [r.params for r in reqs],
-                                  first_uniforms(reqs, 1, logits.device))
-        results = []
-        for i, (r, token) in enumerate(zip(reqs, to_host(tokens)[0])):
+        logits, features = self._target(fresh_batch(self.target.slots, segments, self.target.device), "target")
+        for i, r in enumerate(reqs):
             r.kv_len += 1
             self._features[r.rid] = torch.cat([self._features[r.rid], features[i : i + 1]])
-            results.append(RoundResult([token], proposed=0, accepted=0))
-        return results
+        return sample_next(reqs, logits, list(range(len(reqs))))
 
     def _draft_extend(self, reqs):
         self._catch_up(reqs)
@@ -392,32 +384,30 @@ class EagleSpeculator(Speculator):
                 r.draft_kv_len += n
                 self._features[r.rid] = self._features[r.rid][n:]
 
-    def _chain_round(self, reqs, logits, hidden, ks) -> list[RoundResult]:
+    def _chain_round(self, reqs, logits, hidden, ks, rows: RoundRows) -> list[RoundResult]:
         # Proposals stay on the device through the chain and the verify pass; one transfer at the end.
         device, params = self.target.device, [r.params for r in reqs]
         tokens = torch.zeros(len(reqs), self.k, dtype=torch.int64, device=device)
         probs = None
-        grammars, rows = DraftGrammars(reqs), list(range(len(reqs)))
+        grammars, every = DraftGrammars(reqs), list(range(len(reqs)))
         for step in range(self.k):
-            token, p = choose_tokens(grammars.masked(logits, rows), params, first_uniforms(reqs, 1, logits.device))
-            grammars.advance(token, rows)
+            token, p = choose_tokens(grammars.masked(logits, every), params, first_uniforms(reqs, 1, logits.device))
+            grammars.advance(token, every)
             tokens[:, step] = token
             if p is not None:
                 if probs is None:
                     probs = torch.zeros(len(reqs), self.k, p.shape[-1], device=device)
                 probs[:, step] = p
-            if step + 1 < self.k:
-                segments = [Segment(r.req_idx, [0], r.kv_len + step) for r in reqs]
-                fb = with_cache_locs(make_batch(segments, self.draft.device), self.draft.req_to_token_pool, segments)
-                fb.input_ids = token
+            if step + 1 < self.k:  # built on the device from the round's rows: nothing sent
+                fb = step_batch(self.draft.req_to_token_pool.req_to_token, rows.req_idx, rows.kv + step,
+                                [r.kv_len + step for r in reqs], token)
                 logits, hidden = self._draft(fb, "draft", hidden, False, fb.logit_rows(False))
 
         slots = self.target.slots
-        chains = torch.cat([to_device([[r.all_ids[-1]] for r in reqs], device), tokens], dim=1)
-        width = chain_graph_width(self.chain_verify_graphs, len(reqs), max(ks))
-        if width:  # one graph for any mix of lengths, requests that do not draft as one valid row
-            fb, padded = padded_chain_batch(slots.rows, [r.req_idx for r in reqs], [r.kv_len for r in reqs], chains,
-                                            [k + 1 for k in ks], width)
+        chains = torch.cat([rows.last[:, None], tokens], dim=1)
+        width = verify_width(self.chain_verify_graphs, ks)
+        if width:  # a graph's width for any mix of lengths (requests that do not draft: one valid row), or one length
+            fb, padded = rows.verify_batch(slots.req_to_token, reqs, ks, chains, width)
         else:
             padded, segments = None, chain_segments(reqs, ks)
             fb = with_cache_locs(make_batch(segments, device), slots.rows, segments)
@@ -426,26 +416,26 @@ class EagleSpeculator(Speculator):
         accepted, nexts, drafted, logprobs = accept_chains(reqs, tokens, probs, target_logits, ks, padded)
         results, start, rejected = [], 0, []
         for r, k, n, nxt, chain, lp in zip(reqs, ks, accepted, nexts, drafted, logprobs):
-            rows = slice(start, start + k + 1)
+            verified = slice(start, start + k + 1)
             start += k + 1 if padded is None else padded.width
             last = r.kv_len
             r.kv_len = last + n + 1
             rejected.append((r.req_idx, r.kv_len, last + self.k + 1))
-            self._features[r.rid] = features[rows][: n + 1].clone()  # graph outputs are overwritten
+            self._features[r.rid] = features[verified][: n + 1].clone()  # graph outputs are overwritten
             results.append(RoundResult(chain[:n] + [nxt], proposed=k, accepted=n, logprobs=lp))
         slots.release(rejected)
         return results
 
-    def _tree_round(self, reqs, logits, hidden, ks, scratch) -> list[RoundResult]:
+    def _tree_round(self, reqs, logits, hidden, ks, rows: RoundRows, scratch) -> list[RoundResult]:
         """Draft, verify and accept a tree per request on the device; one read-back at the end.
-        ``scratch``: each request's draft K/V slots for the expanded nodes (freed by the caller)."""
-        shape, device = self.tree_shape, self.target.device
+        ``scratch``: ``[B, scratch]`` each request's draft K/V slots for the expanded nodes, on the
+        device (freed by the caller)."""
+        shape = self.tree_shape
         k, batch = shape.topk, len(reqs)
-        kv = to_device([r.kv_len for r in reqs], device)
-        req_idx = to_device([r.req_idx for r in reqs], device)
+        kv, req_idx = rows.kv, rows.req_idx
         drafter = TreeDrafter(shape, logits)
         front_hidden = hidden.repeat_interleave(k, dim=0)  # [B x k, H]: every root child's parent feature
-        slots = torch.stack(scratch).to(device)
+        slots = scratch
         for step in range(1, shape.steps):
             fb = tree_step_batch(shape, drafter, kv, req_idx, slots, step, [r.kv_len for r in reqs])
             step_logits, step_hidden = self._draft(fb, "draft_tree", front_hidden, False, fb.logit_rows(False))
@@ -453,40 +443,49 @@ class EagleSpeculator(Speculator):
             width = step_hidden.shape[-1]
             front_hidden = step_hidden.view(batch, k, width).gather(
                 1, came_from[..., None].expand(batch, k, width)).reshape(batch * k, width)
-        trees = drafter.select(to_device([r.all_ids[-1] for r in reqs], device))
-        return self._verify_trees(reqs, trees, ks, kv, req_idx)
+        trees = drafter.select(rows.last)
+        return self._verify_trees(reqs, trees, ks, rows)
 
-    def _verify_trees(self, reqs, trees: DeviceTrees, ks, kv, req_idx) -> list[RoundResult]:
+    def _verify_trees(self, reqs, trees: DeviceTrees, ks, rows: RoundRows) -> list[RoundResult]:
         shape, device = self.tree_shape, self.target.device
         n, batch = shape.width, len(reqs)
         kv_slots = self.target.slots
         rows_of = kv_slots.req_to_token
         # Every node, the first ks[i] proposals and the rest alike, is verified (static shapes); the
         # rest are left out of acceptance below.
+        kv, req_idx = rows.kv, rows.req_idx
         slots = rows_of[req_idx[:, None], kv[:, None] + torch.arange(n, device=device)]  # [B, n]
         fb = tree_verify_batch(trees, kv, req_idx, slots, [r.kv_len for r in reqs])
         logits, features = self._target(fb, "target_tree")
-        valid = torch.arange(n, device=device)[None, :] <= to_device(ks, device)[:, None]
+        valid = torch.arange(n, device=device)[None, :] < rows.lengths[:, None]  # the first ks[i] nodes, and the root
         params = [r.params for r in reqs]
         u = uniforms(params, [r.generator for r in reqs], shape.steps * shape.topk + 1, device)
         ruled = ruled_tree(reqs, logits, trees.tokens, trees.parents, trees.mask)  # logprobs read the raw rows
         count, nxt, path = accept_trees(trees, shape, valid, ruled, params, u)
         count, nxt, path, tokens, slot_ids = to_host(count, nxt, path, trees.tokens, slots)
-        features = features.view(batch, n, -1)
         # The accepted path's nodes verified its tokens: node path[j] predicts the (j + 1)-th.
         emitted = [[tokens[i][x] for x in path[i][1: count[i] + 1]] + [nxt[i]] for i in range(batch)]
         logprobs = emitted_logprobs(reqs, logits, [[i * n + x for x in path[i][: count[i] + 1]] for i in range(batch)],
                                     emitted)
-        results, rejected = [], []
-        for i, r in enumerate(reqs):
-            keep = path[i][: count[i] + 1]
-            last = r.kv_len
-            # The accepted nodes' K/V become positions last..last+count; the other nodes' slots are freed.
-            rows_of[r.req_idx, last : last + len(keep)] = to_device([slot_ids[i][x] for x in keep], rows_of.device)
+        # The accepted nodes' K/V become positions last..last+count (one write for the batch, sent
+        # in one copy with the rows of their features); the other nodes' slots are freed.
+        keeps = [path[i][: count[i] + 1] for i in range(batch)]
+        rows, positions, kept_slots, feature_rows, rejected = [], [], [], [], []
+        for i, (r, keep) in enumerate(zip(reqs, keeps)):
+            rows += [r.req_idx] * len(keep)
+            positions += range(r.kv_len, r.kv_len + len(keep))
+            kept_slots += [slot_ids[i][x] for x in keep]
+            feature_rows += [i * n + x for x in keep]
             kept = set(keep)
             rejected += [s for x, s in enumerate(slot_ids[i]) if x not in kept]
-            r.kv_len = last + len(keep)
-            self._features[r.rid] = features[i].index_select(0, to_device(keep, features.device))
+        rows_d, positions_d, kept_d, feature_rows_d = pack_to_device([rows, positions, kept_slots, feature_rows],
+                                                                     device)
+        rows_of[rows_d, positions_d] = kept_d
+        kept_features = features.index_select(0, feature_rows_d).split([len(keep) for keep in keeps])
+        results = []
+        for i, (r, keep) in enumerate(zip(reqs, keeps)):
+            r.kv_len += len(keep)
+            self._features[r.rid] = kept_features[i]
             results.append(RoundResult(emitted[i], proposed=ks[i], accepted=count[i], logprobs=logprobs[i]))
         kv_slots.give_back(torch.tensor(rejected, dtype=torch.int64))
         return results

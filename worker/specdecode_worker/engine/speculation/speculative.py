@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batch import PaddedChains, Segment, chunk_segments, forward_segments, padded_chain_batch
+from ..batch import PaddedChains, Segment, chain_batch, chunk_segments, forward_segments, fresh_batch, step_batch
 from ..batch_sampling import chain_rows, choose_tokens, to_host, uniforms, verify_chains
 from ..cuda_graph import chain_graph_width
-from ..forward_batch import to_device
+from ..forward_batch import ForwardBatch, to_device
 from ..model_runner import ModelRunner
 from ..logprobs import token_logprobs
 from ..output_rules import DraftGrammars, ruled_chain, ruled_next
@@ -106,14 +106,8 @@ class Speculator(ABC):
                 fresh.append(i)
         out: list[RoundResult | None] = [None] * len(reqs)
         if fresh:
-            picked = [reqs[i] for i in fresh]
-            rows = ruled_next(picked, logits.index_select(0, to_device(fresh, logits.device)))
-            params = [r.params for r in picked]
-            tokens, _ = choose_tokens(rows, params, first_uniforms(picked, 1, rows.device))
-            tokens = to_host(tokens)[0]
-            logprobs = emitted_logprobs(picked, logits, [[i] for i in fresh], [[t] for t in tokens])
-            for i, t, lp in zip(fresh, tokens, logprobs):
-                out[i] = RoundResult([t], proposed=0, accepted=0, logprobs=lp)
+            for i, result in zip(fresh, sample_next([reqs[i] for i in fresh], logits, fresh)):
+                out[i] = result
         return out
 
     @property
@@ -174,6 +168,19 @@ def record_prompt_logprobs(reqs: list[Request], segments: list[Segment], logits:
     return logits.index_select(0, to_device(last, logits.device))
 
 
+def sample_next(reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> list[RoundResult]:
+    """One token per request from its row ``rows[i]`` of ``logits``, under its output rules and
+    sampler, with its log-probability where asked for, read back once: a prompt's first token, or
+    a step where nobody drafts (what a verify pass draws after no proposal)."""
+    every = rows == list(range(logits.shape[0]))
+    picked = logits if every else logits.index_select(0, to_device(rows, logits.device))
+    tokens, _ = choose_tokens(ruled_next(reqs, picked), [r.params for r in reqs],
+                              first_uniforms(reqs, 1, logits.device))
+    tokens = to_host(tokens)[0]
+    logprobs = emitted_logprobs(reqs, logits, [[i] for i in rows], [[t] for t in tokens])
+    return [RoundResult([t], proposed=0, accepted=0, logprobs=lp) for t, lp in zip(tokens, logprobs)]
+
+
 def first_uniforms(reqs: list[Request], counts, device) -> torch.Tensor | None:
     """Uniforms for a sampling pass over ``reqs``, ``[B]`` for one draw each."""
     u = uniforms([r.params for r in reqs], [r.generator for r in reqs], counts, device)
@@ -221,6 +228,46 @@ def emitted_logprobs(reqs: list[Request], logits: torch.Tensor, rows: list, toke
         for i, lp in zip(asking, found):
             out[i] = lp
     return out
+
+
+@dataclass(frozen=True)
+class RoundRows:
+    """A round's per-request metadata on the device, sent with its slots in one copy
+    (``reserve_round``): draft steps and the verify batch are built from it there."""
+
+    last: torch.Tensor  # [B] each request's last committed token
+    req_idx: torch.Tensor  # [B] its request row
+    kv: torch.Tensor  # [B] its cached length, L
+    lengths: torch.Tensor  # [B] rows it verifies: its draft length + 1
+
+    def verify_batch(self, req_to_token: torch.Tensor, reqs: list[Request], ks: list[int], chains: torch.Tensor,
+                     width: int) -> tuple[ForwardBatch, PaddedChains]:
+        """The chain verify batch, ``width`` rows per request (``batch.chain_batch``)."""
+        return chain_batch(req_to_token, self.req_idx, self.kv, self.lengths,
+                           [r.kv_len + k + 1 for r, k in zip(reqs, ks)], chains, width)
+
+
+def reserve_round(slots, reqs: list[Request], widths: list[int], ks: list[int], *also: list[int]
+                  ) -> tuple[RoundRows, list[torch.Tensor]]:
+    """Slots for positions L .. L + widths[i] - 1 of each request (``KVSlots``), its ``RoundRows``
+    for draft lengths ``ks``, and the host lists ``also``, all in one copy to the device."""
+    last, req_idx, kv, lengths, *rest = slots.reserve(
+        [(r.req_idx, r.kv_len, r.kv_len + w) for r, w in zip(reqs, widths)],
+        also=([r.all_ids[-1] for r in reqs], [r.req_idx for r in reqs], [r.kv_len for r in reqs],
+              [k + 1 for k in ks], *also))
+    return RoundRows(last, req_idx, kv, lengths), rest
+
+
+def _rows(t: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """Rows ``index`` of ``t`` (None: every row)."""
+    return t if index is None else t.index_select(0, index)
+
+
+def verify_width(graphs, ks: list[int]) -> int:
+    """Rows per request of a chain verify pass laid out on the device (``batch.chain_batch``): the
+    verify graphs' width (``chain_graph_width``), else every chain's length when they are all one
+    length (no padding), else 0: the ragged batch."""
+    return chain_graph_width(graphs, len(ks), max(ks, default=0)) or (ks[0] + 1 if len(set(ks)) == 1 else 0)
 
 
 def chain_segments(reqs: list[Request], ks: list[int]) -> list[Segment]:
@@ -300,9 +347,10 @@ class StandaloneSpeculator(Speculator):
     # drafts (the catch-up of ``_draft_propose``, in chunks), so a request that never drafts costs
     # no draft prefill.
     def prefill(self, reqs: list[Request], ends: list[int]) -> list[RoundResult | None]:
-        segments = chunk_segments(self.target.slots, reqs, ends)
+        segments = chunk_segments(reqs, ends)
         every_row = wants_prompt_rows(reqs)
-        logits = forward_segments(self.target, segments, last_only=not every_row)
+        logits = self.target.forward(fresh_batch(self.target.slots, segments, self.target.device),
+                                     last_only=not every_row)
         if every_row:
             logits = record_prompt_logprobs(reqs, segments, logits)
         return self.first_tokens(reqs, ends, logits)
@@ -311,48 +359,56 @@ class StandaloneSpeculator(Speculator):
                      lookup: Lookup | None = None) -> list[RoundResult]:
         slots = self.target.slots
         ks = [self.k] * len(reqs) if draft_lengths is None else [min(k, self.k) for k in draft_lengths]
-        for r, k in zip(reqs, ks):
-            slots.reserve(r.req_idx, r.kv_len, r.kv_len + k + 1)
-        draft, draft_probs, found = self._propose(reqs, ks, lookup)
+        if self.method.drafter is not Drafter.LOOKUP:
+            lookup = None
+        elif any(ks):  # proposals known before any pass
+            lookup = lookup or self.look_ahead(reqs, ks)
+            ks = [min(len(p), k) for p, k in zip(lookup.proposals, ks)]
+        if not any(ks):
+            return self._plain_step(reqs)
+        # A lookup's proposals ride with the round's metadata: [B, max(ks)], request i's first ks[i].
+        width = max(ks)
+        looked_up = [t for p, k in zip(lookup.proposals, ks) for t in p[:k] + [0] * (width - k)] if lookup else []
+        rows, (proposals,) = reserve_round(slots, reqs, [k + 1 for k in ks], ks, looked_up)
+        if lookup:
+            draft, draft_probs = proposals.view(len(reqs), width), None  # point masses
+        else:
+            draft, draft_probs = self._draft_propose(reqs, ks, rows)
         # The verify pass's tokens stay on the device: each request's last token, then its proposals.
-        chains = torch.cat([to_device([[r.all_ids[-1]] for r in reqs], self.target.device), draft], dim=1)
-        width = chain_graph_width(self.chain_verify_graphs, len(reqs), max(found, default=0))
-        if width:  # one graph for any mix of lengths
-            fb, padded = padded_chain_batch(slots.rows, [r.req_idx for r in reqs], [r.kv_len for r in reqs], chains,
-                                            [k + 1 for k in found], width)
+        chains = torch.cat([rows.last[:, None], draft], dim=1)
+        width = verify_width(self.chain_verify_graphs, ks)
+        if width:  # a graph's width for any mix of lengths, or chains all of one length
+            fb, padded = rows.verify_batch(slots.req_to_token, reqs, ks, chains, width)
             logits = self.target.forward(fb, last_only=False)
-        else:  # the ragged batch as it is (no graph takes it), or a plain decode step when nobody drafts
+        else:  # the ragged batch as it is (no graph takes it)
             padded = None
-            logits = forward_segments(self.target, chain_segments(reqs, found), last_only=False,
-                                      input_ids=ragged_ids(chains, found))
-        accepted, nexts, drafted, logprobs = accept_chains(reqs, draft, draft_probs, logits, found, padded)
+            logits = forward_segments(self.target, chain_segments(reqs, ks), last_only=False,
+                                      input_ids=ragged_ids(chains, ks))
+        accepted, nexts, drafted, logprobs = accept_chains(reqs, draft, draft_probs, logits, ks, padded)
         results, rejected = [], []
-        for r, k, f, n, nxt, tokens, lp in zip(reqs, ks, found, accepted, nexts, drafted, logprobs):
+        for r, k, n, nxt, tokens, lp in zip(reqs, ks, accepted, nexts, drafted, logprobs):
             last = r.kv_len
             r.kv_len = last + n + 1  # the last token and the n accepted proposals are now cached
             r.draft_kv_len = min(r.draft_kv_len, r.kv_len)
             rejected.append((r.req_idx, r.kv_len, last + k + 1))
-            results.append(RoundResult(tokens[:n] + [nxt], proposed=f, accepted=n, logprobs=lp))
+            results.append(RoundResult(tokens[:n] + [nxt], proposed=k, accepted=n, logprobs=lp))
         slots.release(rejected)
         return results
 
-    def _propose(self, reqs: list[Request], ks: list[int], lookup: Lookup | None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-        """Proposals ``[B, max(ks)]`` on the target's device, the distributions they were drawn from
-        (None: point masses), and each request's real draft length (a lookup may find fewer)."""
-        device = self.target.device
-        if not self.method.drafts:
-            return torch.zeros(len(reqs), 0, dtype=torch.int64, device=device), None, [0] * len(reqs)
-        if self.method.drafter is Drafter.LOOKUP:
-            lookup = lookup or self.look_ahead(reqs, ks)
-            found = [p[:k] for p, k in zip(lookup.proposals, ks)]
-            width = max((len(f) for f in found), default=0)
-            padded = [f + [0] * (width - len(f)) for f in found]
-            return (to_device(padded, device, torch.int64).reshape(len(reqs), width), None,
-                    [len(f) for f in found])
-        return self._draft_propose(reqs, ks)
+    def _plain_step(self, reqs: list[Request]) -> list[RoundResult]:
+        """A step where nobody drafts: each request's last token over a fresh slot, the batch sent
+        in one copy, then its next token."""
+        segments = [Segment(r.req_idx, [r.all_ids[-1]], r.kv_len) for r in reqs]
+        # One row per request: "every row" is each request's last, as a verify pass reads them.
+        logits = self.target.forward(fresh_batch(self.target.slots, segments, self.target.device), last_only=False)
+        for r in reqs:
+            r.kv_len += 1
+        return sample_next(reqs, logits, list(range(len(reqs))))
 
-    def _draft_propose(self, reqs: list[Request], ks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    def _draft_propose(self, reqs: list[Request], ks: list[int], rows: RoundRows
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft model's proposals ``[B, max(ks)]`` on the target's device, request i's first
+        ``ks[i]``, and the distributions they were drawn from (None: greedy)."""
         # Step 1 catches the draft's cache up to the last committed token (the prompt on a request's
         # first drafting round, or every token committed since it last drafted); steps 2..k feed
         # back one proposal each, from the device (nothing is read back until the verify pass's
@@ -361,30 +417,41 @@ class StandaloneSpeculator(Speculator):
         tokens = torch.zeros(len(reqs), width, dtype=torch.int64, device=device)
         probs = None
         self._catch_up([r for r, k in zip(reqs, ks) if k])
-        segments = [Segment(r.req_idx, r.all_ids[r.draft_kv_len :], r.draft_kv_len) for r, k in zip(reqs, ks) if k]
-        ids = None
         grammars = DraftGrammars(reqs)
         for step in range(width):
-            self.draft_tokens += sum(len(s.tokens) for s in segments)
             drafting = [i for i, k in enumerate(ks) if k > step]
-            index = to_device(drafting, device)
-            if step:
-                segments = [Segment(reqs[i].req_idx, [0], reqs[i].kv_len + step) for i in drafting]
-                ids = tokens[:, step - 1].index_select(0, index)
-            logits = forward_segments(self.draft, segments, last_only=True, input_ids=ids)
+            every = len(drafting) == len(reqs)  # then no index to send: rows are the batch's
+            index = None if every else to_device(drafting, device)
+            if step:  # built on the device from the round's rows and lengths: nothing sent
+                fb = step_batch(self.draft.req_to_token_pool.req_to_token, _rows(rows.req_idx, index),
+                                _rows(rows.kv, index) + step, [reqs[i].kv_len + step for i in drafting],
+                                _rows(tokens[:, step - 1], index))
+                logits = self.draft.forward(fb, last_only=True)
+                self.draft_tokens += len(drafting)
+            else:  # each request's tokens since its draft cache ends
+                segments = [Segment(reqs[i].req_idx, reqs[i].all_ids[reqs[i].draft_kv_len :], reqs[i].draft_kv_len)
+                            for i in drafting]
+                logits = forward_segments(self.draft, segments, last_only=True)
+                self.draft_tokens += sum(len(s.tokens) for s in segments)
             picked = [reqs[i] for i in drafting]
             token, p = choose_tokens(grammars.masked(logits, drafting), [r.params for r in picked],
                                      first_uniforms(picked, 1, logits.device))
             grammars.advance(token, drafting)
-            tokens[:, step].index_copy_(0, index, token.to(device))
+            if every:
+                tokens[:, step] = token.to(device)
+            else:
+                tokens[:, step].index_copy_(0, index, token.to(device))
             if p is not None:
                 if probs is None:
                     probs = torch.zeros(len(reqs), width, p.shape[-1], device=device)
-                probs[:, step].index_copy_(0, index, p.to(device))
+                if every:
+                    probs[:, step] = p.to(device)
+                else:
+                    probs[:, step].index_copy_(0, index, p.to(device))
         for r, k in zip(reqs, ks):
             if k:
                 r.draft_kv_len = r.kv_len + k  # positions up to L+k-1 now hold draft K/V
-        return tokens, probs, ks
+        return tokens, probs
 
     def _catch_up(self, reqs: list[Request]) -> None:
         """Cache committed tokens in the draft, at most ``chunk_tokens`` per pass, until the first

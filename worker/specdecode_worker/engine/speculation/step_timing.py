@@ -31,8 +31,7 @@ def time_passes(runner: ModelRunner, shapes: list[tuple[int, int]], context_len:
     prefix = max(0, min(PREFIX_TOKENS, context_len // 4, slots.free_slots() // (2 * batch) - widest))
     rows = [slots.open_row() for _ in range(batch)]
     try:
-        for idx in rows:
-            slots.reserve(idx, 0, prefix + widest)
+        slots.reserve([(idx, 0, prefix + widest) for idx in rows])
         if prefix:
             _prefill_prefixes(runner, rows, prefix, chunk_tokens)
         best = {}
