@@ -73,6 +73,29 @@ def test_logprobs_equal_the_targets_forward_pass(models, case, temperature):
             assert [v for _, v in got.top] == pytest.approx(top_values, abs=1e-4)
 
 
+@pytest.mark.parametrize("case", ["STANDALONE", "NGRAM", "EAGLE"])
+def test_rounds_where_nobody_drafts_report_logprobs_too(models, case):
+    """Every other round drafts nothing (as the adaptive policy decides under load): those plain
+    steps report each token's log-probability as a verify pass does."""
+    target, draft, kw = CASES[case]
+    eng = engine(models[target], case, models[draft] if draft else None, max_running_requests=3, **kw)
+    real, rounds = eng.speculator.decode_round, []
+
+    def every_other_round_plain(reqs, draft_lengths=None, lookup=None):
+        rounds.append(len(rounds) % 2)
+        return real(reqs, [0] * len(reqs), None) if rounds[-1] else real(reqs, draft_lengths, lookup)
+
+    eng.speculator.decode_round = every_other_round_plain
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True, logprobs=TOP)
+    reqs = run_all(eng, [Request(p, params) for p in PROMPTS])
+    assert 1 in rounds and 0 in rounds
+    for r in reqs:
+        assert [lp.token for lp in r.output_logprobs] == r.output_ids
+        expected = reference(models[target], r.prompt_ids, r.output_ids, TOP)
+        for got, (logprob, _, _) in zip(r.output_logprobs, expected):
+            assert got.logprob == pytest.approx(logprob, abs=1e-4)
+
+
 def test_mtp_logprobs_equal_the_targets_forward_pass(tmp_path):
     if not hasattr(transformers, "DeepseekV3ForCausalLM"):
         pytest.skip("this transformers has no DeepseekV3ForCausalLM")
