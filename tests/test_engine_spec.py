@@ -56,6 +56,34 @@ def test_ngram_is_exact_and_accepts_on_repetition(models, reference):
     assert eng.stats.accepted_tokens > 0
 
 
+@pytest.mark.parametrize("ngram_min", [2, 4])
+def test_ngram_drafts_only_from_suffixes_of_ngram_min_tokens(models, reference, ngram_min):
+    """A shorter match proposes nothing; the output is still the target's greedy."""
+    eng = engine(models["target"], "NGRAM", ngram_min=ngram_min)
+    spec, matched = eng.speculator, []
+    real = spec.look_ahead
+
+    def recorded(reqs, caps):
+        lookup = real(reqs, caps)
+        matched.extend(zip(lookup.proposals, lookup.classes))
+        return lookup
+
+    spec.look_ahead = recorded
+    assert _greedy(eng) == reference
+    assert all(n >= ngram_min for proposal, n in matched if proposal), matched
+    assert all(not proposal for proposal, n in matched if n < ngram_min)
+    assert any(proposal for proposal, _ in matched) and eng.stats.accepted_tokens > 0
+
+
+def test_ngram_min_above_ngram_max_is_refused():
+    from specdecode_worker.serving import serve_cli
+
+    args = serve_cli.parser().parse_args(["--target", "/models/t", "--algorithm", "NGRAM", "--device", "cpu",
+                                          "--device-memory-gib", "1", "--ngram-min", "5", "--ngram-max", "4"])
+    with pytest.raises(InputError, match="--ngram-min 5: must be at most --ngram-max 4"):
+        serve_cli.resolve(args)
+
+
 @pytest.fixture(scope="module")
 def partly_right(models, tmp_path_factory):
     """The target with a little noise in every weight: it agrees with the target often, not always."""

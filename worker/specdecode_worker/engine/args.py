@@ -26,6 +26,7 @@ class EngineArgs:
     speculative_num_steps: int | None = None  # EAGLE draft steps per round (default: num_draft_tokens)
     speculative_eagle_topk: int = 1  # EAGLE: 1 drafts a chain, more a tree of num_draft_tokens nodes
     ngram_max: int = 4
+    ngram_min: int = 1  # the shortest suffix an n-gram lookup drafts from
     planned_tokens: int | None = None
     draft_quantization: str | None = None  # "int8": dynamic int8 draft linears (cpu)
     kv_cache_dtype: str = "auto"  # auto (the compute dtype), fp8_e4m3 or fp8_e5m2: every model's K/V pool

@@ -59,6 +59,8 @@ def parser() -> argparse.ArgumentParser:
                    help="adaptive: each round drafts the length (down to none) that maximises expected tokens/s "
                         "from load and acceptance; fixed: always --num-draft-tokens")
     p.add_argument("--ngram-max", type=int, default=4, help="longest suffix NGRAM matches")
+    p.add_argument("--ngram-min", type=int, default=1,
+                   help="shortest suffix NGRAM drafts from (a shorter match proposes nothing)")
     p.add_argument("--disable-prefix-cache", action="store_true",
                    help="recompute every prompt from its first token (default: prompts that start as an earlier "
                         "one did reuse its KV, for the target and the draft alike)")
@@ -100,9 +102,11 @@ def resolve(args: argparse.Namespace) -> tuple[Any, MemoryPlan]:
         raise InputError(f"--algorithm {args.algorithm}: this worker serves {', '.join(SERVED_ALGORITHMS)}")
     plan = load_plan_file(args.plan) if args.plan else None
     fill_from_plan(args, plan)
-    for name in ("num_draft_tokens", "ngram_max", "port", "speculative_eagle_topk"):
+    for name in ("num_draft_tokens", "ngram_max", "ngram_min", "port", "speculative_eagle_topk"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')}: must be positive, got {getattr(args, name)}")
+    if args.ngram_min > args.ngram_max:
+        raise InputError(f"--ngram-min {args.ngram_min}: must be at most --ngram-max {args.ngram_max}")
     device = args.device or _default_device()
     if device == "cpu" and args.device_memory_gib is None and args.plan is None:
         raise InputError("--device-memory-gib: on cpu give the memory budget that stands in for the GPU")
@@ -149,7 +153,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, MemoryPlan]:
         mem_fraction_static=plan.mem_fraction_static, runtime_bytes=reserve.runtime_bytes,
         context_len=kv.context_length, min_kv_tokens=kv.min_tokens, max_total_tokens=args.max_total_tokens,
         max_running_requests=shape.max_running_requests, cuda_graph_max_bs=shape.cuda_graph_max_bs,
-        num_draft_tokens=shape.num_draft_tokens, ngram_max=args.ngram_max,
+        num_draft_tokens=shape.num_draft_tokens, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
         speculative_num_steps=shape.speculative_num_steps, speculative_eagle_topk=shape.speculative_eagle_topk,
         planned_tokens=kv.max_total_num_tokens,
         draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization,

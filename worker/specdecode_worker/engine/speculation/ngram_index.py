@@ -36,10 +36,11 @@ class NgramIndex:
 
 
 class RequestIndexes:
-    """One ``NgramIndex`` per running request, made on its first lookup and dropped on ``release``."""
+    """One ``NgramIndex`` per running request, made on its first lookup and dropped on ``release``.
+    ``min_n``: the shortest suffix a lookup matches."""
 
-    def __init__(self, max_n: int):
-        self.max_n = max_n
+    def __init__(self, max_n: int, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
         self._indexes: dict[int, NgramIndex] = {}  # by request id
 
     def match(self, r, k: int) -> tuple[list[int], int]:
@@ -47,7 +48,7 @@ class RequestIndexes:
         index = self._indexes.get(r.rid)
         if index is None:
             index = self._indexes[r.rid] = NgramIndex(self.max_n)
-        return index.match(r.all_ids, k)
+        return index.match(r.all_ids, k, self.min_n)
 
     def release(self, rid: int) -> None:
         self._indexes.pop(rid, None)

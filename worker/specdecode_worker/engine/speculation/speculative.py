@@ -304,7 +304,7 @@ class StandaloneSpeculator(Speculator):
     catches_up = True  # a STANDALONE draft's cache; 0 tokens without a draft model
 
     def __init__(self, algorithm_name: str, target_runner: ModelRunner, draft_runner: ModelRunner | None = None,
-                 num_draft_tokens: int = 4, ngram_max: int = 4, chunk_tokens: int = 0):
+                 num_draft_tokens: int = 4, ngram_max: int = 4, chunk_tokens: int = 0, ngram_min: int = 1):
         self.method = algorithm(algorithm_name)
         if self.method.reads_target_features:
             raise ValueError(f"{algorithm_name} drafts from the target's features: EagleSpeculator runs it")
@@ -318,7 +318,8 @@ class StandaloneSpeculator(Speculator):
         # An n-gram proposal's class is its matched suffix's length: a one-token match (a common
         # word seen before) is rarely what follows, a four-token one in copied text nearly always.
         self.draft_classes = ngram_max + 1 if self.method.drafter is Drafter.LOOKUP else 0
-        self._ngram_indexes = RequestIndexes(ngram_max)  # while each request runs
+        # A lookup drafts only from a suffix of ngram_min tokens or more that occurred before.
+        self._ngram_indexes = RequestIndexes(ngram_max, ngram_min)  # while each request runs
 
     def look_ahead(self, reqs: list[Request], caps: list[int]) -> Lookup | None:
         if self.method.drafter is not Drafter.LOOKUP:

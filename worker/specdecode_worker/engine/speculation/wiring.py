@@ -77,7 +77,7 @@ def create_speculator(method: Algorithm, args: EngineArgs, target: ModelRunner, 
                       ) -> Speculator:
     if not method.reads_target_features:
         return StandaloneSpeculator(method.name, target, draft, args.num_draft_tokens, args.ngram_max,
-                                    chunk_tokens=args.chunked_prefill_size)
+                                    chunk_tokens=args.chunked_prefill_size, ngram_min=args.ngram_min)
     if method.drafter is Drafter.HEAD:
         spec = EagleSpeculator(method.name, target, draft, args.speculative_num_steps or args.num_draft_tokens,
                                args.speculative_eagle_topk, args.num_draft_tokens,
