@@ -77,13 +77,14 @@ def attend_slots(q: torch.Tensor, k_buf, v_buf, slots: torch.Tensor, mask: torch
                  scaling: float) -> torch.Tensor:
     """One request's queries [n, H, D] over the K/V stored at ``slots``; returns [n, H, Dv].
 
-    K/V are upcast to q's dtype (the pool may be fp8) and KV heads repeated for grouped queries.
+    K/V are upcast to q's dtype (the pool may be fp8); grouped queries read their KV head in place
+    (``enable_gqa``), with no repeated copy of it.
     """
-    group = q.shape[1] // k_buf.shape[1]
-    keys = k_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)  # [S, H, D]
-    vals = v_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)
+    keys = k_buf[slots].to(q.dtype)  # [S, Hkv, D]
+    vals = v_buf[slots].to(q.dtype)
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask, scale=scaling,
+        enable_gqa=True,
     )
     return o.transpose(0, 1)
 
@@ -129,16 +130,15 @@ class TorchNativeAttnBackend:
 
     def _decode(self, q, k_buf, v_buf, fb: ForwardBatch, scaling: float) -> torch.Tensor:
         ctx = self.decode_ctx or max(fb.seq_lens_cpu)
-        group = q.shape[1] // k_buf.shape[1]
         slots = self.req_to_token[fb.req_pool_indices, :ctx]  # [B, ctx]; slot 0 pads
-        keys = k_buf[slots].to(q.dtype).repeat_interleave(group, dim=2)  # [B, ctx, H, D]
-        vals = v_buf[slots].to(q.dtype).repeat_interleave(group, dim=2)
+        keys = k_buf[slots].to(q.dtype)  # [B, ctx, Hkv, D]: grouped queries read them in place
+        vals = v_buf[slots].to(q.dtype)
         k_pos = torch.arange(ctx, device=q.device)
         allowed = k_pos[None, :] < fb.seq_lens[:, None]  # [B, ctx]
         if self.sliding_window is not None:
             allowed &= k_pos[None, :] > (fb.seq_lens[:, None] - 1 - self.sliding_window)
         o = F.scaled_dot_product_attention(
             q[:, None].transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-            attn_mask=allowed[:, None, None, :], scale=scaling,
+            attn_mask=allowed[:, None, None, :], scale=scaling, enable_gqa=True,
         )  # [B, H, 1, Dv]
         return o[:, :, 0]
