@@ -35,6 +35,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from devtools import processes  # noqa: E402
 from devtools.smollm2 import smollm2_dir  # noqa: E402
 
 MODEL = "smol"
@@ -139,12 +140,7 @@ def start(cmd: list[str], port: int, log: Path, timeout: float = 600) -> Server:
 
 
 def stop(server: Server) -> None:
-    server.proc.terminate()
-    try:
-        server.proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        server.proc.wait()
+    processes.stop(server.proc, timeout=60)
 
 
 def complete(client: httpx.Client, base: str, prompt: str, tokens: int = NEW_TOKENS) -> int:

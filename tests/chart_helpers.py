@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from devtools import processes
 from devtools.cluster.controlplane import free_ports
 from devtools.cluster.wait import wait_for
 
@@ -80,13 +81,7 @@ class LocalOperator(OperatorProcess):
         self.launch([str(OPERATOR), *args], env, log, timeout=60)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        processes.stop(self.proc, timeout=20)
         self._out.close()
 
 
