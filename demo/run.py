@@ -407,8 +407,8 @@ def worker_argv(plane: ControlPlane, pod: dict, port: int) -> list[str]:
             args += [flag, value]
     args += ["--device-memory-gib", f"{cpu_budget_gib(plan, tokens):g}"]
     say(f"  changed for this machine: --device cpu, --device-memory-gib {cpu_budget_gib(plan, tokens):g} "
-        f"(stands in for the {plan['gpuMemoryBytes'] / (1 << 30):.1f} GiB GPU), KV capped at {tokens} tokens "
-        f"(the plan allows {plan['kvCache']['maxTotalNumTokens']} on the GPU)")
+        f"(stands in for the {plan.gpu_memory_bytes / (1 << 30):.1f} GiB GPU), KV capped at {tokens} tokens "
+        f"(the plan allows {plan.kv_cache.max_total_num_tokens} on the GPU)")
     return args
 
 
