@@ -64,22 +64,22 @@ def _layout(segments: list[Segment]) -> tuple[list[int], list[int], list[int], l
 def make_batch(segments: list[Segment], device) -> ForwardBatch:
     """The batch over positions that hold their slots already (``with_cache_locs`` reads them), in
     one copy to the device."""
-    ids, pos, _, seq_lens, last = _layout(segments)
-    input_ids, positions, req_idx, lens, last_rows = pack_to_device(
-        [ids, pos, [s.req_idx for s in segments], seq_lens, last], device)
-    return ForwardBatch(input_ids=input_ids, positions=positions, out_cache_loc=torch.empty(0, dtype=torch.int64),
-                        req_pool_indices=req_idx, seq_lens=lens, extend_lens=[len(s.tokens) for s in segments],
-                        seq_lens_cpu=seq_lens, last_rows=last_rows)
+    return _send(segments, device, None)
 
 
 def fresh_batch(slots: KVSlots, segments: list[Segment], device) -> ForwardBatch:
     """The batch over new positions (a prefill chunk, a step where nobody drafts): it takes a free
     slot for each and sends the slots, where they go in ``req_to_token`` and the batch in one copy."""
+    return _send(segments, device, slots)
+
+
+def _send(segments: list[Segment], device, fresh: KVSlots | None) -> ForwardBatch:
     ids, pos, rows, seq_lens, last = _layout(segments)
-    new = slots.fresh(len(ids))
+    new = fresh.fresh(len(ids)) if fresh is not None else []
     input_ids, positions, req_idx, lens, last_rows, token_rows, out_cache_loc = pack_to_device(
-        [ids, pos, [s.req_idx for s in segments], seq_lens, last, rows, new], device)
-    slots.req_to_token[token_rows, positions] = out_cache_loc
+        [ids, pos, [s.req_idx for s in segments], seq_lens, last, rows if fresh is not None else [], new], device)
+    if fresh is not None:
+        fresh.req_to_token[token_rows, positions] = out_cache_loc
     return ForwardBatch(input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                         req_pool_indices=req_idx, seq_lens=lens, extend_lens=[len(s.tokens) for s in segments],
                         seq_lens_cpu=seq_lens, last_rows=last_rows)
