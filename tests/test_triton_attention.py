@@ -68,7 +68,7 @@ def _compare(kv_heads, group, seq_lens, extend_lens, window=None, kv_dtype=torch
 def test_kernels_run_under_the_interpreter():
     from triton.runtime.interpreter import InterpretedFunction
 
-    for kernel in (ta._decode_partial_kernel, ta._decode_reduce_kernel, ta._extend_kernel):
+    for kernel in (ta._decode_partial_kernel, ta._decode_reduce_kernel, ta._extend_kernel, ta._verify_partial_kernel):
         assert isinstance(kernel, InterpretedFunction)
 
 
@@ -106,14 +106,60 @@ def test_decode_reads_only_live_slots():
 def test_fp8_pools_are_upcast_inside_the_kernels(kv_dtype):
     if kv_dtype == torch.float8_e4m3fn and not E4M3_ON_DEVICE:
         pytest.skip("Triton has no e4m3 before sm_89 (the engine keeps torch-native there)")
-    _compare(kv_heads=2, group=4, seq_lens=[9, 70], extend_lens=[1, 1], kv_dtype=kv_dtype)
-    _compare(kv_heads=2, group=4, seq_lens=[9, 70], extend_lens=[9, 4], kv_dtype=kv_dtype)
+    _compare(kv_heads=2, group=4, seq_lens=[9, 70], extend_lens=[1, 1], kv_dtype=kv_dtype)  # decode
+    _compare(kv_heads=2, group=4, seq_lens=[9, 70], extend_lens=[9, 4], kv_dtype=kv_dtype)  # split-KV verify
+    _compare(kv_heads=2, group=4, seq_lens=[30, 70], extend_lens=[30, 4], kv_dtype=kv_dtype)  # extend
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_extend_prefill_and_chain_verify_in_one_launch(group):
     # A whole prompt (no prefix), a prompt over a prefix, and two verify rows of k + 1 = 4 tokens.
     _compare(kv_heads=2, group=group, seq_lens=[20, 90, 33, 7], extend_lens=[20, 70, 4, 4])
+
+
+def _verify(req_pool, kv, fb, q, window, splits):
+    backend = ta.TritonAttnBackend(req_pool, kv, window)
+    q_start, q_lens, linear_lens, max_q_len, extra = backend._meta(fb, q.device)
+    return ta.verify_attention(q, kv.k_buffer[0], kv.v_buffer[0], req_pool.req_to_token, fb.req_pool_indices,
+                               q_start, q_lens, linear_lens, fb.positions, max_q_len, SCALE, window, splits, extra)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_verify_splits_cover_every_key_whatever_their_number(group, window):
+    """Ragged verify rows (1 to 8 new tokens, contexts below, at and above a 64-key block) split
+    1, 3 or 16 ways: every split count gives the torch-native rows."""
+    req_pool, kv, g = _pools(kv_heads=2, seed=11)
+    seq_lens, extend_lens = [4, 64, 65, 96, 30], [4, 8, 1, 5, 2]
+    fb = paged_batch(req_pool, seq_lens, extend_lens, [1, 2, 3, 4, 5])
+    n = sum(extend_lens)
+    q, k, v = _randn(n, 2 * group, D, g=g), _randn(n, 2, D, g=g), _randn(n, 2, D, g=g)
+    want = _run(TorchNativeAttnBackend, req_pool, kv, window, q, k, v, fb)  # writes the new K/V too
+    for splits in (1, 3, 16):
+        torch.testing.assert_close(_verify(req_pool, kv, fb, q, window, splits), want, atol=2e-5, rtol=2e-5)
+
+
+def test_verify_reads_only_live_slots():
+    req_pool, kv, g = _pools(kv_heads=1, seed=12)
+    seq_lens, reqs = [7, 90], [1, 2]
+    poison_dead_slots(req_pool, reqs, seq_lens, kv.k_buffer[0], kv.v_buffer[0])
+    fb = paged_batch(req_pool, seq_lens, [4, 4], reqs)
+    out = _verify(req_pool, kv, fb, _randn(8, 4, D, g=g), None, 5)
+    assert torch.isfinite(out).all()
+
+
+def test_the_backend_verifies_few_tokens_split_and_extends_long_ones(monkeypatch):
+    """Verify-sized passes (new tokens x group within ``VERIFY_MAX_ROWS``) take the split-KV
+    kernel, prefill chunks the extend kernel, and single tokens the decode kernel."""
+    calls = []
+    for name in ("decode_attention", "verify_attention", "extend_attention"):
+        real = getattr(ta, name)
+        monkeypatch.setattr(ta, name, lambda *a, _n=name, _r=real, **kw: calls.append(_n) or _r(*a, **kw))
+    _compare(kv_heads=2, group=4, seq_lens=[20, 50], extend_lens=[1, 1])
+    _compare(kv_heads=2, group=4, seq_lens=[20, 50], extend_lens=[16, 4])
+    _compare(kv_heads=2, group=4, seq_lens=[20, 50], extend_lens=[17, 4])
+    assert calls == ["decode_attention", "verify_attention", "extend_attention"]
+    assert ta.verify_fits(16, 4) and not ta.verify_fits(17, 4) and ta.verify_fits(8, 8)
 
 
 def test_extend_with_uniform_verify_lengths_builds_metadata_on_device():
@@ -190,6 +236,7 @@ def test_decode_splits_depend_on_batch_size_only():
     assert ta.decode_num_splits(1, 8, 132) == 16
     assert ta.decode_num_splits(64, 8, 132) == 1
     assert ta.decode_num_splits(4, 8, 132) == 9
+    assert ta.decode_num_splits(4, 8, 200) == ta.decode_num_splits(4, 8, 160) == 10  # SMs capped for the planner
     assert ta.decode_workspace_bytes(2, 4, 16, 3) == 2 * 4 * 3 * 17 * 4
 
 
@@ -310,6 +357,39 @@ def test_padded_chain_batch_gives_the_ragged_rows_on_both_backends(window):
     assert changed == [PAD_SLOT]  # the real rows rewrote the same values
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_left_padded_batch_gives_the_ragged_rows_on_both_backends(window):
+    """An extend of 1 to 4 new tokens per request left-padded to width 4, as the extend graphs
+    replay it: each request's last row is at (i + 1) x 4 - 1, its real rows equal the ragged
+    batch's on the torch-native reference and on the kernel, and padding writes only the pad slot."""
+    from specdecode_worker.engine.batch import PAD_SLOT, Segment, left_padded_batch
+
+    req_pool, kv, g = _pools(kv_heads=2, seed=9)
+    starts, lengths, reqs, width = [9, 70, 33], [1, 4, 2], [2, 4, 6], 4
+    ragged = paged_batch(req_pool, [s + n for s, n in zip(starts, lengths)], lengths, reqs)
+    n = sum(lengths)
+    q, k, v = _randn(n, 8, D, g=g), _randn(n, 2, D, g=g), _randn(n, 2, D, g=g)
+    want = _run(TorchNativeAttnBackend, req_pool, kv, window, q, k, v, ragged)
+    segments = [Segment(r, [5] * m, s) for r, m, s in zip(reqs, lengths, starts)]
+    fb, real = left_padded_batch(req_pool, segments, width, DEVICE)
+    assert real.tolist() == [3, 4, 5, 6, 7, 10, 11]
+    assert fb.extend_lens == [4, 4, 4] and fb.seq_lens.tolist() == [10, 74, 35]
+    assert fb.input_ids.tolist() == [0, 0, 0, 5, 5, 5, 5, 5, 0, 0, 5, 5]
+
+    def spread(x):  # the real rows at their places, other values in the padding rows
+        out = _randn(len(reqs) * width, *x.shape[1:], g=g)
+        out[real] = x
+        return out
+
+    before = kv.k_buffer[0].clone()
+    q_p, k_p, v_p = spread(q), spread(k), spread(v)
+    for backend in (TorchNativeAttnBackend, ta.TritonAttnBackend):
+        got = _run(backend, req_pool, kv, window, q_p, k_p, v_p, fb)
+        torch.testing.assert_close(got[real], want, atol=2e-5, rtol=2e-5)
+    changed = (kv.k_buffer[0] != before).any(dim=(1, 2)).nonzero().flatten().tolist()
+    assert changed == [PAD_SLOT]  # the real rows rewrote the same values
+
+
 def test_verify_batches_replay_verify_graphs_and_nothing_else(tmp_path):
     """ModelRunner.forward hands uniform k + 1 verify batches (all rows wanted) to the verify
     graphs; prefill and last-row-only batches run eagerly. A recorder stands in for the graphs."""
@@ -347,11 +427,13 @@ def test_verify_batches_replay_verify_graphs_and_nothing_else(tmp_path):
     assert eng.stats.verify_rounds >= len(seen)
 
 
-def test_a_graph_capture_makes_its_own_extend_metadata(monkeypatch):
-    """A verify graph captured after its warm-up computes the batch's extend metadata itself rather
-    than reading the warm-up's tensors."""
+@pytest.mark.parametrize("kernel, tokens", [("verify_attention", 4), ("extend_attention", 40)])
+def test_a_graph_capture_makes_its_own_extend_metadata(monkeypatch, kernel, tokens):
+    """A graph captured after its warm-up computes the batch's extend metadata itself rather
+    than reading the warm-up's tensors (argument 6: the per-request query lengths)."""
     req_pool, kv, g = _pools(2)
-    fb = paged_batch(req_pool, [12, 30, 41], [4, 4, 4], [1, 2, 3])
-    q, k, v = _randn(12, 4, D, g=g), _randn(12, 2, D, g=g), _randn(12, 2, D, g=g)
-    assert_capture_makes_its_own_metadata(monkeypatch, ta, "extend_attention", 6,
+    fb = paged_batch(req_pool, [42, 50, 61], [tokens] * 3, [1, 2, 3])
+    n = 3 * tokens
+    q, k, v = _randn(n, 4, D, g=g), _randn(n, 2, D, g=g), _randn(n, 2, D, g=g)
+    assert_capture_makes_its_own_metadata(monkeypatch, ta, kernel, 6,
                                           ta.TritonAttnBackend(req_pool, kv, None), q, k, v, fb, SCALE)

@@ -70,6 +70,16 @@ ATTENTION_CASES = [
     ("llama1b-bf16-prefill", LLAMA_1B, "bfloat16", ("prefill", 8192)),
     ("smollm2-bf16-decode-b1", SMOLLM2, "bfloat16", ("decode", 1)),
     ("smollm2-bf16-tree", SMOLLM2, "bfloat16", ("tree", 60)),
+    # split-KV verification: k + 1 rows per request (or a tree's nodes) x the query heads of a KV head
+    ("llama8b-bf16-split-verify-b1", LLAMA_8B, "bfloat16", ("split-verify", 5, 1)),
+    ("llama8b-bf16-split-verify-b64", LLAMA_8B, "bfloat16", ("split-verify", 5, 64)),
+    ("llama8b-bf16-split-tree", LLAMA_8B, "bfloat16", ("split-tree", 8, 1)),
+    ("llama8b-e4m3-split-verify-b1", LLAMA_8B, "float8_e4m3fn", ("split-verify", 5, 1)),
+    ("llama8b-e5m2-split-verify-b1", LLAMA_8B, "float8_e5m2", ("split-verify", 5, 1)),
+    ("llama70b-bf16-split-verify-b1", LLAMA_70B, "bfloat16", ("split-verify", 8, 1)),
+    ("gqa1-bf16-split-verify-b1", GQA_1, "bfloat16", ("split-verify", 5, 1)),
+    ("llama1b-bf16-split-verify-b1", LLAMA_1B, "bfloat16", ("split-verify", 2, 1)),
+    ("smollm2-bf16-split-tree", SMOLLM2, "bfloat16", ("split-tree", 8, 4)),
 ]
 DEEPSEEK_MLA = dict(kv_lora_rank=512, rope=64)
 MLA_CASES = [
@@ -168,6 +178,17 @@ def _launch_case(name: str, arch: int):
             splits = ta.decode_num_splits(B, Hkv, NUM_SMS[arch])
             ta.decode_attention(q, k_buf, v_buf, req_to_token, torch.empty(B, **idx), torch.empty(B, **idx),
                                 D ** -0.5, window, splits)
+        elif mode[0].startswith("split"):
+            _, n, B = mode
+            assert ta.verify_fits(n, H // Hkv)  # the backend takes this pass to the split kernel
+            q = torch.empty((B * n, H, D), dtype=torch.bfloat16, **meta)
+            extra = None
+            if mode[0] == "split-tree":
+                extra = (torch.empty(B + 1, **idx), torch.empty(B * n, **idx), torch.empty(B * n, **idx),
+                         torch.empty(B, **idx), torch.empty(B * n * n, dtype=torch.int8, **meta))
+            vec = torch.empty(B, **idx)
+            ta.verify_attention(q, k_buf, v_buf, req_to_token, vec, vec, vec, vec, torch.empty(B * n, **idx), n,
+                                D ** -0.5, window, ta.decode_num_splits(B, Hkv, NUM_SMS[arch]), extra)
         else:
             n = mode[1]
             B = 1 if mode[0] == "prefill" else 64
@@ -262,6 +283,7 @@ def _compile(kernel, args, kwargs, arch: int) -> dict:
 WIDE_POINTERS = {
     "_decode_partial_kernel": ("K", "V"),
     "_extend_kernel": ("K", "V"),
+    "_verify_partial_kernel": ("K", "V"),
     "_mla_decode_partial_kernel": ("KV",),
     "_mla_extend_kernel": ("KV",),
     "_expert_gemv_kernel": ("W", "Scale"),

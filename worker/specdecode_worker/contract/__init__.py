@@ -42,6 +42,28 @@ VERIFY_TOKENS = 4
 # The Triton decode kernel splits each request's keys over at most this many programs; its fp32
 # partial outputs (v_head_dim values and one log-sum-exp per head and split) are its workspace.
 DECODE_MAX_KV_SPLITS = 16
+# Verification and draft extends (a few new tokens per request) split the keys the same way. The
+# splits aim at twice the GPU's SMs in programs; the SM count is capped here, so that the planner
+# can bound those passes' partials without knowing the GPU.
+KV_SPLIT_MAX_SMS = 160
+
+
+def kv_splits(batch_size: int, kv_heads: int, num_sms: int) -> int:
+    """KV splits per request of a split-KV pass: enough programs to fill the GPU twice over, at
+    most ``DECODE_MAX_KV_SPLITS``. A function of the batch size only, so a CUDA graph captured for
+    that size keeps its grid."""
+    programs = 2 * min(num_sms, KV_SPLIT_MAX_SMS)
+    return max(1, min(DECODE_MAX_KV_SPLITS, -(-programs // (batch_size * kv_heads))))
+
+
+# Rows (new tokens per request x query heads of one KV head) up to which a pass runs the split-KV
+# verify kernel; longer ones (prefill chunks, wide trees) run the extend kernel, which has no
+# workspace.
+VERIFY_MAX_ROWS = 64
+
+
+def verify_fits(tokens_per_request: int, group: int) -> bool:
+    return tokens_per_request * group <= VERIFY_MAX_ROWS
 # Sampling and acceptance (batch_sampling.py, tree.accept_trees) run the requests that sample in
 # blocks of whole requests. A block's scratch with temperature, top-k and top-p: fp32 and int64
 # temporaries per row and vocabulary entry beyond the logits themselves (two sorts with their

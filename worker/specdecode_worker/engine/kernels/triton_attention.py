@@ -1,5 +1,11 @@
-"""Paged attention kernels in Triton: split-KV decode, and one extend kernel for prefill, chain
-verification and tree-masked verification.
+"""Paged attention kernels in Triton: split-KV decode, split-KV verification (a few new tokens
+per request: chain and tree verification, draft extends), and one extend kernel for prefill.
+
+Verification splits the keys as decode does: at batch 1 a 4-token verify pass of an 8B model is
+8 KV heads, so one program per (request, head) would leave most SMs idle while it reads the whole
+context. A program takes every new token of a request for the query heads of one KV head (so
+each K/V block is loaded once for all of them) over one split of the keys; a reduce combines
+the splits by their log-sum-exp.
 
 Every kernel reads K/V through ``req_to_token`` (the request's live positions only), indexes the
 KV head of each query head (grouped-query attention without repeating K/V), and upcasts the pool's
@@ -22,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...contract import DECODE_MAX_KV_SPLITS
+from ...contract import kv_splits, verify_fits
 from ..forward_batch import ForwardBatch, to_device
 from ..memory.pools import MHATokenToKVPool, ReqToTokenPool
 
@@ -201,6 +207,85 @@ def _extend_kernel(
              o.to(Out.dtype.element_ty), mask=mmask[:, None] & (offs_dv[None, :] < DV))
 
 
+@triton.jit
+def _verify_partial_kernel(
+    Q, K, V, ReqToToken, ReqIdx, QStart, QLens, LinearLens, Positions,
+    ExtraStart, ExtraSlots, ExtraPos, MaskStart, Mask, PartO, PartLse,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
+    stride_on, stride_oh, stride_os, stride_ln, stride_lh,
+    scaling, window,
+    GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_EXTRA: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (batch, kv_heads, NUM_SPLITS + HAS_EXTRA): rows are request b's new tokens times the
+    query heads of KV head ``kvh`` (row r: token r // GROUP, head r % GROUP). Splits 0..NUM_SPLITS-1
+    share the causal keys ``0 .. LinearLens[b] - 1``; with ``HAS_EXTRA`` one more program reads
+    the request's extra slots (draft-tree nodes) under its ``[q_len, E]`` mask."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_len = tl.load(QLens + b)
+    q_start = tl.load(QStart + b)
+    linear_len = tl.load(LinearLens + b)
+    req = tl.load(ReqIdx + b)
+
+    offs_r = tl.arange(0, BLOCK_R)
+    tok = offs_r // GROUP
+    rmask = tok < q_len
+    heads = kvh * GROUP + offs_r % GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    qpos = tl.load(Positions + q_start + tok, mask=rmask, other=0)
+    q = tl.load(Q + (q_start + tok)[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=rmask[:, None] & (offs_d[None, :] < D), other=0.0)
+    m_i = tl.full([BLOCK_R], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+
+    if split < NUM_SPLITS:  # this split of the keys some row can see
+        hi = tl.minimum(linear_len, tl.max(tl.where(rmask, qpos, 0), 0) + 1)
+        lo = tl.maximum(tl.min(tl.where(rmask, qpos, 1 << 62), 0) - window + 1, 0)
+        chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = lo + split * chunk
+        end = tl.minimum(start + chunk, hi)
+        for s in range(start, end, BLOCK_N):
+            kpos = s + tl.arange(0, BLOCK_N)
+            valid = kpos < end
+            slot = tl.load(ReqToToken + req * stride_rt + kpos, mask=valid, other=0).to(tl.int64)
+            k = _upcast(tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
+                                mask=valid[:, None] & (offs_d[None, :] < D), other=0.0), q.dtype)
+            v = _upcast(tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
+                                mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0), q.dtype)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
+            allowed = valid[None, :] & (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)
+            m_i, l_i, acc = _online_update(qk, allowed, v, m_i, l_i, acc, PRECISION)
+    elif HAS_EXTRA:  # the draft tree's nodes
+        e_start = tl.load(ExtraStart + b)
+        e_len = tl.load(ExtraStart + b + 1) - e_start
+        mask_start = tl.load(MaskStart + b)
+        for s in range(0, e_len, BLOCK_N):
+            offs_e = s + tl.arange(0, BLOCK_N)
+            valid = offs_e < e_len
+            slot = tl.load(ExtraSlots + e_start + offs_e, mask=valid, other=0).to(tl.int64)
+            kpos = tl.load(ExtraPos + e_start + offs_e, mask=valid, other=0)
+            k = _upcast(tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
+                                mask=valid[:, None] & (offs_d[None, :] < D), other=0.0), q.dtype)
+            v = _upcast(tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
+                                mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0), q.dtype)
+            tree = tl.load(Mask + mask_start + tok[:, None] * e_len + offs_e[None, :],
+                           mask=rmask[:, None] & valid[None, :], other=0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
+            allowed = (tree != 0) & valid[None, :] & (kpos[None, :] > qpos[:, None] - window)
+            m_i, l_i, acc = _online_update(qk, allowed, v, m_i, l_i, acc, PRECISION)
+
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
+    rows = (q_start + tok) * stride_on + heads * stride_oh + split * stride_os
+    tl.store(PartO + rows[:, None] + offs_dv[None, :], o, mask=rmask[:, None] & (offs_dv[None, :] < DV))
+    tl.store(PartLse + (q_start + tok) * stride_ln + heads * stride_lh + split, lse, mask=rmask)
+
+
 def _precision(q: torch.Tensor) -> str:
     # fp32 models are compared bit-for-bit-ish against fp32 references: no TF32 for them.
     return "ieee" if q.dtype == torch.float32 else "tf32"
@@ -211,11 +296,8 @@ def _p2(n: int, least: int = 16) -> int:
 
 
 def decode_num_splits(batch_size: int, kv_heads: int, num_sms: int) -> int:
-    """KV splits per request: enough programs to fill the GPU twice over, at most the planner's cap.
-
-    A function of the batch size only, so a CUDA graph captured for that size keeps its grid.
-    """
-    return max(1, min(DECODE_MAX_KV_SPLITS, triton.cdiv(2 * num_sms, batch_size * kv_heads)))
+    """KV splits per request (``contract.kv_splits``): a function of the batch size only."""
+    return kv_splits(batch_size, kv_heads, num_sms)
 
 
 def decode_workspace_bytes(batch_size: int, num_heads: int, v_head_dim: int, num_splits: int) -> int:
@@ -272,6 +354,39 @@ def extend_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, q_start, q
         out.stride(0), out.stride(1), req_to_token.stride(0), scaling, window or NO_WINDOW,
         GROUP=H // kv_heads, BLOCK_M=block_m, BLOCK_N=64, D=D, DV=dv, BLOCK_D=_p2(D), BLOCK_DV=_p2(dv),
         HAS_EXTRA=has_extra, PRECISION=_precision(q),
+    )
+    return out
+
+
+def verify_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, q_start, q_lens, linear_lens, positions,
+                     max_q_len: int, scaling: float, window: int | None, num_splits: int, extra=None) -> torch.Tensor:
+    """``extend_attention`` for passes of at most ``VERIFY_MAX_ROWS // group`` new tokens per
+    request, its keys split ``num_splits`` ways (plus one program for a tree's nodes)."""
+    N, H, D = q.shape
+    kv_heads, dv = k_buf.shape[1], v_buf.shape[-1]
+    group = H // kv_heads
+    out = torch.empty((N, H, dv), dtype=q.dtype, device=q.device)
+    if N == 0:
+        return out
+    has_extra = extra is not None
+    splits = num_splits + has_extra
+    part_o = torch.empty((N, H, splits, dv), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((N, H, splits), dtype=torch.float32, device=q.device)
+    e_start, e_slots, e_pos, m_start, mask = extra if has_extra else (q_start,) * 5  # unused placeholders
+    B = req_pool_indices.shape[0]
+    _verify_partial_kernel[(B, kv_heads, splits)](
+        q, k_buf, v_buf, req_to_token, req_pool_indices, q_start, q_lens, linear_lens, positions,
+        e_start, e_slots, e_pos, m_start, mask, part_o, part_lse,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        req_to_token.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1), scaling, window or NO_WINDOW,
+        GROUP=group, BLOCK_R=_p2(max_q_len * group), BLOCK_N=64, D=D, DV=dv, BLOCK_D=_p2(D), BLOCK_DV=_p2(dv),
+        NUM_SPLITS=num_splits, HAS_EXTRA=has_extra, PRECISION=_precision(q),
+    )
+    _decode_reduce_kernel[(N, H)](
+        part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+        DV=dv, BLOCK_DV=_p2(dv), NUM_SPLITS=splits, BLOCK_S=_p2(splits, 2),
     )
     return out
 
@@ -333,6 +448,10 @@ class TritonAttnBackend:
             return decode_attention(q, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, fb.seq_lens, scaling,
                                     self.sliding_window, self.num_splits(fb.batch_size))
         q_start, q_lens, linear_lens, max_q_len, extra = self._meta(fb, q.device)
+        if verify_fits(max_q_len, q.shape[1] // k_buf.shape[1]):
+            return verify_attention(q, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, q_start, q_lens,
+                                    linear_lens, fb.positions, max_q_len, scaling, self.sliding_window,
+                                    self.num_splits(fb.batch_size), extra)
         return extend_attention(q, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, q_start, q_lens,
                                 linear_lens, fb.positions, max_q_len, scaling, self.sliding_window, extra)
 
