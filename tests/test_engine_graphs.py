@@ -51,6 +51,18 @@ def test_replay_pads_stages_extras_and_returns_the_real_rows():
     assert static.out_cache_loc[6:].eq(0).all() and runner.extras[0][6:8].eq(0).all()  # padding: slot 0, zeros
 
 
+def test_an_extend_graph_returns_each_requests_last_row():
+    def fn(fb, rows):
+        return fb.input_ids[rows] * 10 + fb.positions[rows]
+
+    runner = GraphRunner(fn, 4, "cpu", tokens_per_req=3, eager=True, last_only=True)
+    fb = ForwardBatch(input_ids=torch.tensor([0, 1, 2, 0, 0, 3]), positions=torch.tensor([4, 4, 5, 7, 7, 7]),
+                      out_cache_loc=torch.tensor([0, 11, 12, 0, 0, 13]), req_pool_indices=torch.tensor([2, 3]),
+                      seq_lens=torch.tensor([6, 8]), extend_lens=[3, 3], seq_lens_cpu=[6, 8])
+    (out,) = runner.replay(fb)
+    assert out.tolist() == [25, 37]  # rows 2 and 5 of the two requests, not the padding's
+
+
 def _prompts(n, vocab, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(3, 12))] for _ in range(n)]
@@ -61,11 +73,16 @@ def _outputs(eng, prompts, max_tokens=10):
     return [r.output_ids for r in reqs]
 
 
-def _count_replays(monkeypatch) -> list[tuple[str, int]]:
+def _count_replays(monkeypatch, extends: list | None = None) -> list[tuple[int, int]]:
+    """(width, batch) of every graph replay; an extend graph's (the last rows' logits) go to
+    ``extends`` instead, where given."""
     seen, real = [], GraphRunner.replay
 
     def replay(self, fb, *extras):
-        seen.append((self.tokens_per_req, fb.batch_size))
+        if not self.last_only:
+            seen.append((self.tokens_per_req, fb.batch_size))
+        elif extends is not None:
+            extends.append((self.tokens_per_req, fb.batch_size, list(fb.seq_lens_cpu)))
         return real(self, fb, *extras)
 
     monkeypatch.setattr(GraphRunner, "replay", replay)
@@ -73,13 +90,17 @@ def _count_replays(monkeypatch) -> list[tuple[str, int]]:
 
 
 def _graph_runner(eng, k: int) -> None:
-    """The target's (and a STANDALONE draft's) decode and verify graphs, eager stand-ins."""
+    """The target's decode and verify graphs, and a STANDALONE draft's decode and first-step
+    (2 tokens, left-padded) graphs, eager stand-ins."""
     for runner in eng.model_runners():
         ctx = runner.memory_pool_config.context_len
         runner.cuda_graphs = CudaGraphRunner(runner.model, runner.backend, MAX_BS, ctx, "cpu", eager=True)
         if runner is eng.target_runner and k:
             runner.verify_graphs = CudaGraphRunner(runner.model, runner.backend, MAX_BS, ctx, "cpu", k + 1,
                                                    eager=True)
+        elif runner is not eng.target_runner:
+            runner.extend_graphs = CudaGraphRunner(runner.model, runner.backend, MAX_BS, ctx, "cpu", 2,
+                                                   eager=True, last_only=True)
 
 
 # top-3 trees 3 deep, 6 nodes verified: draft-tree steps of 3 tokens, verify passes of 7
@@ -108,13 +129,16 @@ def test_greedy_output_through_graph_buffers_equals_eager(models, monkeypatch, a
     if algorithm.startswith("EAGLE"):
         eng.speculator.capture_graphs(MAX_BS, eager=True)
         tree = "speculative_eagle_topk" in kw
-        assert {key[0] for key in eng.speculator._graphs} == ({"target", "target_tree", "draft_tree"} if tree
-                                                               else {"target", "draft"})
+        assert {key[0] for key in eng.speculator._graphs} == (
+            {"target", "target_tree", "draft_tree", "draft_extend"} if tree else {"target", "draft", "draft_extend"})
     else:
         _graph_runner(eng, kw.get("num_draft_tokens", 0) if algorithm != "NONE" else 0)
-    seen = _count_replays(monkeypatch)
+    extends = []
+    seen = _count_replays(monkeypatch, extends)
     assert _outputs(eng, prompts) == plain
     assert seen, "no pass went through the graph buffers"
+    if algorithm.startswith("EAGLE"):  # the head's extend over each round's accepted tokens
+        assert extends and {w for w, _, _ in extends} == {4}
     if algorithm.startswith("EAGLE"):
         # chain: draft steps (and plain steps) and the k + 1 verify pass; tree: top-k draft steps
         # and the root + nodes verify pass (and plain steps, if a round drafts nothing)
@@ -122,6 +146,23 @@ def test_greedy_output_through_graph_buffers_equals_eager(models, monkeypatch, a
         if batch > 1:  # (at batch 1 these random heads happen to have every proposal rejected)
             assert eng.stats.accepted_tokens > 0  # accepted drafts were committed from the graphs' outputs
     assert_every_slot_back(eng)  # every slot (verify, rejected, tree scratch) came back
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_fully_accepted_round_leaves_the_draft_two_tokens_for_its_extend_graph(models, monkeypatch, batch):
+    """With the target as its own draft every proposal is accepted, so each round leaves the draft
+    two uncached tokens (the last proposal and the next token): its first step replays the
+    2-token extend graph, and the output stays the target's."""
+    prompts = _prompts(batch, VOCAB_SIZE, seed=7)
+    plain = _outputs(engine(models["target"], "NONE", max_running_requests=MAX_BS), prompts)
+    eng = engine(models["target"], "STANDALONE", models["target"], max_running_requests=MAX_BS, num_draft_tokens=3)
+    _graph_runner(eng, 3)
+    extends = []
+    _count_replays(monkeypatch, extends)
+    assert _outputs(eng, prompts) == plain
+    assert eng.stats.accepted_tokens == eng.stats.proposed_tokens > 0
+    assert extends and {(w, b) for w, b, _ in extends} == {(2, batch)}
+    assert_every_slot_back(eng)
 
 
 def test_deep_tree_paths_through_graph_buffers_keep_the_target_greedy_output(tmp_path, monkeypatch):
@@ -135,7 +176,8 @@ def test_deep_tree_paths_through_graph_buffers_keep_the_target_greedy_output(tmp
     plain = _outputs(engine(target, "NONE", max_running_requests=MAX_BS), prompts)
     eng = engine(target, "EAGLE", head, max_running_requests=MAX_BS, **TREE)
     eng.speculator.capture_graphs(MAX_BS, eager=True)
-    seen = _count_replays(monkeypatch)
+    extends = []
+    seen = _count_replays(monkeypatch, extends)
     reqs = [eng.submit(Request(p, SamplingParams(max_tokens=10, ignore_eos=True))) for p in prompts]
     while not all(r.done.is_set() for r in reqs):  # one read-back per round, one per prefill that samples
         before = (batch_sampling.to_host.count, eng.stats.decode_steps, sum(bool(r.output_ids) for r in reqs))
@@ -145,6 +187,7 @@ def test_deep_tree_paths_through_graph_buffers_keep_the_target_greedy_output(tmp
         assert batch_sampling.to_host.count - before[0] == rounds + prefilled
     assert [r.output_ids for r in reqs] == plain
     assert {w for w, _ in seen} - {1} == {3, 7}
+    assert extends and {w for w, _, _ in extends} == {4}  # depth 3 + 1: every accepted path's extend
     lengths = eng.stats.accept_lengths
     assert max(lengths) == 3 and min(lengths) < 3, lengths
     assert_every_slot_back(eng)
@@ -188,7 +231,7 @@ def test_mtp_greedy_output_through_graph_buffers_equals_eager(tmp_path, monkeypa
     plain = _outputs(engine(model, "NONE", max_running_requests=MAX_BS, context_len=128), prompts)
     eng = engine(model, "MTP", max_running_requests=MAX_BS, context_len=128, num_draft_tokens=2)
     eng.speculator.capture_graphs(MAX_BS, eager=True)
-    assert set(eng.speculator._graphs) == {("target", 1), ("target", 3), ("draft", 1)}
+    assert set(eng.speculator._graphs) == {("target", 1), ("target", 3), ("draft", 1), ("draft_extend", 3)}
     static_moe = record_static_moe(monkeypatch)
     seen = _count_replays(monkeypatch)
     assert _outputs(eng, prompts) == plain

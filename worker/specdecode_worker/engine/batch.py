@@ -104,6 +104,29 @@ class PaddedChains:
     lengths: torch.Tensor
 
 
+def left_padded_batch(req_pool: ReqToTokenPool, segments: list[Segment], width: int,
+                      device) -> tuple[ForwardBatch, torch.Tensor]:
+    """The segments (their positions' slots reserved) as ``width`` rows each, padding first, so
+    that one extend graph of that width serves any mix of lengths up to it and request i's last
+    token is row ``(i + 1) x width - 1``. A padding row repeats its request's first position and
+    writes its K/V to ``PAD_SLOT``; attention reads keys through ``req_to_token`` (never the pad
+    slot), so no real row sees it. Sent in one copy; returns the batch and the real rows' places."""
+    ids, pos, real = [], [], []
+    for i, s in enumerate(segments):
+        n = len(s.tokens)
+        ids += [0] * (width - n) + s.tokens
+        pos += [s.start] * (width - n) + list(range(s.start, s.start + n))
+        real += range((i + 1) * width - n, (i + 1) * width)
+    req_rows = [s.req_idx for s in segments]
+    seq_lens = [s.start + len(s.tokens) for s in segments]
+    input_ids, positions, req_idx, lens, real_rows = pack_to_device([ids, pos, req_rows, seq_lens, real], device)
+    slots = torch.full_like(positions, PAD_SLOT)
+    slots[real_rows] = req_pool.req_to_token[req_idx.repeat_interleave(width)[real_rows], positions[real_rows]]
+    fb = ForwardBatch(input_ids=input_ids, positions=positions, out_cache_loc=slots, req_pool_indices=req_idx,
+                      seq_lens=lens, extend_lens=[width] * len(segments), seq_lens_cpu=seq_lens)
+    return fb, real_rows
+
+
 def padded_chain_batch(req_pool: ReqToTokenPool, req_indices: list[int], starts: list[int], chains: torch.Tensor,
                        lengths: list[int], width: int) -> tuple[ForwardBatch, PaddedChains]:
     """A chain verify batch of ``width`` rows per request, whatever each request verifies, so one

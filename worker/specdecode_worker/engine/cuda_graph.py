@@ -10,6 +10,12 @@ pool holds activations of ``bs x tokens`` rows, never ``bs x contextLength``. (T
 backend, forced on CUDA, still gathers a fixed ``[bs, contextLength]`` block: it is the reference,
 not the fast path.)
 
+Extend graphs (``last_only``) take passes of up to that many new tokens per request whose
+logits are wanted at each request's last token only: a STANDALONE draft's first step over the
+tokens it has not cached, an EAGLE or MTP head's extend over a round's accepted tokens. Their
+batches are left-padded (``batch.left_padded_batch``), so that each request's last row sits at a
+fixed place, ``(i + 1) x width - 1``.
+
 ``GraphRunner`` graphs any function of a static batch (and of static per-token inputs, such as an
 EAGLE head's features) returning tensors; ``CudaGraphRunner`` is it over a model's forward.
 ``GraphInputs`` (the buffers and how a batch is staged into them) holds no CUDA call. With
@@ -82,6 +88,7 @@ class GraphInputs:
         # Logit rows: every new token. A graph reads every tensor at the address it had at capture,
         # so this must outlive the capture (a per-size temporary would be freed and reused).
         self.rows = torch.arange(n_tok, device=device)
+        self.last_rows = torch.arange(1, max_bs + 1, device=device) * tokens_per_req - 1  # extend graphs' rows
         # A padding request: positions 0..n-1 of request slot 0, written to KV slot 0 (no request owns
         # it). It reads request 0's first positions and its output is discarded.
         self._pad_positions = torch.arange(tokens_per_req, device=device).repeat(max_bs)
@@ -146,13 +153,14 @@ class GraphRunner:
     """Graphs ``fn(fb, rows, *extras) -> tensor(s)`` for every captured batch size.
 
     ``extra_widths``: static per-token inputs besides the batch (``[tokens, width]`` each, staged
-    like the token ids, zero for padding rows). Outputs have one row per token, in order.
+    like the token ids, zero for padding rows). Outputs have one row per token, in order, or with
+    ``last_only`` one per request, at its last token.
     """
 
     def __init__(self, fn, max_bs: int, device, tokens_per_req: int = 1, extra_widths: tuple[int, ...] = (),
                  extra_dtype=None, pool=None, eager: bool = False, name: str = "model",
-                 inputs: GraphInputs | None = None):
-        self.fn, self.eager = fn, eager
+                 inputs: GraphInputs | None = None, last_only: bool = False):
+        self.fn, self.eager, self.last_only = fn, eager, last_only
         self.sizes = capture_sizes(max_bs)
         self.max_bs = max_bs
         self.inputs = inputs or GraphInputs(max_bs, tokens_per_req, device)  # a subclass stages more
@@ -168,7 +176,7 @@ class GraphRunner:
         self.pool = None if eager else (torch.cuda.graph_pool_handle() if pool is None else pool)
         for bs in reversed(self.sizes):  # largest first so smaller graphs reuse its memory
             fb = self.inputs.batch(bs)
-            rows = self.inputs.rows[: bs * tokens_per_req]
+            rows = self.inputs.last_rows[:bs] if last_only else self.inputs.rows[: bs * tokens_per_req]
             extras = [e[: bs * tokens_per_req] for e in self.extras]
 
             def call(fb=fb, rows=rows, extras=extras):
@@ -194,8 +202,9 @@ class GraphRunner:
             self.graphs[bs] = graph
             if self._static_out is None:
                 self._static_out = self.outputs[bs]
-        log.info("%s: %s graphs for batch sizes %s (%d token(s) per request)", name,
-                 "eager stand-in" if eager else "captured CUDA", self.sizes, tokens_per_req)
+        log.info("%s: %s graphs for batch sizes %s (%d token(s) per request%s)", name,
+                 "eager stand-in" if eager else "captured CUDA", self.sizes, tokens_per_req,
+                 ", the last's logits" if last_only else "")
 
     @property
     def tokens_per_req(self) -> int:
@@ -212,7 +221,8 @@ class GraphRunner:
             static[:n].copy_(x)
             static[n:t_bs].zero_()
         self.graphs[bs].replay()
-        return tuple(out[:n] for out in self.outputs[bs])
+        rows = fb.batch_size if self.last_only else n
+        return tuple(out[:rows] for out in self.outputs[bs])
 
 
 _warmup_streams: dict = {}
@@ -232,11 +242,11 @@ class CudaGraphRunner(GraphRunner):
     """A model's forward ``model(fb, backend, rows)`` graphed; ``replay`` returns its logits."""
 
     def __init__(self, model, backend, max_bs: int, context_len: int, device, tokens_per_req: int = 1, pool=None,
-                 eager: bool = False):
+                 eager: bool = False, last_only: bool = False):
         if not eager:  # eager replays read each batch's own lengths
             fix_gather_width(backend, context_len)
         super().__init__(lambda fb, rows: model(fb, backend, rows), max_bs, device, tokens_per_req, pool=pool,
-                         eager=eager)
+                         eager=eager, last_only=last_only, name="extend" if last_only else "model")
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         return super().replay(fb)[0]

@@ -87,6 +87,7 @@ class ModelRunner:
         self.backend: TorchNativeAttnBackend | None = None
         self.cuda_graphs = None
         self.verify_graphs = None
+        self.extend_graphs = None  # a draft's first step over several new tokens (last rows' logits)
         self.vocabulary = None  # a DraftVocabulary when this draft pads its vocabulary unlike the target
 
     # phase 1
@@ -172,9 +173,10 @@ class ModelRunner:
         return self._slots
 
     # phase 3
-    def init_backends(self, cuda_graph_max_bs: int = 0, verify_tokens: int = 0) -> None:
-        """Attention backend, then CUDA graphs for decode batches and, with ``verify_tokens`` > 1
-        and a backend that reads lengths at replay (Triton), for verify batches of that width."""
+    def init_backends(self, cuda_graph_max_bs: int = 0, verify_tokens: int = 0, extend_tokens: int = 0) -> None:
+        """Attention backend, then CUDA graphs for decode batches and, with a backend that reads
+        lengths at replay (Triton), for verify batches of ``verify_tokens`` rows per request and
+        for left-padded extends of ``extend_tokens`` (their last rows' logits), where above 1."""
         require(self.phase, Phase.POOLS_ALLOCATED, "initialise attention backends", self.name)
         self.backend = make_attn_backend(self.req_to_token_pool, self.token_to_kv_pool, self.model.sliding_window)
         if self.device.type == "cuda" and cuda_graph_max_bs > 0:
@@ -186,10 +188,20 @@ class ModelRunner:
                 self.verify_graphs = CudaGraphRunner(self.model, self.backend, cuda_graph_max_bs,
                                                      self.memory_pool_config.context_len, self.device,
                                                      tokens_per_req=verify_tokens, pool=self.cuda_graphs.pool)
+            if extend_tokens > 1 and not self.backend.fixed_width_under_graphs:
+                self.extend_graphs = CudaGraphRunner(self.model, self.backend, cuda_graph_max_bs,
+                                                     self.memory_pool_config.context_len, self.device,
+                                                     tokens_per_req=extend_tokens, pool=self.cuda_graphs.pool,
+                                                     last_only=True)
         else:
             log.info("%s: CUDA graphs skipped on %s", self.name,
                      self.device.type if cuda_graph_max_bs else "request (max batch 0)")
         self.phase = Phase.BACKENDS_READY
+
+    def extend_width(self, batch_size: int) -> int:
+        """Rows per request of the extend graphs that take ``batch_size`` requests (0: none)."""
+        graphs = self.extend_graphs
+        return graphs.tokens_per_req if graphs is not None and batch_size <= graphs.max_bs else 0
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, last_only: bool) -> torch.Tensor:
@@ -202,6 +214,8 @@ class ModelRunner:
             logits = self.cuda_graphs.replay(fb)
         elif self.verify_graphs is not None and not last_only and self.verify_graphs.can_run(fb):
             logits = self.verify_graphs.replay(fb)  # every row of k + 1 tokens per request
+        elif self.extend_graphs is not None and last_only and self.extend_graphs.can_run(fb):
+            logits = self.extend_graphs.replay(fb)  # each request's last row (left-padded batches)
         else:
             logits = self.model(fb, self.backend, fb.logit_rows(last_only))
         return logits if self.vocabulary is None else self.vocabulary.logits(logits)

@@ -34,7 +34,7 @@ import torch
 
 from ...errors import InputError
 from ...model_rules.model_config import load_shape, read_config
-from ..batch import Segment, chunk_segments, fresh_batch, make_batch, step_batch, with_cache_locs
+from ..batch import Segment, chunk_segments, fresh_batch, left_padded_batch, make_batch, step_batch, with_cache_locs
 from ..batch_sampling import choose_tokens, to_host, uniforms
 from ..cuda_graph import GraphRunner
 from ..forward_batch import pack_to_device
@@ -149,6 +149,8 @@ class EagleSpeculator(Speculator):
         self.tree = topk > 1
         self.tree_shape = TreeShape(topk, num_steps, num_draft_tokens)
         self.verified_per_request = num_draft_tokens if self.tree else None
+        # most tokens a round leaves for the head's extend: its accepted proposals and the next one
+        self.extend_width = (num_steps if self.tree else num_draft_tokens) + 1
         self.target_tree_backend = make_tree_attn_backend(target_runner.req_to_token_pool,
                                                           target_runner.token_to_kv_pool,
                                                           target_runner.model.sliding_window)
@@ -193,6 +195,12 @@ class EagleSpeculator(Speculator):
                 add(("target", self.k + 1), target(self.target.backend), self.k + 1,
                     name=f"target (+features) x{self.k + 1}")
         if graphable(self.draft.backend):
+            # the target features the head reads per token (EAGLE3: three layers')
+            width = self.target.shape.hidden_size * len(self.draft.aux_layers or [None])
+            features = dict(extra_widths=(width,), extra_dtype=self.target.dtype)
+            add(("draft_extend", self.extend_width),
+                lambda fb, rows, h: self._draft_pass(fb, self.draft.backend, h, True, rows), self.extend_width,
+                name=f"draft extend x{self.extend_width}", last_only=True, **features)
             draft = lambda backend: lambda fb, rows, h: self._draft_pass(fb, backend, h, False, rows)  # noqa: E731
             if not self.tree:
                 add(("draft", 1), draft(self.draft.backend), 1, name="draft step", **hidden)
@@ -345,12 +353,24 @@ class EagleSpeculator(Speculator):
             self._features[r.rid] = torch.cat([self._features[r.rid], features[i : i + 1]])
         return sample_next(reqs, logits, list(range(len(reqs))))
 
+    @torch.inference_mode()
     def _draft_extend(self, reqs):
+        """The head over each request's tokens since its cache ends (with their target features):
+        its logits and features at the last. A round's own (at most ``extend_width`` per request)
+        replay the extend graphs, left-padded; longer ones run as they are."""
         self._catch_up(reqs)
         segments = [Segment(r.req_idx, r.all_ids[r.draft_kv_len + 1 : r.kv_len + 1], r.draft_kv_len) for r in reqs]
-        fb = with_cache_locs(make_batch(segments, self.draft.device), self.draft.req_to_token_pool, segments)
         hidden = torch.cat([self._features[r.rid] for r in reqs])
-        logits, feature = self._draft(fb, "draft", hidden, True, fb.logit_rows(True))
+        graph = self._graphs.get(("draft_extend", self.extend_width))
+        if graph is not None and len(reqs) <= graph.max_bs and max(len(s.tokens) for s in segments) <= graph.tokens_per_req:
+            fb, real = left_padded_batch(self.draft.req_to_token_pool, segments, graph.tokens_per_req, self.draft.device)
+            padded = hidden.new_zeros(fb.input_ids.numel(), hidden.shape[-1]).index_copy_(0, real, hidden)
+            self.mirror.graph(self.draft.name, ("draft_extend", graph.tokens_per_req), fb,
+                              self.target.req_to_token_pool.req_to_token, (padded,))
+            logits, feature = graph.replay(fb, padded)
+        else:
+            fb = with_cache_locs(make_batch(segments, self.draft.device), self.draft.req_to_token_pool, segments)
+            logits, feature = self._draft(fb, "draft", hidden, True, fb.logit_rows(True))
         for r in reqs:
             r.draft_kv_len = r.kv_len
         return logits, feature

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batch import PaddedChains, Segment, chain_batch, chunk_segments, forward_segments, fresh_batch, step_batch
+from ..batch import (PaddedChains, Segment, chain_batch, chunk_segments, forward_segments, fresh_batch,
+                     left_padded_batch, step_batch)
 from ..batch_sampling import chain_rows, choose_tokens, to_host, uniforms, verify_chains
 from ..cuda_graph import chain_graph_width
 from ..forward_batch import ForwardBatch, to_device
@@ -432,7 +433,7 @@ class StandaloneSpeculator(Speculator):
             else:  # each request's tokens since its draft cache ends
                 segments = [Segment(reqs[i].req_idx, reqs[i].all_ids[reqs[i].draft_kv_len :], reqs[i].draft_kv_len)
                             for i in drafting]
-                logits = forward_segments(self.draft, segments, last_only=True)
+                logits = self._first_step(segments)
                 self.draft_tokens += sum(len(s.tokens) for s in segments)
             picked = [reqs[i] for i in drafting]
             token, p = choose_tokens(grammars.masked(logits, drafting), [r.params for r in picked],
@@ -453,6 +454,16 @@ class StandaloneSpeculator(Speculator):
             if k:
                 r.draft_kv_len = r.kv_len + k  # positions up to L+k-1 now hold draft K/V
         return tokens, probs
+
+    def _first_step(self, segments: list[Segment]) -> torch.Tensor:
+        """The draft's first step over each request's uncached tokens: 1 after a round that
+        rejected a proposal, 2 after one that accepted all, so a mix of both is left-padded to
+        the draft's extend graphs where they take it; anything longer runs as it is."""
+        width, longest = self.draft.extend_width(len(segments)), max(len(s.tokens) for s in segments)
+        if 1 < longest <= width:
+            return self.draft.forward(left_padded_batch(self.draft.req_to_token_pool, segments, width,
+                                                        self.draft.device)[0], last_only=True)
+        return forward_segments(self.draft, segments, last_only=True)
 
     def _catch_up(self, reqs: list[Request]) -> None:
         """Cache committed tokens in the draft, at most ``chunk_tokens`` per pass, until the first

@@ -69,8 +69,10 @@ def init_backends(method: Algorithm, args: EngineArgs, target: ModelRunner, draf
         target.init_backends(args.cuda_graph_max_bs, verify_tokens=args.num_draft_tokens + 1)
     else:
         target.init_backends(args.cuda_graph_max_bs)
-    if draft is not None:
-        draft.init_backends(args.cuda_graph_max_bs)
+    if draft is not None and method.reads_target_features:
+        draft.init_backends(args.cuda_graph_max_bs)  # the speculator graphs the head's passes
+    elif draft is not None:  # a STANDALONE draft's first step: 2 new tokens after a fully accepted round
+        draft.init_backends(args.cuda_graph_max_bs, extend_tokens=2)
 
 
 def create_speculator(method: Algorithm, args: EngineArgs, target: ModelRunner, draft: ModelRunner | None
