@@ -72,15 +72,22 @@ def test_eagle_tree_graphs_are_priced_by_hand():
             + rows * 1000 * (2 + 4)  # its logits, and their fp32 copy
             + 2 * rows * 1000 * 4  # fp32 logits over the target's vocabulary, and their log-softmax
             + rows * 64 * 2  # the head's features staged per row
-            + 8 * (3 * 6 + 2 * 8 * 6 + 8))  # a [3, 6] int8 mask, 6 key slots and positions, the prefix
-    assert draft_tree_step_bytes(geo, geo, 8, 3, 3) == hand == 376_912
+            + 8 * (3 * 6 + 2 * 8 * 6 + 8)  # a [3, 6] int8 mask, 6 key slots and positions, the prefix
+            + rows * 17 * 4 * 17 * 4)  # split-KV partials: 16 splits and the nodes', 4 heads, 16 values + lse
+    assert draft_tree_step_bytes(geo, geo, 8, 3, 3) == hand == 487_888
     assert tree_inputs_bytes(8, 7, 7) == 8 * (7 * 7 + 2 * 8 * 7 + 8)
     chain = dynamic_reserve_bytes("EAGLE", geo, geo, 1, 2048, 8, 8, verify_tokens=7)
     tree = dynamic_reserve_bytes("EAGLE", geo, geo, 1, 2048, 8, 8, verify_tokens=7, tree_topk=3, tree_steps=3)
     # the tree's graphs replace the chain's draft-step pool (8 x 1536 + 8 x 1000 x 6 + split-KV partials
     # of 8 requests x 4 heads x 16 splits x 17 fp32) and add the verify pass's staged mask
     chain_draft = 8 * 1536 + 8 * 1000 * 6 + 8 * 4 * 16 * 17 * 4
-    assert abs(tree - chain - 1.25 * (hand + tree_inputs_bytes(8, 7, 7) - chain_draft)) <= 1
+    # its verify partials have one more split (the nodes'), and the head's extend takes at most
+    # depth + 1 = 4 tokens per request instead of the chain's 7 (with staged features, 16 splits)
+    partial = 4 * 17 * 4
+    verify_nodes = 8 * 7 * partial
+    extend = lambda width: 8 * width * (1536 + 64 * 2) + 8 * 1000 * 6 + 8 * width * 16 * partial  # noqa: E731
+    assert abs(tree - chain - 1.25 * (hand + tree_inputs_bytes(8, 7, 7) - chain_draft + verify_nodes
+                                      + extend(4) - extend(7))) <= 1
 
 
 def test_serve_and_the_planner_price_the_tree_they_run(tmp_path):

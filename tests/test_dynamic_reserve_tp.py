@@ -30,19 +30,28 @@ def test_eagle3_chain_graphs_at_t2_by_hand():
     # the chunk's activations or, larger here, the 32 verify rows' sampling (one block, 40 B per
     # logit); their fp32 distributions; their gathered logits; the chunk's features
     eager = max(64 * max(token_t2, token_t1), 40 * 32 * 1000) + 32 * 1000 * 4 + 320_000 + 64 * 3 * 64 * 4
+    # (the eager pass's split-KV partials, 64 rows x 17 splits of 4 heads for the unsharded head,
+    # stay below the sampling block)
+    assert 64 * max(token_t2, token_t1) + 64 * 17 * 4 * 17 * 4 < 40 * 32 * 1000
     target_decode = 8 * token_t2 + 8 * 10_000 + 8 * workspace_t2
-    target_verify = 32 * token_t2 + 320_000
+    # 32 verify rows and their partials: 16 splits (8 requests x 1 KV head per rank) of 2 heads
+    target_verify = 32 * token_t2 + 320_000 + 32 * 16 * 2 * 17 * 4
     features = 32 * 3 * 64 * 4  # the verify graph's features, 3 x hidden per row
-    head_steps = 8 * token_t1 + 8 * 10_000 + 8 * workspace_t1  # activations unsharded, logits gathered
-    hand = 1.25 * (eager + max(target_decode, target_verify) + features + head_steps)
-    assert dynamic_reserve_bytes("EAGLE3", GEO, GEO, 2, 64, 8, 8, verify_tokens=4) == hand == 2_903_200
+    # the head's extend over 4 rows per request (features staged, the last row's logits gathered,
+    # partials of 4 heads) and its draft steps (activations unsharded, logits gathered)
+    head_extend = 32 * (token_t1 + 3 * 64 * 4) + 8 * 10_000 + 32 * 16 * 4 * 17 * 4
+    head_steps = 8 * token_t1 + 8 * 10_000 + 8 * workspace_t1
+    hand = 1.25 * (eager + max(target_decode, target_verify) + features + head_extend + head_steps)
+    assert dynamic_reserve_bytes("EAGLE3", GEO, GEO, 2, 64, 8, 8, verify_tokens=4) == hand == 3_417_920
 
 
 def test_mtp_graphs_at_t2_by_hand():
     """MTP: the NextN layer shards with the target, its steps' logits gathered as the target's."""
     token_t2, workspace_t2 = 1920, 2 * 16 * 17 * 4
     eager = max(64 * token_t2, 40 * 32 * 1000) + 32 * 1000 * 4 + 320_000 + 64 * 64 * 4
-    target_verify = 32 * token_t2 + 320_000
+    verify_partials = 32 * 16 * 2 * 17 * 4  # 32 rows x 16 splits of 2 heads per rank
+    target_verify = 32 * token_t2 + 320_000 + verify_partials
+    nextn_extend = 32 * (token_t2 + 64 * 4) + 8 * 10_000 + verify_partials
     nextn_steps = 8 * token_t2 + 8 * 10_000 + 8 * workspace_t2
-    hand = 1.25 * (eager + target_verify + 32 * 64 * 4 + nextn_steps)
-    assert dynamic_reserve_bytes("MTP", GEO, GEO, 2, 64, 8, 8, verify_tokens=4) == hand == 2_808_480
+    hand = 1.25 * (eager + target_verify + 32 * 64 * 4 + nextn_extend + nextn_steps)
+    assert dynamic_reserve_bytes("MTP", GEO, GEO, 2, 64, 8, 8, verify_tokens=4) == hand == 3_169_600

@@ -68,10 +68,11 @@ def test_the_planner_prices_the_verify_width_the_worker_serves():
     # graphs (larger than the decode graphs' 95,104 B) are 72 rows each: 72 x 7536 = 542,592 B; the
     # verify rows' sampling with every filter on, 72 x 1000 x 40 B (one block: 72 rows are far below
     # a 256 MiB block), outweighs the eager pass's activations (72 x 1536 B), which are gone by then;
-    # the fp32 distributions the 72 rows drew from, 72 x 1000 x 4 B, are held beside them.
+    # the fp32 distributions the 72 rows drew from, 72 x 1000 x 4 B, are held beside them. The verify
+    # graphs also hold split-KV partials: 72 rows x 16 splits x 4 heads x (16 + 1) fp32.
     small = ForwardGeometry(64, 128, 4, 2, 16, 16, 1000, 2)
     assert dynamic_reserve_bytes("NGRAM", small, None, 1, 16, 8, 8, verify_tokens=9) == \
-        1.25 * (2 * 542_592 - 72 * 1536 + 72 * 1000 * 40 + 72 * 1000 * 4)
+        1.25 * (2 * 542_592 - 72 * 1536 + 72 * 1000 * 40 + 72 * 1000 * 4 + 72 * 16 * 4 * 17 * 4)
 
 
 def test_planner_args_price_an_eagle_tree_as_the_worker_runs_it():

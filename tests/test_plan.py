@@ -119,15 +119,23 @@ def test_default_fraction_from_the_dynamic_reserve_by_hand():
     # EAGLE3 feature hiddens.
     assert 2**28 // (40 * 4 * 128_256) == 13 and 2**28 // (40 * 128_256) == 52
     assert 52 * 128_256 * 40 < 8192 * token
-    eager = 8192 * token + 1024 * 128_256 * 4 + 1024 * 128_256 * (2 + 4) + 8192 * 3 * 4096 * 2
+    # The pass also holds split-KV partials (fp32, 128 values and a log-sum-exp per row, head and
+    # split) where requests bring at most 64 / 4 = 16 new tokens: most at 256 such requests (4,096
+    # rows, whole within the chunk), 1 split each (256 x 8 KV heads fill 2 x 160 SMs) plus a tree's.
+    eager = 8192 * token + 4096 * 2 * 32 * 129 * 4
+    eager += 1024 * 128_256 * 4 + 1024 * 128_256 * (2 + 4) + 8192 * 3 * 4096 * 2
     # The target's graphs up to batch 256, sized by the verify graphs (1024 rows: activations, logits,
-    # three feature hiddens per row), and the head's draft-step graphs (activations, logits over its
-    # 32,000-entry vocabulary, split-KV partials of 16 splits).
-    graphs = 1024 * token + 1024 * 128_256 * 6 + 1024 * 3 * 4096 * 2
+    # split-KV partials of 1 split at batch 256, where rows x splits peak; three feature hiddens per
+    # row), the head's extend graphs (1024 rows of activations and staged features, logits of each
+    # request's last row over its 32,000-entry vocabulary, partials as the verify graphs') and its
+    # draft-step graphs (activations, logits, split-KV partials of 16 splits).
+    verify_partials = 1024 * 32 * 129 * 4
+    graphs = 1024 * token + 1024 * 128_256 * 6 + verify_partials + 1024 * 3 * 4096 * 2
+    graphs += 1024 * (token + 3 * 4096 * 2) + 256 * 32_000 * 6 + verify_partials
     graphs += 256 * token + 256 * 32_000 * 6 + 256 * 32 * 16 * 129 * 4
     dyn = math.ceil(1.25 * (eager + graphs))
-    assert plan["reserve"]["dynamicBytes"] == dyn == 4_607_672_320
-    assert plan["memFractionStatic"] == math.floor((1 - dyn / H100) * 1000) / 1000 == 0.946
+    assert plan["reserve"]["dynamicBytes"] == dyn == 5_079_695_360
+    assert plan["memFractionStatic"] == math.floor((1 - dyn / H100) * 1000) / 1000 == 0.94
     assert plan["tensorParallelSize"] == 1 and plan["minTensorParallelSize"] == 1
 
 
@@ -142,22 +150,34 @@ def test_serving_tiers_and_reserves():
     tiny = ForwardGeometry(64, 128, 4, 2, 16, 16, 1000, 4)
     token = 4 * (3 * 64 + 4 * 16 + 2 * 32 + 4 * 16 + 3 * 128)
     decode_graph = 8 * token + 8 * 1000 * 8 + 8 * 4 * 16 * 17 * 4
-    verify_graph = 8 * 4 * token + 8 * 4 * 1000 * 8  # 8 requests x 4 rows, sharing the decode pool
+    # Split-KV partials of passes of few new tokens per request: fp32, 16 values and a log-sum-exp
+    # per row, head and split. These batches are far from filling 2 x 160 SMs with 2 KV heads, so
+    # every request takes 16 splits (one more for a tree's nodes).
+    partial = 4 * 17 * 4
+    eager_partials = 4 * 32 * 17 * partial  # 4 requests of up to 64 / 2 = 32 new tokens, trees too
+    # 8 requests x 4 rows with their partials, sharing the decode pool
+    verify_graph = 8 * 4 * token + 8 * 4 * 1000 * 8 + 8 * 4 * 16 * partial
     assert tiny.token_bytes(1) == token and verify_graph > decode_graph
     # NGRAM: no draft; the verify batch (4 x 4 rows) is smaller than the chunk, and samples in one
     # block (40 B per row and vocabulary entry) beside the fp32 distributions its rows drew from
     assert dynamic_reserve_bytes("NGRAM", tiny, None, 1, 512, 8, 4) == math.ceil(
-        1.25 * (max(512 * token, 16 * 1000 * 40) + 16 * 1000 * 4 + 16 * 1000 * 8 + verify_graph))
-    # STANDALONE: a larger draft sets the chunk's activations and has its own graph pool
+        1.25 * (max(512 * token + eager_partials, 16 * 1000 * 40) + 16 * 1000 * 4 + 16 * 1000 * 8 + verify_graph))
+    # STANDALONE: a larger draft (4 KV heads of 32) sets the chunk's activations and partials (4
+    # requests of up to 64 tokens), and has its own graph pool: decode steps, and first steps over
+    # two tokens with the last one's logits, whose partials peak at 7 requests (14 rows x 12 splits)
     big = ForwardGeometry(128, 512, 4, 4, 32, 32, 1000, 4)
+    big_partial = 4 * 33 * 4
+    first_step = 16 * big.token_bytes(1) + 8 * 1000 * 8 + 14 * 12 * big_partial
     assert dynamic_reserve_bytes("STANDALONE", tiny, big, 1, 512, 8, 4, verify_tokens=5) == math.ceil(
-        1.25 * (max(512 * big.token_bytes(1), 20 * 1000 * 40) + 20 * 1000 * (4 + 8) + tiny.verify_pool_bytes(8, 5, 1)
-                + big.graph_pool_bytes(8, 1)))
-    # EAGLE3: the target's verify graphs (returning 3 x hidden features per row) and the head's
-    # draft-step graphs
+        1.25 * (max(512 * big.token_bytes(1) + 4 * 64 * 17 * big_partial, 20 * 1000 * 40) + 20 * 1000 * (4 + 8)
+                + tiny.verify_pool_bytes(8, 5, 1) + big.graph_pool_bytes(8, 1) + first_step))
+    # EAGLE3: the target's verify graphs (returning 3 x hidden features per row), the head's extend
+    # graphs (4 rows per request with their staged features, the last row's logits, partials as the
+    # verify graphs') and its draft-step graphs
+    extend_graph = 8 * 4 * (token + 3 * 64 * 4) + 8 * 1000 * 8 + 8 * 4 * 16 * partial
     assert dynamic_reserve_bytes("EAGLE3", tiny, tiny, 1, 512, 8, 4) == math.ceil(
-        1.25 * (max(512 * token, 16 * 1000 * 40) + 16 * 1000 * (4 + 8) + 512 * 3 * 64 * 4 + verify_graph
-                + 32 * 3 * 64 * 4 + decode_graph))
+        1.25 * (max(512 * token + eager_partials, 16 * 1000 * 40) + 16 * 1000 * (4 + 8) + 512 * 3 * 64 * 4
+                + verify_graph + 32 * 3 * 64 * 4 + extend_graph + decode_graph))
     # tensor parallelism shards heads and the MLP, not the hidden stream
     assert LLAMA8B_GEOMETRY.token_bytes(8) == 2 * (3 * 4096 + 4 * 128 + 1 * 256 + 4 * 128 + 3 * 1792)
 
@@ -184,8 +204,11 @@ def test_mla_and_mtp_reserve_by_hand():
     # the chunk's hiddens
     assert 512 * token > 32 * 160 * 40
     eager = 512 * token + 32 * 160 * 4 + 32 * logit_row + 512 * 64 * 4
-    graphs = verify_graph + 32 * 64 * 4 + decode_graph
-    assert dynamic_reserve_bytes("MTP", tiny, tiny, 2, 512, 8, 8) == math.ceil(1.25 * (eager + graphs)) == 2_176_000
+    # the NextN layer's extend graphs: 4 rows per request with the target's hidden staged, the last
+    # row's logits (MLA attention has no split-KV partials here)
+    extend_graph = 8 * 4 * (token + 64 * 4) + 8 * logit_row
+    graphs = verify_graph + 32 * 64 * 4 + extend_graph + decode_graph
+    assert dynamic_reserve_bytes("MTP", tiny, tiny, 2, 512, 8, 8) == math.ceil(1.25 * (eager + graphs)) == 2_307_200
 
 
 def test_auto_tp_picks_the_smallest_size_that_holds_the_floor():

@@ -38,15 +38,19 @@ from ..contract import (  # noqa: F401 - DEFAULT_* and VERIFY_TOKENS are read th
     DEFAULT_GPUS_PER_NODE,
     DEFAULT_MAX_TP,
     GIB,
+    KV_SPLIT_MAX_SMS,
     MIB,
     PLAN_API_VERSION,
     PLAN_KIND,
     SAMPLING_BYTES_PER_LOGIT,
     TERMINATION_LOG_LIMIT,
+    VERIFY_MAX_ROWS,
     VERIFY_TOKENS,
+    kv_splits,
     kv_token_capacity,
     sampling_block_rows,
     to_json,
+    verify_fits,
 )
 
 TP_CANDIDATES = (1, 2, 4, 8, 16, 32)
@@ -152,6 +156,29 @@ class ForwardGeometry:
         return (batch * math.ceil(self.num_heads / tp) * DECODE_MAX_KV_SPLITS * (self.attention_value_dim + 1)
                 * PARTIAL_BYTES)
 
+    def verify_workspace_bytes(self, batch: int, tokens_per_req: int, tp: int, tree: bool = False,
+                               max_tokens: int | None = None) -> int:
+        """Split-KV partials of a pass of up to ``tokens_per_req`` new tokens per request (and at
+        most ``max_tokens`` in all), for any batch up to ``batch``
+        (``triton_attention.verify_attention``): an fp32 output and log-sum-exp per row, head and
+        split, and one more split for a tree's nodes. Splits fall as batches grow, so a smaller
+        batch may need the most. None where the extend kernel takes the pass, or under MLA (its
+        own kernels)."""
+        heads, kv_heads = math.ceil(self.num_heads / tp), max(1, self.num_kv_heads // tp)
+        if self.kv_lora_rank is not None or not verify_fits(tokens_per_req, heads // kv_heads):
+            return 0
+        cap = max_tokens or batch * tokens_per_req
+        row_splits = max(min(b * tokens_per_req, cap) * (kv_splits(b, kv_heads, KV_SPLIT_MAX_SMS) + tree)
+                         for b in range(1, batch + 1))
+        return row_splits * heads * (self.attention_value_dim + 1) * PARTIAL_BYTES
+
+    def eager_split_bytes(self, requests: int, tokens: int, tp: int) -> int:
+        """The split-KV partials of any eager pass of up to ``requests`` requests and ``tokens``
+        tokens: the verify kernel takes requests of up to ``VERIFY_MAX_ROWS / group`` new tokens
+        each (short prompts in a prefill chunk too), trees included."""
+        group = math.ceil(self.num_heads / tp) // max(1, self.num_kv_heads // tp)
+        return self.verify_workspace_bytes(requests, max(1, VERIFY_MAX_ROWS // group), tp, True, tokens)
+
     def graph_pool_bytes(self, batch: int, tp: int, logit_tp: int | None = None) -> int:
         """A CUDA graph pool for decode batches up to ``batch``: the largest graph's activations,
         logits (gathered over ``logit_tp`` ranks, default ``tp``) and kernel workspace (smaller
@@ -159,10 +186,11 @@ class ForwardGeometry:
         logits = self.logit_bytes(batch, tp if logit_tp is None else logit_tp)
         return batch * self.token_bytes(tp) + logits + self.decode_workspace_bytes(batch, tp)
 
-    def verify_pool_bytes(self, batch: int, verify_tokens: int, tp: int) -> int:
-        """Verify graphs up to ``batch`` requests of ``verify_tokens`` rows (no decode workspace)."""
+    def verify_pool_bytes(self, batch: int, verify_tokens: int, tp: int, tree: bool = False) -> int:
+        """Verify graphs up to ``batch`` requests of ``verify_tokens`` rows, with their split-KV partials."""
         rows = batch * verify_tokens
-        return rows * self.token_bytes(tp) + self.logit_bytes(rows, tp)
+        return (rows * self.token_bytes(tp) + self.logit_bytes(rows, tp)
+                + self.verify_workspace_bytes(batch, verify_tokens, tp, tree))
 
 
 def tree_inputs_bytes(batch: int, tokens: int, keys: int) -> int:
@@ -181,7 +209,20 @@ def draft_tree_step_bytes(target: ForwardGeometry, draft: ForwardGeometry, batch
     return (rows * draft.token_bytes(1) + draft.logit_bytes(rows, tp)
             + 2 * rows * target.vocab_size * LOGIT_FP32_BYTES
             + rows * draft.hidden_size * target.dtype_bytes
-            + tree_inputs_bytes(batch, topk, topk * (steps - 1)))
+            + tree_inputs_bytes(batch, topk, topk * (steps - 1))
+            + draft.verify_workspace_bytes(batch, topk, 1, tree=True))
+
+
+def extend_graph_bytes(draft: ForwardGeometry, batch: int, width: int, tp: int, logit_tp: int,
+                       feature_bytes: int = 0) -> int:
+    """A draft's extend graphs up to ``batch`` requests of ``width`` rows, logits for each
+    request's last row only: a STANDALONE draft's first step over the two tokens it has not
+    cached, or a head's extend over a round's accepted tokens (``feature_bytes``: the target
+    features staged per row). Activations of every row, the last rows' logits (gathered over
+    ``logit_tp`` ranks) and the split-KV partials."""
+    rows = batch * width
+    return (rows * (draft.token_bytes(tp) + feature_bytes) + draft.logit_bytes(batch, logit_tp)
+            + draft.verify_workspace_bytes(batch, width, tp))
 
 
 def runtime_reserve_bytes(tp: int, nodes: int = 1) -> int:
@@ -241,27 +282,35 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
     per_token = target.token_bytes(tp)
     if draft is not None:
         per_token = max(per_token, draft.token_bytes(draft_tp))
-    features = tokens * FEATURE_HIDDENS.get(algorithm, 0) * target.hidden_size * target.dtype_bytes
+    feature_bytes = FEATURE_HIDDENS.get(algorithm, 0) * target.hidden_size * target.dtype_bytes
+    features = tokens * feature_bytes
     # A pass's activations are freed before its logits are sampled: the larger of the two is live.
     scratch, held = sampling_bytes(target.vocab_size, verify_rows, verify_tokens)
-    eager = max(tokens * per_token, scratch) + held + target.logit_bytes(verify_rows, tp) + features
+    splits = target.eager_split_bytes(max_running_requests, tokens, tp)
+    if draft is not None:
+        splits = max(splits, draft.eager_split_bytes(max_running_requests, tokens, draft_tp))
+    eager = max(tokens * per_token + splits, scratch) + held + target.logit_bytes(verify_rows, tp) + features
     graphs = target.graph_pool_bytes(cuda_graph_max_bs, tp)
     if algorithm in ("STANDALONE", "NGRAM", "EAGLE", "EAGLE3", "MTP"):
-        graphs = max(graphs, target.verify_pool_bytes(cuda_graph_max_bs, verify_tokens, tp))
+        graphs = max(graphs, target.verify_pool_bytes(cuda_graph_max_bs, verify_tokens, tp, tree_topk > 1))
     if algorithm in ("EAGLE", "EAGLE3", "MTP"):
-        rows = cuda_graph_max_bs * verify_tokens
-        graphs += rows * FEATURE_HIDDENS[algorithm] * target.hidden_size * target.dtype_bytes
-        # the head's chain steps; their logits are gathered over the target's t ranks
-        chain = 0 if draft is None else draft.graph_pool_bytes(cuda_graph_max_bs, draft_tp, logit_tp=tp)
+        graphs += cuda_graph_max_bs * verify_tokens * feature_bytes
+        if draft is not None:
+            # the head's extend over a round's accepted tokens, then its chain steps; their logits
+            # are gathered over the target's t ranks
+            accepted = (tree_steps if tree_topk > 1 else verify_tokens - 1) + 1
+            graphs += extend_graph_bytes(draft, cuda_graph_max_bs, accepted, draft_tp, tp, feature_bytes)
+            chain = draft.graph_pool_bytes(cuda_graph_max_bs, draft_tp, logit_tp=tp)
         if tree_topk > 1:
             graphs += tree_inputs_bytes(cuda_graph_max_bs, verify_tokens, verify_tokens)
             if draft is not None:  # a chain served under a tree's plan fits it too (serve_shape.py)
                 graphs += max(chain, draft_tree_step_bytes(target, draft, cuda_graph_max_bs, tree_topk,
                                                            tree_steps, tp))
-        else:
+        elif draft is not None:
             graphs += chain
     if algorithm == "STANDALONE" and draft is not None:
-        graphs += draft.graph_pool_bytes(cuda_graph_max_bs, 1)
+        # decode steps, and the first step over the two tokens a fully accepted round leaves
+        graphs += draft.graph_pool_bytes(cuda_graph_max_bs, 1) + extend_graph_bytes(draft, cuda_graph_max_bs, 2, 1, 1)
     return math.ceil(ALLOCATOR_SLACK * (eager + graphs))
 
 
