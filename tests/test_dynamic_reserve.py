@@ -81,13 +81,12 @@ def test_eagle_tree_graphs_are_priced_by_hand():
     # the tree's graphs replace the chain's draft-step pool (8 x 1536 + 8 x 1000 x 6 + split-KV partials
     # of 8 requests x 4 heads x 16 splits x 17 fp32) and add the verify pass's staged mask
     chain_draft = 8 * 1536 + 8 * 1000 * 6 + 8 * 4 * 16 * 17 * 4
-    # its verify partials have one more split (the nodes'), and the head's extend takes at most
-    # depth + 1 = 4 tokens per request instead of the chain's 7 (with staged features, 16 splits)
+    # its split-KV partials have one more split for the nodes: the verify graphs' 8 x 7 rows and the
+    # eager pass's 8 requests of up to 32 tokens (4 heads, 16 values + lse each). The head's extend
+    # graphs are the chain's, 7 rows wide: a chain of the same width may be served under this plan.
     partial = 4 * 17 * 4
-    verify_nodes = 8 * 7 * partial
-    extend = lambda width: 8 * width * (1536 + 64 * 2) + 8 * 1000 * 6 + 8 * width * 16 * partial  # noqa: E731
-    assert abs(tree - chain - 1.25 * (hand + tree_inputs_bytes(8, 7, 7) - chain_draft + verify_nodes
-                                      + extend(4) - extend(7))) <= 1
+    nodes = (8 * 7 + 8 * 32) * partial
+    assert abs(tree - chain - 1.25 * (hand + tree_inputs_bytes(8, 7, 7) - chain_draft + nodes)) <= 1
 
 
 def test_serve_and_the_planner_price_the_tree_they_run(tmp_path):
@@ -166,3 +165,18 @@ def test_the_plan_prices_sampling_and_acceptance_in_blocks_as_measured(monkeypat
     # four times the batch: the chain and tree peaks grow by less than one vocabulary row per request
     (chains, tree, _), (chains4, tree4, _) = peaks[6], peaks[24]
     assert chains4 - chains < 18 * vocab and tree4 - tree < 18 * vocab
+
+
+def test_split_kv_partials_follow_where_the_kernels_run():
+    """The verify kernel's partials are priced where it runs: a head priced whole but sharded 8 ways
+    has query groups of 4 per rank (28 heads over 4 KV heads: 7 whole), so its 10-row passes split
+    there (40 rows) though the whole model's (70 rows) would take the extend kernel; and decode
+    steps above the graphs' largest batch run eagerly with their decode partials."""
+    head = ForwardGeometry(3584, 18_944, 28, 4, 128, 128, 152_064, 2)
+    assert head.verify_workspace_bytes(8, 10, 1) == 0
+    # rank: 4 heads, 1 KV head; 8 requests x 10 rows x 16 splits (8 x 1 KV head is far from 2 x 160 SMs)
+    assert head.verify_workspace_bytes(8, 10, 1, shard_tp=8) == 8 * 10 * 16 * 4 * 129 * 4 == 2_641_920
+    small = ForwardGeometry(64, 128, 4, 2, 16, 16, 1000, 2)
+    within = small.eager_split_bytes(16, 512, 1, False, decode_above=16)
+    above = small.eager_split_bytes(16, 512, 1, False, decode_above=8)
+    assert above == max(within, 16 * 4 * 16 * 17 * 4)  # 16 requests x 4 heads x 16 splits, eagerly decoded

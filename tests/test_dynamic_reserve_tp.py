@@ -30,9 +30,9 @@ def test_eagle3_chain_graphs_at_t2_by_hand():
     # the chunk's activations or, larger here, the 32 verify rows' sampling (one block, 40 B per
     # logit); their fp32 distributions; their gathered logits; the chunk's features
     eager = max(64 * max(token_t2, token_t1), 40 * 32 * 1000) + 32 * 1000 * 4 + 320_000 + 64 * 3 * 64 * 4
-    # (the eager pass's split-KV partials, 64 rows x 17 splits of 4 heads for the unsharded head,
+    # (the eager pass's split-KV partials, 64 rows x 16 splits of 4 heads for the unsharded head,
     # stay below the sampling block)
-    assert 64 * max(token_t2, token_t1) + 64 * 17 * 4 * 17 * 4 < 40 * 32 * 1000
+    assert 64 * max(token_t2, token_t1) + 64 * 16 * 4 * 17 * 4 < 40 * 32 * 1000
     target_decode = 8 * token_t2 + 8 * 10_000 + 8 * workspace_t2
     # 32 verify rows and their partials: 16 splits (8 requests x 1 KV head per rank) of 2 heads
     target_verify = 32 * token_t2 + 320_000 + 32 * 16 * 2 * 17 * 4

@@ -121,8 +121,8 @@ def test_default_fraction_from_the_dynamic_reserve_by_hand():
     assert 52 * 128_256 * 40 < 8192 * token
     # The pass also holds split-KV partials (fp32, 128 values and a log-sum-exp per row, head and
     # split) where requests bring at most 64 / 4 = 16 new tokens: most at 256 such requests (4,096
-    # rows, whole within the chunk), 1 split each (256 x 8 KV heads fill 2 x 160 SMs) plus a tree's.
-    eager = 8192 * token + 4096 * 2 * 32 * 129 * 4
+    # rows, whole within the chunk), 1 split each (256 x 8 KV heads fill 2 x 160 SMs).
+    eager = 8192 * token + 4096 * 32 * 129 * 4
     eager += 1024 * 128_256 * 4 + 1024 * 128_256 * (2 + 4) + 8192 * 3 * 4096 * 2
     # The target's graphs up to batch 256, sized by the verify graphs (1024 rows: activations, logits,
     # split-KV partials of 1 split at batch 256, where rows x splits peak; three feature hiddens per
@@ -134,8 +134,8 @@ def test_default_fraction_from_the_dynamic_reserve_by_hand():
     graphs += 1024 * (token + 3 * 4096 * 2) + 256 * 32_000 * 6 + verify_partials
     graphs += 256 * token + 256 * 32_000 * 6 + 256 * 32 * 16 * 129 * 4
     dyn = math.ceil(1.25 * (eager + graphs))
-    assert plan["reserve"]["dynamicBytes"] == dyn == 5_079_695_360
-    assert plan["memFractionStatic"] == math.floor((1 - dyn / H100) * 1000) / 1000 == 0.94
+    assert plan["reserve"]["dynamicBytes"] == dyn == 4_995_153_920
+    assert plan["memFractionStatic"] == math.floor((1 - dyn / H100) * 1000) / 1000 == 0.941
     assert plan["tensorParallelSize"] == 1 and plan["minTensorParallelSize"] == 1
 
 
@@ -152,9 +152,9 @@ def test_serving_tiers_and_reserves():
     decode_graph = 8 * token + 8 * 1000 * 8 + 8 * 4 * 16 * 17 * 4
     # Split-KV partials of passes of few new tokens per request: fp32, 16 values and a log-sum-exp
     # per row, head and split. These batches are far from filling 2 x 160 SMs with 2 KV heads, so
-    # every request takes 16 splits (one more for a tree's nodes).
+    # every request takes 16 splits (one more for a tree's nodes; none here).
     partial = 4 * 17 * 4
-    eager_partials = 4 * 32 * 17 * partial  # 4 requests of up to 64 / 2 = 32 new tokens, trees too
+    eager_partials = 4 * 32 * 16 * partial  # 4 requests of up to 64 / 2 = 32 new tokens
     # 8 requests x 4 rows with their partials, sharing the decode pool
     verify_graph = 8 * 4 * token + 8 * 4 * 1000 * 8 + 8 * 4 * 16 * partial
     assert tiny.token_bytes(1) == token and verify_graph > decode_graph
@@ -169,7 +169,7 @@ def test_serving_tiers_and_reserves():
     big_partial = 4 * 33 * 4
     first_step = 16 * big.token_bytes(1) + 8 * 1000 * 8 + 14 * 12 * big_partial
     assert dynamic_reserve_bytes("STANDALONE", tiny, big, 1, 512, 8, 4, verify_tokens=5) == math.ceil(
-        1.25 * (max(512 * big.token_bytes(1) + 4 * 64 * 17 * big_partial, 20 * 1000 * 40) + 20 * 1000 * (4 + 8)
+        1.25 * (max(512 * big.token_bytes(1) + 4 * 64 * 16 * big_partial, 20 * 1000 * 40) + 20 * 1000 * (4 + 8)
                 + tiny.verify_pool_bytes(8, 5, 1) + big.graph_pool_bytes(8, 1) + first_step))
     # EAGLE3: the target's verify graphs (returning 3 x hidden features per row), the head's extend
     # graphs (4 rows per request with their staged features, the last row's logits, partials as the

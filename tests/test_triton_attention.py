@@ -148,6 +148,16 @@ def test_verify_reads_only_live_slots():
     assert torch.isfinite(out).all()
 
 
+def test_a_row_that_sees_no_key_gets_zeros_not_nan():
+    """A tree row whose mask is empty, with no prefix: every split is empty (a padding request of
+    a tree graph can be one). The reduce must not divide by zero."""
+    req_pool, kv, g = _pools(kv_heads=1, seed=13)
+    fb = _tree_batch(req_pool, [0], [[-1, 0, 0]])
+    fb.mask[0, 2] = 0  # the last node sees nothing, itself included
+    out = _verify(req_pool, kv, fb, _randn(3, 2, D, g=g), None, 4)
+    assert torch.isfinite(out).all() and out[2].eq(0).all() and out[:2].abs().sum() > 0
+
+
 def test_the_backend_verifies_few_tokens_split_and_extends_long_ones(monkeypatch):
     """Verify-sized passes (new tokens x group within ``VERIFY_MAX_ROWS``) take the split-KV
     kernel, prefill chunks the extend kernel, and single tokens the decode kernel."""

@@ -157,13 +157,17 @@ class ForwardGeometry:
                 * PARTIAL_BYTES)
 
     def verify_workspace_bytes(self, batch: int, tokens_per_req: int, tp: int, tree: bool = False,
-                               max_tokens: int | None = None) -> int:
+                               max_tokens: int | None = None, shard_tp: int | None = None) -> int:
         """Split-KV partials of a pass of up to ``tokens_per_req`` new tokens per request (and at
         most ``max_tokens`` in all), for any batch up to ``batch``
         (``triton_attention.verify_attention``): an fp32 output and log-sum-exp per row, head and
         split, and one more split for a tree's nodes. Splits fall as batches grow, so a smaller
         batch may need the most. None where the extend kernel takes the pass, or under MLA (its
-        own kernels)."""
+        own kernels). ``shard_tp``: a model priced whole at ``tp`` whose heads really shard
+        ``shard_tp`` ways (an EAGLE head): its ranks' query groups can be smaller, so a pass the
+        whole model would leave to the extend kernel may split there; the larger of the two."""
+        if shard_tp is not None and shard_tp != tp:
+            return max(self.verify_workspace_bytes(batch, tokens_per_req, t, tree, max_tokens) for t in (tp, shard_tp))
         heads, kv_heads = math.ceil(self.num_heads / tp), max(1, self.num_kv_heads // tp)
         if self.kv_lora_rank is not None or not verify_fits(tokens_per_req, heads // kv_heads):
             return 0
@@ -172,12 +176,15 @@ class ForwardGeometry:
                          for b in range(1, batch + 1))
         return row_splits * heads * (self.attention_value_dim + 1) * PARTIAL_BYTES
 
-    def eager_split_bytes(self, requests: int, tokens: int, tp: int) -> int:
+    def eager_split_bytes(self, requests: int, tokens: int, tp: int, tree: bool, decode_above: int,
+                          shard_tp: int | None = None) -> int:
         """The split-KV partials of any eager pass of up to ``requests`` requests and ``tokens``
         tokens: the verify kernel takes requests of up to ``VERIFY_MAX_ROWS / group`` new tokens
-        each (short prompts in a prefill chunk too), trees included."""
+        each (short prompts in a prefill chunk too), and decode steps of more than
+        ``decode_above`` requests (the graphs' largest batch) run eagerly."""
         group = math.ceil(self.num_heads / tp) // max(1, self.num_kv_heads // tp)
-        return self.verify_workspace_bytes(requests, max(1, VERIFY_MAX_ROWS // group), tp, True, tokens)
+        verify = self.verify_workspace_bytes(requests, max(1, VERIFY_MAX_ROWS // group), tp, tree, tokens, shard_tp)
+        return max(verify, self.decode_workspace_bytes(requests, tp) if requests > decode_above else 0)
 
     def graph_pool_bytes(self, batch: int, tp: int, logit_tp: int | None = None) -> int:
         """A CUDA graph pool for decode batches up to ``batch``: the largest graph's activations,
@@ -210,7 +217,7 @@ def draft_tree_step_bytes(target: ForwardGeometry, draft: ForwardGeometry, batch
             + 2 * rows * target.vocab_size * LOGIT_FP32_BYTES
             + rows * draft.hidden_size * target.dtype_bytes
             + tree_inputs_bytes(batch, topk, topk * (steps - 1))
-            + draft.verify_workspace_bytes(batch, topk, 1, tree=True))
+            + draft.verify_workspace_bytes(batch, topk, 1, tree=True, shard_tp=tp))
 
 
 def extend_graph_bytes(draft: ForwardGeometry, batch: int, width: int, tp: int, logit_tp: int,
@@ -219,10 +226,10 @@ def extend_graph_bytes(draft: ForwardGeometry, batch: int, width: int, tp: int, 
     request's last row only: a STANDALONE draft's first step over the two tokens it has not
     cached, or a head's extend over a round's accepted tokens (``feature_bytes``: the target
     features staged per row). Activations of every row, the last rows' logits (gathered over
-    ``logit_tp`` ranks) and the split-KV partials."""
+    ``logit_tp`` ranks, the ranks its heads shard over) and the split-KV partials."""
     rows = batch * width
     return (rows * (draft.token_bytes(tp) + feature_bytes) + draft.logit_bytes(batch, logit_tp)
-            + draft.verify_workspace_bytes(batch, width, tp))
+            + draft.verify_workspace_bytes(batch, width, tp, shard_tp=logit_tp))
 
 
 def runtime_reserve_bytes(tp: int, nodes: int = 1) -> int:
@@ -286,22 +293,24 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
     features = tokens * feature_bytes
     # A pass's activations are freed before its logits are sampled: the larger of the two is live.
     scratch, held = sampling_bytes(target.vocab_size, verify_rows, verify_tokens)
-    splits = target.eager_split_bytes(max_running_requests, tokens, tp)
+    tree = tree_topk > 1
+    splits = target.eager_split_bytes(max_running_requests, tokens, tp, tree, cuda_graph_max_bs)
     if draft is not None:
-        splits = max(splits, draft.eager_split_bytes(max_running_requests, tokens, draft_tp))
+        splits = max(splits, draft.eager_split_bytes(max_running_requests, tokens, draft_tp, tree, cuda_graph_max_bs,
+                                                     shard_tp=tp))
     eager = max(tokens * per_token + splits, scratch) + held + target.logit_bytes(verify_rows, tp) + features
     graphs = target.graph_pool_bytes(cuda_graph_max_bs, tp)
     if algorithm in ("STANDALONE", "NGRAM", "EAGLE", "EAGLE3", "MTP"):
-        graphs = max(graphs, target.verify_pool_bytes(cuda_graph_max_bs, verify_tokens, tp, tree_topk > 1))
+        graphs = max(graphs, target.verify_pool_bytes(cuda_graph_max_bs, verify_tokens, tp, tree))
     if algorithm in ("EAGLE", "EAGLE3", "MTP"):
         graphs += cuda_graph_max_bs * verify_tokens * feature_bytes
         if draft is not None:
-            # the head's extend over a round's accepted tokens, then its chain steps; their logits
-            # are gathered over the target's t ranks
-            accepted = (tree_steps if tree_topk > 1 else verify_tokens - 1) + 1
-            graphs += extend_graph_bytes(draft, cuda_graph_max_bs, accepted, draft_tp, tp, feature_bytes)
+            # the head's extend over a round's accepted tokens (at most k + 1, which also bounds a
+            # tree's depth + 1 and is what a chain served under a tree's plan takes), then its
+            # chain steps; their logits are gathered over the target's t ranks
+            graphs += extend_graph_bytes(draft, cuda_graph_max_bs, verify_tokens, draft_tp, tp, feature_bytes)
             chain = draft.graph_pool_bytes(cuda_graph_max_bs, draft_tp, logit_tp=tp)
-        if tree_topk > 1:
+        if tree:
             graphs += tree_inputs_bytes(cuda_graph_max_bs, verify_tokens, verify_tokens)
             if draft is not None:  # a chain served under a tree's plan fits it too (serve_shape.py)
                 graphs += max(chain, draft_tree_step_bytes(target, draft, cuda_graph_max_bs, tree_topk,

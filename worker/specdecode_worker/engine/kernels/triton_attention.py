@@ -123,10 +123,11 @@ def _decode_reduce_kernel(
     smask = offs_s < NUM_SPLITS
     lse = tl.load(PartLse + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
-    w = tl.exp(lse - m)  # empty splits have lse -inf: weight 0 (split 0 is never empty)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a row that saw no key at all: zeros, not NaN
+    w = tl.exp(lse - m)  # empty splits have lse -inf: weight 0
     o = tl.load(PartO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_dv[None, :],
                 mask=smask[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(Out + b * stride_outb + h * stride_outh + offs_dv, out.to(Out.dtype.element_ty), mask=offs_dv < DV)
 
 
