@@ -163,7 +163,8 @@ class ForwardGeometry:
         (``triton_attention.verify_attention``): an fp32 output and log-sum-exp per row, head and
         split, and one more split for a tree's nodes. Splits fall as batches grow, so a smaller
         batch may need the most. None where the extend kernel takes the pass, or under MLA (its
-        own kernels). ``shard_tp``: a model priced whole at ``tp`` whose heads really shard
+        own kernels). A pass of one split and no tree writes its output without partials; it is
+        priced as if it had them (an upper bound). ``shard_tp``: a model priced whole at ``tp`` whose heads really shard
         ``shard_tp`` ways (an EAGLE head): its ranks' query groups can be smaller, so a pass the
         whole model would leave to the extend kernel may split there; the larger of the two."""
         if shard_tp is not None and shard_tp != tp:
