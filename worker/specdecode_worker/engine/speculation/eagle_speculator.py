@@ -361,12 +361,12 @@ class EagleSpeculator(Speculator):
         self._catch_up(reqs)
         segments = [Segment(r.req_idx, r.all_ids[r.draft_kv_len + 1 : r.kv_len + 1], r.draft_kv_len) for r in reqs]
         hidden = torch.cat([self._features[r.rid] for r in reqs])
-        graph = self._graphs.get(("draft_extend", self.extend_width))
-        if graph is not None and len(reqs) <= graph.max_bs and max(len(s.tokens) for s in segments) <= graph.tokens_per_req:
-            fb, real = left_padded_batch(self.draft.req_to_token_pool, segments, graph.tokens_per_req, self.draft.device)
+        key = ("draft_extend", self.extend_width)
+        graph = self._graphs.get(key)
+        if graph is not None and len(reqs) <= graph.max_bs and max(len(s.tokens) for s in segments) <= key[1]:
+            fb, real = left_padded_batch(self.draft.req_to_token_pool, segments, key[1], self.draft.device)
             padded = hidden.new_zeros(fb.input_ids.numel(), hidden.shape[-1]).index_copy_(0, real, hidden)
-            self.mirror.graph(self.draft.name, ("draft_extend", graph.tokens_per_req), fb,
-                              self.target.req_to_token_pool.req_to_token, (padded,))
+            self.mirror.graph(self.draft.name, key, fb, self.target.req_to_token_pool.req_to_token, (padded,))
             logits, feature = graph.replay(fb, padded)
         else:
             fb = with_cache_locs(make_batch(segments, self.draft.device), self.draft.req_to_token_pool, segments)
