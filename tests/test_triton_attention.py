@@ -50,6 +50,13 @@ def _run(backend_cls, req_pool, kv, window, q, k, v, fb):
     return backend_cls(req_pool, kv, window).forward(q, k, v, 0, fb, SCALE)
 
 
+def _spread(x, real, rows: int, g):
+    """``x`` at rows ``real`` of a padded batch of ``rows`` rows, other values in the padding rows."""
+    out = _randn(rows, *x.shape[1:], g=g)
+    out[real] = x
+    return out
+
+
 def _compare(kv_heads, group, seq_lens, extend_lens, window=None, kv_dtype=torch.float32, seed=0):
     req_pool, kv, g = _pools(kv_heads, kv_dtype, seed)
     reqs = list(range(1, len(seq_lens) + 1))
@@ -353,13 +360,8 @@ def test_padded_chain_batch_gives_the_ragged_rows_on_both_backends(window):
     fb, _ = padded_chain_batch(req_pool, reqs, starts, chains, lengths, width)
     real = torch.tensor([i * width + j for i, m in enumerate(lengths) for j in range(m)], device=DEVICE)
 
-    def spread(x):  # the real rows at their places, other values in the padding rows
-        out = _randn(len(reqs) * width, *x.shape[1:], g=g)
-        out[real] = x
-        return out
-
     before = kv.k_buffer[0].clone()
-    q_p, k_p, v_p = spread(q), spread(k), spread(v)
+    q_p, k_p, v_p = (_spread(x, real, len(reqs) * width, g) for x in (q, k, v))
     for backend in (TorchNativeAttnBackend, ta.TritonAttnBackend):
         got = _run(backend, req_pool, kv, window, q_p, k_p, v_p, fb)
         torch.testing.assert_close(got[real], want, atol=2e-5, rtol=2e-5)
@@ -386,13 +388,8 @@ def test_left_padded_batch_gives_the_ragged_rows_on_both_backends(window):
     assert fb.extend_lens == [4, 4, 4] and fb.seq_lens.tolist() == [10, 74, 35]
     assert fb.input_ids.tolist() == [0, 0, 0, 5, 5, 5, 5, 5, 0, 0, 5, 5]
 
-    def spread(x):  # the real rows at their places, other values in the padding rows
-        out = _randn(len(reqs) * width, *x.shape[1:], g=g)
-        out[real] = x
-        return out
-
     before = kv.k_buffer[0].clone()
-    q_p, k_p, v_p = spread(q), spread(k), spread(v)
+    q_p, k_p, v_p = (_spread(x, real, len(reqs) * width, g) for x in (q, k, v))
     for backend in (TorchNativeAttnBackend, ta.TritonAttnBackend):
         got = _run(backend, req_pool, kv, window, q_p, k_p, v_p, fb)
         torch.testing.assert_close(got[real], want, atol=2e-5, rtol=2e-5)
