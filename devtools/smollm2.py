@@ -87,3 +87,19 @@ def truncated_copy(src: Path, layers: int, out: Path) -> Path:
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
             shutil.copy(f, out / f.name)
     return out
+
+
+def noisy_copy(src: Path, out: Path, scale: float, seed: int = 0) -> Path:
+    """``src`` with Gaussian noise of ``scale`` x each tensor's spread: a draft as large as the
+    target that is only partly right."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if (out / "model.safetensors").is_file():
+        return out
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    noisy = {name: (w.float() + scale * w.float().std() * torch.randn(w.shape, generator=gen)).to(w.dtype)
+             for name, w in load_file(src / "model.safetensors").items()}
+    save_file(noisy, out / "model.safetensors", metadata={"format": "pt"})
+    return out

@@ -12,6 +12,7 @@ from specdecode_worker.engine.engine import Engine, EngineArgs
 from specdecode_worker.engine.request import Request, SamplingParams
 
 from tests.eagle_heads import write_eagle3_head, write_eagle_head
+from devtools.smollm2 import noisy_copy  # noqa: F401  (tests take it from here)
 from devtools.tiny_models import write_tiny_model, write_tiny_pair
 
 # Tiny matrices gain nothing from intra-op threads, and on shared CI cores the thread hand-off
@@ -49,19 +50,6 @@ def every_algorithm_models(root: Path) -> dict[str, Path]:
                  eagle3=write_eagle3_head(root / "eagle3", small, draft_vocab=6, seed=3),
                  mtp=write_tiny_deepseek(root / "mtp", mtp=True))
     return found
-
-
-def noisy_copy(target: Path, dest: Path, scale: float, seed: int = 0) -> Path:
-    """The target with Gaussian noise of ``scale`` x each tensor's spread: a draft that is partly right."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(target, dest)
-    weights = load_file(dest / "model.safetensors")
-    gen = torch.Generator().manual_seed(seed)
-    noisy = {name: (w.float() + scale * w.float().std() * torch.randn(w.shape, generator=gen)).to(w.dtype)
-             for name, w in weights.items()}
-    save_file(noisy, dest / "model.safetensors", metadata={"format": "pt"})
-    return dest
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

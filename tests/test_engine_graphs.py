@@ -413,39 +413,49 @@ def test_sampling_stays_exact_through_the_verify_graph_when_the_draft_length_cha
     assert chi_square(counts, draft_marginal) > CHI2_CRIT[7]
 
 
-@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE"])
-def test_the_policy_warm_up_times_verify_passes_as_rounds_run_them(models, monkeypatch, algorithm):
-    """The cost model's seed: a pass verifying one token per request is timed padded into the
-    verify graph, as a round with those lengths runs, not as an eager pass no round runs; an EAGLE
-    target's passes replay the speculator's graphs, as its rounds do."""
-    from specdecode_worker.engine.speculation.step_timing import target_points
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE", "EAGLE"])
+def test_the_policy_warm_up_times_whole_rounds_as_serving_runs_them(models, monkeypatch, algorithm):
+    """The cost model's seed: real rounds through the speculator, at batch 1, 2, 4, ... each one
+    plain, drafting 1..K and (above 1) one request drafting K; a drafting round's verify pass
+    replays the verify graph, as serving's does; every slot and request row comes back."""
+    from specdecode_worker.engine.speculation.step_timing import round_shapes, time_rounds
 
     target, draft, _ = RAGGED[algorithm]
     eng = engine(models[target], algorithm, models[draft] if draft else None, max_running_requests=MAX_BS,
                  num_draft_tokens=K)
-    if draft:
+    if algorithm == "EAGLE":
         eng.speculator.capture_graphs(MAX_BS, eager=True)
     else:
         _graph_runner(eng, K)
-    allocator = eng.target_runner.token_to_kv_pool_allocator
-    free = allocator.available_size()
+    slots = eng.target_runner.slots
+    free, rows = slots.free_slots(), slots.free_rows()
+    spec, ran = eng.speculator, []
+    decode_round = spec.decode_round
+
+    def recording(reqs, draft_lengths=None, lookup=None):
+        results = decode_round(reqs, draft_lengths, lookup)
+        ran.append((len(reqs), sum(1 for k in draft_lengths if k), max(draft_lengths),
+                    sum(x.proposed for x in results)))
+        return results
+
+    spec.decode_round = recording
     seen = _count_replays(monkeypatch)
-    points, plain = target_points(eng.target_runner, MAX_BS, K, 256, eng.speculator)
-    assert set(points) == {(1, 0), (MAX_BS, 0), (1, K), (MAX_BS, MAX_BS), (MAX_BS, MAX_BS * K)}
-    sizes = sorted(plain)  # the plain-round curve: batch 1, 2, 4, ... and MAX_BS
-    assert sizes[0] == 1 and sizes[-1] == MAX_BS and all(b <= 2 * a for a, b in zip(sizes, sizes[1:]))
-    assert sorted(set(seen)) == [(1, b) for b in sizes] + [(K + 1, 1), (K + 1, MAX_BS)]
-    assert seen.count((K + 1, MAX_BS)) == 2 * seen.count((1, MAX_BS))  # widths 2 and K + 1 both padded
-    assert allocator.available_size() == free
+    cost = time_rounds(spec, MAX_BS, 64, repeats=2)
+    shapes = round_shapes(MAX_BS, K)
+    assert [int(b) for b in cost.sizes] == [1, 2, 4] and cost.depth == K
+    assert {(b, j, k) for b, j, k, _ in ran} >= set(shapes)
+    assert all(proposed == j * k for b, j, k, proposed in ran), "every timed round drafted what it was asked"
+    assert all(cost.plain(b) > 0 and cost.round(b, b * K, K) > 0 for b in (1, 2, 4))
+    assert (K + 1, MAX_BS) in seen, "a drafting round's verify pass replays the verify graph"
+    assert (slots.free_slots(), slots.free_rows()) == (free, rows)
 
 
 def test_the_policy_warm_up_prefills_its_prefixes_in_chunks(models):
-    """The timed passes' cached prefixes (128 tokens for each of the largest batch's requests) are
-    prefilled whole rows at a time, at most one planned prefill chunk per pass: a single pass over
-    every row, 32,768 tokens at a batch of 256, is larger than anything the plan priced."""
-    from specdecode_worker.engine.speculation.step_timing import time_passes
+    """The timed rounds' cached prefixes are prefilled at most one planned prefill chunk per pass:
+    one pass over every request's prefix may be larger than anything the plan priced."""
+    from specdecode_worker.engine.speculation.step_timing import time_rounds
 
-    eng = engine(models["target"], "NONE", max_running_requests=MAX_BS)
+    eng = engine(models["target"], "NGRAM", max_running_requests=MAX_BS, num_draft_tokens=K)
     runner = eng.target_runner
     widths, real = [], runner.forward
 
@@ -454,13 +464,10 @@ def test_the_policy_warm_up_prefills_its_prefixes_in_chunks(models):
         return real(fb, last_only)
 
     runner.forward = forward
-    free = runner.token_to_kv_pool_allocator.available_size()
-    timed = time_passes(runner, [(MAX_BS, 1)], 256, repeats=1, chunk_tokens=64)
+    time_rounds(eng.speculator, MAX_BS, 256, chunk_tokens=24, repeats=1)
     runner.forward = real
-    prefix = 256 // 4  # the prefix time_passes caches at this context
-    prefills = [w for w in widths if w > MAX_BS]
-    assert prefills and max(prefills) <= 64 and sum(prefills) == MAX_BS * prefix
-    assert set(timed) == {(MAX_BS, 1)} and runner.token_to_kv_pool_allocator.available_size() == free
+    prefills = [w for w in widths if w > MAX_BS * (K + 1)]
+    assert prefills and max(prefills) <= 24
 
 
 def test_mtp_ragged_rounds_replay_the_verify_graph_and_keep_greedy_output(tmp_path, monkeypatch):

@@ -28,9 +28,9 @@ def request(prompt_len=8, max_tokens=4, eos=frozenset()) -> Request:
 
 
 def scheduler(kv: KVSlots, **kw) -> tuple[Scheduler, list[Request], list[int]]:
-    released, forgotten = [], []
-    s = Scheduler(kv, PER_ROUND, Stats(), release=released.append, forget=forgotten.append, **kw)
-    return s, released, forgotten
+    released = []
+    s = Scheduler(kv, PER_ROUND, Stats(), release=released.append, **kw)
+    return s, released
 
 
 def test_kv_slots_reserve_release_and_restore():
@@ -79,7 +79,7 @@ def test_the_free_list_hands_out_first_freed_first_over_many_wraps():
 
 def test_admission_counts_expected_growth_and_retracted_requests_come_first():
     kv = slots(rows=4, tokens=40)
-    s, _, _ = scheduler(kv, new_token_ratio=0.5)
+    s, _ = scheduler(kv, new_token_ratio=0.5)
     a, b, c = request(8, 8), request(8, 8), request(8, 8)
     for r in (a, b, c):
         s.add(r)
@@ -91,7 +91,7 @@ def test_admission_counts_expected_growth_and_retracted_requests_come_first():
 
 def test_make_room_retracts_the_newest_and_it_returns_before_new_requests():
     kv = slots(rows=4, tokens=24)
-    s, released, _ = scheduler(kv, new_token_ratio=0.0)
+    s, released = scheduler(kv, new_token_ratio=0.0)
     old, new, later = request(8, 8), request(8, 8), request(2, 2)
     s.add(old)
     s.add(new)
@@ -118,7 +118,7 @@ def test_make_room_retracts_the_newest_and_it_returns_before_new_requests():
 
 def test_commit_stops_at_eos_or_max_tokens_and_ending_together_returns_slots_once():
     kv = slots(rows=4, tokens=64)
-    s, released, forgotten = scheduler(kv)
+    s, released = scheduler(kv)
     a, b = request(4, 8, eos=frozenset({99})), request(4, 3)
     updates = []
     for r in (a, b):
@@ -134,14 +134,14 @@ def test_commit_stops_at_eos_or_max_tokens_and_ending_together_returns_slots_onc
         assert kv.free_slots() == 56 and not a.done.is_set()  # given back when the block ends
     assert kv.free_slots() == 64 and kv.free_rows() == 4
     assert (a.output_ids, a.finish_reason, b.output_ids, b.finish_reason) == ([7, 99], "stop", [1, 2, 3], "length")
-    assert a.done.is_set() and b.done.is_set() and released == [a, b] and forgotten == [a.rid, b.rid]
+    assert a.done.is_set() and b.done.is_set() and released == [a, b]
     assert updates == [(a.rid, [7, 99]), (b.rid, [1, 2, 3]), (a.rid, None), (b.rid, None)]
     assert s.stats.generated_tokens == 5 and s.stats.finished_requests == 2 and s.idle
 
 
 def test_submissions_from_other_threads_are_all_admitted():
     kv = slots(rows=64, tokens=4096)
-    s, _, _ = scheduler(kv)
+    s, _ = scheduler(kv)
     reqs = [request(2, 1) for _ in range(200)]
     threads = [threading.Thread(target=lambda part=reqs[i::4]: [s.add(r) for r in part]) for i in range(4)]
     for t in threads:

@@ -16,6 +16,7 @@ from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from specdecode_worker.serving.server import ServerState, build_app  # noqa: E402
 
 from tests.engine_helpers import tiny_models  # noqa: E402
+from tests.policy_helpers import linear_cost  # noqa: E402
 from tests.server_helpers import CONTEXT, free_port, serve_argv, serving  # noqa: E402
 
 
@@ -243,6 +244,32 @@ def test_metrics_report_the_speculation_policy(server):
     first = values['specdecode_acceptance_by_position{position="1"}']
     assert first == stats.accepted_by_position[1] / stats.proposed_by_position[1]
     assert values["specdecode_goodput_tokens_per_second"] > 0
+
+
+def test_an_adaptive_server_reports_its_timed_rounds_and_probes(models):
+    """/plan shows the rounds the adaptive policy timed at start-up (plain, every request drafting
+    1..K, one request drafting K, by batch size) and what it measured since; /metrics counts its
+    probe rounds and reports each bucket's measured speed-up, as the policy holds them."""
+    argv = serve_argv(models, free_port(), "--spec-policy", "adaptive", "--num-draft-tokens", "2",
+                      "--max-running-requests", "2")
+    with serving(argv) as (base, state):
+        rounds = httpx.get(f"{base}/plan").json()["speculationPolicy"]["timedRounds"]
+        assert rounds["batchSizes"] == [1, 2] and set(rounds["draftingSeconds"]) == {"1", "2"}
+        assert all(s > 0 for s in rounds["plainSeconds"] + rounds["oneDrafterSeconds"])
+        policy = state.engine.policy
+        policy.cost = linear_cost(2, plain=1.0, per_draft_token=0.01)  # drafting looks free: it drafts, probes plain
+        for _ in range(3):
+            assert _complete(base, "one two three one two three", max_tokens=24).status_code == 200
+        view = httpx.get(f"{base}/plan").json()["speculationPolicy"]
+        assert view["mode"] == "adaptive"
+        assert view["probeRounds"] == policy.probes and view["measuredSpeedup"] == policy.speedups()
+        assert set(policy.speedups()) == {"1"} and policy.probes >= policy.least_rounds
+        text = httpx.get(f"{base}/metrics").text
+        values = {line.split()[0]: float(line.split()[1])
+                  for line in text.splitlines() if line and not line.startswith("#")}
+        assert values["specdecode_policy_probe_rounds_total"] == policy.probes
+        assert values['specdecode_policy_measured_speedup{batch="1"}'] == pytest.approx(policy.speedups()["1"])
+        assert state.engine.stats.phase_seconds["time_rounds"] > 0
 
 
 def test_serve_cli_refuses_bad_flags_with_exit_2(models, capsys):

@@ -223,3 +223,55 @@ def test_a_repeated_prompt_reports_its_cached_tokens(client, hf):
     assert cached >= n_prompt - 1
     plan = httpx.get(f"{base}/plan").json()["prefixCache"]
     assert plan["cachedTokens"] >= n_prompt - 1 and plan["poolTokens"] > plan["cachedTokens"]
+
+
+def _metric(base: str, name: str) -> float:
+    import httpx
+
+    text = httpx.get(f"{base}/metrics").text
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def _ngram_replay(prompt_ids: list[int], greedy_ids: list[int], max_tokens: int, k: int) -> tuple[int, int]:
+    """Accepted and rejected prediction tokens of fixed NGRAM drafting, replayed over the target's
+    greedy tokens (``greedy_ids`` runs k + 1 past ``max_tokens``: a round may verify past the end)."""
+    from specdecode_worker.engine.speculation.speculative import ngram_match
+
+    accepted = rejected = 0
+    i = 1  # the first token comes from the prefill
+    while i < max_tokens:
+        proposal = ngram_match(prompt_ids + greedy_ids[:i], k, 4)[0]
+        kept_drafts = 0
+        while kept_drafts < len(proposal) and proposal[kept_drafts] == greedy_ids[i + kept_drafts]:
+            kept_drafts += 1
+        kept = min(kept_drafts + 1, max_tokens - i)  # the round's tokens the completion takes
+        accepted += min(kept_drafts, kept)
+        rejected += len(proposal) - min(kept_drafts, kept)
+        i += kept
+    return accepted, rejected
+
+
+def test_usage_counts_accepted_and_rejected_prediction_tokens(client, hf, request):
+    """``usage.completion_tokens_details``: drafted tokens in the completion and the rest, the same
+    streamed and not, summed over ``n`` choices, and adding up to what the server's counters
+    verified. For NGRAM, both equal a replay of the lookups over transformers' greedy tokens."""
+    tok, model = hf
+    prompt = "one two three one two three one two"
+    base = str(client.base_url).removesuffix("/v1/")
+    kw = dict(model="target", prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    before = _metric(base, "specdecode_draft_proposed_tokens_total")
+    whole = client.completions.create(**kw).usage.completion_tokens_details
+    proposed = _metric(base, "specdecode_draft_proposed_tokens_total") - before
+    accepted, rejected = whole.accepted_prediction_tokens, whole.rejected_prediction_tokens
+    assert accepted + rejected == proposed > 0 and 0 <= accepted <= 15
+    streamed = [c.usage for c in client.completions.create(stream=True, **kw) if c.usage]
+    assert len(streamed) == 1
+    details = streamed[0].completion_tokens_details
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (accepted, rejected)
+    twice = client.completions.create(n=2, **kw).usage.completion_tokens_details
+    assert (twice.accepted_prediction_tokens, twice.rejected_prediction_tokens) == (2 * accepted, 2 * rejected)
+    if request.node.callspec.params["client"] == "NGRAM":
+        prompt_ids = tok(prompt).input_ids
+        greedy = model.generate(torch.tensor([prompt_ids]), max_new_tokens=21, min_new_tokens=21, do_sample=False)
+        assert (accepted, rejected) == _ngram_replay(prompt_ids, greedy[0, len(prompt_ids):].tolist(), 16, 4)
+        assert accepted > 0

@@ -1,8 +1,8 @@
 """The engine: continuous batching over a started model worker (target and draft).
 
 Start-up is the model worker's (``model_worker``: three phases, the speculator, the warm-up);
-then speculation control, whose cost model a few timed passes seed (adaptive only), and the
-scheduler, which makes the engine ready.
+then speculation control, whose cost model timed rounds seed (adaptive only), and the scheduler,
+which makes the engine ready.
 
 ``step`` is admit -> make room -> one prefill chunk -> one speculative round for the decoding
 requests. Who runs is the scheduler's (``scheduler``: admission, chunked prefill, retraction, and
@@ -24,7 +24,7 @@ from .request import Request, check_request, make_generator
 from .scheduler import Scheduler
 from .speculation import wiring
 from .speculation.spec_policy import SpecPolicy
-from .speculation.speculation_control import SpeculationController, build_controller, measure_step_cost
+from .speculation.speculation_control import SpeculationController, build_controller, measure_round_cost
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 class Engine(ModelWorker):
     def __init__(self, args: EngineArgs):
         super().__init__(args)
-        self.control: SpeculationController | None = None  # the policy, guesses and their scoring
+        self.control: SpeculationController | None = None  # the policy and what feeds it
         self.scheduler: Scheduler | None = None  # built last: the engine is ready once it exists
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -41,21 +41,19 @@ class Engine(ModelWorker):
     def init_model_worker(self) -> None:
         """The model worker's start-up, then speculation control and the scheduler over it."""
         super().init_model_worker()
-        self._timed("measure_step_cost", self._make_scheduler)  # timed passes seed the policy's cost model
+        self._timed("time_rounds", self._make_scheduler)  # timed rounds seed the policy's cost model
 
     def _make_scheduler(self) -> None:
         args, spec = self.args, self.speculator
         k = args.num_draft_tokens if self.method.drafts else 0
-        cost = measure_step_cost(args.spec_policy, self.method, k, spec, self.draft_runner,
-                                 args.max_running_requests, args.context_len, args.chunked_prefill_size,
-                                 self.target_shape.num_hidden_layers)
-        self.control = build_controller(args.spec_policy, self.method.name, k, spec, cost, args.ngram_max,
-                                        waiting=lambda: self.num_waiting)
+        cost = measure_round_cost(args.spec_policy, k, spec, args.max_running_requests, args.context_len,
+                                  args.chunked_prefill_size)
+        self.control = build_controller(args.spec_policy, self.method.name, k, spec, cost)
         if args.prefix_cache:  # after the warm-up and the timed passes: they leave no trace
             self.target_runner.slots.cache = wiring.create_prefix_cache(self.method)
         self.scheduler = Scheduler(self.target_runner.slots, spec.slots_per_round, self.stats,
                                    chunk_tokens=args.chunked_prefill_size, new_token_ratio=args.new_token_ratio,
-                                   release=spec.release, forget=self.control.forget)
+                                   release=spec.release)
 
     @property
     def policy(self) -> SpecPolicy | None:
@@ -139,8 +137,8 @@ class Engine(ModelWorker):
         self.scheduler.keep_prefixes(reqs)  # a head's first drafting round makes a prompt reusable
         with self.scheduler.ending_together():
             for r, result in zip(reqs, results):
-                self.stats.count_verified(r, result)
-                self.scheduler.commit(r, result.tokens, result.logprobs)
+                kept = self.scheduler.commit(r, result.tokens, result.logprobs)
+                self.stats.count_verified(r, result, kept)
 
     # ---- observability --------------------------------------------------------------------
     @property

@@ -125,6 +125,7 @@ class Request:
     cache_held: int = 0  # how many positions that is
     accepted_draft_tokens: int = 0
     proposed_draft_tokens: int = 0
+    kept_draft_tokens: int = 0  # accepted drafts that are in the output (not cut by EOS or max_tokens)
     verify_rounds: int = 0
     abort_requested: bool = False
     done: threading.Event = field(default_factory=threading.Event)

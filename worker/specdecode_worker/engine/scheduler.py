@@ -41,15 +41,13 @@ SHARED_PREFILL_MIN = 32
 
 class Scheduler:
     def __init__(self, slots: KVSlots, slots_per_round: int, stats: Stats, *, chunk_tokens: int = 0,
-                 new_token_ratio: float = 0.5, release: Callable[[Request], None] = lambda r: None,
-                 forget: Callable[[int], None] = lambda rid: None):
+                 new_token_ratio: float = 0.5, release: Callable[[Request], None] = lambda r: None):
         """``release``: drop what the speculator keeps for a request that leaves the batch (it
-        finished or was retracted); ``forget``: drop what speculation control learned about a
-        finished request."""
+        finished or was retracted)."""
         self.slots, self.slots_per_round, self.stats = slots, slots_per_round, stats
         self.chunk_tokens = chunk_tokens or slots.size
         self.new_token_ratio = new_token_ratio
-        self.release, self.forget = release, forget
+        self.release = release
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # admitted (prefilling or decoding), oldest first
         self._ending: list[Closing] | None = None  # rows of requests ending in a group
@@ -158,9 +156,9 @@ class Scheduler:
         return [r for r in self.running if r.prefill_ids is None][:room]
 
     # ---- output ------------------------------------------------------------------------------
-    def commit(self, r: Request, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+    def commit(self, r: Request, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> int:
         """Append new tokens (and their log-probabilities) up to EOS or max_tokens, the one place
-        output grows; finish if done."""
+        output grows; finish if done. Returns how many of ``tokens`` were kept."""
         kept, reason = [], None
         for t in tokens:
             kept.append(t)
@@ -180,11 +178,11 @@ class Scheduler:
             r.on_update(r, kept)
         if reason:
             self.finish(r, reason=reason)
+        return len(kept)
 
     def finish(self, r: Request, reason: str | None = None, error: str | None = None) -> None:
         if r in self.running:
             self.running.remove(r)
-        self.forget(r.rid)
         if r.req_idx is not None:
             self._close_row(r)
             r.req_idx = None

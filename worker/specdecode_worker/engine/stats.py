@@ -40,10 +40,12 @@ class Stats:
             self.proposed_by_position.update(range(1, x.proposed + 1))
             self.accepted_by_position.update(range(1, x.accepted + 1))
 
-    def count_verified(self, r: Request, result: RoundResult) -> None:
-        """One request's verified round, on the request and in the totals."""
+    def count_verified(self, r: Request, result: RoundResult, kept: int) -> None:
+        """One request's verified round, on the request and in the totals; ``kept``: how many of
+        the round's tokens the request's output took (fewer at EOS or max_tokens)."""
         r.proposed_draft_tokens += result.proposed
         r.accepted_draft_tokens += result.accepted
+        r.kept_draft_tokens += min(result.accepted, kept)
         r.verify_rounds += 1
         self.proposed_tokens += result.proposed
         self.accepted_tokens += result.accepted

@@ -182,7 +182,7 @@ def warm_up(spec, runners, planned: int | None, chunk_tokens: int, batch: int) -
                               (_full_round, full, "a smaller cudaGraphMaxBs and maxRunningRequests, or fewer "
                                                   "draft tokens")):
         try:
-            with _leaves_no_trace(spec) as trace:
+            with LeavesNoTrace(spec) as trace:
                 run(spec, work, trace)
         except RuntimeError as exc:  # torch.OutOfMemoryError is one
             if not out_of_memory(exc):  # serving would run out at its first long prompt or full batch
@@ -204,7 +204,7 @@ def warm_up(spec, runners, planned: int | None, chunk_tokens: int, batch: int) -
     return peak
 
 
-class _leaves_no_trace:
+class LeavesNoTrace:
     """Takes note of the pools' free lists and the speculator's counters; on leaving, whatever
     happened, forgets the requests it made and puts back every slot, request row (its contents
     too) and free-list order, and the counters, as they were."""
@@ -213,16 +213,16 @@ class _leaves_no_trace:
         self.spec = spec
         self.slots = spec.target.slots
 
-    def __enter__(self) -> "_leaves_no_trace":
+    def __enter__(self) -> "LeavesNoTrace":
         self.free_lists = self.slots.snapshot()
         self.counters = {name: getattr(self.spec, name) for name in SPECULATOR_COUNTERS}
         self.transfers = to_host.count
         self.taken: list[tuple[Request, torch.Tensor]] = []
         return self
 
-    def request(self, prompt: list[int], rid: int) -> Request:
+    def request(self, prompt: list[int], rid: int, params: SamplingParams = WARM_UP_SAMPLING) -> Request:
         """A warm-up request in a request row of its own; negative ids never meet a served one's."""
-        r = Request(prompt, WARM_UP_SAMPLING, rid=rid, generator=make_generator(WARM_UP_SAMPLING.seed))
+        r = Request(prompt, params, rid=rid, generator=make_generator(params.seed))
         r.req_idx = self.slots.open_row()
         r.prefill_ids = list(prompt)
         self.taken.append((r, self.slots.req_to_token[r.req_idx].clone()))
@@ -238,7 +238,7 @@ class _leaves_no_trace:
         to_host.count = self.transfers
 
 
-def _prefill(spec, reqs: list[Request], chunk: int, next_token) -> None:
+def prefill_requests(spec, reqs: list[Request], chunk: int, next_token) -> None:
     """Prefill ``reqs`` in passes of at most ``chunk`` tokens, oldest first, as serving does; each
     then holds ``next_token(r)`` as its last committed token (not yet in any cache)."""
     while pending := [r for r in reqs if r.kv_len < len(r.prefill_ids)]:
@@ -256,19 +256,19 @@ def _prefill(spec, reqs: list[Request], chunk: int, next_token) -> None:
         r.output_ids = [next_token(r)]
 
 
-def _long_prompt(spec, work: Workloads, trace: _leaves_no_trace) -> None:
+def _long_prompt(spec, work: Workloads, trace: LeavesNoTrace) -> None:
     """The longest prompt in chunks, then one round: the draft catches up over all of it."""
     vocab = spec.target.shape.vocab_size
     r = trace.request([i % vocab for i in range(work.prompt)], rid=-1)
-    _prefill(spec, [r], work.chunk, lambda r: 0)
+    prefill_requests(spec, [r], work.chunk, lambda r: 0)
     if spec.k:
         spec.decode_round([r])
 
 
-def _full_round(spec, work: Workloads, trace: _leaves_no_trace) -> None:
+def _full_round(spec, work: Workloads, trace: LeavesNoTrace) -> None:
     """The largest batch, each request drafting K tokens (a repeating prompt, so NGRAM finds them)."""
     period = spec.k + 1
     pattern = [1 + i % period for i in range(work.batch_prompt + 1)]
     reqs = [trace.request(pattern[:-1], rid=-2 - i) for i in range(work.batch)]
-    _prefill(spec, reqs, work.chunk, lambda r: pattern[-1])
+    prefill_requests(spec, reqs, work.chunk, lambda r: pattern[-1])
     spec.decode_round(reqs)

@@ -97,7 +97,7 @@ class _EngineCollector:
         yield gauge("acceptance_rate", "accepted / proposed draft tokens since start", rate)
         length = (stats.accepted_tokens + stats.verify_rounds) / stats.verify_rounds if stats.verify_rounds else 0.0
         yield gauge("accept_length", "mean tokens committed per verify round (accepted + 1)", length)
-        yield from speculation_policy_metrics(stats, counter, gauge)
+        yield from speculation_policy_metrics(stats, getattr(engine, "policy", None), counter, gauge)
         phases = GaugeMetricFamily("specdecode_phase_seconds", "duration of each initialisation phase",
                                    labels=["phase"])
         for name, secs in stats.phase_seconds.items():
@@ -138,9 +138,10 @@ class _EngineCollector:
             yield gauge("waiting_requests", "requests queued for KV slots", engine.num_waiting)
 
 
-def speculation_policy_metrics(stats, counter, gauge):
+def speculation_policy_metrics(stats, policy, counter, gauge):
     """What the speculation policy chose and what it earned: draft lengths, rounds without
-    drafting, acceptance by draft position and goodput (tokens per second of decode rounds)."""
+    drafting, probe rounds, drafting's measured speed-up by batch size, acceptance by draft
+    position and goodput (tokens per second of decode rounds)."""
     lengths = stats.draft_lengths
     buckets, seen = [], 0
     for k in range(max(lengths, default=0) + 1):
@@ -154,6 +155,17 @@ def speculation_policy_metrics(stats, counter, gauge):
                   stats.steps_without_speculation)
     share = stats.steps_without_speculation / stats.decode_steps if stats.decode_steps else 0.0
     yield gauge("steps_without_speculation_ratio", "share of decode rounds in which no request drafted", share)
+    if policy is not None:
+        yield counter("policy_probe_rounds", "decode rounds the adaptive policy ran to measure (a plain round while "
+                      "drafting, a drafting round while not), not because they were expected to be faster",
+                      policy.probes)
+        speedup = GaugeMetricFamily("specdecode_policy_measured_speedup",
+                                    "recent drafting rounds' speed over plain rounds', as the adaptive policy "
+                                    "measured them, by batch-size bucket (below 1: drafting is off there)",
+                                    labels=["batch"])
+        for bucket, ratio in policy.speedups().items():
+            speedup.add_metric([bucket], ratio)
+        yield speedup
     by_position = GaugeMetricFamily("specdecode_acceptance_by_position",
                                     "accepted / verified draft tokens at each draft position (1 = first)",
                                     labels=["position"])

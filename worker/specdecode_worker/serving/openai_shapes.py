@@ -22,8 +22,13 @@ def usage(reqs: list[Request]) -> dict:
     completion = sum(len(r.output_ids) for r in reqs)
     # The first sample's: the others wait for its prompt to be cached, then reuse it.
     cached = reqs[0].cached_tokens
+    # Drafted tokens, as OpenAI counts a prediction's: those in the completion, and the rest.
+    accepted = sum(r.kept_draft_tokens for r in reqs)
+    rejected = sum(r.proposed_draft_tokens for r in reqs) - accepted
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": rejected}}
 
 
 def token_text(tokenizer: Any, token: int) -> str:

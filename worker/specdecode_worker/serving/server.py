@@ -355,7 +355,16 @@ async def plan(http: HttpRequest):
     return {"plan": plan.document if plan else None, "actual": actual,
             "plannedMaxTotalNumTokens": plan.kv_cache.max_total_num_tokens if plan else None,
             "actualMaxTotalNumTokens": actual and actual["max_total_num_tokens"], "dynamicBytes": dynamic,
-            "prefixCache": engine.prefix_cache_usage() if engine.ready else None}
+            "prefixCache": engine.prefix_cache_usage() if engine.ready else None,
+            "speculationPolicy": _policy_view(getattr(engine, "policy", None))}
+
+
+def _policy_view(policy) -> dict | None:
+    """What the speculation policy timed at start-up and has measured since (None: not started)."""
+    if policy is None:
+        return None
+    return {"mode": policy.mode, "timedRounds": policy.cost.table() if policy.cost is not None else None,
+            "measuredSpeedup": policy.speedups(), "probeRounds": policy.probes}
 
 
 @router.get("/metrics")

@@ -52,35 +52,3 @@ class RequestIndexes:
 
     def release(self, rid: int) -> None:
         self._indexes.pop(rid, None)
-
-
-class ContextGuesses:
-    """Free guesses at requests' next tokens where the drafts cost a pass (STANDALONE, EAGLE, MTP):
-    each request's own context looked up, as NGRAM would, and only its first token kept. The
-    matched suffix's length classes the request's round, as it classes NGRAM's proposals: a draft
-    is kept far more often where the text copies its context than where nothing matches, so the
-    policy learns a draft's acceptance per class (``SpecPolicy``). Scored against what the round
-    commits, the guesses also tell which new request copies before it pays for a probe of the
-    draft (``SpecPolicy.score_guesses``)."""
-
-    def __init__(self, max_n: int):
-        self.classes = max_n + 1  # matched suffix lengths 0 (none) .. max_n
-        self._indexes = RequestIndexes(max_n)  # while each request runs
-
-    def guess(self, reqs: list, caps: list[int]) -> tuple[list[int | None], list[int]]:
-        """Each request's guess (None: nothing matched) and its class, the matched suffix's length.
-        A request that may not draft (``caps[i]`` 0) is not looked up, as NGRAM's lookups skip it:
-        its class cannot matter, and it keeps no index."""
-        guesses, classes = [], []
-        for r, cap in zip(reqs, caps):
-            if cap <= 0:
-                guesses.append(None)
-                classes.append(0)
-                continue
-            proposal, n = self._indexes.match(r, 1)
-            guesses.append(proposal[0] if proposal else None)
-            classes.append(n)
-        return guesses, classes
-
-    def release(self, rid: int) -> None:
-        self._indexes.release(rid)

@@ -1,0 +1,56 @@
+"""Seconds of one decode round by its shape, from whole rounds timed at start-up.
+
+The warm-up (``step_timing.time_rounds``) runs real rounds through the speculator, so every pass
+a round runs is in the time: a head's extend over the accepted tokens, each draft step (and a
+STANDALONE draft's first one), the verify pass at its width, sampling and acceptance. It times, at
+batch sizes 1, 2, 4, ... up to the largest:
+- a plain round (nobody drafts);
+- every request drafting k, for k = 1..K;
+- one request drafting K, the others nothing (what drafting costs before it is shared).
+
+A round where only some requests draft, or not all to the same depth, sits between those two:
+its drafting time above the plain round is the one-request round's, plus the uniform round's
+remainder in proportion to how many requests' worth of tokens it verifies. Between timed batch
+sizes, times are interpolated. The model only ranks draft lengths: whether drafting pays at all
+is measured in serving (``spec_policy``). Nothing here needs torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class RoundCost:
+    def __init__(self, plain: dict[int, float], drafting: dict[tuple[int, int], float], one: dict[int, float]):
+        """``plain[b]``: seconds of a plain round of b requests; ``drafting[(b, k)]``: every one of
+        b requests drafting k; ``one[b]``: one of b requests drafting the deepest k timed."""
+        self.sizes = np.array(sorted(plain), dtype=float)
+        self.depth = max(k for _, k in drafting)
+        self._plain = np.array([plain[b] for b in sorted(plain)])
+        self._drafting = {k: np.array([drafting[(b, k)] for b in sorted(plain)]) for k in range(1, self.depth + 1)}
+        self._one = np.array([one[b] for b in sorted(plain)])
+
+    def _at(self, values: np.ndarray, requests: float) -> float:
+        return float(np.interp(requests, self.sizes, values))
+
+    def plain(self, requests: int) -> float:
+        return self._at(self._plain, requests)
+
+    def round(self, requests: int, verified, depth: int):
+        """Seconds of a round of ``requests`` requests verifying ``verified`` draft tokens in all
+        (a number or an array of them), drafted at most ``depth`` deep."""
+        depth = min(depth, self.depth)
+        plain = self.plain(requests)
+        every = max(self._at(self._drafting[depth], requests) - plain, 0.0)
+        full = max(self._at(self._drafting[self.depth], requests) - plain, 1e-12)
+        fixed = min(max(self._at(self._one, requests) - plain, 0.0) / full, 1.0)  # share one drafter pays
+        drafters = np.clip(np.asarray(verified, dtype=float) / depth, 1.0, requests)
+        shared = (drafters - 1.0) / (requests - 1.0) if requests > 1 else np.ones_like(drafters)
+        return plain + every * (fixed + (1.0 - fixed) * shared)
+
+    def table(self) -> dict:
+        """The timed rounds, for /plan and the start-up log."""
+        sizes = [int(b) for b in self.sizes]
+        return {"batchSizes": sizes, "plainSeconds": self._plain.tolist(),
+                "draftingSeconds": {str(k): v.tolist() for k, v in self._drafting.items()},
+                "oneDrafterSeconds": self._one.tolist()}
