@@ -218,6 +218,8 @@ class _ReportedPeak:
     def peak(self):
         return 1 << 40
 
+    reserved_peak = peak
+
 
 def _rank_warming_up(engine_kws: dict) -> dict:
     """As on a GPU: the speculator's graphs (eager stand-ins here) exist before the warm-up, which

@@ -68,10 +68,13 @@ def _engine(models, case: str, **kw):
 
 
 class FakePeak:
-    """Reports ``static + extra`` bytes; checks that the global RNG is untouched in between."""
+    """Reports ``static + extra`` bytes allocated at most and ``static + reserved`` reserved (default:
+    ``extra``), and ``free_bytes`` free on the device; checks that the global RNG is untouched."""
 
-    def __init__(self, extra: int):
+    def __init__(self, extra: int, reserved: int | None = None, free_bytes: int = 0):
         self.extra, self.resets = extra, 0
+        self.reserved = extra if reserved is None else reserved
+        self.free_bytes = free_bytes
         self.static = None
         self.active = False
 
@@ -84,6 +87,12 @@ class FakePeak:
         self.active = False
         assert torch.equal(self.rng, torch.get_rng_state()), "the warm-up drew from the global RNG"
         return self.static + self.extra
+
+    def reserved_peak(self):
+        return self.static + self.reserved
+
+    def free(self):
+        return self.free_bytes
 
 
 class Passes:
@@ -100,8 +109,8 @@ class Passes:
         return [c for c in self.calls if c[0] == kind and (who is None or c[1] == who)]
 
 
-def _instrument(monkeypatch, extra: int = 0) -> tuple[FakePeak, Passes]:
-    fake = FakePeak(extra)
+def _instrument(monkeypatch, extra: int = 0, **views) -> tuple[FakePeak, Passes]:
+    fake = FakePeak(extra, **views)
     passes = Passes(fake)
     monkeypatch.setattr(warmup, "peak_reader", lambda device: fake)
     real_static = warmup.static_bytes
@@ -384,6 +393,38 @@ def test_a_peak_within_plan_logs_no_warning(models, monkeypatch, caplog):
     assert dynamic["passes"] == list(eng.dynamic_peak.passes) and "decode" in dynamic["passes"][-1]
     assert dynamic["note"] == eng.dynamic_peak.note
 
+
+
+def test_reserved_bytes_above_plan_are_over_plan_even_with_allocated_bytes_within(models, monkeypatch, caplog):
+    """The allocator's reserved peak (its slack and the graph pools) is checked against the plan
+    too: allocated within plan and reserved above it is a warning naming the reserved view, and
+    both are in /metrics and /plan."""
+    _instrument(monkeypatch, PLANNED - 1, reserved=PLANNED + 7)
+    with caplog.at_level(logging.WARNING, logger=warmup.__name__):
+        eng = engine(models["target"], planned_dynamic_bytes=PLANNED, chunked_prefill_size=16)
+    peak = eng.dynamic_peak
+    assert (peak.measured, peak.reserved, peak.driver) == (PLANNED - 1, PLANNED + 7, None)
+    assert peak.over() == ["reserved"] and peak.over_plan
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and f"reserved {PLANNED + 7}" in warned[0] and "as reserved:" in warned[0]
+    plan = _plan_reserving(PLANNED)
+    assert _metric(eng, "dynamic_bytes_reserved", plan) == PLANNED + 7
+    assert _metric(eng, "dynamic_bytes_driver", plan) is None  # no device budget on CPU: no driver view
+    http = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(server=SimpleNamespace(engine=eng, plan=plan))))
+    dynamic = asyncio.run(server.plan(http))["dynamicBytes"]
+    assert (dynamic["measured"], dynamic["reserved"]) == (PLANNED - 1, PLANNED + 7)
+
+
+def test_the_driver_view_is_what_the_device_lost_beyond_weights_pools_and_runtime(models, monkeypatch):
+    """With the free memory before start-up (the plan's G) and the runtime phase 2 measured, the
+    driver's view is G less what is free after the warm-up, less weights, pools and runtime."""
+    eng = engine(models["target"], planned_dynamic_bytes=PLANNED, chunked_prefill_size=16)
+    fake, _ = _instrument(monkeypatch, 100, free_bytes=1 << 30)
+    static = warmup.static_bytes(eng.model_runners())
+    device, runtime = (1 << 30) + static + (3 << 20) + PLANNED + 5, 3 << 20
+    peak = warmup.warm_up(eng.speculator, eng.model_runners(), PLANNED, 16, 2, device, runtime)
+    assert (peak.measured, peak.reserved, peak.driver) == (100, 100, PLANNED + 5)
+    assert peak.over() == ["driver"]
 
 
 def test_the_retraction_counter_is_exported(models):

@@ -43,6 +43,8 @@ class ReportedPeak:
     def peak(self):
         return PEAK
 
+    reserved_peak = peak
+
 
 def _lead(eng) -> dict:
     reqs = run_all(eng, [Request(list(p), GREEDY) for p in PROMPTS])

@@ -163,7 +163,8 @@ class ModelWorker:
         try:
             self.dynamic_peak = warm_up(self.speculator, self.model_runners(), args.planned_dynamic_bytes,
                                         args.chunked_prefill_size or args.context_len,
-                                        max(args.cuda_graph_max_bs, args.max_running_requests))
+                                        max(args.cuda_graph_max_bs, args.max_running_requests),
+                                        self.free_before_weights, self.memory_profile.runtime_bytes)
         except WarmUpOutOfMemory as exc:
             raise StartupError(str(exc)) from None
         finally:

@@ -68,18 +68,34 @@ def device_memory_now(device) -> str:
 
 @dataclass(frozen=True)
 class DynamicPeak:
+    """The warm-up's dynamic memory, three ways, each beyond weights and pools: what tensors held
+    at most (allocated), what the caching allocator held at most (reserved: its slack and the
+    CUDA graph pools included), and what the driver saw in use at the end, beyond the runtime
+    reserve too (kernel images, cuBLAS workspaces and anything else outside the allocator)."""
+
     planned: int | None  # R_dynamic of the plan served (None: no plan gave one)
-    measured: int | None  # allocator peak beyond weights and pools over the warm-up (None: not measurable)
+    measured: int | None  # allocated peak beyond weights and pools over the warm-up (None: not measurable)
     chunk_tokens: int = 0  # the largest prefill pass's tokens
     batch: int = 0  # the round's requests ...
     width: int = 0  # ... and verify rows per request
     prompt_tokens: int = 0  # the long prompt prefilled in chunks (and caught up by the draft)
     passes: tuple[str, ...] = ()  # what the warm-up ran, in order
     note: str = ""
+    reserved: int | None = None  # the allocator's reserved peak beyond weights and pools
+    driver: int | None = None  # device memory in use at the end (mem_get_info) beyond weights, pools and runtime
+
+    def views(self) -> dict[str, int]:
+        """Each measured view by name."""
+        return {name: v for name, v in (("allocated", self.measured), ("reserved", self.reserved),
+                                         ("driver", self.driver)) if v is not None}
+
+    def over(self) -> list[str]:
+        """The views above the plan."""
+        return [] if self.planned is None else [name for name, v in self.views().items() if v > self.planned]
 
     @property
     def over_plan(self) -> bool:
-        return self.planned is not None and self.measured is not None and self.measured > self.planned
+        return bool(self.over())
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -88,7 +104,8 @@ class DynamicPeak:
 
 
 class CudaPeak:
-    """The CUDA caching allocator's peak of allocated bytes since ``reset``."""
+    """The CUDA caching allocator's peaks of allocated and reserved bytes since ``reset``, and the
+    driver's free bytes now."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -100,6 +117,13 @@ class CudaPeak:
     def peak(self) -> int:
         torch.cuda.synchronize(self.device)
         return int(torch.cuda.max_memory_allocated(self.device))
+
+    def reserved_peak(self) -> int:
+        return int(torch.cuda.max_memory_reserved(self.device))
+
+    def free(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return int(torch.cuda.mem_get_info(self.device)[0])
 
 
 def peak_reader(device: torch.device) -> CudaPeak | None:
@@ -167,9 +191,12 @@ class Workloads:
         return tuple(long), tuple(full)
 
 
-def warm_up(spec, runners, planned: int | None, chunk_tokens: int, batch: int) -> DynamicPeak:
+def warm_up(spec, runners, planned: int | None, chunk_tokens: int, batch: int,
+            device_bytes: int | None = None, runtime_bytes: int = 0) -> DynamicPeak:
     """Run the two workloads through ``spec`` (its target owns the shared pools) and read the peak.
-    ``runners``: every model runner, whose weights and pools are static."""
+    ``runners``: every model runner, whose weights and pools are static; ``device_bytes``: the
+    device memory free before start-up (the plan's G; None: no driver view), of which
+    ``runtime_bytes`` went to the runtime (phase 2's measurement)."""
     target = spec.target
     reader = peak_reader(target.device)
     if reader is None:
@@ -192,15 +219,17 @@ def warm_up(spec, runners, planned: int | None, chunk_tokens: int, batch: int) -
                 f"planned for activations and graphs (reserve.dynamicBytes){device_memory_now(target.device)}: "
                 f"give {lower}, or a lower --mem-fraction-static ({str(exc).splitlines()[0]})") from None
     passes = long + full
-    measured = max(0, reader.peak() - static)
-    peak = DynamicPeak(planned, measured, work.chunk, work.batch, work.width, work.prompt, passes,
-                       note="warm-up: " + "; ".join(passes))
+    driver = None if device_bytes is None else max(0, device_bytes - reader.free() - static - runtime_bytes)
+    peak = DynamicPeak(planned, max(0, reader.peak() - static), work.chunk, work.batch, work.width, work.prompt,
+                       passes, note="warm-up: " + "; ".join(passes),
+                       reserved=max(0, reader.reserved_peak() - static), driver=driver)
+    seen = ", ".join(f"{name} {v}" for name, v in peak.views().items())
     if peak.over_plan:
-        log.warning("dynamic memory peak %d bytes measured in the warm-up is above the plan's %d bytes "
-                    "(reserve.dynamicBytes): lower --mem-fraction-static or cudaGraphMaxBs/chunkedPrefillSize",
-                    measured, planned)
+        log.warning("dynamic memory measured in the warm-up (%s bytes) is above the plan's %d bytes "
+                    "(reserve.dynamicBytes) as %s: lower --mem-fraction-static or cudaGraphMaxBs/chunkedPrefillSize",
+                    seen, planned, " and ".join(peak.over()))
     else:
-        log.info("dynamic memory peak: planned %s bytes, measured %d bytes (%s)", planned, measured, peak.note)
+        log.info("dynamic memory: planned %s bytes, measured %s bytes (%s)", planned, seen, peak.note)
     return peak
 
 

@@ -118,6 +118,13 @@ class _EngineCollector:
             yield gauge("dynamic_bytes_measured", "dynamic peak measured by phase 3's warm-up (largest prefill "
                         "chunk, largest graph batch): allocator peak beyond weights and pools (CUDA only)",
                         warm.measured)
+        if warm is not None and warm.reserved is not None:
+            yield gauge("dynamic_bytes_reserved", "the caching allocator's reserved peak over phase 3's warm-up "
+                        "beyond weights and pools: its slack and the CUDA graph pools included (CUDA only)",
+                        warm.reserved)
+        if warm is not None and warm.driver is not None:
+            yield gauge("dynamic_bytes_driver", "device memory in use after phase 3's warm-up as the driver counts "
+                        "it, beyond weights, pools and the runtime reserve (CUDA only)", warm.driver)
         peak = dynamic_peak_bytes(engine)
         if peak is not None:
             yield gauge("dynamic_bytes_peak", "peak bytes the torch allocator held beyond weights and KV pools "
