@@ -57,11 +57,13 @@ class AcceptanceControl:
 
     def token(self, req, step: int) -> int:
         """Draft step ``step``'s proposal for ``req``: the target's token at that position, or,
-        with probability ``1 - rate``, another one (the same for a given position and seed)."""
+        with probability ``1 - rate``, another one. The draw is the request's own (by its id, so
+        every run draws anew, whatever its prompt), and the same each time the request's position
+        is proposed again."""
         out = self.continuations.get(tuple(req.prompt_ids), [])
         at = len(req.output_ids) + step
         want = out[at] if at < len(out) else 0
-        rng = random.Random(hash((self.seed, at, *req.prompt_ids[-8:])))
+        rng = random.Random(hash((self.seed, req.rid, at)))
         if rng.random() < self.rate:
             return want
         return (want + 1 + rng.randrange(self.vocab_size - 1)) % self.vocab_size

@@ -50,12 +50,15 @@ def test_tiny_run_reports_every_row(tmp_path, capsys, monkeypatch):
         (d, k, a, b) for d in ("eagle3", "draft1b") for k in bench.TINY.draft_ks for a in bench.TINY.acceptances
         for b in bench.TINY.spec_batches)
     assert all(r["same_output"] for r in spec)
-    # At rate 1 every proposal is the target's token: every round accepts its whole chain, but for the
-    # last one, which proposes past the request's end; a lower rate accepts less.
+    # Batch 1 runs several requests one after another; every row reports its realised acceptance.
+    assert all(r["requests"] == (bench.SEQUENCE if r["batch"] == 1 else r["batch"]) for r in spec)
+    # At rate 1 every proposal is the target's token, past the request's end too: every round accepts
+    # its whole chain, and the realised acceptance is 1; a lower rate realises less.
     by = {(r["draft"], r["k"], r["rate"], r["batch"]): r for r in spec}
     for (draft, k, rate, b), r in by.items():
         if rate == 1.0:
-            assert r["accept_len"] > k - 1 and r["accept_len"] > by[(draft, k, 0.5, b)]["accept_len"]
+            assert r["accept_len"] == k and r["realised"] == 1.0
+            assert r["realised"] > by[(draft, k, 0.5, b)]["realised"] > 0
     # EAGLE3 drafting trees: the greedy output is the plain engine's on the same prompts.
     tree = res["eagle3_tree"]
     assert tree["same_output"] and tree["batch"] == bench.TINY.spec_batches[0] and tree["tok_s"] > 0
@@ -123,13 +126,14 @@ def test_device_check_script_runs_its_cpu_path(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = (tmp_path / "results.md").read_text()
     assert "| start-up (8B + EAGLE3, planner defaults) | ok |" in results
-    assert "eagle3 k=3 rate 1.0 batch 1" in results
+    assert "eagle3 k=3 rate 1.0 batch 1" in results and "realised acceptance 1.000" in results
     assert "skipped" in results.splitlines()[-1]  # the CUDA tests' summary line
 
 
 def test_a_controlled_draft_proposes_the_continuation_at_its_rate():
     """Each proposal is the target's token at that position with probability ``rate``, another
-    token otherwise, the same for a given position and seed."""
+    token otherwise: the same again for the same request and position, drawn anew for another
+    request of the same prompt."""
     from types import SimpleNamespace
 
     sys.path.insert(0, str(SCRIPT.parent))
@@ -140,13 +144,17 @@ def test_a_controlled_draft_proposes_the_continuation_at_its_rate():
     prompt, out = [5, 6, 7], list(range(100, 400))
     control = AcceptanceControl.__new__(AcceptanceControl)  # the token rule alone, no speculator
     control.continuations, control.vocab_size, control.seed = {tuple(prompt): out}, 1000, 0
-    req = SimpleNamespace(prompt_ids=prompt, output_ids=out[:10])
+    req = SimpleNamespace(rid=1, prompt_ids=prompt, output_ids=out[:10])
     control.rate = 1.0
     assert [control.token(req, s) for s in range(5)] == out[10:15]
     control.rate = 0.0
     assert all(control.token(req, s) != out[10 + s] for s in range(200))
     control.rate = 0.8
-    hits = [control.token(SimpleNamespace(prompt_ids=prompt, output_ids=out[:n]), 0) == out[n] for n in range(250)]
-    assert 0.7 < sum(hits) / len(hits) < 0.9
-    assert hits == [control.token(SimpleNamespace(prompt_ids=prompt, output_ids=out[:n]), 0) == out[n]
-                    for n in range(250)]  # the same draws again
+
+    def hits(rid):
+        return [control.token(SimpleNamespace(rid=rid, prompt_ids=prompt, output_ids=out[:n]), 0) == out[n]
+                for n in range(250)]
+
+    assert 0.7 < sum(hits(1)) / 250 < 0.9
+    assert hits(1) == hits(1)  # the same request's draws again
+    assert hits(2) != hits(1) and 0.7 < sum(hits(2)) / 250 < 0.9  # another request, the same prompt: drawn anew
