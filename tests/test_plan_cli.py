@@ -58,6 +58,25 @@ def test_llama8b_eagle3_on_h100_golden(models, capsys, tmp_path):
     assert json.loads(text) == plan and len(text.encode()) < 4096 and "\n" not in text
 
 
+def test_an_eagle_head_is_priced_in_the_targets_dtype_whatever_its_config_says(models, capsys, tmp_path):
+    """The worker runs an EAGLE head, and keeps its KV, in the target's dtype (``EagleRunner``): a
+    float32 target's bf16-declared EAGLE3 head costs 4 bytes per K/V element and per weight
+    element; its vocabulary maps (int64 d2t, bool t2d) stay as stored."""
+    import shutil
+
+    target = tmp_path / "llama-fp32"
+    shutil.copytree(models["llama-3.1-8b-instruct"], target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
+    code, plan = plan_of(capsys, "--target", target, "--draft", models["eagle3-llama-3.1-8b"],
+                         "--algorithm", "EAGLE3", "--gpu-memory-gib", 79)
+    assert code == 0
+    maps = 32_000 * 8 + 128_256  # d2t, t2d
+    assert plan["weights"]["draftBytes"] == 2 * (849_763_584 - maps) + maps  # the bf16 plan's, cast
+    assert plan["kvCache"]["draftBytesPerToken"] == 1 * 8 * 128 * 2 * 4  # 1 layer, 8 KV heads, K and V, fp32
+    assert plan["kvCache"]["targetBytesPerToken"] == 32 * 8 * 128 * 2 * 4
+
+
 def test_qwen_standalone_draft_with_real_geometry(models, capsys):
     code, plan = plan_of(capsys, "--target", models["qwen2.5-7b-instruct"], "--draft", models["qwen2.5-0.5b-instruct"],
                          "--algorithm", "STANDALONE", "--gpu-memory-gib", 79, "--mem-fraction-static", 0.835)

@@ -215,9 +215,11 @@ def make_plan(args: PlanArgs) -> dict[str, Any]:
     target_dir = Path(args.target)
     checkpoint_target = load_shape(target_dir)
     draft_dir, draft, draft_layers = _draft_shape(args, target_dir, checkpoint_target)
-    # the worker computes target and draft in --dtype: activations, an auto KV cache and cast weights
+    # the worker computes target and draft in --dtype: activations, an auto KV cache and cast weights;
+    # an EAGLE head in the target's, whatever its own config says (EagleRunner)
     target = _as_served(checkpoint_target, args.dtype)
-    draft = target if draft is checkpoint_target else (None if draft is None else _as_served(draft, args.dtype))
+    draft_dtype = target.torch_dtype if algorithm in ("EAGLE", "EAGLE3") else args.dtype
+    draft = target if draft is checkpoint_target else (None if draft is None else _as_served(draft, draft_dtype))
     same_dir = draft_dir is not None and draft_dir.resolve() == target_dir.resolve()
     _checked_numbers(args)
     # A STANDALONE draft whose heads t GPUs cannot split is replicated whole on every GPU, as the
@@ -234,7 +236,7 @@ def make_plan(args: PlanArgs) -> dict[str, Any]:
     if draft_dir is not None and not same_dir:
         draft_tensors = read_checkpoint(draft_dir)
     target_w, draft_w = split_target_draft(algorithm, target_tensors, draft_tensors, target.num_hidden_layers)
-    target_w, draft_w = as_served(target_w, args.dtype), as_served(draft_w, args.dtype)
+    target_w, draft_w = as_served(target_w, args.dtype), as_served(draft_w, draft_dtype)
     if algorithm == "MTP" and not draft_w:
         raise InputError(
             f"{draft_dir}: no MTP layer tensors (model.layers.{target.num_hidden_layers}.*) in the checkpoint; "
