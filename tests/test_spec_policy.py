@@ -93,6 +93,17 @@ def test_buckets_are_judged_apart():
     assert set(policy.speedups()) == {"1", "8-15"}
 
 
+def test_plain_rounds_measured_at_one_batch_size_serve_every_bucket():
+    """Plain speed is measured relative to the warm-up's plain rounds, so once it is known a new
+    batch size drafts from its first round, with no plain probes of its own before the next
+    periodic one."""
+    policy = SpecPolicy("adaptive", "NGRAM", K, linear_cost(plain=1.0, fixed=0.1))
+    simulate(policy, 40, requests=1, acceptance=0.95, draft_cost=1.1)
+    probes = policy.probes
+    late = simulate(policy, 20, requests=4, acceptance=0.95, draft_cost=1.1)
+    assert any(late[0]) and sum(not any(ks) for ks in late) == policy.probes - probes <= 1  # the periodic one
+
+
 def test_bucket_of_groups_batch_sizes_by_powers_of_two():
     assert [bucket_of(n) for n in (1, 2, 3, 4, 7, 8, 15, 16)] == [1, 2, 2, 4, 4, 8, 8, 16]
 

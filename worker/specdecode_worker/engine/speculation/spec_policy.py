@@ -8,15 +8,16 @@ whether to draft at all.
   nearly always.
 - **Round cost** is ``round_cost.RoundCost``: whole rounds timed at start-up, every pass a round
   runs included. With acceptance it ranks the draft lengths by expected tokens per second.
-- **The guard**: per batch-size bucket (1, 2-3, 4-7, ...), the policy keeps the measured speed of
-  the plain rounds and of the drafting rounds it chose, each as plain-decoding time saved per
-  second. Once both are measured, drafting happens in that bucket only if it measured faster;
-  the model alone decides only until then. So a wrong model can cost a few rounds, never a run:
-  drafting at a measured loss stops.
-- **Probes** keep both measurements current at a bounded cost: a plain round every
-  ``probe_every`` drafting rounds (rounds where nobody drafts come free, and count), and, where
-  drafting is off, a drafting round at most every ``probe_every`` rounds and at most
-  ``probe_budget`` of the time, by what the last one cost over a plain round.
+- **The guard**: the policy measures how fast rounds commit tokens, as the time plain rounds at
+  the warm-up's speed would need for those tokens over the time taken: its plain rounds at any
+  batch size together (load slows them all alike), its drafting rounds per batch-size bucket (1,
+  2-3, 4-7, ...). Once both are measured, drafting happens in a bucket only if it measured
+  faster there; the model alone decides only until then. So a wrong model can cost a few
+  rounds, never a run: drafting at a measured loss stops.
+- **Probes** keep both measurements current at a bounded cost: a plain round after every
+  ``probe_every`` rounds without one (rounds where nobody drafts come free, and count), and, in
+  a bucket where drafting is off, a drafting round at most every ``probe_every`` rounds and at
+  most ``probe_budget`` of the time, by what the last one cost over a plain round.
 
 The fixed policy drafts all it can for every request: K tokens, or a lookup's whole proposal;
 both honour a request's own cap (``speculative: false`` is a cap of 0). Nothing here needs torch.
@@ -72,7 +73,7 @@ class MeasuredSpeed:
     """How fast recent rounds of one kind committed tokens: the seconds plain rounds at the
     warm-up's speed would need for their tokens, over the seconds they took. Older rounds count
     less by how many rounds ago they ran (up to ``stale`` rounds), so a probe after a long pause
-    outweighs what was measured before it. Load scales both kinds alike, so their ratio is what
+    outweighs what was measured before it. Load slows both kinds alike, so their ratio is what
     drafting buys now."""
 
     def __init__(self, decay: float = 0.8, stale: int = 8):
@@ -94,26 +95,12 @@ class MeasuredSpeed:
 
 @dataclass
 class Bucket:
-    """What the guard knows of rounds of one batch-size range."""
+    """What the guard knows of drafting rounds of one batch-size range."""
 
-    plain: MeasuredSpeed = field(default_factory=MeasuredSpeed)
     drafting: MeasuredSpeed = field(default_factory=MeasuredSpeed)
-    since_plain: int = 0  # rounds since the last plain one
-    since_drafting: int = 0  # rounds since the last drafting one
+    since_drafting: int = 0  # rounds of this bucket since its last drafting one
     seconds_since_drafting: float = 0.0
     drafting_extra: float = 0.0  # what the last drafting round took over a plain one, in seconds
-
-    def verdict(self, least: int) -> bool | None:
-        """Whether drafting measured faster than plain rounds (None: not both measured yet)."""
-        if self.plain.rounds < least or self.drafting.rounds < least:
-            return None
-        return self.drafting.speed > self.plain.speed
-
-    def speedup(self) -> float | None:
-        """Drafting's measured speed over plain rounds' (None: not both measured)."""
-        if not self.plain.rounds or not self.drafting.rounds or not self.plain.speed:
-            return None
-        return self.drafting.speed / self.plain.speed
 
 
 def bucket_of(requests: int) -> int:
@@ -130,10 +117,12 @@ class SpecPolicy:
     max_draft: int  # K, the engine's --num-draft-tokens
     cost: RoundCost | None  # None: nothing timed (tensor parallelism): draft K, measurement decides
     classes: int = 0  # classes of proposals known before the round (``Lookup.classes``; 0: none)
-    probe_every: int = 32  # the fewest rounds between two probes of one bucket
+    probe_every: int = 32  # the fewest rounds between two probes of one kind
     probe_budget: float = 0.02  # the most time drafting probes may take beyond plain rounds, as a share
-    least_rounds: int = 3  # rounds of each kind a bucket measures before its verdict counts
+    least_rounds: int = 3  # rounds of each kind measured before a verdict counts
     probes: int = field(init=False, default=0)  # rounds run to measure, not because they were best
+    plain: MeasuredSpeed = field(init=False, default_factory=MeasuredSpeed)  # every batch size's plain rounds
+    since_plain: int = field(init=False, default=0)  # rounds since the last plain one
     buckets: dict[int, Bucket] = field(init=False, default_factory=dict)
     acceptance: list[Acceptance] = field(init=False)  # by class (one where proposals have none)
     _probing: bool = field(init=False, default=False)
@@ -157,9 +146,9 @@ class SpecPolicy:
         gains = self._gains(caps, classes)
         best = self._best(gains, caps, classes is not None)
         drafting = best if any(best) else self._best(gains, caps, classes is not None, must_draft=True)
-        verdict = bucket.verdict(self.least_rounds)
+        verdict = self._verdict(bucket)
         if verdict if verdict is not None else any(best):
-            if self._plain_probe_due(bucket):
+            if self._plain_probe_due():
                 self._probing = True
                 return [0] * n
             return drafting
@@ -201,10 +190,15 @@ class SpecPolicy:
                 best = np.bincount(request[: i + 1], minlength=n) if per_request else np.minimum(cap, depth)
         return best.tolist()
 
-    def _plain_probe_due(self, bucket: Bucket) -> bool:
-        """Plain rounds, while drafting: the first few soon, then one every ``probe_every``."""
-        spacing = 2 if bucket.plain.rounds < self.least_rounds else self.probe_every
-        return bucket.since_plain >= spacing
+    def _verdict(self, bucket: Bucket) -> bool | None:
+        """Whether drafting measured faster than plain rounds (None: not both measured yet)."""
+        if self.plain.rounds < self.least_rounds or bucket.drafting.rounds < self.least_rounds:
+            return None
+        return bucket.drafting.speed > self.plain.speed
+
+    def _plain_probe_due(self) -> bool:
+        """A plain round, while drafting: the first few soon, then one every ``probe_every``."""
+        return self.since_plain >= (2 if self.plain.rounds < self.least_rounds else self.probe_every)
 
     def _drafting_probe_due(self, bucket: Bucket) -> bool:
         """A drafting round, while drafting is off: spaced by rounds and by what one costs."""
@@ -225,19 +219,20 @@ class SpecPolicy:
         self._probing = False
         n = len(rids)
         bucket = self.buckets.setdefault(bucket_of(n), Bucket())
+        # Without timed rounds (tensor parallelism), plain rounds count as equally long at any batch size.
         plain = self.cost.plain(n) if self.cost is not None else 1.0
         tokens = n + int(a.sum())
-        bucket.since_plain += 1
+        self.since_plain += 1
         bucket.since_drafting += 1
         if p.any():
             bucket.drafting.add(plain * tokens / n, seconds, bucket.since_drafting)
             # A plain round now takes its warm-up time over the plain rounds' measured speed.
-            plain_now = plain / bucket.plain.speed if bucket.plain.speed else plain
+            plain_now = plain / self.plain.speed if self.plain.speed else plain
             bucket.drafting_extra = max(0.0, seconds - plain_now)
             bucket.since_drafting, bucket.seconds_since_drafting = 0, 0.0
         else:
-            bucket.plain.add(plain, seconds, bucket.since_plain)
-            bucket.since_plain = 0
+            self.plain.add(plain, seconds, self.since_plain)
+            self.since_plain = 0
             bucket.seconds_since_drafting += seconds
 
     def score(self, kept: list[bool], classes: list[int]) -> None:
@@ -262,12 +257,10 @@ class SpecPolicy:
 
     def speedups(self) -> dict[str, float]:
         """Drafting's measured speed over plain rounds', by batch-size bucket ('4-7'), where both ran."""
-        out = {}
-        for low, bucket in sorted(self.buckets.items()):
-            ratio = bucket.speedup()
-            if ratio is not None:
-                out[str(low) if low == 1 else f"{low}-{2 * low - 1}"] = ratio
-        return out
+        if not self.plain.rounds or not self.plain.speed:
+            return {}
+        return {(str(low) if low == 1 else f"{low}-{2 * low - 1}"): bucket.drafting.speed / self.plain.speed
+                for low, bucket in sorted(self.buckets.items()) if bucket.drafting.rounds}
 
     def forget(self, rid: int) -> None:
         """A request finished (nothing is kept per request)."""
