@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # Every GPU check in one run, within a time budget, ending with one results table:
 #   1. the machine: nvidia-smi, and the torch, Triton and transformers versions;
-#   2. benchmarks/gpu_serving.py --json: start-up, planned against measured dynamic peak, decode
+#   2. benchmarks/plan_sweep.py --json: the planner's plan, then a worker started under it, for 12
+#      geometries, context lengths and algorithms; planned against allocated, reserved and
+#      driver-measured dynamic memory (a failed start or a view above plan fails the check);
+#   3. benchmarks/gpu_serving.py --json: start-up, planned against measured dynamic peak, decode
 #      against the roofline, step time by live length, the speculative rows, MTP and the
 #      load-aware sweep (each phase saved as it ends, so a run cut short keeps what it measured);
-#   3. every CUDA-only test (tests/test_triton_cuda.py, tests/test_engine_cuda.py), then the Triton
+#   4. every CUDA-only test (tests/test_triton_cuda.py, tests/test_engine_cuda.py), then the Triton
 #      kernel tests compiled for the device instead of interpreted, with whatever time is left.
 #
 # On a GPU machine:  bash benchmarks/device_check.sh [OUT_DIR]   (default: $OUT, else /tmp/device_check)
 # On CPU, to check the script itself:  bash benchmarks/device_check.sh --tiny [OUT_DIR]
 #   (the benchmark's tiny geometry; the CUDA tests are collected and skip; .venv's python when present)
-# Budget: DEVICE_CHECK_SECONDS (default 480) for the whole run; the benchmark gets
-# BENCH_SECONDS (default 300) of it and the tests the rest. A rerun of a part: BENCH_PHASES
-# (gpu_serving.py --phases, default all) and CUDA_TESTS (pytest node ids, default both files).
+# Budget: DEVICE_CHECK_SECONDS (default 720) for the whole run; the plan sweep gets PLAN_SECONDS
+# (default 240) of it, the benchmark BENCH_SECONDS (default 300) and the tests the rest. A rerun
+# of a part: PLAN_CASES (plan_sweep.py --only names, ';'-separated; "none" skips the sweep),
+# BENCH_PHASES (gpu_serving.py --phases, default all) and CUDA_TESTS (pytest node ids).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,8 +27,8 @@ if [[ "${1:-}" == "--tiny" ]]; then
 fi
 out="${1:-${OUT:-/tmp/device_check}}"
 mkdir -p "$out"
-rm -f "$out"/{environment.txt,results.md,gpu_serving.json,gpu_serving.log,cuda_tests.*,kernel_tests.*}
-budget="${DEVICE_CHECK_SECONDS:-480}"
+rm -f "$out"/{environment.txt,results.md,plan_sweep.*,gpu_serving.json,gpu_serving.log,cuda_tests.*,kernel_tests.*}
+budget="${DEVICE_CHECK_SECONDS:-720}"
 deadline=$((SECONDS + budget))
 python="${PYTHON:-python3}"
 [[ -z "${PYTHON:-}" && -x .venv/bin/python ]] && python=.venv/bin/python  # `make setup`'s, where there is one
@@ -45,6 +49,18 @@ if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print(f"device: {p.name}, {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs, sm_{p.major}{p.minor}")'
 } 2>&1 | tee "$out/environment.txt"
+
+plan_rc=0
+if [[ "${PLAN_CASES:-}" != "none" ]]; then
+    echo "== benchmarks/plan_sweep.py (at most ${PLAN_SECONDS:-240} s)"
+    only=()
+    IFS=';' read -ra names <<< "${PLAN_CASES:-}"
+    for name in "${names[@]}"; do only+=(--only "$name"); done
+    timeout -k 10 "${PLAN_SECONDS:-240}" "$python" benchmarks/plan_sweep.py "${tiny[@]}" --json "$out/plan_sweep.json" \
+        "${only[@]}" 2>&1 | tee "$out/plan_sweep.log"
+    plan_rc=${PIPESTATUS[0]}
+    echo "plan_sweep exit status: $plan_rc (1: a start failed or a view was above plan; 124: cut at its budget)"
+fi
 
 echo "== benchmarks/gpu_serving.py (at most ${BENCH_SECONDS:-300} s)"
 timeout -k 10 "${BENCH_SECONDS:-300}" "$python" benchmarks/gpu_serving.py "${tiny[@]}" --json "$out/gpu_serving.json" \
@@ -69,6 +85,10 @@ echo "== results"
 {
     cat "$out/environment.txt"
     echo
+    if [[ -s "$out/plan_sweep.json" ]]; then
+        "$python" benchmarks/plan_sweep.py --table "$out/plan_sweep.json"
+        echo
+    fi
     if [[ -s "$out/gpu_serving.json" ]]; then
         "$python" benchmarks/gpu_serving.py --table "$out/gpu_serving.json"
     else
@@ -79,4 +99,4 @@ echo "== results"
         [[ -f "$out/$log.log" ]] && echo "$log: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$out/$log.log" | tail -1)"
     done
 } | tee "$out/results.md"
-exit $(( bench_rc != 0 || tests_rc != 0 ))
+exit $(( plan_rc != 0 || bench_rc != 0 || tests_rc != 0 ))

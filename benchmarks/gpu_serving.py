@@ -427,8 +427,10 @@ def spec_baseline(eng, s: Settings, b: int) -> dict:
     runs = [generate(eng, s, b, s.prompt, s.spec_tokens, seed=seed) for seed in seeds]
     longer = s.spec_tokens + max(s.draft_ks) + 1
     vocab = eng.target_shape.vocab_size
-    continuations = {tuple(p): out for seed in seeds for p, out in
-                     zip(prompts(b, s.prompt, vocab, seed), generate(eng, s, b, s.prompt, longer, seed=seed)["outputs"])}
+    continuations = {}
+    for seed in seeds:
+        longer_run = generate(eng, s, b, s.prompt, longer, seed=seed)["outputs"]
+        continuations.update(zip(map(tuple, prompts(b, s.prompt, vocab, seed)), longer_run))
     return {"seeds": seeds, "tok_s": combined_tok_s(runs), "outputs": runs[0]["outputs"],
             "runs": [r["outputs"] for r in runs], "continuations": continuations}
 

@@ -127,6 +127,7 @@ def test_device_check_script_runs_its_cpu_path(tmp_path):
     results = (tmp_path / "results.md").read_text()
     assert "| start-up (8B + EAGLE3, planner defaults) | ok |" in results
     assert "eagle3 k=3 rate 1.0 batch 1" in results and "realised acceptance 1.000" in results
+    assert "| tiny DeepSeek-V3 + NextN | MTP | 256 |" in results  # the plan sweep's table
     assert "skipped" in results.splitlines()[-1]  # the CUDA tests' summary line
 
 
