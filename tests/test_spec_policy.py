@@ -159,6 +159,19 @@ def test_unknown_mode_is_refused():
         SpecPolicy("sometimes", "NGRAM", K, None)
 
 
+def test_timings_that_say_a_larger_round_costs_less_are_pooled():
+    """A spike makes batch 2's plain round dearer than batch 4's, and k = 2 dearer than k = 3 at
+    batch 1: each pair is pooled to its mean, so more requests or deeper drafts never cost less;
+    timings already in order are kept."""
+    plain = {1: 1.0, 2: 3.0, 4: 2.0}
+    drafting = {(1, 1): 4.0, (1, 2): 6.0, (1, 3): 5.0, (2, 1): 5.0, (2, 2): 6.0, (2, 3): 7.0,
+                (4, 1): 5.0, (4, 2): 6.0, (4, 3): 7.0}
+    cost = RoundCost(plain, drafting, {1: 5.0, 2: 5.5, 4: 6.0})
+    assert [cost.plain(b) for b in (1, 2, 4)] == [1.0, 2.5, 2.5]
+    assert [cost.round(1, k, k) for k in (1, 2, 3)] == [4.0, 5.5, 5.5]
+    assert [cost.round(4, 4 * k, k) for k in (1, 2, 3)] == [5.0, 6.0, 7.0]
+
+
 def test_a_round_between_timed_shapes_is_interpolated():
     """One drafter pays the fixed part; more drafters share the rest in proportion; batch sizes
     between timed ones are interpolated."""

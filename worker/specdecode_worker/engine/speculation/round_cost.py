@@ -11,7 +11,9 @@ batch sizes 1, 2, 4, ... up to the largest:
 A round where only some requests draft, or not all to the same depth, sits between those two:
 its drafting time above the plain round is the one-request round's, plus the uniform round's
 remainder in proportion to how many requests' worth of tokens it verifies. Between timed batch
-sizes, times are interpolated. The model only ranks draft lengths: whether drafting pays at all
+sizes, times are interpolated. A round over more requests, or drafting deeper, never costs less:
+timings that say otherwise (a spike on a shared machine, on a CPU often) are pooled with their
+neighbours until they do not. The model only ranks draft lengths: whether drafting pays at all
 is measured in serving (``spec_policy``). Nothing here needs torch.
 """
 
@@ -24,11 +26,16 @@ class RoundCost:
     def __init__(self, plain: dict[int, float], drafting: dict[tuple[int, int], float], one: dict[int, float]):
         """``plain[b]``: seconds of a plain round of b requests; ``drafting[(b, k)]``: every one of
         b requests drafting k; ``one[b]``: one of b requests drafting the deepest k timed."""
-        self.sizes = np.array(sorted(plain), dtype=float)
+        sizes = sorted(plain)
+        self.sizes = np.array(sizes, dtype=float)
         self.depth = max(k for _, k in drafting)
-        self._plain = np.array([plain[b] for b in sorted(plain)])
-        self._drafting = {k: np.array([drafting[(b, k)] for b in sorted(plain)]) for k in range(1, self.depth + 1)}
-        self._one = np.array([one[b] for b in sorted(plain)])
+        # [depth 0..K, batch size]: plain rounds, then every request drafting k; monotone both ways
+        table = np.array([[plain[b] for b in sizes]] + [[drafting[(b, k)] for b in sizes]
+                                                         for k in range(1, self.depth + 1)])
+        table = np.apply_along_axis(non_decreasing, 1, table)
+        table = np.apply_along_axis(non_decreasing, 0, table)
+        self._plain, self._drafting = table[0], {k: table[k] for k in range(1, self.depth + 1)}
+        self._one = np.clip(non_decreasing(np.array([one[b] for b in sizes])), table[0], table[-1])
 
     def _at(self, values: np.ndarray, requests: float) -> float:
         return float(np.interp(requests, self.sizes, values))
@@ -54,3 +61,15 @@ class RoundCost:
         return {"batchSizes": sizes, "plainSeconds": self._plain.tolist(),
                 "draftingSeconds": {str(k): v.tolist() for k, v in self._drafting.items()},
                 "oneDrafterSeconds": self._one.tolist()}
+
+
+def non_decreasing(values: np.ndarray) -> np.ndarray:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [sum, count] of pooled neighbours
+    for v in values:
+        blocks.append([float(v), 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return np.array([total / count for total, count in blocks for _ in range(int(count))])
