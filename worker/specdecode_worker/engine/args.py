@@ -30,7 +30,7 @@ class EngineArgs:
     planned_tokens: int | None = None
     draft_quantization: str | None = None  # "int8": dynamic int8 draft linears (cpu)
     kv_cache_dtype: str = "auto"  # auto (the compute dtype), fp8_e4m3 or fp8_e5m2: every model's K/V pool
-    spec_policy: str = FIXED  # fixed: K drafts every round; adaptive: the draft length that maximises goodput
+    spec_policy: str = FIXED  # fixed: K drafts every round; adaptive: see speculation/spec_policy.py
     chunked_prefill_size: int = 0  # most prompt tokens per prefill pass (the plan's chunkedPrefillSize); 0: no cap
     # Admission reserves this share of the tokens a request may still generate (1.0: the worst case,
     # prompt + max_tokens up front); an estimate that proves short is paid for by retraction.

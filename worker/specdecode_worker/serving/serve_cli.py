@@ -56,8 +56,8 @@ def parser() -> argparse.ArgumentParser:
                    help="EAGLE branches per draft step: 1 drafts a chain, more a tree of --num-draft-tokens nodes "
                    "(default: the --plan's, else 1)")
     p.add_argument("--spec-policy", choices=("adaptive", "fixed"), default="adaptive",
-                   help="adaptive: each round drafts the length (down to none) that maximises expected tokens/s "
-                        "from load and acceptance; fixed: always --num-draft-tokens")
+                   help="adaptive: each round drafts the length (down to none) expected to give the most tokens/s, "
+                        "and only while drafting measures faster than plain rounds; fixed: always --num-draft-tokens")
     p.add_argument("--ngram-max", type=int, default=4, help="longest suffix NGRAM matches")
     p.add_argument("--ngram-min", type=int, default=1,
                    help="shortest suffix NGRAM drafts from (a shorter match proposes nothing)")
