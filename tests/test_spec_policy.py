@@ -172,6 +172,16 @@ def test_timings_that_say_a_larger_round_costs_less_are_pooled():
     assert [cost.round(4, 4 * k, k) for k in (1, 2, 3)] == [5.0, 6.0, 7.0]
 
 
+def test_depths_between_the_timed_ones_are_interpolated():
+    """Rounds are timed at k = 1 and K only: a round's passes and verify width grow in step with k."""
+    plain = {1: 1.0, 4: 2.0}
+    drafting = {(1, 1): 2.0, (1, 4): 5.0, (4, 1): 3.0, (4, 4): 9.0}
+    cost = RoundCost(plain, drafting, {1: 5.0, 4: 4.0})
+    assert [cost.round(1, k, k) for k in (1, 2, 3, 4)] == [2.0, 3.0, 4.0, 5.0]
+    assert [cost.round(4, 4 * k, k) for k in (1, 2, 3, 4)] == [3.0, 5.0, 7.0, 9.0]
+    assert cost.table()["draftingSeconds"] == {"1": [2.0, 3.0], "2": [3.0, 5.0], "3": [4.0, 7.0], "4": [5.0, 9.0]}
+
+
 def test_a_round_between_timed_shapes_is_interpolated():
     """One drafter pays the fixed part; more drafters share the rest in proportion; batch sizes
     between timed ones are interpolated."""

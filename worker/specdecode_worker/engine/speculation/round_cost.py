@@ -5,7 +5,8 @@ a round runs is in the time: a head's extend over the accepted tokens, each draf
 STANDALONE draft's first one), the verify pass at its width, sampling and acceptance. It times, at
 batch sizes 1, 2, 4, ... up to the largest:
 - a plain round (nobody drafts);
-- every request drafting k, for k = 1..K;
+- every request drafting 1, and K (the depths between are interpolated: a round's draft passes
+  and verify width grow in step with k);
 - one request drafting K, the others nothing (what drafting costs before it is shared).
 
 A round where only some requests draft, or not all to the same depth, sits between those two:
@@ -25,12 +26,15 @@ import numpy as np
 class RoundCost:
     def __init__(self, plain: dict[int, float], drafting: dict[tuple[int, int], float], one: dict[int, float]):
         """``plain[b]``: seconds of a plain round of b requests; ``drafting[(b, k)]``: every one of
-        b requests drafting k; ``one[b]``: one of b requests drafting the deepest k timed."""
+        b requests drafting k, for the depths timed (others are interpolated); ``one[b]``: one of b
+        requests drafting the deepest k timed."""
         sizes = sorted(plain)
         self.sizes = np.array(sizes, dtype=float)
-        self.depth = max(k for _, k in drafting)
+        timed = sorted({k for _, k in drafting})
+        self.depth = timed[-1]
         # [depth 0..K, batch size]: plain rounds, then every request drafting k; monotone both ways
-        table = np.array([[plain[b] for b in sizes]] + [[drafting[(b, k)] for b in sizes]
+        by_depth = np.array([[drafting[(b, k)] for k in timed] for b in sizes])  # [batch size, timed depth]
+        table = np.array([[plain[b] for b in sizes]] + [[np.interp(k, timed, row) for row in by_depth]
                                                          for k in range(1, self.depth + 1)])
         table = np.apply_along_axis(non_decreasing, 1, table)
         table = np.apply_along_axis(non_decreasing, 0, table)

@@ -28,11 +28,12 @@ GREEDY = SamplingParams(max_tokens=1)
 
 def round_shapes(batch: int, k: int) -> list[tuple[int, int, int]]:
     """(requests, of them drafting, k): at batch sizes 1, 2, 4, ... and ``batch``, a plain round,
-    every request drafting 1..k, and one request drafting k."""
+    every request drafting 1 and k (a round's passes and verify width grow in step with k, so the
+    depths between are interpolated), and one request drafting k."""
     sizes = sorted({min(2 ** i, batch) for i in range(batch.bit_length() + 1)})
     shapes = []
     for b in sizes:
-        shapes += [(b, 0, 0)] + [(b, b, d) for d in range(1, k + 1)] + ([(b, 1, k)] if b > 1 else [])
+        shapes += [(b, 0, 0)] + [(b, b, d) for d in sorted({1, k})] + ([(b, 1, k)] if b > 1 else [])
     return shapes
 
 
