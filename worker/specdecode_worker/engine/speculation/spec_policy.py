@@ -145,17 +145,13 @@ class SpecPolicy:
         bucket = self.buckets.setdefault(bucket_of(n), Bucket())
         gains = self._gains(caps, classes)
         best = self._best(gains, caps, classes is not None)
-        drafting = best if any(best) else self._best(gains, caps, classes is not None, must_draft=True)
         verdict = self._verdict(bucket)
-        if verdict if verdict is not None else any(best):
-            if self._plain_probe_due():
-                self._probing = True
-                return [0] * n
-            return drafting
-        if self._drafting_probe_due(bucket):
-            self._probing = True
-            return drafting
-        return [0] * n
+        draft = verdict if verdict is not None else any(best)  # measurement first, the model until then
+        probe = self._plain_probe_due() if draft else self._drafting_probe_due(bucket)
+        self._probing = probe
+        if draft == probe:  # not drafting, or a plain probe
+            return [0] * n
+        return best if any(best) else self._best(gains, caps, classes is not None, must_draft=True)
 
     def _gains(self, caps: list[int], classes: list[int] | None) -> np.ndarray:
         """[requests, K]: the expected extra tokens of each draft position, 0 past the cap."""
