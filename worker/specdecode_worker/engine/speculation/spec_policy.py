@@ -119,7 +119,7 @@ class SpecPolicy:
     classes: int = 0  # classes of proposals known before the round (``Lookup.classes``; 0: none)
     probe_every: int = 32  # the fewest rounds between two probes of one kind
     probe_budget: float = 0.02  # the most time drafting probes may take beyond plain rounds, as a share
-    least_rounds: int = 2  # rounds of each kind measured before a verdict counts
+    least_rounds: int = 3  # rounds of each kind measured before a verdict counts
     probes: int = field(init=False, default=0)  # rounds run to measure, not because they were best
     plain: MeasuredSpeed = field(init=False, default_factory=MeasuredSpeed)  # every batch size's plain rounds
     since_plain: int = field(init=False, default=0)  # rounds since the last plain one
@@ -194,7 +194,7 @@ class SpecPolicy:
 
     def _plain_probe_due(self) -> bool:
         """A plain round, while drafting: the first few soon, then one every ``probe_every``."""
-        return self.since_plain >= (4 if self.plain.rounds < self.least_rounds else self.probe_every)
+        return self.since_plain >= (2 if self.plain.rounds < self.least_rounds else self.probe_every)
 
     def _drafting_probe_due(self, bucket: Bucket) -> bool:
         """A drafting round, while drafting is off: spaced by rounds and by what one costs."""
