@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in (TINY_CASES if args.tiny else FULL_CASES) if not args.only or c.name in args.only]
     originals = gs.model_runner.load_safetensors, gs.mtp_runner.load_safetensors
     rows: list[dict] = []
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     try:
         with tempfile.TemporaryDirectory() as root:
             models = write_models(Path(root), args.tiny)
@@ -211,16 +212,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{'ok' if not failed(row) else row.get('error') or 'above plan: ' + ', '.join(row['over'])} "
                       f"({row['seconds']:.0f} s)", flush=True)
                 if args.json:
-                    Path(args.json).write_text(json.dumps({"device": gs_device(device), "rows": rows}, indent=1))
+                    Path(args.json).write_text(json.dumps({"device": name, "rows": rows}, indent=1))
                 gs.release(device)
     finally:
         gs.model_runner.load_safetensors, gs.mtp_runner.load_safetensors = originals
     print(table(rows))
     return 1 if any(failed(r) for r in rows) else 0
-
-
-def gs_device(device: str) -> str:
-    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 
 
 if __name__ == "__main__":

@@ -134,7 +134,7 @@ class SpecPolicy:
         self.acceptance = [Acceptance(max(self.max_draft, 1), prior) for _ in range(max(self.classes, 1))]
 
     # ---- the choice ---------------------------------------------------------------------------
-    def draft_lengths(self, rids: list[int], caps: list[int], classes: list[int] | None = None, **_) -> list[int]:
+    def draft_lengths(self, rids: list[int], caps: list[int], classes: list[int] | None = None) -> list[int]:
         """k per request; ``caps[i]`` is request i's own limit (0: no speculation; a lookup's
         proposal length); ``classes[i]``: the class of request i's proposal, where known."""
         caps = [max(0, min(c, self.max_draft)) for c in caps]
