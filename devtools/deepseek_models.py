@@ -140,8 +140,8 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 
 
 def record_static_moe(monkeypatch) -> list[str]:
-    """Records the MoE paths graph passes take: few (token, expert) pairs, or every expert. Routed
-    passes, which run outside graphs, are not recorded."""
+    """Records the MoE paths that read no routing back to the host: few (token, expert) pairs
+    (graphed or not), or every expert (graph passes). Routed passes are not recorded."""
     from specdecode_worker.engine.models import deepseek_v3
 
     paths = []

@@ -99,7 +99,7 @@ class ModelRunner:
         load_safetensors(model, self.model_dir, self.device, self.dtype)
         model.rotary.reset(self.device)
         if attention_backend_name(self.device) == "triton":
-            model.stack_experts()  # MoE in CUDA graphs reads only the chosen experts at small batches
+            model.stack_experts()  # small MoE passes read only the chosen experts, with no host read
         if self.quantization == "int8":
             # Dynamic int8 linear layers in the decoder (a cheap CPU draft); the tied head stays.
             model.model.layers = torch.ao.quantization.quantize_dynamic(model.model.layers, {torch.nn.Linear},

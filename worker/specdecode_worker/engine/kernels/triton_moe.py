@@ -1,11 +1,11 @@
-"""A Triton kernel for MoE at small batches inside CUDA graphs: each (token, chosen expert) pair
-multiplies by that expert's weight, read from the experts' stacked weights by an expert id held on
-the device.
+"""A Triton kernel for MoE at small batches: each (token, chosen expert) pair multiplies by that
+expert's weight, read from the experts' stacked weights by an expert id held on the device.
 
-Eager MoE runs each chosen expert over its tokens after reading the routing back to the host; a
-graph cannot read it back. With few tokens, ``tokens x top_k`` matrix-vector products read only
-the chosen experts' weights (once per pair), where running every expert reads them all. The grid
-depends on the number of pairs only, so a graph captured for a batch size replays for any routing.
+Running each chosen expert over its tokens needs the routing read back to the host: a host sync
+per MoE layer, and a graph cannot do it at all. With few tokens, ``tokens x top_k`` matrix-vector
+products read only the chosen experts' weights (once per pair) and read nothing back, so a decode
+round's passes, graphed or eager, never wait on the host. The grid depends on the number of pairs
+only, so a graph captured for a batch size replays for any routing.
 """
 
 from __future__ import annotations

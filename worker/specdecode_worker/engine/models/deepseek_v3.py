@@ -220,12 +220,15 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.gate(x)
-        if not graph_capturing():
-            out = self.routed(x, experts, weights)
-        elif self.gate_up_stack is not None and experts.numel() < len(self.experts):
+        # Fewer (token, expert) pairs than experts, as in a decode round's passes, graphed or not:
+        # the expert kernel, with no host read. More: every expert inside a graph, else the routed
+        # path's one read of the routing (a prefill, or a round of many requests run eagerly).
+        if self.gate_up_stack is not None and experts.numel() < len(self.experts):
             out = self.chosen_experts(x, experts, weights)
-        else:
+        elif graph_capturing():
             out = self.every_expert(x, experts, weights)
+        else:
+            out = self.routed(x, experts, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
@@ -376,7 +379,7 @@ class DeepseekV3ForCausalLM(ServedModel):
         return len(self.model.layers)
 
     def stack_experts(self) -> None:
-        """After loading: stacked expert weights for the Triton expert kernel in CUDA graphs."""
+        """After loading: stacked expert weights for the Triton expert kernel (small passes)."""
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoE):
                 stack_layer_experts(layer.mlp)

@@ -60,7 +60,7 @@ class MTPRunner(ModelRunner):
         load_safetensors(model, self.model_dir, self.device, self.dtype)
         model.rotary.reset(self.device)
         if attention_backend_name(self.device) == "triton":
-            model.stack_experts()  # MoE in CUDA graphs reads only the chosen experts at small batches
+            model.stack_experts()  # small MoE passes read only the chosen experts, with no host read
         self.model = model.eval().requires_grad_(False)
         self.weight_bytes = tensor_bytes(model)  # the embedding and lm_head stay the target's
         self.phase = Phase.WEIGHTS_LOADED
