@@ -61,6 +61,59 @@ def _online_update(qk, allowed, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _load_kv(K, V, slot, valid, kvh, stride_kn, stride_kh, stride_vn, stride_vh, offs_d, offs_dv,
+             D: tl.constexpr, DV: tl.constexpr, dtype: tl.constexpr):
+    """A block of keys and values (``slot``: their KV slots) of one KV head, in the query's dtype."""
+    k = _upcast(tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
+                        mask=valid[:, None] & (offs_d[None, :] < D), other=0.0), dtype)
+    v = _upcast(tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
+                        mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0), dtype)
+    return k, v
+
+
+@triton.jit
+def _attend_causal(q, qpos, m_i, l_i, acc, K, V, ReqToToken, req, start, end, kvh,
+                   stride_kn, stride_kh, stride_vn, stride_vh, stride_rt, scaling, window, offs_d, offs_dv,
+                   D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold in the request's positions ``start .. end - 1`` (read through req_to_token) under the
+    causal rule and the sliding window."""
+    for s in range(start, end, BLOCK_N):
+        kpos = s + tl.arange(0, BLOCK_N)
+        valid = kpos < end
+        slot = tl.load(ReqToToken + req * stride_rt + kpos, mask=valid, other=0).to(tl.int64)
+        k, v = _load_kv(K, V, slot, valid, kvh, stride_kn, stride_kh, stride_vn, stride_vh, offs_d, offs_dv,
+                        D, DV, q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
+        allowed = valid[None, :] & (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)
+        m_i, l_i, acc = _online_update(qk, allowed, v, m_i, l_i, acc, PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_tree(q, qpos, tok, tmask, m_i, l_i, acc, K, V, ExtraStart, ExtraSlots, ExtraPos, MaskStart, Mask,
+                 b, kvh, stride_kn, stride_kh, stride_vn, stride_vh, scaling, window, offs_d, offs_dv,
+                 D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold in request b's extra slots (draft-tree nodes) under its ``[q_len, E]`` mask; row i of
+    the block is the request's new token ``tok[i]`` (``tmask``: a real one)."""
+    e_start = tl.load(ExtraStart + b)
+    e_len = tl.load(ExtraStart + b + 1) - e_start
+    mask_start = tl.load(MaskStart + b)
+    for s in range(0, e_len, BLOCK_N):
+        offs_e = s + tl.arange(0, BLOCK_N)
+        valid = offs_e < e_len
+        slot = tl.load(ExtraSlots + e_start + offs_e, mask=valid, other=0).to(tl.int64)
+        kpos = tl.load(ExtraPos + e_start + offs_e, mask=valid, other=0)
+        k, v = _load_kv(K, V, slot, valid, kvh, stride_kn, stride_kh, stride_vn, stride_vh, offs_d, offs_dv,
+                        D, DV, q.dtype)
+        tree = tl.load(Mask + mask_start + tok[:, None] * e_len + offs_e[None, :],
+                       mask=tmask[:, None] & valid[None, :], other=0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
+        allowed = (tree != 0) & valid[None, :] & (kpos[None, :] > qpos[:, None] - window)
+        m_i, l_i, acc = _online_update(qk, allowed, v, m_i, l_i, acc, PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_partial_kernel(
     Q, K, V, ReqToToken, ReqIdx, SeqLens, PartO, PartLse,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
@@ -172,36 +225,13 @@ def _extend_kernel(
     # Causal part: only keys some query of this block can see.
     hi = tl.minimum(linear_len, tl.max(tl.where(mmask, qpos, 0), 0) + 1)
     lo = tl.maximum(tl.min(tl.where(mmask, qpos, 1 << 62), 0) - window + 1, 0)
-    for s in range(lo, hi, BLOCK_N):
-        kpos = s + tl.arange(0, BLOCK_N)
-        valid = kpos < hi
-        slot = tl.load(ReqToToken + req * stride_rt + kpos, mask=valid, other=0).to(tl.int64)
-        k = _upcast(tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
-                            mask=valid[:, None] & (offs_d[None, :] < D), other=0.0), q.dtype)
-        v = _upcast(tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
-                            mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0), q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
-        allowed = valid[None, :] & (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)
-        m_i, l_i, acc = _online_update(qk, allowed, v, m_i, l_i, acc, PRECISION)
-
+    m_i, l_i, acc = _attend_causal(q, qpos, m_i, l_i, acc, K, V, ReqToToken, req, lo, hi, kvh,
+                                   stride_kn, stride_kh, stride_vn, stride_vh, stride_rt, scaling, window,
+                                   offs_d, offs_dv, D, DV, BLOCK_N, PRECISION)
     if HAS_EXTRA:
-        e_start = tl.load(ExtraStart + b)
-        e_len = tl.load(ExtraStart + b + 1) - e_start
-        mask_start = tl.load(MaskStart + b)
-        for s in range(0, e_len, BLOCK_N):
-            offs_e = s + tl.arange(0, BLOCK_N)
-            valid = offs_e < e_len
-            slot = tl.load(ExtraSlots + e_start + offs_e, mask=valid, other=0).to(tl.int64)
-            kpos = tl.load(ExtraPos + e_start + offs_e, mask=valid, other=0)
-            k = _upcast(tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
-                                mask=valid[:, None] & (offs_d[None, :] < D), other=0.0), q.dtype)
-            v = _upcast(tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
-                                mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0), q.dtype)
-            tree = tl.load(Mask + mask_start + offs_m[:, None] * e_len + offs_e[None, :],
-                           mask=mmask[:, None] & valid[None, :], other=0)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
-            allowed = (tree != 0) & valid[None, :] & (kpos[None, :] > qpos[:, None] - window)
-            m_i, l_i, acc = _online_update(qk, allowed, v, m_i, l_i, acc, PRECISION)
+        m_i, l_i, acc = _attend_tree(q, qpos, offs_m, mmask, m_i, l_i, acc, K, V, ExtraStart, ExtraSlots, ExtraPos,
+                                     MaskStart, Mask, b, kvh, stride_kn, stride_kh, stride_vn, stride_vh, scaling,
+                                     window, offs_d, offs_dv, D, DV, BLOCK_N, PRECISION)
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(Out + (q_start + offs_m)[:, None] * stride_on + h * stride_oh + offs_dv[None, :],
@@ -251,35 +281,13 @@ def _verify_partial_kernel(
         chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
         start = lo + split * chunk
         end = tl.minimum(start + chunk, hi)
-        for s in range(start, end, BLOCK_N):
-            kpos = s + tl.arange(0, BLOCK_N)
-            valid = kpos < end
-            slot = tl.load(ReqToToken + req * stride_rt + kpos, mask=valid, other=0).to(tl.int64)
-            k = _upcast(tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
-                                mask=valid[:, None] & (offs_d[None, :] < D), other=0.0), q.dtype)
-            v = _upcast(tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
-                                mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0), q.dtype)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
-            allowed = valid[None, :] & (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)
-            m_i, l_i, acc = _online_update(qk, allowed, v, m_i, l_i, acc, PRECISION)
+        m_i, l_i, acc = _attend_causal(q, qpos, m_i, l_i, acc, K, V, ReqToToken, req, start, end, kvh,
+                                       stride_kn, stride_kh, stride_vn, stride_vh, stride_rt, scaling, window,
+                                       offs_d, offs_dv, D, DV, BLOCK_N, PRECISION)
     elif HAS_EXTRA:  # the draft tree's nodes
-        e_start = tl.load(ExtraStart + b)
-        e_len = tl.load(ExtraStart + b + 1) - e_start
-        mask_start = tl.load(MaskStart + b)
-        for s in range(0, e_len, BLOCK_N):
-            offs_e = s + tl.arange(0, BLOCK_N)
-            valid = offs_e < e_len
-            slot = tl.load(ExtraSlots + e_start + offs_e, mask=valid, other=0).to(tl.int64)
-            kpos = tl.load(ExtraPos + e_start + offs_e, mask=valid, other=0)
-            k = _upcast(tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
-                                mask=valid[:, None] & (offs_d[None, :] < D), other=0.0), q.dtype)
-            v = _upcast(tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
-                                mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0), q.dtype)
-            tree = tl.load(Mask + mask_start + tok[:, None] * e_len + offs_e[None, :],
-                           mask=rmask[:, None] & valid[None, :], other=0)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
-            allowed = (tree != 0) & valid[None, :] & (kpos[None, :] > qpos[:, None] - window)
-            m_i, l_i, acc = _online_update(qk, allowed, v, m_i, l_i, acc, PRECISION)
+        m_i, l_i, acc = _attend_tree(q, qpos, tok, rmask, m_i, l_i, acc, K, V, ExtraStart, ExtraSlots, ExtraPos,
+                                     MaskStart, Mask, b, kvh, stride_kn, stride_kh, stride_vn, stride_vh, scaling,
+                                     window, offs_d, offs_dv, D, DV, BLOCK_N, PRECISION)
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     omask = rmask[:, None] & (offs_dv[None, :] < DV)
