@@ -1,6 +1,7 @@
 """The engine on one GPU at real sizes: start-up against the plan, decode speed against the HBM
-roofline, and speculative speedup at controlled acceptance. About 5 minutes on an H200;
-benchmarks/device_check.sh runs it with the CUDA tests. Results: docs/gpu-data-path.md.
+roofline and against transformers on the same weights, and speculative speedup at controlled
+acceptance. About 5 minutes on an H200, plus the peer's two compiles; benchmarks/device_check.sh
+runs it with the CUDA tests. Results: docs/gpu-data-path.md.
 
 Models are random bf16 weights made on the device (nothing downloaded): checkpoints are written as
 sparse safetensors files (headers only, for the planner) and the engine's weight loader is replaced
@@ -19,9 +20,20 @@ Phases (``--phases``, each saved to ``--json`` as it ends; one that fails is rep
 rest still run):
   decode      decode tok/s at batch 1, 8, 64 (1k-token prompts, 256 new tokens) against the
               roofline (weight bytes a step reads, the embedding table excepted, plus live KV, over
-              the measured device-to-device copy bandwidth); a profile of a batch-1 step (kernels
-              per step, busy time, the kernels that take most); step time at batch 64 with live
-              length 1k against 7k;
+              a bandwidth: the measured device-to-device copy's, and the datasheet's where
+              SPEC_BANDWIDTH knows the device), with the share of each; a profile of a batch-1 step
+              (kernels per step, busy time, the kernels that take most); step time at batch 64 with
+              live length 1k against 7k;
+  peer        right after decode, so both are measured in one run on one device: transformers'
+              LlamaForCausalLM with the decode target's config, dtype and weights (the same seeded
+              loader) and a static KV cache, its decode step under torch.compile(mode=
+              "reduce-overhead") in a plain greedy loop (transformers' documented recipe; tokens
+              stay on the device, no generate() bookkeeping), at batch 1 and 8 on the decode rows'
+              prompts and lengths, timed as ours after a warm-up run (compile and graph capture
+              excluded): ours / peer per batch, how many of its greedy tokens equal ours, and its
+              share of both rooflines (ours: the same bytes). Under --tiny the step is compiled
+              with backend="eager" instead (dynamo still traces it whole, fullgraph): CUDA graphs do
+              not exist on CPU, and inductor's C++ build would cost the test suite most of a minute;
   startup     the example's settings (8B + EAGLE3, planner defaults): planned against allocated KV
               tokens, planned against measured dynamic peak (phase 3's warm-up), then the EAGLE3
               chain at k = 3 with a controlled acceptance;
@@ -51,7 +63,9 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import inspect
 import json
+import re
 import sys
 import tempfile
 import time
@@ -130,6 +144,8 @@ class Settings:
     spec_tokens: int = 128  # new tokens per request in the speculative rows and their baseline
     # prefix cache: conversations, turns, system prompt and user message tokens, tokens per answer
     chat: tuple[int, int, int, int, int] = (8, 4, 500, 24, 64)
+    peer_batches: tuple[int, ...] = (1, 8)  # the transformers peer's batch sizes, each one of ``batches``
+    peer_backend: str = "inductor"  # its torch.compile backend ("eager" under --tiny: see the docstring)
 
 
 FULL = Settings("cuda", 8192, 1024, 256, (1, 8, 64), 7168, 64, 16, (1, 16), 3,
@@ -137,6 +153,7 @@ FULL = Settings("cuda", 8192, 1024, 256, (1, 8, 64), 7168, 64, 16, (1, 16), 3,
                          "eagle3": CONFIGS["eagle3-llama-3.1-8b"], "deepseek": DEEPSEEK_CUT})
 TINY = Settings("cpu", 256, 24, 6, (1, 2), 180, 2, 3, (1, 2), 3, cpu_budget_gib=2.0, sweep_batches=(1, 2),
                 sweep_tokens=6, acceptances=(0.5, 1.0), draft_ks=(2, 3), spec_tokens=8, chat=(2, 2, 40, 6, 6),
+                peer_batches=(1, 2), peer_backend="eager",
                 configs={"target": TINY_TARGET, "draft1b": TINY_DRAFT, "eagle3": TINY_EAGLE3,
                          "deepseek": TINY_DEEPSEEK})
 
@@ -339,6 +356,30 @@ def copy_bandwidth(device: str) -> float:
     return 2 * n * reps / secs
 
 
+# Datasheet memory bandwidth (bytes/s) by device name: (words the name must hold, label, B/s), the
+# first match wins, so a variant comes before its family. Whole words: "GH200" is not an H200.
+SPEC_BANDWIDTH = (
+    (("H100", "PCIE"), "H100 PCIe", 2.0e12),
+    (("H100", "NVL"), "H100 NVL", 3.9e12),
+    (("H100",), "H100 SXM", 3.35e12),  # "NVIDIA H100 80GB HBM3"
+    (("H200",), "H200", 4.8e12),  # SXM and NVL alike
+    (("A100", "80GB", "PCIE"), "A100 80GB PCIe", 1.935e12),
+    (("A100", "80GB"), "A100 80GB SXM", 2.039e12),
+    (("A100",), "A100 40GB", 1.555e12),
+    (("L40S",), "L40S", 0.864e12),
+)
+
+
+def spec_bandwidth(device_name: str) -> tuple[str | None, float | None]:
+    """The datasheet's bandwidth for ``device_name`` and the entry's label; (None, None) where the
+    table has none (CPU, an unlisted GPU)."""
+    words = set(re.split(r"[\s_-]+", device_name.upper()))
+    for needed, label, bps in SPEC_BANDWIDTH:
+        if words.issuperset(needed):
+            return label, bps
+    return None, None
+
+
 def static_bytes(eng) -> int:
     """Weights, KV pools and the req_to_token map the engine holds (what the plan calls static)."""
     target = eng.target_runner
@@ -392,26 +433,148 @@ def decode_read_bytes(runner) -> int:
     return runner.weight_bytes - table.numel() * table.element_size()
 
 
-def decode_phase(s: Settings, models, res: dict, bw: float, rows: bool = True) -> dict:
-    """Decode speed against the roofline and step time against live length (``rows``); returns the
+def add_roofline(row: dict, s: Settings, res: dict) -> dict:
+    """``row``'s roofline at each bandwidth source and its share of each: a step reads the weights
+    (``decode_read_bytes``) and every request's live KV (at the run's mean live length); over the
+    measured copy bandwidth (``roofline_tok_s``, ``of_roofline``) and the datasheet's
+    (``spec_roofline_tok_s``, ``of_spec_roofline``: None where SPEC_BANDWIDTH has no entry)."""
+    b = row["batch"]
+    step_bytes = res["decode_read_weight_bytes"] + b * (s.prompt + s.new_tokens / 2) * res["kv_bytes_per_token"]
+    for prefix, gbps in (("", res["bandwidth_GBps"]), ("spec_", res["spec_bandwidth_GBps"])):
+        roofline = None if gbps is None else b * gbps * 1e9 / step_bytes
+        row[f"{prefix}roofline_tok_s"] = roofline
+        row[f"of_{prefix}roofline"] = None if roofline is None else row["tok_s"] / roofline
+    return row
+
+
+def decode_phase(s: Settings, models, res: dict, batches: tuple[int, ...], extras: bool, ours: dict) -> dict:
+    """Decode speed against the roofline at ``batches`` (each one's greedy outputs kept in ``ours``,
+    for the peer), and with ``extras`` the profile and step time against live length; returns the
     plain engine's runs on the speculative rows' prompts, which they are compared with."""
     eng, plan = engine(s, models, "target")
     s.chunk = plan.reserve.chunked_prefill_size  # every later prompt is admitted in waves of one chunk
     runner = eng.target_runner
-    cell, weights = runner.token_to_kv_pool.bytes_per_token(), decode_read_bytes(runner)
-    res["decode_read_weight_bytes"] = weights
-    for b in s.batches if rows else ():
-        out = _strip(generate(eng, s, b, s.prompt, s.new_tokens))
-        live = s.prompt + s.new_tokens / 2
-        out["roofline_tok_s"] = b * bw / (weights + b * live * cell)
-        out["of_roofline"] = out["tok_s"] / out["roofline_tok_s"]
-        res.setdefault("decode", []).append(out)
-    if rows:
+    res["decode_read_weight_bytes"] = decode_read_bytes(runner)
+    res["kv_bytes_per_token"] = runner.token_to_kv_pool.bytes_per_token()
+    for b in batches:
+        out = generate(eng, s, b, s.prompt, s.new_tokens)
+        ours[b] = out.pop("outputs")
+        res.setdefault("decode", []).append(add_roofline(out, s, res))
+    if extras:
         res["decode_profile"] = profile_decode(eng, s)
         res["step_ms"] = {length: generate(eng, s, s.step_batch, length, s.step_tokens)["step_ms"]
                           for length in (s.prompt, s.long_prompt)}
     generate(eng, s, max(s.spec_batches), s.prompt, 4, seed=1)  # untimed: the first run pays one-time costs
     return {b: spec_baseline(eng, s, b) for b in s.spec_batches}
+
+
+def peer_phase(s: Settings, models, res: dict, load, ours: dict) -> None:
+    """transformers on the decode rows' target, weights, prompts and lengths, right after them: per
+    batch its decode tok/s, ours / peer, its greedy tokens that equal ours and its roofline shares.
+    The roofline is ours, the same work: its attention reads the whole static cache (prompt + new
+    tokens, masked), at most new_tokens / 2 positions per request more than the mean live length."""
+    model = hf_target(s, models["target"], load)
+    step = compiled_step(s.peer_backend)
+    ours_tok_s = {d["batch"]: d["tok_s"] for d in res.get("decode", [])}
+    try:
+        for b in s.peer_batches:
+            row, outputs = peer_row(model, step, s, b)
+            row["ratio"] = ours_tok_s[b] / row["tok_s"] if b in ours_tok_s else None
+            row["same_tokens"] = sum(x == y for mine, theirs in zip(ours.get(b, []), outputs)
+                                     for x, y in zip(mine, theirs))
+            row["tokens"] = sum(map(len, outputs))
+            res.setdefault("peer", []).append(add_roofline(row, s, res))
+    finally:
+        torch._dynamo.reset()  # frees the compiled step's CUDA graphs before the next engine plans the device
+
+
+def hf_target(s: Settings, folder: Path, load):
+    """transformers' Llama with the target's config and the engine's dtype, filled by the engine's
+    own loader: it draws each parameter by name in module order, and transformers' names, order and
+    shapes are the engine's before it fuses q/k/v and gate/up, so the values are the same."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = s.configs["target"]
+    dtype = model_runner.resolve_dtype(None, cfg.get("torch_dtype"), torch.device(s.device).type)
+    with torch.device(s.device):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), dtype=dtype)
+    load(model, folder, s.device, dtype)
+    return model.eval()
+
+
+def greedy_step(model, tokens: torch.Tensor, cache_args: dict) -> torch.Tensor:
+    """transformers' forward over ``tokens`` and each row's greedy next token."""
+    logits = model(input_ids=tokens, use_cache=True, logits_to_keep=1, **cache_args).logits
+    return logits[:, -1].argmax(-1, keepdim=True)
+
+
+def compiled_step(backend: str):
+    """The decode step as transformers documents it for a static cache: one graph (fullgraph), fixed
+    shapes per batch (dynamic=False), CUDA graphs (mode="reduce-overhead")."""
+    options = {"mode": "reduce-overhead"} if backend == "inductor" else {"backend": backend}
+    return torch.compile(greedy_step, fullgraph=True, dynamic=False, **options)
+
+
+def static_cache_args(model, cache, positions: torch.Tensor) -> dict:
+    """How this transformers takes a static cache: ``cache=`` where the cache counts its own
+    positions (recent 5.x), else ``past_key_values=`` with the positions it writes."""
+    if "cache" in inspect.signature(model.forward).parameters:
+        return {"cache": cache}
+    return {"past_key_values": cache, "cache_position": positions}
+
+
+def peer_row(model, step, s: Settings, b: int) -> tuple[dict, list[list[int]]]:
+    """A warm-up run (compile, CUDA graph capture), then the timed one, on the decode rows' prompts."""
+    from transformers import StaticCache
+
+    from torch._dynamo.utils import counters
+
+    ids = torch.tensor(prompts(b, s.prompt, model.config.vocab_size, 0), device=s.device)
+    cache = StaticCache(config=model.config, max_cache_len=s.prompt + s.new_tokens)
+    skips = counters["inductor"]["cudagraph_skips"]
+    start = time.perf_counter()
+    peer_generate(model, step, cache, ids, s.new_tokens)
+    warmup = time.perf_counter() - start
+    row, outputs = peer_generate(model, step, cache, ids, s.new_tokens)
+    # Inductor falls back silently where it cannot use CUDA graphs (always on CPU): a slower peer, so counted.
+    skips = counters["inductor"]["cudagraph_skips"] - skips
+    return {"batch": b, **row, "warmup_s": warmup, "backend": s.peer_backend, "cudagraph_skips": skips,
+            "generated": [len(o) for o in outputs]}, outputs
+
+
+# Tokens per request that our admission step yields, untimed: Engine.step prefills a chunk, then runs
+# a decode round for every decoding request, the just-prefilled ones included.
+ADMITTED_TOKENS = 2
+
+
+def peer_generate(model, step, cache, ids: torch.Tensor, new_tokens: int) -> tuple[dict, list[list[int]]]:
+    """Greedy decoding timed as ``generate`` times ours: the prompt's pass and the decode steps up to
+    ``ADMITTED_TOKENS`` untimed, then the steps yielding every later token, synced before and after
+    (decode tok/s without prefill, over the same tokens as ours)."""
+    b, n = ids.shape
+    cache.reset()  # in place: the captured graphs keep reading the same buffers
+    with torch.no_grad():
+        out = [greedy_step(model, ids, static_cache_args(model, cache, torch.arange(n, device=ids.device)))]
+        args = static_cache_args(model, cache, torch.tensor([n], device=ids.device))
+        decode_steps(model, step, args, out, ADMITTED_TOKENS - 1)
+        sync(ids.device.type)
+        t1 = time.perf_counter()
+        decode_steps(model, step, args, out, new_tokens - ADMITTED_TOKENS)
+        sync(ids.device.type)
+        secs = time.perf_counter() - t1
+    steps = new_tokens - ADMITTED_TOKENS
+    row = {"decode_s": secs, "decode_tokens": b * steps, "steps": steps, "tok_s": b * steps / max(secs, 1e-9),
+           "step_ms": 1e3 * secs / max(steps, 1)}
+    return row, torch.cat(out, dim=1).tolist()
+
+
+def decode_steps(model, step, args: dict, out: list, count: int) -> None:
+    """``count`` decode steps, each from the last token in ``out``, appending the next; on the device
+    throughout (no sync)."""
+    for _ in range(count):
+        out.append(step(model, out[-1], args).clone())  # the next graph replay overwrites its output
+        if "cache_position" in args:  # the older API: its positions, advanced in place
+            args["cache_position"] += 1
 
 
 SEQUENCE = 4  # requests the controlled rows run one after another at batch 1
@@ -608,7 +771,7 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{where}"[:600]
 
 
-PHASES = ("decode", "startup", "standalone", "mtp", "longer", "tree", "prefix")
+PHASES = ("decode", "peer", "startup", "standalone", "mtp", "longer", "tree", "prefix")
 
 
 def run(s: Settings, root: Path, log=print, save=lambda res: None, phases=PHASES) -> dict:
@@ -624,8 +787,12 @@ def run(s: Settings, root: Path, log=print, save=lambda res: None, phases=PHASES
     bw = copy_bandwidth(s.device)
     release(s.device)
     res["bandwidth_GBps"] = bw / 1e9
-    log(f"device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s")
+    res["spec_device"], spec = spec_bandwidth(res["device"])
+    res["spec_bandwidth_GBps"] = None if spec is None else spec / 1e9
+    log(f"device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s; datasheet: "
+        + (f"{spec / 1e9:.0f} GB/s ({res['spec_device']})" if spec else "unknown"))
     base: dict = {}
+    ours: dict = {}  # the decode rows' greedy outputs by batch, which the peer's are compared with
 
     def phase(name: str, fn, *args) -> None:
         start = time.perf_counter()
@@ -639,9 +806,13 @@ def run(s: Settings, root: Path, log=print, save=lambda res: None, phases=PHASES
         log(f"{name}: {res['phase_s'][name]:.0f} s")
         save(res)
 
-    phase("decode", lambda: base.update(decode_phase(s, models, res, bw, rows="decode" in phases)))
+    # The peer alone still needs ours at its batch sizes, from the same run.
+    rows = s.batches if "decode" in phases else s.peer_batches if "peer" in phases else ()
+    phase("decode", lambda: base.update(decode_phase(s, models, res, rows, "decode" in phases, ours)))
     if not base:
         return res
+    if "peer" in phases:  # right after ours: the same device in the same run
+        phase("peer", peer_phase, s, models, res, loaders[str(models["target"].resolve())], ours)
     if "startup" in phases:
         phase("startup", startup_phase, s, models, res, base)
         res.setdefault("startup", "failed: " + res["errors"].get("startup", "not run"))
@@ -661,17 +832,15 @@ def run(s: Settings, root: Path, log=print, save=lambda res: None, phases=PHASES
     return res
 
 
-def _strip(out: dict) -> dict:
-    return {k: v for k, v in out.items() if k != "outputs"}
-
-
 def table(res: dict) -> str:
     """Every row the run measured, and one row per phase that failed."""
     gib = 1 << 30
-    rows = [("device", res["device"]), ("copy bandwidth", f"{res['bandwidth_GBps']:.0f} GB/s")]
+    spec = res.get("spec_bandwidth_GBps")
+    rows = [("device", res["device"]), ("copy bandwidth", f"{res['bandwidth_GBps']:.0f} GB/s (measured)"),
+            ("datasheet bandwidth", f"{spec:.0f} GB/s ({res['spec_device']})" if spec else "unknown")]
     for d in res.get("decode", []):
-        rows.append((f"decode batch {d['batch']}", f"{d['tok_s']:.1f} tok/s = {100 * d['of_roofline']:.0f}% of "
-                     f"roofline {d['roofline_tok_s']:.1f} tok/s ({d['step_ms']:.2f} ms per step)"))
+        rows.append((f"decode batch {d['batch']}",
+                     f"{d['tok_s']:.1f} tok/s ({d['step_ms']:.2f} ms per step) = {roofline_text(d)}"))
     prof = res.get("decode_profile")
     if prof:
         top = ", ".join(f"{t['name'][:40]} {t['us_per_step']:.0f}" for t in prof["top"][:5])
@@ -680,6 +849,13 @@ def table(res: dict) -> str:
     if res.get("step_ms"):
         (short, s_ms), (long, l_ms) = sorted((int(k), v) for k, v in res["step_ms"].items())
         rows.append(("step time at live length", f"{short}: {s_ms:.2f} ms, {long}: {l_ms:.2f} ms"))
+    for p in res.get("peer", []):
+        ratio = "n/a" if p["ratio"] is None else f"{p['ratio']:.2f}x"
+        rows.append((f"transformers peer batch {p['batch']}",
+                     f"{p['tok_s']:.1f} tok/s ({p['step_ms']:.2f} ms per step) = {roofline_text(p)}; ours / peer "
+                     f"{ratio}; greedy tokens equal to ours {p['same_tokens']} / {p['tokens']}; warm-up "
+                     f"(compile, capture; backend {p['backend']}) {p['warmup_s']:.0f} s"
+                     + (f"; CUDA graphs skipped {p['cudagraph_skips']} times" if p.get("cudagraph_skips") else "")))
     rows.append(("start-up (8B + EAGLE3, planner defaults)", res.get("startup", "not run")))
     if res.get("startup") == "ok":
         rows += [("KV tokens planned / allocated", f"{res['planned_kv_tokens']} / {res['allocated_kv_tokens']}"),
@@ -721,6 +897,14 @@ def table(res: dict) -> str:
     rows += peak_rows(res)
     rows += [(f"FAILED {name}", err) for name, err in res.get("errors", {}).items()]
     return _render(rows)
+
+
+def roofline_text(row: dict) -> str:
+    """A row's share of its roofline at the copy bandwidth and at the datasheet's."""
+    text = f"{100 * row['of_roofline']:.0f}% of roofline {row['roofline_tok_s']:.1f} tok/s at the copy bandwidth"
+    if row.get("of_spec_roofline") is None:  # a CPU, an unlisted GPU, or a run saved before the column
+        return text + ", no datasheet roofline"
+    return text + f", {100 * row['of_spec_roofline']:.0f}% of {row['spec_roofline_tok_s']:.1f} tok/s at the datasheet's"
 
 
 def peak_rows(res: dict) -> list[tuple[str, str]]:

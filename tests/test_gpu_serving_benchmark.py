@@ -44,6 +44,27 @@ def test_tiny_run_reports_every_row(tmp_path, capsys, monkeypatch):
     assert [d["batch"] for d in res["decode"]] == list(bench.TINY.batches)
     assert all(d["decode_tokens"] > 0 and d["roofline_tok_s"] > 0 for d in res["decode"])
     assert res["decode_profile"]["per_step"] > 0  # on CPU: operators per step (the code path, no number)
+    # The transformers peer, right after decode in the same run: the same work at each of its batches
+    # (every request the requested length, the same tokens timed), ours / peer from the same rows.
+    tiny = bench.TINY
+    ours = {d["batch"]: d for d in res["decode"]}
+    peer = res["peer"]
+    assert [p["batch"] for p in peer] == list(tiny.peer_batches)
+    for p in peer:
+        b = p["batch"]
+        assert p["generated"] == [tiny.new_tokens] * b and p["tokens"] == b * tiny.new_tokens
+        assert p["decode_tokens"] == ours[b]["decode_tokens"] == b * (tiny.new_tokens - bench.ADMITTED_TOKENS)
+        assert p["steps"] == ours[b]["steps"] and p["tok_s"] > 0 and p["warmup_s"] > 0
+        assert p["ratio"] > 0 and p["ratio"] == pytest.approx(ours[b]["tok_s"] / p["tok_s"])
+        # The same weights (the engine's loader) and prompts at fp32 with peaked logits: every greedy
+        # token is ours (checked deterministic over repeated runs).
+        assert p["same_tokens"] == p["tokens"]
+        assert p["backend"] == "eager"  # --tiny: traced whole by dynamo, run eagerly (no C++ build)
+    # Both bandwidth sources on every roofline row: the measured copy's, and the datasheet's (none for a CPU).
+    assert res["bandwidth_GBps"] > 0 and res["spec_device"] is None and res["spec_bandwidth_GBps"] is None
+    for r in res["decode"] + peer:
+        assert r["roofline_tok_s"] > 0 and r["of_roofline"] == pytest.approx(r["tok_s"] / r["roofline_tok_s"])
+        assert r["spec_roofline_tok_s"] is None and r["of_spec_roofline"] is None
     # Controlled drafts: every draft, k, rate and batch against the plain engine, output the target's own.
     spec = res["spec"]
     assert sorted((r["draft"], r["k"], r["rate"], r["batch"]) for r in spec) == sorted(
@@ -82,7 +103,8 @@ def test_tiny_run_reports_every_row(tmp_path, capsys, monkeypatch):
     assert all(r["hit_rate"] == 0 for r in prefix[::2]) and all(r["hit_rate"] > 0.5 for r in prefix[1::2])
     assert all(r["same_output"] for r in prefix[1::2])
     table = capsys.readouterr().out
-    for label in ("multi-turn chat, EAGLE3, cache on",
+    for label in ("multi-turn chat, EAGLE3, cache on", "datasheet bandwidth", "transformers peer batch 2",
+                  "ours / peer", "no datasheet roofline",
                   "KV tokens planned / allocated", "dynamic bytes planned / measured", "decode batch 1",
                   "decode batch 1, one step", "step time at live length",
                   "EAGLE3 tree top-3, 3 steps, 6 nodes batch 1", "draft1b k=3 rate 0.5 batch 2",
@@ -91,6 +113,28 @@ def test_tiny_run_reports_every_row(tmp_path, capsys, monkeypatch):
         assert label in table
     assert bench.main(["--table", str(out)]) == 0  # a saved run's table, as device_check.sh prints it
     assert capsys.readouterr().out.strip() in table  # the same rows as the run printed
+
+
+def test_roofline_rows_carry_both_bandwidth_sources(monkeypatch):
+    """The datasheet's bandwidth by device name (whole words: a GH200 is no H200; a variant before
+    its family), and a row's share of the roofline at the measured copy's and at the datasheet's."""
+    spec = importlib.util.spec_from_file_location("gpu_serving", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_serving", bench)
+    spec.loader.exec_module(bench)
+    names = {"NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H100 PCIe": 2.0e12, "NVIDIA H100 NVL": 3.9e12,
+             "NVIDIA H200": 4.8e12, "NVIDIA A100-SXM4-80GB": 2.039e12, "NVIDIA A100 80GB PCIe": 1.935e12,
+             "NVIDIA A100-PCIE-40GB": 1.555e12, "NVIDIA GH200 480GB": None, "cpu": None}
+    assert {name: bench.spec_bandwidth(name)[1] for name in names} == names
+    assert bench.spec_bandwidth("NVIDIA H100 80GB HBM3")[0] == "H100 SXM"
+    # Batch 2 at 1 GB/s measured and 2 GB/s datasheet; a step reads 1000 B of weights and 2 x 100 B of KV.
+    s = bench.TINY
+    res = {"decode_read_weight_bytes": 1000, "kv_bytes_per_token": 100 / (s.prompt + s.new_tokens / 2),
+           "bandwidth_GBps": 1.0, "spec_bandwidth_GBps": 2.0}
+    row = bench.add_roofline({"batch": 2, "tok_s": 1e6}, s, res)
+    assert row["roofline_tok_s"] == pytest.approx(2 * 1e9 / 1200) and row["of_roofline"] == pytest.approx(0.6)
+    assert row["spec_roofline_tok_s"] == pytest.approx(2 * 2e9 / 1200) and row["of_spec_roofline"] == pytest.approx(0.3)
+    assert "60% of roofline" in bench.roofline_text(row) and "30% of" in bench.roofline_text(row)
 
 
 def test_a_failing_phase_is_reported_and_the_rest_still_run(tmp_path, monkeypatch):
