@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..parallel.group import SINGLE, TPGroup
+from ..parallel.parallel_layers import lm_head
+
 
 class ServedModel(nn.Module):
     def stack_experts(self) -> None:
@@ -18,3 +21,25 @@ class ServedModel(nn.Module):
         """The KV pool of a model with its own cell layout (MLA's latent); None: the standard
         per-head K/V pool."""
         return None
+
+
+class CausalLM(ServedModel):
+    """A decoder stack (``model``: ``embed_tokens``, ``layers``, ``norm``), its rotary embedding and
+    its head: the embedding where the checkpoint ties them, else an ``lm_head`` of its own."""
+
+    def __init__(self, config, model: nn.Module, rotary: nn.Module, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.config = config
+        self.tp = tp
+        self.model = model
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = lm_head(config.vocab_size, config.hidden_size, tp)
+        self.rotary = rotary
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.model.layers)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

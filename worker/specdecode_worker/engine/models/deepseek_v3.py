@@ -41,12 +41,11 @@ from ..parallel.group import SINGLE, TPGroup
 from ..parallel.parallel_layers import (
     RowParallelLinear,
     column_linear,
-    lm_head,
     parallel_logits,
     row_linear,
     vocab_embedding,
 )
-from .base import ServedModel
+from .base import CausalLM
 from .llama import RMSNorm
 from .rope import RotaryEmbedding, _rope_parameters
 
@@ -357,26 +356,15 @@ def check_moe_splits(config, size: int, where: str) -> None:
                              f"divide by {size}")
 
 
-class DeepseekV3ForCausalLM(ServedModel):
+class DeepseekV3ForCausalLM(CausalLM):
     """The target model. ``forward`` matches LlamaForCausalLM's (an MTP draft reads ``capture``)."""
 
     sliding_window = None
 
     def __init__(self, config, tp: TPGroup = SINGLE):
-        super().__init__()
         if tp.size > 1:
             check_moe_splits(config, tp.size, "config.json")
-        self.config = config
-        self.tp = tp
-        self.model = DeepseekV3Model(config, tp)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = lm_head(config.vocab_size, config.hidden_size, tp)
-        self.rotary = MLARotary(config)
-
-    @property
-    def num_kv_layers(self) -> int:
-        return len(self.model.layers)
+        super().__init__(config, DeepseekV3Model(config, tp), MLARotary(config), tp)
 
     def stack_experts(self) -> None:
         """After loading: stacked expert weights for the Triton expert kernel (small passes)."""
@@ -395,9 +383,6 @@ class DeepseekV3ForCausalLM(ServedModel):
     def make_kv_pool(self, size: int, dtype: torch.dtype, device) -> MLATokenToKVPool:
         c = self.config
         return MLATokenToKVPool(size, len(self.model.layers), c.kv_lora_rank, c.qk_rope_head_dim, dtype, device)
-
-    def head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     def forward(self, fb: ForwardBatch, backend, logit_rows: torch.Tensor, capture=None) -> torch.Tensor:
         x = self.model.embed_tokens(fb.input_ids)

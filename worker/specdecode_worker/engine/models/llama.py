@@ -15,12 +15,11 @@ from ..parallel.parallel_layers import (
     column_linear,
     fuse_linears,
     kv_head_block,
-    lm_head,
     parallel_logits,
     row_linear,
     vocab_embedding,
 )
-from .base import ServedModel
+from .base import CausalLM
 from .rope import RotaryEmbedding
 
 
@@ -138,30 +137,16 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaForCausalLM(ServedModel):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, config, tp: TPGroup = SINGLE):
-        super().__init__()
-        self.config = config
-        self.tp = tp
-        self.model = LlamaModel(config, tp)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = lm_head(config.vocab_size, config.hidden_size, tp)
-        self.rotary = RotaryEmbedding(config)
+        super().__init__(config, LlamaModel(config, tp), RotaryEmbedding(config), tp)
         self.sliding_window = sliding_window(config)
-
-    @property
-    def num_kv_layers(self) -> int:
-        return len(self.model.layers)
 
     def fuse_projections(self) -> None:
         """After loading: each layer's q, k, v and its gate, up as one matrix product each."""
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
-
-    def head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     def forward(self, fb: ForwardBatch, backend, logit_rows: torch.Tensor, capture=None) -> torch.Tensor:
         """Returns float32 logits for the flattened tokens selected by ``logit_rows``.
