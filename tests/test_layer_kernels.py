@@ -62,6 +62,26 @@ def test_rotary_matches_the_half_split_reference(dtype, n, heads, kv_heads, d):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,heads,nope,d", [(1, 4, 16, 8), (5, 16, 128, 64), (0, 4, 16, 8)])
+def test_interleaved_rotary_of_mla_views_matches_its_reference(dtype, n, heads, nope, d):
+    """MLA's rope: q's rope part a view of each head (after its nope part), k the shared rope key
+    after the latent in one projection's rows, pairs of neighbours rotated (DeepSeek-V3's layout)."""
+    g = torch.Generator().manual_seed(n * heads + d)
+    q = torch.randn(n, heads, nope + d, generator=g).to(dtype).to(DEVICE)[..., nope:]
+    k = torch.randn(n, 32 + d, generator=g).to(dtype).to(DEVICE)[:, None, 32:]
+    angles = torch.rand(n, d // 2, generator=g) * 6.28
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype).to(DEVICE)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype).to(DEVICE)
+    got_q, got_k = lk.apply_rotary(q, k, cos, sin, interleaved=True)
+    want_q, want_k = lk.rotary_interleaved_reference(q, k, cos, sin)
+    assert got_q.shape == q.shape and got_k.shape == k.shape
+    _close(got_q, want_q, dtype)
+    _close(got_k, want_k, dtype)
+    if n:  # the layout is not the half-split one: a kernel rotating halves would fail the check above
+        assert not torch.allclose(want_q.float(), lk.rotary_reference(q, k, cos, sin)[0].float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 128), (7, 1536), (3, 2050), (0, 8)])
 def test_silu_mul(dtype, shape):
     g = torch.Generator().manual_seed(shape[1])

@@ -247,6 +247,10 @@ def _launch_case(name: str, arch: int):
             heads, kv_heads, d = attention
             lk.apply_rotary(torch.empty((256, heads, d), **bf16), torch.empty((256, kv_heads, d), **bf16),
                             torch.empty((256, d), **bf16), torch.empty((256, d), **bf16))
+        else:  # MLA's rope part: 128 heads of 192 (nope 128 + rope 64), the latent's shared key, interleaved
+            q = torch.empty((256, 128, 192), **bf16)[..., 128:]
+            k = torch.empty((256, 576), **bf16)[:, None, 512:]
+            lk.apply_rotary(q, k, torch.empty((256, 64), **bf16), torch.empty((256, 64), **bf16), True)
         lk.silu_mul(torch.empty((256, inter), **bf16), torch.empty((256, inter), **bf16))
     return launches
 

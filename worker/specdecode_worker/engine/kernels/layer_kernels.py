@@ -44,6 +44,20 @@ def rotary_reference(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x0, x1), (x2, x3), ...; the output lists first, then second members (as
+    transformers' DeepSeek-V3 does). q and k get the same permutation, so their dot products are
+    those of the interleaved layout."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rotary_interleaved_reference(q, k, cos, sin):
+    return rotate_interleaved(q, cos, sin), rotate_interleaved(k, cos, sin)
+
+
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
@@ -75,28 +89,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out.view(shape), summed.view(shape)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q`` ``[n, heads, d]`` and ``k`` ``[n, kv_heads, d]`` rotated by ``cos``/``sin`` ``[n, d]``
-    (the half-split layout: the first half pairs with the second). ``q`` and ``k`` may be views of
-    a fused projection's output (rows further apart than their width)."""
+    """``q`` ``[n, heads, d]`` and ``k`` ``[n, kv_heads, d]`` rotated by ``cos``/``sin`` ``[n, d]``:
+    the half-split layout (the first half pairs with the second), or with ``interleaved`` pairs of
+    neighbours, written out as halves (``rotate_interleaved``). ``q`` and ``k`` may be views of a
+    projection's output (rows and heads further apart than their width)."""
     if not use_triton(q):
-        return rotary_reference(q, k, cos, sin)
+        return (rotary_interleaved_reference if interleaved else rotary_reference)(q, k, cos, sin)
     n, heads, d = q.shape
     kv_heads = k.shape[1]
-    q, k = _rows_of_heads(q), _rows_of_heads(k)
+    q, k = _unit_stride(q), _unit_stride(k)
     q_out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((n, kv_heads, d), dtype=k.dtype, device=k.device)
     if n:
         _rotary_kernel[(n, heads + kv_heads)](q, k, cos.contiguous(), sin.contiguous(), q_out, k_out, q.stride(0),
-                                              k.stride(0), heads, kv_heads, D=d, HALF=d // 2,
-                                              BLOCK=_pow2(d // 2))
+                                              k.stride(0), q.stride(1), k.stride(1), heads, kv_heads, D=d,
+                                              HALF=d // 2, BLOCK=_pow2(d // 2), INTERLEAVED=interleaved)
     return q_out, k_out
 
 
-def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the kernel reads it: heads of ``d`` contiguous values side by side in each row."""
-    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernel reads it: each head's ``d`` values contiguous (rows and heads may be apart)."""
+    return x if x.stride(2) == 1 else x.contiguous()
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -145,25 +160,30 @@ if triton is not None:
         tl.store(OUT + row * N + cols, (w * normed).to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotary_kernel(Q, K, COS, SIN, Q_OUT, K_OUT, Q_ROW, K_ROW, HEADS, KV_HEADS, D: tl.constexpr,
-                       HALF: tl.constexpr, BLOCK: tl.constexpr):
+    def _rotary_kernel(Q, K, COS, SIN, Q_OUT, K_OUT, Q_ROW, K_ROW, Q_HEAD, K_HEAD, HEADS, KV_HEADS,
+                       D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         cols = tl.arange(0, BLOCK)
         mask = cols < HALF
         if head < HEADS:
-            src = Q + token * Q_ROW + head * D
+            src = Q + token * Q_ROW + head * Q_HEAD
             dst = Q_OUT + (token * HEADS + head) * D
         else:
-            src = K + token * K_ROW + (head - HEADS) * D
+            src = K + token * K_ROW + (head - HEADS) * K_HEAD
             dst = K_OUT + (token * KV_HEADS + head - HEADS) * D
         dtype = Q_OUT.dtype.element_ty
-        x1 = tl.load(src + cols, mask=mask, other=0.0)
-        x2 = tl.load(src + HALF + cols, mask=mask, other=0.0)
         c1 = tl.load(COS + token * D + cols, mask=mask, other=0.0)
-        c2 = tl.load(COS + token * D + HALF + cols, mask=mask, other=0.0)
         s1 = tl.load(SIN + token * D + cols, mask=mask, other=0.0)
-        s2 = tl.load(SIN + token * D + HALF + cols, mask=mask, other=0.0)
+        if INTERLEAVED:  # pairs of neighbours, each rotated by the first half's angles
+            x1 = tl.load(src + 2 * cols, mask=mask, other=0.0)
+            x2 = tl.load(src + 2 * cols + 1, mask=mask, other=0.0)
+            c2, s2 = c1, s1
+        else:
+            x1 = tl.load(src + cols, mask=mask, other=0.0)
+            x2 = tl.load(src + HALF + cols, mask=mask, other=0.0)
+            c2 = tl.load(COS + token * D + HALF + cols, mask=mask, other=0.0)
+            s2 = tl.load(SIN + token * D + HALF + cols, mask=mask, other=0.0)
         # x * cos + rotate_half(x) * sin, each product and the sum rounded as the torch ops round them
         a1 = (x1.to(tl.float32) * c1.to(tl.float32)).to(dtype).to(tl.float32)
         b1 = (-x2.to(tl.float32) * s1.to(tl.float32)).to(dtype).to(tl.float32)

@@ -35,7 +35,7 @@ from ...errors import InputError
 from ..cuda_graph import in_graph_pass
 from ..forward_batch import ForwardBatch
 from ..kernels.fp8_linear import Fp8BlockLinear, dense_weight, fp8_block_size
-from ..kernels.layer_kernels import silu_mul
+from ..kernels.layer_kernels import apply_rotary, silu_mul
 from ..memory.mla_pool import MLATokenToKVPool
 from ..parallel.group import SINGLE, TPGroup
 from ..parallel.parallel_layers import (
@@ -93,22 +93,6 @@ def softmax_scale(config) -> float:
     return scale
 
 
-def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x0, x1), (x2, x3), ...; the output lists first, then second members (as transformers).
-
-    q and k get the same permutation, so their dot products are those of the interleaved layout."""
-    half = cos.shape[-1] // 2
-    cos, sin = cos[:, None, :half], sin[:, None, :half]
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
 class PartialRowLinear(RowParallelLinear):
     """A row-parallel linear whose partial sums the caller reduces (one all-reduce per MoE block)."""
 
@@ -146,8 +130,7 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q.view(n, self.num_heads, -1).split([self.nope, self.rope], dim=-1)
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        rotate = rope_interleaved if self.interleaved else rope_halves
-        q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope[:, None, :], cos, sin)
+        q_rope, k_rope = apply_rotary(q_rope, k_rope[:, None, :], cos, sin, self.interleaved)
         w = dense_weight(self.kv_b_proj, x.dtype).view(self.num_heads, self.nope + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         q_latent = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
