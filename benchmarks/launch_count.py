@@ -349,7 +349,7 @@ def write_round_models(root: Path, llama: dict = LLAMA_8B_2_LAYERS, draft: dict 
     """The rounds' models: the 8B cut (``llama``), an EAGLE3 head for it, the 1B cut (same vocabulary)
     and a DeepSeek-V3 with its NextN layer."""
     from devtools.deepseek_models import write_tiny_deepseek
-    from tests.eagle_heads import write_eagle3_head
+    from devtools.eagle_heads import write_eagle3_head
 
     target = write_random_llama(root / "llama", **llama)
     head = write_eagle3_head(root / "eagle3", target, draft_vocab=512, seed=3, aux_layer_ids=[0, 1, 1])

@@ -11,7 +11,7 @@ from specdecode_worker.engine.engine import Engine, EngineArgs
 
 from specdecode_worker.engine.request import Request, SamplingParams
 
-from tests.eagle_heads import write_eagle3_head, write_eagle_head
+from devtools.eagle_heads import write_eagle3_head, write_eagle_head
 from devtools.smollm2 import noisy_copy  # noqa: F401  (tests take it from here)
 from devtools.tiny_models import write_tiny_model, write_tiny_pair
 

@@ -13,7 +13,7 @@ from specdecode_worker.engine.batch_sampling import (batch_probs, chain_rows, ch
                                                      verify_chains)
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
-from tests.eagle_heads import write_eagle_head  # noqa: E402
+from devtools.eagle_heads import write_eagle_head  # noqa: E402
 from tests.engine_helpers import engine, tiny_models  # noqa: E402
 from devtools.tiny_models import write_tiny_model  # noqa: E402
 

@@ -78,7 +78,7 @@ def test_a_fresh_batch_sends_its_slots_with_it_in_one_copy(staged):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     pytest.importorskip("transformers")
-    from tests.eagle_heads import write_eagle_head
+    from devtools.eagle_heads import write_eagle_head
     from tests.engine_helpers import tiny_models
 
     root = tmp_path_factory.mktemp("copies")

@@ -15,7 +15,7 @@ from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E4
 from specdecode_worker.engine.speculation.speculative import ngram_match  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 
-from tests.eagle_heads import write_copying_eagle_head  # noqa: E402
+from devtools.eagle_heads import write_copying_eagle_head  # noqa: E402
 from tests.policy_helpers import linear_cost  # noqa: E402
 from tests.engine_helpers import (  # noqa: E402
     CHI2_CRIT, chi_square, engine, hf_greedy, noisy_copy, run_all, second_token_case, second_token_counts,

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 from specdecode_worker.engine.speculation import eagle_speculator  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
-from tests.eagle_heads import write_eagle3_head  # noqa: E402
+from devtools.eagle_heads import write_eagle3_head  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
 from devtools.tiny_models import write_tiny_model  # noqa: E402
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 from specdecode_worker.planner import plan_cli  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
-from tests.eagle_heads import write_eagle3_head  # noqa: E402
+from devtools.eagle_heads import write_eagle3_head  # noqa: E402
 from tests.engine_helpers import assert_every_slot_back, engine, record_rounds, run_all, tiny_models_with_eagle_heads  # noqa: E402
 from devtools.tiny_models import write_tiny_model  # noqa: E402
 

@@ -18,7 +18,7 @@ from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E4
 from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 
-from tests.eagle_heads import make_repeating, write_copying_eagle_head, write_eagle3_head, write_eagle_head  # noqa: E402
+from devtools.eagle_heads import make_repeating, write_copying_eagle_head, write_eagle3_head, write_eagle_head  # noqa: E402
 from tests.engine_helpers import assert_every_slot_back, engine, run_all  # noqa: E402
 from devtools.tiny_models import write_tiny_model  # noqa: E402
 

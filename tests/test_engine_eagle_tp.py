@@ -17,7 +17,7 @@ from specdecode_worker.planner import plan_cli  # noqa: E402
 from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
-from tests.eagle_heads import write_eagle3_head, write_eagle_head  # noqa: E402
+from devtools.eagle_heads import write_eagle3_head, write_eagle_head  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
 from devtools.tiny_models import write_tiny_model  # noqa: E402
 from tests.tp_helpers import BUDGET_GIB, CONTEXT, FRACTION, launches, tp_sizing  # noqa: E402

@@ -19,7 +19,7 @@ from specdecode_worker.engine.memory.pools import MemoryPoolConfig  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 
-from tests.eagle_heads import write_eagle3_head  # noqa: E402
+from devtools.eagle_heads import write_eagle3_head  # noqa: E402
 from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
 from devtools.tiny_models import VOCAB_SIZE, write_tiny_model  # noqa: E402
 

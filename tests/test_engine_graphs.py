@@ -18,7 +18,7 @@ from specdecode_worker.engine.cuda_graph import CudaGraphRunner, GraphRunner  # 
 from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
-from tests.eagle_heads import make_repeating, write_copying_eagle_head  # noqa: E402
+from devtools.eagle_heads import make_repeating, write_copying_eagle_head  # noqa: E402
 from tests.engine_helpers import assert_every_slot_back, engine, record_rounds, run_all, tiny_models_with_eagle_heads  # noqa: E402
 from devtools.tiny_models import VOCAB_SIZE, write_tiny_model  # noqa: E402
 

@@ -20,7 +20,7 @@ from specdecode_worker.engine.parallel.distributed import launch  # noqa: E402
 from specdecode_worker.engine.engine import EngineArgs  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
-from tests.eagle_heads import write_eagle3_head  # noqa: E402
+from devtools.eagle_heads import write_eagle3_head  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
 from devtools.tiny_models import write_tiny_model  # noqa: E402
 from tests.tp_helpers import CONTEXT, launches, tp_sizing  # noqa: E402

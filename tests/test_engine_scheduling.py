@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
-from tests.eagle_heads import write_eagle_head  # noqa: E402
+from devtools.eagle_heads import write_eagle_head  # noqa: E402
 from tests.engine_helpers import engine, hf_greedy, run_all, tiny_models  # noqa: E402
 
 CHUNK = 16

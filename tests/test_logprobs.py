@@ -13,7 +13,7 @@ from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E4
 from specdecode_worker.errors import InputError  # noqa: E402
 
 from devtools.tiny_models import write_tiny_model  # noqa: E402
-from tests.eagle_heads import write_eagle3_head, write_eagle_head  # noqa: E402
+from devtools.eagle_heads import write_eagle3_head, write_eagle_head  # noqa: E402
 from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3], [4, 0, 7, 7, 2, 1, 3, 6, 5, 0, 1]]

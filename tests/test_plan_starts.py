@@ -15,7 +15,7 @@ from specdecode_worker.planner.plan import PlanArgs  # noqa: E402
 from specdecode_worker.planner.plan_cli import make_plan  # noqa: E402
 
 from devtools.deepseek_models import write_tiny_deepseek  # noqa: E402
-from tests.eagle_heads import write_eagle3_head, write_eagle_head  # noqa: E402
+from devtools.eagle_heads import write_eagle3_head, write_eagle_head  # noqa: E402
 from tests.engine_helpers import engine  # noqa: E402
 from devtools.tiny_models import write_tiny_model  # noqa: E402
 

@@ -343,7 +343,7 @@ def test_worker_below_the_plan_floor_exits_3(models, tmp_path, capsys):
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_eagle3_head_serves_the_target_greedy_text(models, reference, tmp_path, tree):
     """`serve --algorithm EAGLE3` with a head checkpoint: the same text as the target alone."""
-    from tests.eagle_heads import write_eagle3_head
+    from devtools.eagle_heads import write_eagle3_head
 
     vocab = json.loads((models["target"] / "config.json").read_text())["vocab_size"]
     # The 2-layer target is too shallow for the default layers (2, L//2, L-3): name them.

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
 
-from tests.eagle_heads import write_eagle3_head  # noqa: E402
+from devtools.eagle_heads import write_eagle3_head  # noqa: E402
 from tests.engine_helpers import tiny_models  # noqa: E402
 from tests.server_helpers import free_port, serve_argv, serving  # noqa: E402
 

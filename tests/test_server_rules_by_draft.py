@@ -20,7 +20,7 @@ pytest.importorskip("llguidance")
 pytest.importorskip("torch")
 
 from devtools import chat_templates, smollm2  # noqa: E402
-from tests.eagle_heads import write_eagle3_head  # noqa: E402
+from devtools.eagle_heads import write_eagle3_head  # noqa: E402
 from tests.server_helpers import free_port, serving  # noqa: E402
 from tests.test_server_structured import PERSON, SCHEMA_FORMAT  # noqa: E402
 from tests.test_server_tools import ASK, SCHEMAS, TOOLS  # noqa: E402

@@ -14,7 +14,7 @@ from specdecode_operator.workload import engine_args
 from specdecode_worker.planner.plan import PlanArgs
 from specdecode_worker.planner.plan_cli import make_plan
 from devtools.deepseek_models import write_tiny_deepseek
-from tests.eagle_heads import write_eagle3_head, write_eagle_head
+from devtools.eagle_heads import write_eagle3_head, write_eagle_head
 from tests.engine_pods import ROOT, engine_venv
 from tests.operator_helpers import typed
 from devtools.tiny_models import write_tiny_model

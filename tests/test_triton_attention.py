@@ -283,7 +283,7 @@ def test_engine_greedy_output_is_the_same_on_both_backends(case, tmp_path, monke
     from specdecode_worker.engine.kernels.attention import ATTENTION_BACKEND_ENV
     from specdecode_worker.engine.request import Request, SamplingParams
 
-    from tests.eagle_heads import write_eagle3_head
+    from devtools.eagle_heads import write_eagle3_head
     from tests.engine_helpers import engine, run_all
     from devtools.tiny_models import write_tiny_model, write_tiny_pair
 

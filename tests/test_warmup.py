@@ -29,7 +29,7 @@ from specdecode_worker.engine.model_runner import ModelRunner  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
 from devtools.deepseek_models import write_tiny_deepseek  # noqa: E402
-from tests.eagle_heads import write_eagle3_head, write_eagle_head  # noqa: E402
+from devtools.eagle_heads import write_eagle3_head, write_eagle_head  # noqa: E402
 from tests.engine_helpers import engine, run_all, tiny_models  # noqa: E402
 
 PLANNED = 5 << 20

@@ -17,7 +17,7 @@ from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E4
 from specdecode_worker.planner.plan import runtime_reserve_bytes  # noqa: E402
 
 from devtools.deepseek_models import write_tiny_deepseek  # noqa: E402
-from tests.eagle_heads import write_eagle3_head  # noqa: E402
+from devtools.eagle_heads import write_eagle3_head  # noqa: E402
 from tests.engine_helpers import engine, run_all  # noqa: E402
 from devtools.tiny_models import write_tiny_model  # noqa: E402
 
