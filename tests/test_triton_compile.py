@@ -234,6 +234,8 @@ def _launch_case(name: str, arch: int):
         ids = torch.empty(tokens * k, **idx)
         x = torch.empty((tokens, h), dtype=torch.bfloat16, **meta)
         tmoe.expert_gemv(x, gate_up, ids, k, gate_up_scales, block)
+        # the router: DeepSeek-V3's 8 groups, 4 kept (bias in the checkpoint's dtype)
+        tmoe.grouped_topk(torch.empty((tokens, E), **f32), torch.empty(E, **f32), 8, 4, k, True, 2.5)
         tmoe.expert_gemv(torch.empty((tokens * k, m), dtype=torch.bfloat16, **meta), down, ids, 1, down_scales, block)
     for case in LAYER_CASES:
         if case[0] != name:

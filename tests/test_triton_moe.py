@@ -41,3 +41,38 @@ def test_block_scaled_experts_match_dequantized_weights(e4m3_path):
     dequant = weights.float() * scales.repeat_interleave(block[0], 1).repeat_interleave(block[1], 2)
     want = torch.stack([dequant[e] @ x[p // 2] for p, e in enumerate(ids.tolist())])
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("experts,groups,topk_group,top_k,normalise", [
+    (8, 4, 2, 2, True),  # the tiny test model's
+    (64, 8, 4, 8, True),  # the benchmarks' cut
+    (256, 8, 4, 8, True),  # DeepSeek-V3's
+    (24, 4, 3, 6, False),  # groups of 6 and 6 chosen: not powers of two; weights not normalised
+])
+def test_grouped_topk_matches_the_routers_torch_ops(experts, groups, topk_group, top_k, normalise):
+    """The routing kernel against the router's own torch ops (transformers' DeepSeek-V3 routing): the
+    same experts chosen for every token, the same weights, each expert's weight by its id."""
+    from types import SimpleNamespace
+
+    from specdecode_worker.engine.models.deepseek_v3 import Router
+
+    config = SimpleNamespace(n_routed_experts=experts, num_experts_per_tok=top_k, n_group=groups,
+                             topk_group=topk_group, norm_topk_prob=normalise, routed_scaling_factor=2.5,
+                             hidden_size=16)
+    router = Router(config)
+    g = torch.Generator().manual_seed(experts + top_k)
+    with torch.no_grad():
+        router.e_score_correction_bias.copy_(torch.rand(experts, generator=g) * 0.5)
+    logits = (torch.randn(33, experts, generator=g) * 2).to(DEVICE)
+    router = router.to(DEVICE)
+    want_ids, want_w = router.route(logits)
+    got_ids, got_w = triton_moe.grouped_topk(logits, router.e_score_correction_bias, groups, topk_group, top_k,
+                                             normalise, 2.5)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32 and got_ids.shape == (33, top_k)
+    order_got, order_want = got_ids.sort(-1), want_ids.sort(-1)
+    assert torch.equal(order_got.values, order_want.values)  # the same experts, in any order
+    torch.testing.assert_close(got_w.gather(1, order_got.indices), want_w.gather(1, order_want.indices),
+                               atol=1e-6, rtol=1e-6)
+    # best first: the bias-steered choice never rises along a row
+    choice = torch.sigmoid(logits) + router.e_score_correction_bias
+    assert (choice.gather(1, got_ids).diff(dim=-1) <= 0).all()

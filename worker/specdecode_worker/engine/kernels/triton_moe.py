@@ -84,3 +84,63 @@ def expert_gemv(x: torch.Tensor, stacked: torch.Tensor, experts: torch.Tensor, r
         SCALE_COLS=block[1], E4M3_BITS=e4m3_bits,
     )
     return y
+
+
+@triton.jit
+def _grouped_topk_kernel(
+    Logits, Bias, Experts, Weights, stride_l, scale,
+    GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALISE: tl.constexpr,
+):
+    """One token per program: sigmoid scores, the bias added for the choice only, groups ranked by
+    the sum of their two best choices, the best TOPK_GROUP groups kept, the TOP_K best experts in
+    them (best first), and their scores as weights (normalised to sum 1 with NORMALISE), times scale."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)[:, None]
+    e = tl.arange(0, BLOCK_E)[None, :]
+    real = (g < GROUPS) & (e < PER_GROUP)
+    ids = g * PER_GROUP + e  # [BLOCK_G, BLOCK_E]: expert ids by group
+    scores = tl.sigmoid(tl.load(Logits + row * stride_l + ids, mask=real, other=0.0).to(tl.float32))
+    choice = tl.where(real, scores + tl.load(Bias + ids, mask=real, other=0.0).to(tl.float32), float("-inf"))
+    # each group's two best: its best, then the best of the rest (a tie counts twice, as topk(2) does)
+    first = tl.argmax(choice, 1)
+    second = tl.max(tl.where(e == first[:, None], float("-inf"), choice), 1)
+    group = tl.arange(0, BLOCK_G)
+    group_score = tl.where(group < GROUPS, tl.max(choice, 1) + second, float("-inf"))
+    keep = group < 0
+    for _ in tl.static_range(TOPK_GROUP):
+        top = tl.argmax(group_score, 0)
+        keep = keep | (group == top)
+        group_score = tl.where(group == top, float("-inf"), group_score)
+    left = tl.where(keep[:, None] & real, choice, float("-inf"))
+    slot = tl.arange(0, BLOCK_K)
+    chosen = tl.zeros([BLOCK_K], tl.int64)
+    weights = tl.zeros([BLOCK_K], tl.float32)
+    for k in tl.static_range(TOP_K):
+        flat = tl.argmax(tl.reshape(left, [BLOCK_G * BLOCK_E]), 0)
+        at = ids == (flat // BLOCK_E) * PER_GROUP + flat % BLOCK_E
+        chosen = tl.where(slot == k, ((flat // BLOCK_E) * PER_GROUP + flat % BLOCK_E).to(tl.int64), chosen)
+        weights = tl.where(slot == k, tl.sum(tl.sum(tl.where(at & real, scores, 0.0), 1), 0), weights)
+        left = tl.where(at, float("-inf"), left)
+    if NORMALISE:
+        weights = weights / (tl.sum(weights, 0) + 1e-20)
+    tl.store(Experts + row * TOP_K + slot, chosen, mask=slot < TOP_K)
+    tl.store(Weights + row * TOP_K + slot, weights * scale, mask=slot < TOP_K)
+
+
+def grouped_topk(logits: torch.Tensor, bias: torch.Tensor, groups: int, topk_group: int, top_k: int,
+                 normalise: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing in one launch from the router's logits ``[n, E]``: the experts
+    ``[n, top_k]`` (int64, best first) and their weights (float32). ``Router.route`` is the torch
+    reference."""
+    n, num_experts = logits.shape
+    per_group = num_experts // groups
+    experts = torch.empty((n, top_k), dtype=torch.int64, device=logits.device)
+    weights = torch.empty((n, top_k), dtype=torch.float32, device=logits.device)
+    if n:
+        _grouped_topk_kernel[(n,)](
+            logits, bias, experts, weights, logits.stride(0), scale, GROUPS=groups, PER_GROUP=per_group,
+            TOPK_GROUP=topk_group, TOP_K=top_k, BLOCK_G=triton.next_power_of_2(groups),
+            BLOCK_E=triton.next_power_of_2(per_group), BLOCK_K=triton.next_power_of_2(top_k),
+            NORMALISE=normalise)
+    return experts, weights

@@ -35,7 +35,7 @@ from ...errors import InputError
 from ..cuda_graph import in_graph_pass
 from ..forward_batch import ForwardBatch
 from ..kernels.fp8_linear import Fp8BlockLinear, dense_weight, fp8_block_size
-from ..kernels.layer_kernels import apply_rotary, silu_mul
+from ..kernels.layer_kernels import apply_rotary, silu_mul, use_triton
 from ..memory.mla_pool import MLATokenToKVPool
 from ..parallel.group import SINGLE, TPGroup
 from ..parallel.parallel_layers import (
@@ -168,9 +168,21 @@ class Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.empty(self.num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        """The chosen experts ``[n, top_k]`` and their weights (float32): on a GPU in one kernel after
+        the router's product (``triton_moe.grouped_topk``), else by ``route``."""
+        logits = F.linear(x.float(), self.weight.float())
+        if not use_triton(logits):
+            return self.route(logits)
+        from ..kernels.triton_moe import grouped_topk  # imports triton: only where kernels run
+
+        return grouped_topk(logits, self.e_score_correction_bias, self.n_group, self.topk_group, self.top_k,
+                            self.norm_topk_prob, self.routed_scaling_factor)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing as torch ops (transformers' DeepSeek-V3): the kernel's reference."""
+        scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()
-        n = x.shape[0]
+        n = logits.shape[0]
         group_scores = choice.view(n, self.n_group, -1).topk(2, dim=-1)[0].sum(-1)
         groups = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
         keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
