@@ -91,7 +91,7 @@ def test_nodes_with_four_gpus_tell_the_planner_and_the_status():
 
     # A node change is not a new plan: no second planner pod, the workload stays.
     kube.nodes = [node("a", product, 8)]
-    r._nodes = None  # past the node cache
+    r.node_capacity._cache = None  # past the node cache
     r.reconcile(NS, "llama-8b-eagle3")
     assert len(kube.pods("planner")) == 1 and kube.sdd()["status"]["plan"]["tensorParallelSize"] == 2
 

@@ -245,7 +245,7 @@ def test_child_events_refresh_status_without_reapplying(kube):
 
 
 def test_misfit_message_names_spec_fields():
-    from specdecode_operator.reconcile import in_spec_terms
+    from specdecode_operator.planner import in_spec_terms
 
     msg = ("does not fit on 8 GPU(s) of 8.00 GiB: 57231 KV tokens for a floor of 65536, short by 0.14 GiB per GPU; "
            "or with --mem-fraction-static 0.636 on 8 GPU(s); or lower --context-length/--min-kv-tokens, use "

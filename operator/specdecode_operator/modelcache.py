@@ -1,6 +1,7 @@
 """The hub model cache: its PVC, one download Job per (claim, repo, commit), and their progress.
 
-Pure functions; the reconciler creates what they render and reads what they interpret.
+Pure functions, and ``ModelCacheDriver``, which creates what they render and reads what they
+interpret, one step per reconcile.
 
 - The cache PVC is the user's (``cache.claimName``) or one the operator creates (``cache.create``),
   sized from the plan's bytes plus a margin.
@@ -19,16 +20,22 @@ Pure functions; the reconciler creates what they render and reads what they inte
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
-from dataclasses import dataclass
-from typing import Any
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 from specdecode_worker.contract import GIB, MemoryPlan, PlanSource
 
 from . import conditions as c
+from . import kube as k8s
 from . import labels, models, podsecurity
-from .kube import epoch
+from .kube import ApiError, Kube, epoch
+from .refusals import RefusalBook
 from .spec import MODELS_MOUNT, SpecView
+
+log = logging.getLogger(__name__)
 
 ROLE_MODEL_CACHE = "model-cache"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
@@ -47,6 +54,10 @@ MAX_PARALLEL_DOWNLOADS = 8
 MIN_MARGIN_BYTES = GIB
 FIRST_RETRY_SECONDS = 30.0
 MAX_RETRY_SECONDS = 600.0
+# Status refresh while models download (progress in status.models); Job events also trigger one.
+DOWNLOAD_POLL_SECONDS = 5.0
+# Status refresh while the cache cannot start (no PVC yet, a plan without its commits): no watch reports a PVC.
+POLL_SECONDS = 30.0
 
 PENDING, DOWNLOADING, DOWNLOADED, FAILED = "Pending", "Downloading", "Downloaded", "Failed"
 
@@ -322,3 +333,87 @@ def claim_not_found(view: SpecView, claim: str) -> c.Verdict:
         f"PVC {claim} (spec.modelStore.hub.cache.claimName) does not exist in namespace {view.namespace}: "
         "create it (ReadWriteMany, or ReadWriteOnce with every pod on one node), or set cache.create "
         "for the operator to make one"))
+
+
+def waiting_verdicts(ready: c.Verdict, previous: dict[str, c.Verdict]) -> dict[str, c.Verdict]:
+    """While models download no worker of this plan is created; workers of an earlier plan keep
+    serving (``previous``: what they report). Progressing says which, Degraded a download stuck."""
+    verdicts = dict(previous)
+    downloading = ready.reason == c.DOWNLOADING
+    verdicts[c.PROGRESSING] = c.Verdict("True" if downloading else "False", ready.reason,
+                                        "downloading the models into the cache: " + ready.message if downloading
+                                        else "the rollout waits for the models: see ModelsReady")
+    if not downloading:
+        verdicts[c.DEGRADED] = c.Verdict("True", ready.reason, ready.message)
+    return verdicts
+
+
+# --- the driver ----------------------------------------------------------------------------------------
+
+class ModelCacheDriver:
+    """Creates the cache PVC and one download Job per model, and reads their progress into
+    status.models; what exists already is read, not created again, so a step is idempotent."""
+
+    def __init__(self, kube: Kube, refusals: RefusalBook, clock: Callable[[], float] = time.time):
+        self.kube = kube
+        self.refusals = refusals
+        self.clock = clock
+
+    def step(self, view: SpecView, plan: MemoryPlan, owner: dict[str, Any],
+             status: dict[str, Any]) -> tuple[c.Verdict, float | None]:
+        """Drive the cache one step: its PVC, one download Job per model, their progress in
+        status.models. Returns ModelsReady and when to look again."""
+        claim_name = models.cache_claim(view)
+        try:
+            sources = unique_sources(view, plan)
+        except ValueError as exc:
+            return c.Verdict("False", c.MODEL_DOWNLOAD_FAILED, str(exc)), POLL_SECONDS
+        claim = self.kube.get(k8s.claim(view.namespace, claim_name))
+        if claim is None and not view.hub_cache.create:
+            return claim_not_found(view, claim_name), POLL_SECONDS
+        if claim is None:
+            try:
+                claim = self._create(render_claim(view, plan, owner), k8s.claim(view.namespace, claim_name))
+            except ApiError as exc:
+                return self.refusals.verdict(view, f"PVC {claim_name}", exc), None
+        previous = {(m.get("repo"), m.get("commit")): m for m in status.get("models") or []}
+        entries, items, wait = [], [], DOWNLOAD_POLL_SECONDS
+        for src in sources:
+            name = job_name(claim_name, src.repo, src.commit)
+            ref = k8s.job(view.namespace, name)
+            job = self.kube.get(ref)
+            if job is None:
+                try:
+                    job = self._create(render_job(view, claim_name, src, claim_owner(claim)), ref)
+                except ApiError as exc:
+                    return self.refusals.verdict(view, f"download Job {name}", exc), None
+            pods = [] if job is None or job_complete(job) else self.kube.list(k8s.pods(view.namespace),
+                                                                             f"{JOB_NAME_LABEL}={name}")
+            item = progress(src, job, pods, name)
+            retry = next_retry(previous.get((src.repo, src.commit)) or {}, job, self.clock())
+            if retry.wait is not None:  # out of retries per part: after the backoff, a new Job
+                if retry.wait <= 0:
+                    self.kube.delete(ref)
+                    log.info("%s/%s download Job %s failed %d time(s); created again", view.namespace, view.name,
+                             name, retry.attempts)
+                    note = "download Job restarted"
+                else:
+                    note = f"retrying in {int(retry.wait + 0.999)}s"
+                item = replace(item, message=f"{item.message} (attempt {retry.attempts} failed; {note})")
+                wait = min(wait, max(retry.wait, 1.0))
+            items.append(item)
+            entries.append(item.as_status() | retry.as_status())
+        status["models"] = entries
+        ready = verdict(items, claim_name)
+        return ready, (None if ready.status == "True" else wait)
+
+    def _create(self, body: dict[str, Any], ref: k8s.Ref) -> dict[str, Any] | None:
+        """Create ``body``; one that exists already (an earlier reconcile, another SDD) is read instead."""
+        try:
+            created = self.kube.create(body)
+            log.info("%s %s/%s created", body["kind"], ref.namespace, ref.name)
+            return created
+        except ApiError as exc:
+            if exc.status == 409:  # exists, or still terminating after a delete: next time
+                return self.kube.get(ref)
+            raise

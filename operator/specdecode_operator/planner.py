@@ -1,4 +1,5 @@
-"""The planner pod: what it runs, and what its terminated container says.
+"""The planner pod: what it runs, what its terminated container says, and ``PlannerDriver``, which
+runs it one step per reconcile; then status.plan, as the Planned condition and the worker read it.
 
 The pod runs ``specdecode-worker plan`` once (restartPolicy Never) and writes the MemoryPlan JSON to
 its termination log; the operator never reads tensor data or needs a GPU itself.
@@ -7,18 +8,37 @@ its termination log; the operator never reads tensor data or needs a GPU itself.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
-from specdecode_worker.contract import DEFAULT_ENGINE, EAGLE_ALGORITHMS, ExitCode
+from specdecode_worker.contract import (
+    DEFAULT_ENGINE,
+    EAGLE_ALGORITHMS,
+    GIB,
+    PLAN_API_VERSION,
+    PLAN_KIND,
+    ExitCode,
+    MemoryPlan,
+)
 
+from . import conditions as c
+from . import kube as k8s
 from . import labels, models, podsecurity
+from .kube import ApiError, Kube, epoch
+from .nodecapacity import NodeCapacity
 from .plan_result import explains_misfit, read_plan
+from .refusals import RefusalBook
 from .spec import DEFAULT_MAX_TP, DEFAULT_VERIFY_WIDTH, SpecView, draft_proposals, planner_pod_name, verify_width
 
 TERMINATION_LOG = "/dev/termination-log"
 # A planner that reads a few headers finishes in seconds; a hung one must not block forever.
 ACTIVE_DEADLINE_SECONDS = 900
+# A planner pod not finished (or just restarted) is read again after this; its pod events also trigger a read.
+POLL_SECONDS = 30.0
+
+log = logging.getLogger(__name__)
 
 
 def planner_args(view: SpecView, gpus_per_node: int | None = None) -> list[str]:
@@ -199,3 +219,160 @@ def _pending_message(status: dict[str, Any]) -> str:
 def retry_delay(attempts: int) -> float:
     """Backoff after ``attempts`` failed runs: 10 s doubling to 5 min."""
     return float(min(10 * 2 ** max(attempts - 1, 0), 300))
+
+
+# --- the driver ------------------------------------------------------------------------------------
+
+class PlannerDriver:
+    """One planner pod per plan key: created, read, and after a failure run again with backoff.
+    status.planner is its bookkeeping; the GPUs per node it told the planner come from ``nodes``."""
+
+    def __init__(self, kube: Kube, nodes: NodeCapacity, refusals: RefusalBook,
+                 clock: Callable[[], float] = time.time):
+        self.kube = kube
+        self.nodes = nodes
+        self.refusals = refusals
+        self.clock = clock
+
+    def step(self, view: SpecView, key: str, owner: dict[str, Any],
+             status: dict[str, Any]) -> tuple[dict[str, Any] | None, c.Verdict, float | None]:
+        """Drive the planner pod one step. Returns (status.plan or None, Planned, requeue delay)."""
+        name = planner_pod_name(view, key)
+        pod_ref = k8s.pods(view.namespace, name)
+        tracker = status.get("planner") or {}
+        if tracker.get("key") != key:
+            tracker = {"key": key, "attempts": 0}
+        tracker["pod"] = name
+        status["planner"] = tracker
+        pod = self.kube.get(pod_ref)
+        if pod is None:
+            try:
+                self._create(view, key, owner, pod_ref, tracker)
+            except ApiError as exc:
+                return None, self.refusals.verdict(view, f"planner pod {name}", exc), None
+            started = c.Verdict("Unknown", c.PLANNING, _with_note(f"planner pod {name} started", tracker))
+            return None, started, POLL_SECONDS
+        outcome = read_outcome(pod)
+        if outcome.state == "fits" and view.hub:  # workers pin the commits the plan read
+            try:
+                models.sources(view, MemoryPlan.from_dict(outcome.plan))
+            except ValueError as exc:
+                outcome = replace(outcome, state="failed", message=str(exc))
+        if outcome.state in ("pending", "running"):
+            return None, c.Verdict("Unknown", c.PLANNING, f"{name}: {outcome.message}"), POLL_SECONDS
+        if outcome.state in ("fits", "misfit"):
+            record = dict(outcome.plan or {})
+            record.pop("apiVersion", None)
+            record.pop("kind", None)
+            record["key"] = key
+            record["plannerPod"] = name
+            status["plan"] = record
+            tracker["attempts"] = 0
+            tracker.pop("failedPodUID", None)
+            return record, planned_verdict(record, tracker), None
+        # failed: count each failed pod once (by uid), back off, then run it again
+        uid = (pod.get("metadata") or {}).get("uid")
+        if tracker.get("failedPodUID") != uid:
+            tracker["attempts"] = int(tracker.get("attempts", 0)) + 1
+            tracker["failedPodUID"] = uid
+        attempts = tracker["attempts"]
+        delay = retry_delay(attempts)
+        finished = epoch(outcome.finished_at) or epoch((pod.get("metadata") or {}).get("creationTimestamp"))
+        wait = (finished or self.clock()) + delay - self.clock()
+        if wait <= 0:
+            self.kube.delete(pod_ref)
+            try:
+                self._create(view, key, owner, pod_ref, tracker)
+            except ApiError as exc:
+                if exc.status != 409:  # 409: the old pod is still terminating, next time
+                    return None, self.refusals.verdict(view, f"planner pod {name}", exc), None
+            wait = POLL_SECONDS
+            message = f"{outcome.message} (attempt {attempts} failed; planner pod restarted)"
+        else:
+            message = f"{outcome.message} (attempt {attempts} failed; retrying in {int(wait + 0.999)}s)"
+        return None, c.Verdict("False", c.PLANNER_FAILED, message), max(wait, 1.0)
+
+    def _create(self, view: SpecView, key: str, owner: dict[str, Any], pod_ref: k8s.Ref,
+                tracker: dict[str, Any]) -> dict[str, Any]:
+        """The planner pod, told the GPUs per node (recorded in ``tracker``, i.e. status.planner)."""
+        per_node = self.nodes.per_node(view)
+        tracker.update(gpusPerNode=per_node.count, gpusPerNodeFrom=per_node.source)
+        if per_node.note:
+            tracker["gpusPerNodeMessage"] = per_node.note
+        else:
+            tracker.pop("gpusPerNodeMessage", None)
+        body = render_planner_pod(view, key, owner, per_node.planner_flag)
+        try:
+            created = self.kube.create(body)
+            log.info("%s/%s planner pod %s created for plan key %s", view.namespace, view.name,
+                     body["metadata"]["name"], key)
+            return created
+        except ApiError as exc:
+            if exc.status == 409:  # created by an earlier run of this reconcile
+                return self.kube.get(pod_ref) or body
+            raise
+
+    def cleanup(self, view: SpecView, key: str) -> None:
+        """Planner pods of earlier plan keys; the current one stays for `kubectl logs`."""
+        pods = self.kube.list(k8s.pods(view.namespace),
+                              f"{labels.NAME}={view.name},{labels.ROLE}={labels.ROLE_PLANNER}")
+        for pod in pods:
+            meta = pod.get("metadata") or {}
+            if (meta.get("labels") or {}).get(labels.PLAN_KEY) != key:
+                self.kube.delete(k8s.pods(view.namespace, meta["name"]))
+
+
+# --- status.plan -----------------------------------------------------------------------------------
+
+def plan_body(record: dict[str, Any]) -> dict[str, Any]:
+    """The MemoryPlan as the planner wrote it (what the worker's --plan reads) from status.plan."""
+    body = {k: v for k, v in record.items() if k not in ("key", "plannerPod")}
+    return {"apiVersion": PLAN_API_VERSION, "kind": PLAN_KIND, **body}
+
+
+def planned_verdict(record: dict[str, Any], tracker: dict[str, Any] | None = None) -> c.Verdict:
+    """Planned from status.plan, with where its GPUs per node came from (``status.planner``).
+
+    Read from the dict: a misfit plan's numbers may be out of the contract's range.
+    """
+    if (tracker or {}).get("key") != record.get("key"):
+        tracker = None
+    if record.get("fits"):
+        return c.Verdict("True", c.PLAN_READY, _with_note(record.get("message", "plan ready"), tracker))
+    short = record.get("shortfallBytes", 0)
+    return c.Verdict("False", c.INSUFFICIENT_GPU_MEMORY, _with_note(
+        f"{in_spec_terms(record.get('message', 'the models do not fit'))} (short by {short / GIB:.2f} GiB "
+        f"= {short} bytes per GPU)", tracker))
+
+
+def _with_note(message: str, tracker: dict[str, Any] | None) -> str:
+    note = (tracker or {}).get("gpusPerNodeMessage")
+    return f"{message}; {note}" if note else message
+
+
+def one_node_hint(tp: int, tracker: dict[str, Any] | None) -> str:
+    """What keeps a replica of ``tp`` GPUs on one node, given the GPUs per node it was planned for."""
+    if tp > DEFAULT_MAX_TP:
+        return f"gpu.maxPerReplica {DEFAULT_MAX_TP} or less"
+    per_node = (tracker or {}).get("gpusPerNode")
+    planned_for = f" (planned for {per_node} GPUs per node, from {(tracker or {}).get('gpusPerNodeFrom')})" \
+        if per_node else ""
+    return f"nodes with {tp} GPUs of gpu.product{planned_for}, or a gpu.product with more memory per GPU"
+
+
+# The planner speaks in CLI flags; a user of the SDD changes spec fields.
+_FLAG_TO_FIELD = (
+    ("--kv-cache-dtype ", "spec.serving.kvCacheDtype: "),
+    ("--mem-fraction-static ", "spec.serving.memFractionStatic: "),
+    ("--context-length", "spec.serving.contextLength"),
+    ("--min-kv-tokens", "spec.serving.minKVTokens"),
+    ("--max-running-requests", "spec.serving.maxRunningRequests"),
+    ("--gpu-memory-gib", "spec.gpu.memoryGiB"),
+    ("--tp ", "tensor parallelism "),
+)
+
+
+def in_spec_terms(message: str) -> str:
+    for flag, field in _FLAG_TO_FIELD:
+        message = message.replace(flag, field)
+    return message

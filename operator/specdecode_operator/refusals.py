@@ -7,7 +7,13 @@ a server error) is transient and simply retried.
 
 from __future__ import annotations
 
+import logging
+
 from . import conditions as c
+from .kube import ApiError
+from .spec import SpecView
+
+log = logging.getLogger(__name__)
 
 # How long to wait before trying a refused child again: 5 s doubling to 5 min.
 FIRST_RETRY_SECONDS = 5.0
@@ -40,3 +46,33 @@ def reason_for_replica_failure(message: str) -> str:
 
 def retry_delay(refusals: int) -> float:
     return min(FIRST_RETRY_SECONDS * 2 ** max(refusals - 1, 0), MAX_RETRY_SECONDS)
+
+
+# The condition reasons of a refused child: the rollout waits on one, retried after retry_delay.
+REASONS = frozenset({c.POD_SECURITY_REJECTED, c.QUOTA_EXCEEDED, c.CHILD_REJECTED})
+
+
+class RefusalBook:
+    """Refusals in a row per SDD, for the retry backoff (a restart starts it afresh).
+
+    One book for every driver: a refused planner pod, PVC, Job or workload child counts alike.
+    """
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str], int] = {}
+
+    def verdict(self, view: SpecView, what: str, exc: ApiError) -> c.Verdict:
+        """The verdict for a child the API server refused; re-raises what is not a refusal."""
+        reason = reason_for(exc.status, exc.message)
+        if reason is None:
+            raise exc
+        key = (view.namespace, view.name)
+        self._counts[key] = self._counts.get(key, 0) + 1
+        log.warning("%s/%s: %s refused (%s): %s", view.namespace, view.name, what, exc.status, exc.message)
+        return c.Verdict("False", reason, f"{what} was refused by the API server: {exc.message}")
+
+    def retry_delay(self, namespace: str, name: str) -> float:
+        return retry_delay(self._counts[(namespace, name)])
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._counts.pop((namespace, name), None)

@@ -1,5 +1,6 @@
 {{/*
-Exactly the API calls of operator/specdecode_operator/ (kube.py, reconcile.py, handlers.py) and of
+Exactly the API calls of operator/specdecode_operator/ (kube.py, reconcile.py and its drivers in
+planner.py, modelcache.py and nodecapacity.py, handlers.py) and of
 kopf as it is configured there (annotation progress storage, no finalizer, posting disabled).
 Namespaced rules apply in the watched namespaces (Role) or everywhere (ClusterRole).
 */}}
