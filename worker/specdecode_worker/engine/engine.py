@@ -22,6 +22,7 @@ from .parallel.distributed import stop_followers
 from .phases import PhaseError, StartupError  # noqa: F401  (StartupError: re-exported for callers)
 from .request import Request, check_request, make_generator
 from .scheduler import Scheduler
+from .service import EngineReport, KVUsage
 from .speculation import wiring
 from .speculation.spec_policy import SpecPolicy
 from .speculation.speculation_control import SpeculationController, build_controller, measure_round_cost
@@ -30,13 +31,15 @@ log = logging.getLogger(__name__)
 
 
 class Engine(ModelWorker):
-    def __init__(self, args: EngineArgs):
+    """The engine serving asks for (``service.EngineService``)."""
+
+    def __init__(self, args: EngineArgs, eos_token_ids: frozenset[int] = frozenset()):
         super().__init__(args)
         self.control: SpeculationController | None = None  # the policy and what feeds it
         self.scheduler: Scheduler | None = None  # built last: the engine is ready once it exists
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.eos_token_ids: frozenset[int] = frozenset()
+        self.eos_token_ids = eos_token_ids  # ends a request that names none of its own
 
     def init_model_worker(self) -> None:
         """The model worker's start-up, then speculation control and the scheduler over it."""
@@ -90,7 +93,16 @@ class Engine(ModelWorker):
         """Ask the engine to end ``req`` (client gone, stop string seen); thread-safe."""
         req.abort_requested = True
 
+    @property
+    def vocab_size(self) -> int:
+        return self.target_shape.vocab_size
+
     # ---- the loop -------------------------------------------------------------------------
+    def start_up(self) -> None:
+        """The three phases, speculation control and the scheduler, then the loop."""
+        self.init_model_worker()
+        self.start()
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
@@ -141,6 +153,33 @@ class Engine(ModelWorker):
                 self.stats.count_verified(r, result, kept)
 
     # ---- observability --------------------------------------------------------------------
+    def report(self) -> EngineReport:
+        """What serving reads: readiness, load, KV usage, memory against the plan, the policy."""
+        profile, pool = self.memory_profile, self.memory_pool_config
+        memory = None
+        if profile is not None:
+            memory = {**profile.as_dict(), "phaseSeconds": self.stats.phase_seconds,
+                      "poolTokens": pool.max_total_num_tokens if pool else None}
+        ready = self.ready
+        return EngineReport(
+            ready=ready, phase=self.phase.name, stats=self.stats, running=self.num_running, waiting=self.num_waiting,
+            kv=KVUsage(*self.kv_usage()) if ready else None, prefix_cache=self.prefix_cache_usage() if ready else None,
+            memory=memory, kv_tokens_actual=profile.max_total_num_tokens if profile else None,
+            dynamic=self.dynamic_peak.as_dict() if self.dynamic_peak else {},
+            allocator_peak_bytes=self._allocator_peak_bytes(), policy=_policy_view(self.policy))
+
+    def _allocator_peak_bytes(self) -> int | None:
+        """Peak device bytes beyond the static part (weights and KV pools): the measured counterpart
+        of R_dynamic. Only CUDA keeps an allocator peak; elsewhere there is nothing to report."""
+        profile, pools = self.memory_profile, self.memory_pool_config
+        if profile is None or pools is None or self.device.type != "cuda":
+            return None
+        import torch
+
+        cell = profile.target_bytes_per_token + profile.draft_bytes_per_token
+        static = profile.target_weight_bytes + profile.draft_weight_bytes + pools.max_total_num_tokens * cell
+        return max(0, torch.cuda.max_memory_allocated(self.device) - static)
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running) if self.scheduler else 0
@@ -163,3 +202,11 @@ class Engine(ModelWorker):
         cache = slots.cache
         return {"cachedTokens": cache.size, "evictableTokens": cache.evictable, "evictedTokens": cache.evicted,
                 "poolTokens": slots.size}
+
+
+def _policy_view(policy: SpecPolicy | None) -> dict | None:
+    """What the speculation policy timed at start-up and has measured since (None: not adaptive)."""
+    if policy is None:
+        return None
+    return {"mode": policy.mode, "timedRounds": policy.cost.table() if policy.cost is not None else None,
+            "measuredSpeedup": policy.speedups(), "probeRounds": policy.probes}

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from ..engine.request import Request
+from ..engine.service import EngineService
 from .detokenize import IncrementalText
 from .openai_shapes import chat_logprobs, completion_logprobs, error_response, joined, prompt_logprobs, usage
 from .structured import token_grammar
@@ -51,7 +52,7 @@ class Piece:
     received: int
 
 
-async def text_pieces(engine: Any, tokenizer: Any, index: int, req: Request, sink: _Sink,
+async def text_pieces(engine: EngineService, tokenizer: Any, index: int, req: Request, sink: _Sink,
                       stops: list[str]) -> AsyncIterator[Piece]:
     """One choice's text as its tokens arrive, cut at the first stop string. Each update decodes
     only its new tokens' window."""
@@ -137,7 +138,7 @@ async def generate(state: Any, body: Any, ids: list[int], chat: bool, n: int, an
     """The response to a generation request: ``n`` samples of the prompt ``ids``."""
     params = body.sampling_params()
     stops = body.stop_strings()
-    vocab = state.engine.target_shape.vocab_size
+    vocab = state.engine.vocab_size
     loop = asyncio.get_running_loop()
     reqs, streams = [], []
     try:

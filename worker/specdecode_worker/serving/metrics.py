@@ -66,8 +66,8 @@ class _EngineCollector:
         self.state = state
 
     def collect(self):
-        engine = self.state.engine
-        stats = engine.stats
+        report = self.state.engine.report()
+        stats = report.stats
 
         def counter(name, doc, value):
             c = CounterMetricFamily(f"specdecode_{name}", doc)
@@ -79,7 +79,7 @@ class _EngineCollector:
             g.add_metric([], value)
             return g
 
-        yield gauge("ready", "1 once phase 3 finished", 1.0 if engine.ready else 0.0)
+        yield gauge("ready", "1 once phase 3 finished", 1.0 if report.ready else 0.0)
         yield counter("prompt_tokens", "prompt tokens of requests (those the prefix cache served included)",
                       stats.prompt_tokens)
         yield counter("prompt_cached_tokens", "prompt tokens the prefix cache served (not prefilled)",
@@ -97,7 +97,7 @@ class _EngineCollector:
         yield gauge("acceptance_rate", "accepted / proposed draft tokens since start", rate)
         length = (stats.accepted_tokens + stats.verify_rounds) / stats.verify_rounds if stats.verify_rounds else 0.0
         yield gauge("accept_length", "mean tokens committed per verify round (accepted + 1)", length)
-        yield from speculation_policy_metrics(stats, getattr(engine, "policy", None), counter, gauge)
+        yield from speculation_policy_metrics(stats, report.policy, counter, gauge)
         phases = GaugeMetricFamily("specdecode_phase_seconds", "duration of each initialisation phase",
                                    labels=["phase"])
         for name, secs in stats.phase_seconds.items():
@@ -107,32 +107,30 @@ class _EngineCollector:
         if plan is not None:
             yield gauge("kv_tokens_planned", "max_total_num_tokens in the memory plan",
                         plan.kv_cache.max_total_num_tokens)
-        if engine.memory_profile is not None:
-            yield gauge("kv_tokens_actual", "max_total_num_tokens measured in phase 2",
-                        engine.memory_profile.max_total_num_tokens)
+        if report.kv_tokens_actual is not None:
+            yield gauge("kv_tokens_actual", "max_total_num_tokens measured in phase 2", report.kv_tokens_actual)
         if plan is not None:
             yield gauge("dynamic_bytes_planned", "R_dynamic in the memory plan: bytes left free for activations, "
                         "logits and CUDA graphs", plan.reserve.dynamic_bytes)
-        warm = getattr(engine, "dynamic_peak", None)
-        if warm is not None and warm.measured is not None:
+        warm = report.dynamic
+        if warm.get("measured") is not None:
             yield gauge("dynamic_bytes_measured", "dynamic peak measured by phase 3's warm-up (largest prefill "
                         "chunk, largest graph batch): allocator peak beyond weights and pools (CUDA only)",
-                        warm.measured)
-        if warm is not None and warm.reserved is not None:
+                        warm["measured"])
+        if warm.get("reserved") is not None:
             yield gauge("dynamic_bytes_reserved", "the caching allocator's reserved peak over phase 3's warm-up "
                         "beyond weights and pools: its slack and the CUDA graph pools included (CUDA only)",
-                        warm.reserved)
-        if warm is not None and warm.driver is not None:
+                        warm["reserved"])
+        if warm.get("driver") is not None:
             yield gauge("dynamic_bytes_driver", "device memory in use after phase 3's warm-up as the driver counts "
-                        "it, beyond weights, pools and the runtime reserve (CUDA only)", warm.driver)
-        peak = dynamic_peak_bytes(engine)
-        if peak is not None:
+                        "it, beyond weights, pools and the runtime reserve (CUDA only)", warm["driver"])
+        if report.allocator_peak_bytes is not None:
             yield gauge("dynamic_bytes_peak", "peak bytes the torch allocator held beyond weights and KV pools "
-                        "since start (CUDA only)", peak)
-        if engine.ready:
-            used, total = engine.kv_usage()
+                        "since start (CUDA only)", report.allocator_peak_bytes)
+        if report.kv is not None:
+            used, total = report.kv.used, report.kv.capacity
             yield gauge("kv_pool_used_tokens", "KV token slots running requests hold", used)
-            cache = engine.prefix_cache_usage()
+            cache = report.prefix_cache
             if cache is not None:
                 yield gauge("prefix_cache_tokens", "KV token slots the prefix cache holds", cache["cachedTokens"])
                 yield gauge("prefix_cache_evictable_tokens", "of them, slots no running request holds (free capacity)",
@@ -141,8 +139,8 @@ class _EngineCollector:
                               cache["evictedTokens"])
             yield gauge("kv_pool_capacity_tokens", "KV token slots in the pool", total)
             yield gauge("kv_pool_usage_ratio", "share of KV token slots in use", used / total if total else 0.0)
-            yield gauge("running_requests", "requests being decoded", engine.num_running)
-            yield gauge("waiting_requests", "requests queued for KV slots", engine.num_waiting)
+            yield gauge("running_requests", "requests being decoded", report.running)
+            yield gauge("waiting_requests", "requests queued for KV slots", report.waiting)
 
 
 def speculation_policy_metrics(stats, policy, counter, gauge):
@@ -165,12 +163,12 @@ def speculation_policy_metrics(stats, policy, counter, gauge):
     if policy is not None:
         yield counter("policy_probe_rounds", "decode rounds the adaptive policy ran to measure (a plain round while "
                       "drafting, a drafting round while not), not because they were expected to be faster",
-                      policy.probes)
+                      policy["probeRounds"])
         speedup = GaugeMetricFamily("specdecode_policy_measured_speedup",
                                     "recent drafting rounds' speed over plain rounds', as the adaptive policy "
                                     "measured them, by batch-size bucket (below 1: drafting is off there)",
                                     labels=["batch"])
-        for bucket, ratio in policy.speedups().items():
+        for bucket, ratio in policy["measuredSpeedup"].items():
             speedup.add_metric([bucket], ratio)
         yield speedup
     by_position = GaugeMetricFamily("specdecode_acceptance_by_position",
@@ -192,17 +190,3 @@ def render(state) -> bytes:
     for histogram in latency.collectors() if latency else ():
         registry.register(histogram)
     return generate_latest(registry)
-
-
-def dynamic_peak_bytes(engine) -> int | None:
-    """Peak device bytes beyond the static part (weights and KV pools): the measured counterpart
-    of R_dynamic. Only CUDA keeps an allocator peak; elsewhere there is nothing to report."""
-    profile, pools = engine.memory_profile, getattr(engine, "memory_pool_config", None)
-    device = getattr(engine, "device", None)
-    if profile is None or pools is None or device is None or device.type != "cuda":
-        return None
-    import torch
-
-    cell = profile.target_bytes_per_token + profile.draft_bytes_per_token
-    static = profile.target_weight_bytes + profile.draft_weight_bytes + pools.max_total_num_tokens * cell
-    return max(0, torch.cuda.max_memory_allocated(device) - static)

@@ -263,9 +263,8 @@ def build_server(engine_args, plan: MemoryPlan, http: HttpOptions):
     from ..engine.engine import Engine, StartupError
     from .server import ServerState, build_app, start_engine_in_background
 
-    engine = Engine(engine_args)
     tokenizer = load_tokenizer(engine_args.target)
-    engine.eos_token_ids = eos_ids(engine_args.target, tokenizer)
+    engine = Engine(engine_args, eos_token_ids=eos_ids(engine_args.target, tokenizer))
     state = ServerState(engine, http.model_name, plan, tokenizer)
     outcome = {"exit": ExitCode.OK}
     server = None

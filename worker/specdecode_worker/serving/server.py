@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, 
 
 from ..contract import MemoryPlan
 from ..engine.request import SamplingParams
+from ..engine.service import EngineService
 from ..errors import InputError
 from .generation import MAX_CHOICES, Answer, generate
 from .metrics import RequestLatency
@@ -37,7 +38,7 @@ Number = Union[StrictInt, StrictFloat]
 
 @dataclass
 class ServerState:
-    engine: Any
+    engine: EngineService
     model_name: str
     plan: MemoryPlan | None = None
     tokenizer: Any = None
@@ -301,7 +302,7 @@ async def generation_request(http: HttpRequest) -> dict:
     state: ServerState = http.app.state.server
     if state.init_error:
         raise NotReady(f"initialisation failed: {state.init_error}")
-    if not state.engine.ready:
+    if not state.engine.report().ready:
         raise NotReady("the worker is still initialising")
     raw = await http.body()
     try:
@@ -327,8 +328,9 @@ async def health(http: HttpRequest):
     state: ServerState = http.app.state.server
     if state.init_error:
         return JSONResponse({"status": "failed", "error": state.init_error}, status_code=503)
-    if not state.engine.ready:
-        return JSONResponse({"status": "initialising", "phase": state.engine.phase.name}, status_code=503)
+    report = state.engine.report()
+    if not report.ready:
+        return JSONResponse({"status": "initialising", "phase": report.phase}, status_code=503)
     return {"status": "ok"}
 
 
@@ -342,29 +344,13 @@ async def models(http: HttpRequest):
 @router.get("/plan")
 async def plan(http: HttpRequest):
     state: ServerState = http.app.state.server
-    engine = state.engine
-    actual = None
-    if engine.memory_profile is not None:
-        pool = engine.memory_pool_config
-        actual = {**engine.memory_profile.as_dict(), "phaseSeconds": engine.stats.phase_seconds,
-                  "poolTokens": pool.max_total_num_tokens if pool else None}
+    report = state.engine.report()
     plan = state.plan
-    peak = getattr(engine, "dynamic_peak", None)
-    dynamic = {"planned": plan.reserve.dynamic_bytes if plan else None, "measured": None,
-               **(peak.as_dict() if peak else {})}
-    return {"plan": plan.document if plan else None, "actual": actual,
+    dynamic = {"planned": plan.reserve.dynamic_bytes if plan else None, "measured": None, **report.dynamic}
+    return {"plan": plan.document if plan else None, "actual": report.memory,
             "plannedMaxTotalNumTokens": plan.kv_cache.max_total_num_tokens if plan else None,
-            "actualMaxTotalNumTokens": actual and actual["max_total_num_tokens"], "dynamicBytes": dynamic,
-            "prefixCache": engine.prefix_cache_usage() if engine.ready else None,
-            "speculationPolicy": _policy_view(getattr(engine, "policy", None))}
-
-
-def _policy_view(policy) -> dict | None:
-    """What the speculation policy timed at start-up and has measured since (None: not started)."""
-    if policy is None:
-        return None
-    return {"mode": policy.mode, "timedRounds": policy.cost.table() if policy.cost is not None else None,
-            "measuredSpeedup": policy.speedups(), "probeRounds": policy.probes}
+            "actualMaxTotalNumTokens": report.kv_tokens_actual, "dynamicBytes": dynamic,
+            "prefixCache": report.prefix_cache, "speculationPolicy": report.policy}
 
 
 @router.get("/metrics")
@@ -457,9 +443,9 @@ def start_engine_in_background(state: ServerState, on_failure) -> threading.Thre
 
     def run():
         try:
-            state.engine.init_model_worker()
-            state.engine.start()
-            log.info("ready: phases took %s", {k: round(v, 3) for k, v in state.engine.stats.phase_seconds.items()})
+            state.engine.start_up()
+            phases = state.engine.report().stats.phase_seconds
+            log.info("ready: phases took %s", {k: round(v, 3) for k, v in phases.items()})
         except Exception as exc:  # reported on /health and by the CLI's exit code
             state.init_error = " ".join(str(exc).split()) or type(exc).__name__
             log.error("initialisation failed: %s", state.init_error)
