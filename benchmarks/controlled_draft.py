@@ -20,7 +20,7 @@ from specdecode_worker.engine.forward_batch import to_device
 
 # The method of each speculator that runs a round's draft steps (and picks one token per step
 # through its module's ``choose_tokens``).
-DRAFT_STEPS = {"StandaloneSpeculator": "_draft_propose", "EagleSpeculator": "_chain_round"}
+DRAFT_STEPS = {"StandaloneSpeculator": "_draft_propose", "HeadSpeculator": "_chain_round"}
 
 
 class AcceptanceControl:

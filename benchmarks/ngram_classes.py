@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.adaptive_cpu import hf_greedy, workload_prompts  # noqa: E402
 from benchmarks.spec_decode_cpu import chat_ids  # noqa: E402
-from specdecode_worker.engine.speculation.speculative import ngram_match  # noqa: E402
+from specdecode_worker.engine.speculation.reference import ngram_match  # noqa: E402
 from devtools.smollm2 import smollm2_dir  # noqa: E402
 
 K, MAX_N = 4, 4

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.speculation.speculative import ngram_match  # noqa: E402
+from specdecode_worker.engine.speculation.reference import ngram_match  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 
 from devtools.eagle_heads import write_copying_eagle_head  # noqa: E402
@@ -135,17 +135,17 @@ def test_a_standalone_request_that_never_drafts_costs_no_draft_prefill(models, r
 def test_standalone_draft_catches_up_a_prompt_in_chunks(models, reference, monkeypatch):
     """A request that first drafts after many rounds has its draft cache built in passes of at
     most chunkedPrefillSize tokens, and the copy draft still accepts everything."""
-    from specdecode_worker.engine.speculation import speculative
+    from specdecode_worker.engine.speculation import standalone
 
     eng = engine(models["target"], "STANDALONE", models["copy"], spec_policy="adaptive", chunked_prefill_size=8)
-    widths, forward = [], speculative.forward_segments
+    widths, forward = [], standalone.forward_segments
 
     def counting(runner, segments, *a, **kw):
         if runner is eng.draft_runner:
             widths.append(sum(len(s.tokens) for s in segments))
         return forward(runner, segments, *a, **kw)
 
-    monkeypatch.setattr(speculative, "forward_segments", counting)
+    monkeypatch.setattr(standalone, "forward_segments", counting)
     rounds = iter(range(10_000))
     eng.policy.draft_lengths = lambda rids, caps, **_: [c if next(rounds) >= 40 else 0 for c in caps]
     assert greedy(eng) == reference

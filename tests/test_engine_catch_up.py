@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from specdecode_worker.engine.speculation import eagle_speculator  # noqa: E402
+from specdecode_worker.engine.speculation import head_passes  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 
 from devtools.eagle_heads import write_eagle3_head  # noqa: E402
@@ -23,14 +23,14 @@ VOCAB, CHUNK = 16, 16
 
 def _head_passes(monkeypatch) -> list[int]:
     """Tokens of every head pass that reads target features (the catch-up and the round's extend)."""
-    seen, real = [], eagle_speculator.EagleSpeculator._draft
+    seen, real = [], head_passes.HeadPasses.run_draft
 
     def draft(self, fb, backend, hidden, from_target, rows):
         if from_target:
             seen.append(int(fb.input_ids.numel()))
         return real(self, fb, backend, hidden, from_target, rows)
 
-    monkeypatch.setattr(eagle_speculator.EagleSpeculator, "_draft", draft)
+    monkeypatch.setattr(head_passes.HeadPasses, "run_draft", draft)
     return seen
 
 

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from specdecode_worker.planner import plan_cli  # noqa: E402
-from specdecode_worker.engine.speculation.eagle_speculator import EagleRunner  # noqa: E402
+from specdecode_worker.engine.speculation.head_runner import EagleRunner  # noqa: E402
 from specdecode_worker.engine.model_runner import ModelRunner  # noqa: E402
 from specdecode_worker.engine.phases import Phase, PhaseError  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402

@@ -89,9 +89,9 @@ _seen: dict[str, list] = {"graphs": [], "eager": []}
 def _record_passes() -> None:
     """Record every graph replay (model, width, batch) and every pass the speculator runs outside a graph."""
     from specdecode_worker.engine.cuda_graph import GraphRunner, in_graph_pass
-    from specdecode_worker.engine.speculation.eagle_speculator import EagleSpeculator
+    from specdecode_worker.engine.speculation.head_passes import HeadPasses
 
-    replay, target_pass, draft_pass = GraphRunner.replay, EagleSpeculator._target_pass, EagleSpeculator._draft_pass
+    replay, target_pass, draft_pass = GraphRunner.replay, HeadPasses._target_pass, HeadPasses._draft_pass
 
     def recorded_replay(self, fb, *extras):
         model = "draft" if self.extras else "target"  # a head step takes the features as an extra input
@@ -109,8 +109,8 @@ def _record_passes() -> None:
         return draft_pass(self, fb, backend, hidden, from_target, rows)
 
     GraphRunner.replay = recorded_replay
-    EagleSpeculator._target_pass = recorded_target
-    EagleSpeculator._draft_pass = recorded_draft
+    HeadPasses._target_pass = recorded_target
+    HeadPasses._draft_pass = recorded_draft
 
 
 def _capture(eng) -> None:

@@ -88,14 +88,14 @@ def test_nextn_step_equals_transformers_modules_over_the_published_tensors(model
     eng = engine(model_dir, "MTP", num_draft_tokens=1, context_len=128)
     spec = eng.speculator
     seen = []
-    original = spec._draft
+    original = spec.passes.run_draft
 
     def recording(fb, backend, hidden, from_target, rows):
         logits, feature = original(fb, backend, hidden, from_target, rows)
         seen.append((fb.input_ids.tolist(), hidden.clone(), logits.clone()))
         return logits, feature
 
-    spec._draft = recording
+    spec.passes.run_draft = recording
     prompt = PROMPTS[0]
     req = run_all(eng, [Request(list(prompt), SamplingParams(max_tokens=2, ignore_eos=True))])[0]
     ids, hidden, logits = seen[0]  # the first extend: tokens 1..L over the target's hiddens at 0..L-1

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from specdecode_worker.engine import model_runner as runner_mod  # noqa: E402
-from specdecode_worker.engine.speculation import speculative  # noqa: E402
+from specdecode_worker.engine.speculation import verify  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.engine.engine import Engine, EngineArgs  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
@@ -71,8 +71,8 @@ def test_draft_proposes_only_rows_both_heads_have_and_verification_reads_the_who
             seen.append((draft[i, :k].tolist(), draft_probs[i, :k], target_logits.shape[-1]))
         return verify_chains(draft, draft_probs, target_logits, lengths, params, u)
 
-    verify_chains = speculative.verify_chains
-    monkeypatch.setattr(speculative, "verify_chains", recording_verify)
+    verify_chains = verify.verify_chains
+    monkeypatch.setattr(verify, "verify_chains", recording_verify)
     eng = engine(models["target"], "STANDALONE", models[draft])
     params = SamplingParams(max_tokens=30, temperature=1.0, seed=7, ignore_eos=True)
     run_all(eng, [Request(p, params) for p in PROMPTS])

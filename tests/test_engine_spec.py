@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
-from specdecode_worker.engine.speculation.speculative import ngram_match, ngram_propose  # noqa: E402
+from specdecode_worker.engine.speculation.reference import ngram_match, ngram_propose  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 
 from tests.engine_helpers import engine, hf_greedy, noisy_copy, run_all, tiny_models  # noqa: E402

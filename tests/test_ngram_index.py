@@ -7,7 +7,7 @@ import random
 import pytest
 
 from specdecode_worker.engine.speculation.ngram_index import NgramIndex
-from specdecode_worker.engine.speculation.speculative import ngram_match
+from specdecode_worker.engine.speculation.reference import ngram_match
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -235,7 +235,7 @@ def _metric(base: str, name: str) -> float:
 def _ngram_replay(prompt_ids: list[int], greedy_ids: list[int], max_tokens: int, k: int) -> tuple[int, int]:
     """Accepted and rejected prediction tokens of fixed NGRAM drafting, replayed over the target's
     greedy tokens (``greedy_ids`` runs k + 1 past ``max_tokens``: a round may verify past the end)."""
-    from specdecode_worker.engine.speculation.speculative import ngram_match
+    from specdecode_worker.engine.speculation.reference import ngram_match
 
     accepted = rejected = 0
     i = 1  # the first token comes from the prefill

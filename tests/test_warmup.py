@@ -22,8 +22,8 @@ pytest.importorskip("transformers")
 from specdecode_worker.serving import metrics, server  # noqa: E402
 from specdecode_worker.contract import ExitCode  # noqa: E402
 from specdecode_worker.engine import batch_sampling, warmup  # noqa: E402
-from specdecode_worker.engine.speculation import eagle_speculator, speculative  # noqa: E402
-from specdecode_worker.engine.speculation.eagle_speculator import EagleSpeculator  # noqa: E402
+from specdecode_worker.engine.speculation import head_speculator, verify  # noqa: E402
+from specdecode_worker.engine.speculation.head_passes import HeadPasses  # noqa: E402
 from specdecode_worker.engine.engine import StartupError  # noqa: E402
 from specdecode_worker.engine.model_runner import ModelRunner  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
@@ -120,7 +120,7 @@ def _instrument(monkeypatch, extra: int = 0, **views) -> tuple[FakePeak, Passes]
         return fake.static
 
     monkeypatch.setattr(warmup, "static_bytes", static)
-    real_forward, real_target, real_draft = ModelRunner.forward, EagleSpeculator._target, EagleSpeculator._draft
+    real_forward, real_target, real_draft = ModelRunner.forward, HeadPasses.run_target, HeadPasses.run_draft
 
     def forward(self, fb, last_only):
         passes.record("forward", self.name, fb.input_ids.numel(), len(fb.extend_lens), last_only)
@@ -135,10 +135,10 @@ def _instrument(monkeypatch, extra: int = 0, **views) -> tuple[FakePeak, Passes]
         return real_draft(self, fb, backend, hidden, from_target, rows)
 
     monkeypatch.setattr(ModelRunner, "forward", forward)
-    monkeypatch.setattr(EagleSpeculator, "_target", target)
-    monkeypatch.setattr(EagleSpeculator, "_draft", draft)
-    real_probs, real_chains, real_trees = batch_sampling.batch_probs, speculative.verify_chains, \
-        eagle_speculator.accept_trees
+    monkeypatch.setattr(HeadPasses, "run_target", target)
+    monkeypatch.setattr(HeadPasses, "run_draft", draft)
+    real_probs, real_chains, real_trees = batch_sampling.batch_probs, verify.verify_chains, \
+        head_speculator.accept_trees
 
     def probs(logits, params):
         passes.record("sample", logits.shape[0], all(p.top_k and p.top_p < 1 and not p.greedy for p in params))
@@ -153,8 +153,8 @@ def _instrument(monkeypatch, extra: int = 0, **views) -> tuple[FakePeak, Passes]
         return real_trees(trees, shape, valid, logits, params, u)
 
     monkeypatch.setattr(batch_sampling, "batch_probs", probs)
-    monkeypatch.setattr(speculative, "verify_chains", chains)
-    monkeypatch.setattr(eagle_speculator, "accept_trees", trees)
+    monkeypatch.setattr(verify, "verify_chains", chains)
+    monkeypatch.setattr(head_speculator, "accept_trees", trees)
     return fake, passes
 
 
@@ -277,17 +277,17 @@ OOM_CASES = {
         lambda self, fb, last_only: self.name == "target" and fb.input_ids.numel() == CHUNK),
         "target prefill", "chunkedPrefillSize"),
     "head catch-up": ("EAGLE3-chain", lambda mp: _oom_when(
-        mp, EagleSpeculator, "_draft", lambda self, fb, backend, *a: fb.input_ids.numel() == CHUNK),
+        mp, HeadPasses, "run_draft", lambda self, fb, backend, *a: fb.input_ids.numel() == CHUNK),
         "EAGLE head catch-up", "chunkedPrefillSize"),
     "draft chain steps": ("STANDALONE", lambda mp: _oom_when(
         mp, ModelRunner, "forward", lambda self, fb, last_only: self.name == "draft" and len(fb.extend_lens) == BATCH),
         "draft model chain steps", "cudaGraphMaxBs"),
     "draft tree steps": ("EAGLE3-tree", lambda mp: _oom_when(
-        mp, EagleSpeculator, "_draft",
+        mp, HeadPasses, "run_draft",
         lambda self, fb, backend, *a: backend == "draft_tree" and len(fb.extend_lens) == BATCH),
         "EAGLE head tree steps", "cudaGraphMaxBs"),
     "NextN layer steps": ("MTP", lambda mp: _oom_when(
-        mp, EagleSpeculator, "_draft", lambda self, fb, backend, *a: len(fb.extend_lens) == BATCH),
+        mp, HeadPasses, "run_draft", lambda self, fb, backend, *a: len(fb.extend_lens) == BATCH),
         "NextN layer chain steps", "cudaGraphMaxBs"),
     "verify": ("NGRAM", lambda mp: _oom_when(
         mp, ModelRunner, "forward", lambda self, fb, last_only: fb.input_ids.numel() == BATCH * (K + 1)),
@@ -350,7 +350,7 @@ def test_a_failed_warm_up_gives_back_every_slot_and_row(models, monkeypatch):
     pool, alloc = eng.target_runner.req_to_token_pool, eng.target_runner.token_to_kv_pool_allocator
     rows, slots, table = pool.free_rows(), alloc.free_slots(), pool.req_to_token.clone()
     _instrument(monkeypatch)
-    _oom_when(monkeypatch, EagleSpeculator, "_target",
+    _oom_when(monkeypatch, HeadPasses, "run_target",
               lambda self, fb, backend, *a, **kw: backend == "target_tree" and len(fb.extend_lens) == BATCH)
     with pytest.raises(warmup.WarmUpOutOfMemory, match="tree verify"):
         warmup.warm_up(eng.speculator, eng.model_runners(), PLANNED, CHUNK, BATCH)

@@ -31,7 +31,7 @@ from .phases import Phase, PhaseError, StartupError
 from .speculation import wiring
 from .speculation.algorithms import algorithm
 from .speculation.spec_policy import MODES
-from .speculation.speculative import Speculator
+from .speculation.rounds import Speculator
 from .stats import Stats
 from .warmup import DynamicPeak, WarmUpOutOfMemory, measurable, warm_up
 

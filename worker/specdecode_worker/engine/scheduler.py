@@ -30,7 +30,7 @@ from .request import Request, TokenLogprob
 from .stats import Stats
 
 if TYPE_CHECKING:
-    from .speculation.speculative import RoundResult
+    from .speculation.rounds import RoundResult
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .request import Request
-from .speculation.speculative import RoundResult
+from .speculation.rounds import RoundResult
 
 
 @dataclass

@@ -13,11 +13,11 @@ Under tensor parallelism the layer shards with the target, as the planner prices
 projections and router whole, experts split by their intermediate dimension); ``eh_proj``,
 ``enorm``, ``hnorm`` and ``shared_head.norm`` whole on every rank. Each rank keeps the whole
 one-layer latent pool (the planner's draft cell). Rank 0 runs the rounds and announces every
-target pass and NextN step to the other ranks, as for an EAGLE head (``EagleSpeculator.replay``).
+target pass and NextN step to the other ranks, as for an EAGLE head (``HeadPasses.replay``).
 
 The layer keeps its own K/V (it is not a frozen-KV draft reading the target's cache), so the
 standard order of the phases serves it: target pools first, then the draft's adopting them.
-Drafting rounds are the EAGLE chain's (``EagleSpeculator`` with top-k 1): the NextN layer reads
+Drafting rounds are the EAGLE chain's (``HeadSpeculator`` with top-k 1): the NextN layer reads
 the target's hidden states the way an EAGLE head reads its features.
 """
 

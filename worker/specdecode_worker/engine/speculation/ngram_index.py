@@ -7,7 +7,7 @@ class NgramIndex:
     """The latest end of every n-gram of 1..``max_n`` tokens in a request's tokens, extended as
     tokens are committed. A lookup is then ``max_n`` dict probes, where a scan of the context costs
     time in its length: at 8k tokens, a scan is milliseconds per request per round, against a
-    GPU round of a few. Same answers as ``speculative.ngram_match``: the tokens that followed the
+    GPU round of a few. Same answers as ``reference.ngram_match``: the tokens that followed the
     latest earlier occurrence of the longest suffix that occurs earlier."""
 
     def __init__(self, max_n: int):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ..request import Request
 from .round_cost import RoundCost
 from .spec_policy import FIXED, SpecPolicy
-from .speculative import Lookup, RoundResult, Speculator
+from .rounds import Lookup, RoundResult, Speculator
 from .step_timing import time_rounds
 
 

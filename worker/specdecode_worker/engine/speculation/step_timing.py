@@ -20,7 +20,7 @@ from ..request import SamplingParams
 from ..warmup import LeavesNoTrace, prefill_requests
 from .round_cost import RoundCost
 from .algorithms import Drafter
-from .speculative import Lookup
+from .rounds import Lookup
 
 PREFIX_TOKENS = 128  # context each request has cached (less when the pool or the context is small)
 GREEDY = SamplingParams(max_tokens=1)

@@ -12,9 +12,11 @@ from ...model_rules.vocabulary import check_vocabulary
 from ..memory.prefix_cache import DraftKV, PrefixCache
 from ..model_runner import ModelRunner
 from .algorithms import Algorithm, Drafter
-from .eagle_speculator import EagleRunner, EagleSpeculator, check_tree_args
+from .head_runner import EagleRunner, check_tree_args
+from .head_speculator import HeadSpeculator
 from .mtp_runner import MTPRunner, check_mtp_args
-from .speculative import Speculator, StandaloneSpeculator
+from .rounds import Speculator
+from .standalone import StandaloneSpeculator
 from .vocab_map import DraftVocabulary
 
 if TYPE_CHECKING:
@@ -81,12 +83,12 @@ def create_speculator(method: Algorithm, args: EngineArgs, target: ModelRunner, 
         return StandaloneSpeculator(method.name, target, draft, args.num_draft_tokens, args.ngram_max,
                                     chunk_tokens=args.chunked_prefill_size, ngram_min=args.ngram_min)
     if method.drafter is Drafter.HEAD:
-        spec = EagleSpeculator(method.name, target, draft, args.speculative_num_steps or args.num_draft_tokens,
-                               args.speculative_eagle_topk, args.num_draft_tokens,
-                               chunk_tokens=args.chunked_prefill_size)
+        spec = HeadSpeculator(method.name, target, draft, args.speculative_num_steps or args.num_draft_tokens,
+                              args.speculative_eagle_topk, args.num_draft_tokens,
+                              chunk_tokens=args.chunked_prefill_size)
     else:  # the NextN layer drafts chains from the target's hidden states, as an EAGLE head does
-        spec = EagleSpeculator(method.name, target, draft, args.num_draft_tokens,
-                               chunk_tokens=args.chunked_prefill_size)
+        spec = HeadSpeculator(method.name, target, draft, args.num_draft_tokens,
+                              chunk_tokens=args.chunked_prefill_size)
     if target.device.type == "cuda" and args.cuda_graph_max_bs > 0:
         spec.capture_graphs(min(args.cuda_graph_max_bs, args.max_running_requests))
     return spec
