@@ -28,9 +28,8 @@ def request(prompt_len=8, max_tokens=4, eos=frozenset()) -> Request:
 
 
 def scheduler(kv: KVSlots, **kw) -> tuple[Scheduler, list[Request], list[int]]:
-    released = []
-    s = Scheduler(kv, PER_ROUND, Stats(), release=released.append, **kw)
-    return s, released
+    s = Scheduler(kv, PER_ROUND, Stats(), **kw)
+    return s, s.left
 
 
 def test_kv_slots_reserve_release_and_restore():

@@ -22,7 +22,7 @@ from .parallel.distributed import stop_followers
 from .phases import PhaseError, StartupError  # noqa: F401  (StartupError: re-exported for callers)
 from .request import Request, check_request, make_generator
 from .scheduler import Scheduler
-from .service import EngineReport, KVUsage
+from .service import EngineReport, report_of
 from .speculation import wiring
 from .speculation.spec_policy import SpecPolicy
 from .speculation.speculation_control import SpeculationController, build_controller, measure_round_cost
@@ -55,8 +55,7 @@ class Engine(ModelWorker):
         if args.prefix_cache:  # after the warm-up and the timed passes: they leave no trace
             self.target_runner.slots.cache = wiring.create_prefix_cache(self.method)
         self.scheduler = Scheduler(self.target_runner.slots, spec.slots_per_round, self.stats,
-                                   chunk_tokens=args.chunked_prefill_size, new_token_ratio=args.new_token_ratio,
-                                   release=spec.release)
+                                   chunk_tokens=args.chunked_prefill_size, new_token_ratio=args.new_token_ratio)
 
     @property
     def policy(self) -> SpecPolicy | None:
@@ -128,6 +127,8 @@ class Engine(ModelWorker):
         """Admit, make room, one prefill chunk, then one speculative round for the decoding requests."""
         scheduler = self.scheduler
         scheduler.end_aborted()
+        for r in scheduler.take_left():  # before anyone is admitted: a retracted request comes back clean
+            self.speculator.release(r)
         scheduler.admit()
         scheduler.make_room()
         reqs, ends = scheduler.prefill_chunk()
@@ -139,46 +140,19 @@ class Engine(ModelWorker):
 
     def _decode_round(self, reqs: list[Request]) -> None:
         """One speculative round: the draft lengths, the speculator's draft and verify, what the
-        round teaches speculation control, then the commit."""
+        round teaches speculation control, then the scheduler's commit."""
         plan = self.control.plan_round(reqs)
         start = time.perf_counter()
         results = self.speculator.decode_round(reqs, plan.draft_lengths, plan.lookup)
         seconds = time.perf_counter() - start
         self.control.observe(plan, results, seconds)
         self.stats.count_round(plan.draft_lengths, results, seconds)
-        self.scheduler.keep_prefixes(reqs)  # a head's first drafting round makes a prompt reusable
-        with self.scheduler.ending_together():
-            for r, result in zip(reqs, results):
-                kept = self.scheduler.commit(r, result.tokens, result.logprobs)
-                self.stats.count_verified(r, result, kept)
+        self.scheduler.commit_round(reqs, results)
 
     # ---- observability --------------------------------------------------------------------
     def report(self) -> EngineReport:
         """What serving reads: readiness, load, KV usage, memory against the plan, the policy."""
-        profile, pool = self.memory_profile, self.memory_pool_config
-        memory = None
-        if profile is not None:
-            memory = {**profile.as_dict(), "phaseSeconds": self.stats.phase_seconds,
-                      "poolTokens": pool.max_total_num_tokens if pool else None}
-        ready = self.ready
-        return EngineReport(
-            ready=ready, phase=self.phase.name, stats=self.stats, running=self.num_running, waiting=self.num_waiting,
-            kv=KVUsage(*self.kv_usage()) if ready else None, prefix_cache=self.prefix_cache_usage() if ready else None,
-            memory=memory, kv_tokens_actual=profile.max_total_num_tokens if profile else None,
-            dynamic=self.dynamic_peak.as_dict() if self.dynamic_peak else {},
-            allocator_peak_bytes=self._allocator_peak_bytes(), policy=_policy_view(self.policy))
-
-    def _allocator_peak_bytes(self) -> int | None:
-        """Peak device bytes beyond the static part (weights and KV pools): the measured counterpart
-        of R_dynamic. Only CUDA keeps an allocator peak; elsewhere there is nothing to report."""
-        profile, pools = self.memory_profile, self.memory_pool_config
-        if profile is None or pools is None or self.device.type != "cuda":
-            return None
-        import torch
-
-        cell = profile.target_bytes_per_token + profile.draft_bytes_per_token
-        static = profile.target_weight_bytes + profile.draft_weight_bytes + pools.max_total_num_tokens * cell
-        return max(0, torch.cuda.max_memory_allocated(self.device) - static)
+        return report_of(self)
 
     @property
     def num_running(self) -> int:
@@ -203,10 +177,3 @@ class Engine(ModelWorker):
         return {"cachedTokens": cache.size, "evictableTokens": cache.evictable, "evictedTokens": cache.evicted,
                 "poolTokens": slots.size}
 
-
-def _policy_view(policy: SpecPolicy | None) -> dict | None:
-    """What the speculation policy timed at start-up and has measured since (None: not adaptive)."""
-    if policy is None:
-        return None
-    return {"mode": policy.mode, "timedRounds": policy.cost.table() if policy.cost is not None else None,
-            "measuredSpeedup": policy.speedups(), "probeRounds": policy.probes}

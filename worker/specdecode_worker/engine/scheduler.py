@@ -22,7 +22,7 @@ import math
 import threading
 from collections import deque
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from .memory.kv_slots import Closing, Keep, KVSlots
 from .memory.prefix_cache import common_prefix
@@ -41,13 +41,13 @@ SHARED_PREFILL_MIN = 32
 
 class Scheduler:
     def __init__(self, slots: KVSlots, slots_per_round: int, stats: Stats, *, chunk_tokens: int = 0,
-                 new_token_ratio: float = 0.5, release: Callable[[Request], None] = lambda r: None):
-        """``release``: drop what the speculator keeps for a request that leaves the batch (it
-        finished or was retracted)."""
+                 new_token_ratio: float = 0.5):
         self.slots, self.slots_per_round, self.stats = slots, slots_per_round, stats
         self.chunk_tokens = chunk_tokens or slots.size
         self.new_token_ratio = new_token_ratio
-        self.release = release
+        # Requests that left the batch (finished or retracted), oldest first: whoever keeps state
+        # per request (the speculator) takes them from here and forgets it.
+        self.left: list[Request] = []
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # admitted (prefilling or decoding), oldest first
         self._ending: list[Closing] | None = None  # rows of requests ending in a group
@@ -88,7 +88,7 @@ class Scheduler:
                 break
             free = self.slots.free_slots()
             # A request scoring its prompt (echo with logprobs) prefills every position.
-            reuse = self._caches(req) and req.params.prompt_logprobs is None
+            reuse = _caches(self.slots, req) and req.params.prompt_logprobs is None
             hit = self.slots.borrow(prefill_ids, len(prefill_ids) - 1) if reuse else None
             cached = hit.length if hit else 0
             need = self._expected_slots(req, cached) + free - self.slots.free_slots()  # held cache is not free
@@ -122,7 +122,7 @@ class Scheduler:
 
     def prefill_chunk(self) -> tuple[list[Request], list[int]]:
         """The requests of this step's prefill pass, oldest first, and the position each reaches."""
-        room = self.slots.free_slots() - self._decoding_count() * self.slots_per_round
+        room = self.slots.free_slots() - _decoding_count(self.running) * self.slots_per_round
         budget = min(self.chunk_tokens, room)
         reqs, ends = [], []
         for r in self.running:
@@ -156,6 +156,20 @@ class Scheduler:
         return [r for r in self.running if r.prefill_ids is None][:room]
 
     # ---- output ------------------------------------------------------------------------------
+    def commit_round(self, reqs: list[Request], results: list[RoundResult]) -> None:
+        """A decode round's end: prompts kept for reuse, each request's tokens committed and its
+        round counted, and the requests it finished ending together."""
+        self.keep_prefixes(reqs)  # a head's first drafting round makes a prompt reusable
+        with self.ending_together():
+            for r, result in zip(reqs, results):
+                kept = self.commit(r, result.tokens, result.logprobs)
+                self.stats.count_verified(r, result, kept)
+
+    def take_left(self) -> list[Request]:
+        """The requests that left the batch since the last call."""
+        left, self.left = self.left, []
+        return left
+
     def commit(self, r: Request, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> int:
         """Append new tokens (and their log-probabilities) up to EOS or max_tokens, the one place
         output grows; finish if done. Returns how many of ``tokens`` were kept."""
@@ -186,7 +200,7 @@ class Scheduler:
         if r.req_idx is not None:
             self._close_row(r)
             r.req_idx = None
-        self.release(r)
+        self.left.append(r)
         r.finish_reason, r.error = reason, error
         self.stats.finished_requests += 1
         if self._ending is not None:
@@ -232,20 +246,17 @@ class Scheduler:
         growth = math.ceil(ratio * (r.params.max_tokens - len(r.output_ids)))
         return prefill_left + self.slots_per_round + growth
 
-    def _decoding_count(self) -> int:
-        return sum(1 for r in self.running if r.prefill_ids is None)
-
     def _room_needed(self) -> int:
         """Slots this step takes: one round for every decoding request, and the first prefill chunk."""
         first = next((r for r in self.running if r.prefill_ids is not None), None)
         chunk = min(self.chunk_tokens, len(first.prefill_ids) - first.kv_len) if first else 0
-        return self._decoding_count() * self.slots_per_round + chunk
+        return _decoding_count(self.running) * self.slots_per_round + chunk
 
     def _retract(self, r: Request) -> None:
         """Free every slot of ``r`` (its committed positions stay in the prefix cache, if on, until
         evicted) and queue it for recompute."""
         self._close_row(r)
-        self.release(r)
+        self.left.append(r)
         r.req_idx, r.kv_len, r.draft_kv_len, r.prefill_ids = None, 0, 0, None
         r.retractions += 1
         self.stats.retracted_requests += 1
@@ -257,7 +268,7 @@ class Scheduler:
     def _close_row(self, r: Request) -> None:
         """Give back ``r``'s row and the slots of its ``kv_len`` positions (into the prefix cache,
         if on); inside ``ending_together`` they go back when the block ends, with the rest of the group."""
-        closing = Closing(r.req_idx, r.kv_len, _keep(r) if self._caches(r) else None)
+        closing = Closing(r.req_idx, r.kv_len, _keep(r) if _caches(self.slots, r) else None)
         r.cache_node, r.cache_held = None, 0
         if self._ending is not None:
             self._ending.append(closing)
@@ -268,22 +279,19 @@ class Scheduler:
     def keep_prefixes(self, reqs: list[Request]) -> None:
         """Leave the prompts of running requests in the cache, once their KV can be reused (after
         the prefill; for a draft that reads the next token, after its first drafting round)."""
-        keeping = [(r, _keep(r)) for r in reqs if self._caches(r) and r.prefill_ids is None
+        keeping = [(r, _keep(r)) for r in reqs if _caches(self.slots, r) and r.prefill_ids is None
                    and r.cache_held < len(r.prompt_ids) - 1]
         keeping = [(r, keep) for r, keep in keeping if self.slots.keepable(keep) > r.cache_held]
         if keeping:
             for (r, keep), node in zip(keeping, self.slots.keep_rows([(r.req_idx, k) for r, k in keeping])):
                 r.cache_node, r.cache_held = node, self.slots.keepable(keep)
 
-    def _caches(self, r: Request) -> bool:
-        return self.slots.cache is not None and r.cache_prompt
-
     def _shares_a_prefill(self, req: Request, ids: list[int]) -> bool:
         """Whether a running request is prefilling at least ``SHARED_PREFILL_MIN`` positions of
         ``ids`` that the cache does not hold yet: admitting ``req`` now would compute them twice."""
-        if not self._caches(req):
+        if not _caches(self.slots, req):
             return False
-        return any(r.prefill_ids is not None and self._caches(r)
+        return any(r.prefill_ids is not None and _caches(self.slots, r)
                    and common_prefix(r.prefill_ids, ids) - r.cache_held >= SHARED_PREFILL_MIN for r in self.running)
 
 
@@ -335,3 +343,12 @@ def _tell_done(reqs: list[Request]) -> None:
             r.on_update(r, None)
         r.done.set()
 
+
+
+def _decoding_count(running: list[Request]) -> int:
+    return sum(1 for r in running if r.prefill_ids is None)
+
+
+def _caches(slots: KVSlots, r: Request) -> bool:
+    """Whether ``r``'s prompt goes into the prefix cache (it is on, and the request allows it)."""
+    return slots.cache is not None and r.cache_prompt

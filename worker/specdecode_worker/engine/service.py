@@ -9,10 +9,14 @@ change (another process, another runtime) without the API noticing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .request import Request
 from .stats import Stats
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .speculation.spec_policy import SpecPolicy
 
 
 @dataclass(frozen=True)
@@ -52,3 +56,41 @@ class EngineService(Protocol):
     def stop(self) -> None: ...
 
     def report(self) -> EngineReport: ...
+
+
+def report_of(engine: Engine) -> EngineReport:
+    """The engine's report, read from the worker's fields (the one place that reads them)."""
+    profile, pool = engine.memory_profile, engine.memory_pool_config
+    memory = None
+    if profile is not None:
+        memory = {**profile.as_dict(), "phaseSeconds": engine.stats.phase_seconds,
+                  "poolTokens": pool.max_total_num_tokens if pool else None}
+    ready = engine.ready
+    return EngineReport(
+        ready=ready, phase=engine.phase.name, stats=engine.stats, running=engine.num_running,
+        waiting=engine.num_waiting, kv=KVUsage(*engine.kv_usage()) if ready else None,
+        prefix_cache=engine.prefix_cache_usage() if ready else None, memory=memory,
+        kv_tokens_actual=profile.max_total_num_tokens if profile else None,
+        dynamic=engine.dynamic_peak.as_dict() if engine.dynamic_peak else {},
+        allocator_peak_bytes=_allocator_peak_bytes(engine), policy=_policy_view(engine.policy))
+
+
+def _allocator_peak_bytes(engine: Engine) -> int | None:
+    """Peak device bytes beyond the static part (weights and KV pools): the measured counterpart
+    of R_dynamic. Only CUDA keeps an allocator peak; elsewhere there is nothing to report."""
+    profile, pools = engine.memory_profile, engine.memory_pool_config
+    if profile is None or pools is None or engine.device.type != "cuda":
+        return None
+    import torch
+
+    cell = profile.target_bytes_per_token + profile.draft_bytes_per_token
+    static = profile.target_weight_bytes + profile.draft_weight_bytes + pools.max_total_num_tokens * cell
+    return max(0, torch.cuda.max_memory_allocated(engine.device) - static)
+
+
+def _policy_view(policy: SpecPolicy | None) -> dict | None:
+    """What the speculation policy timed at start-up and has measured since (None: not adaptive)."""
+    if policy is None:
+        return None
+    return {"mode": policy.mode, "timedRounds": policy.cost.table() if policy.cost is not None else None,
+            "measuredSpeedup": policy.speedups(), "probeRounds": policy.probes}
