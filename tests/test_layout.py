@@ -159,3 +159,55 @@ def test_the_method_counter_counts_methods_not_nested_functions(tmp_path):
     source.write_text("class A:\n    def f(self):\n        def g():\n            pass\n    @property\n"
                       "    def h(self):\n        pass\n    x = 1\nclass B:\n    pass\n")
     assert methods_per_class(source) == {"A": 2, "B": 0}
+
+
+def import_graph(folder: Path, source_root: Path) -> dict[str, set[str]]:
+    """Each module under ``folder`` and the modules under it that it imports (``from pkg import
+    mod`` counts as importing ``pkg.mod``; importing a package counts as its ``__init__``)."""
+    modules = {_module(p, source_root): p for p in folder.rglob("*.py")}
+    return {m: {n for n in imports(p, source_root) if n in modules and n != m} for m, p in modules.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for n in graph[m]:
+            if n not in index:
+                visit(n)
+                low[m] = min(low[m], low[n])
+            elif n in stack:
+                low[m] = min(low[m], index[n])
+        if low[m] == index[m]:
+            group = []
+            while True:
+                n = stack.pop()
+                group.append(n)
+                if n == m:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    return found
+
+
+def test_no_engine_module_imports_one_that_imports_it_back():
+    """Floors need no circle: a module that runs back up to one above it closes a loop. Imports
+    under TYPE_CHECKING count too (a loop in the types is a loop in the design)."""
+    graph = import_graph(WORKER / "engine", WORKER.parent)
+    assert len(graph) > 40, "the walk found the engine"
+    assert circles(graph) == []
+
+
+def test_the_circle_finder_finds_circles():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []

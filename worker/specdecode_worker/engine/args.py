@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .speculation.spec_policy import FIXED
+# The speculation policy's modes (speculation/spec_policy.py): K drafts every round, or as measured.
+ADAPTIVE, FIXED = "adaptive", "fixed"
+MODES = (ADAPTIVE, FIXED)
 
 
 @dataclass

@@ -23,16 +23,6 @@ def alloc_positions(req_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
                                                                    req_pool.req_to_token.device)
 
 
-def free_position_ranges(req_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
-                         ranges: list[tuple[int, int, int]]) -> None:
-    """Return the slots of positions ``start .. end - 1`` for every ``(req_idx, start, end)``, in that
-    order (rejected draft tokens, finished requests), with one read of the
-    slots back to the host (each read waits for the GPU: a round's frees must not cost one each)."""
-    parts = [req_pool.req_to_token[idx, start:end] for idx, start, end in ranges if end > start]
-    if parts:
-        allocator.free(torch.cat(parts))
-
-
 @dataclass
 class Segment:
     """New tokens of one request: ``tokens`` at positions ``start .. start + len(tokens) - 1``."""

@@ -30,7 +30,7 @@ from .parallel.distributed import follow, get_tp
 from .phases import Phase, PhaseError, StartupError
 from .speculation import wiring
 from .speculation.algorithms import algorithm
-from .speculation.spec_policy import MODES
+from .args import MODES
 from .speculation.rounds import Speculator
 from .stats import Stats
 from .warmup import DynamicPeak, WarmUpOutOfMemory, measurable, warm_up

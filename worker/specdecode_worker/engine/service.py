@@ -15,7 +15,6 @@ from .request import Request
 from .stats import Stats
 
 if TYPE_CHECKING:
-    from .engine import Engine
     from .speculation.spec_policy import SpecPolicy
 
 
@@ -58,8 +57,9 @@ class EngineService(Protocol):
     def report(self) -> EngineReport: ...
 
 
-def report_of(engine: Engine) -> EngineReport:
-    """The engine's report, read from the worker's fields (the one place that reads them)."""
+def report_of(engine) -> EngineReport:
+    """The report of ``engine`` (an ``engine.Engine``), read from its worker's fields: the one place
+    that reads them."""
     profile, pool = engine.memory_profile, engine.memory_pool_config
     memory = None
     if profile is not None:
@@ -75,7 +75,7 @@ def report_of(engine: Engine) -> EngineReport:
         allocator_peak_bytes=_allocator_peak_bytes(engine), policy=_policy_view(engine.policy))
 
 
-def _allocator_peak_bytes(engine: Engine) -> int | None:
+def _allocator_peak_bytes(engine) -> int | None:
     """Peak device bytes beyond the static part (weights and KV pools): the measured counterpart
     of R_dynamic. Only CUDA keeps an allocator peak; elsewhere there is nothing to report."""
     profile, pools = engine.memory_profile, engine.memory_pool_config

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batch import free_position_ranges
 from ..forward_batch import host_to_device, pack_to_device
 from .pools import ReqToTokenPool, TokenToKVPoolAllocator
 from .prefix_cache import Hit, Node, PrefixCache
@@ -183,7 +182,7 @@ class KVSlots:
     def release(self, ranges: list[tuple[int, int, int]]) -> None:
         """The slots of every ``(row, start, end)`` back, with one read of them to the host (each
         read waits for the GPU: a round's rejections must not cost one wait each)."""
-        free_position_ranges(self.rows, self.allocator, ranges)
+        _free_position_ranges(self.rows, self.allocator, ranges)
 
     def give_back(self, slots: torch.Tensor) -> None:
         """Slots from ``fresh`` no position took, or a round's rejected slots read back already."""
@@ -196,3 +195,13 @@ class KVSlots:
     def restore(self, snapshot: SlotsSnapshot) -> None:
         self.rows.restore_free_rows(snapshot.rows)
         self.allocator.restore_free_slots(snapshot.slots)
+
+
+def _free_position_ranges(req_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
+                         ranges: list[tuple[int, int, int]]) -> None:
+    """Return the slots of positions ``start .. end - 1`` for every ``(req_idx, start, end)``, in that
+    order (rejected draft tokens, finished requests), with one read of the
+    slots back to the host (each read waits for the GPU: a round's frees must not cost one each)."""
+    parts = [req_pool.req_to_token[idx, start:end] for idx, start, end in ranges if end > start]
+    if parts:
+        allocator.free(torch.cat(parts))

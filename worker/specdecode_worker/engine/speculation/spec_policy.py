@@ -29,11 +29,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..args import FIXED, MODES
 from .algorithms import ALGORITHMS
 from .round_cost import RoundCost
 
-ADAPTIVE, FIXED = "adaptive", "fixed"
-MODES = (ADAPTIVE, FIXED)
 
 
 class Acceptance:

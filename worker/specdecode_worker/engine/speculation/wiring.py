@@ -20,7 +20,7 @@ from .standalone import StandaloneSpeculator
 from .vocab_map import DraftVocabulary
 
 if TYPE_CHECKING:
-    from ..engine import EngineArgs
+    from ..args import EngineArgs
 
 
 def check_args(method: Algorithm, args: EngineArgs) -> None:
