@@ -200,7 +200,7 @@ def test_tree_greedy_output_through_graph_buffers_on_triton(models, monkeypatch,
     """The same through the Triton backend (its interpreter on CPU): its tree-masked extend kernel
     reads the masks, slots and prefix lengths from the graphs' staged buffers."""
     from specdecode_worker.engine.kernels.attention import ATTENTION_BACKEND_ENV
-    from specdecode_worker.engine.kernels.triton_attention import TritonAttnBackend
+    from specdecode_worker.engine.kernels.triton_backend import TritonAttnBackend
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py)")

@@ -211,3 +211,12 @@ def test_no_engine_module_imports_one_that_imports_it_back():
 def test_the_circle_finder_finds_circles():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+FILE_LINES = 400  # any engine file: past it, a file holds two jobs
+
+
+def test_no_engine_file_grows_past_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in (WORKER / "engine").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > FILE_LINES}
+    assert long == {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 from specdecode_worker.engine.kernels import triton_attention as ta  # noqa: E402
+from specdecode_worker.engine.kernels import triton_backend as tb  # noqa: E402
 from specdecode_worker.engine.kernels.attention import TorchNativeAttnBackend  # noqa: E402
 from specdecode_worker.engine.memory.pools import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 from specdecode_worker.engine.speculation.tree import ancestor_mask  # noqa: E402
@@ -66,7 +67,7 @@ def _compare(kv_heads, group, seq_lens, extend_lens, window=None, kv_dtype=torch
     k = _randn(n, kv_heads, D, g=g)
     v = _randn(n, kv_heads, D, g=g)
     want = _run(TorchNativeAttnBackend, req_pool, kv, window, q, k, v, fb)
-    got = _run(ta.TritonAttnBackend, req_pool, kv, window, q, k, v, fb)
+    got = _run(tb.TritonAttnBackend, req_pool, kv, window, q, k, v, fb)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     return got
 
@@ -125,7 +126,7 @@ def test_extend_prefill_and_chain_verify_in_one_launch(group):
 
 
 def _verify(req_pool, kv, fb, q, window, splits):
-    backend = ta.TritonAttnBackend(req_pool, kv, window)
+    backend = tb.TritonAttnBackend(req_pool, kv, window)
     q_start, q_lens, linear_lens, max_q_len, extra = backend._meta(fb, q.device)
     return ta.verify_attention(q, kv.k_buffer[0], kv.v_buffer[0], req_pool.req_to_token, fb.req_pool_indices,
                                q_start, q_lens, linear_lens, fb.positions, max_q_len, SCALE, window, splits, extra)
@@ -170,13 +171,13 @@ def test_the_backend_verifies_few_tokens_split_and_extends_long_ones(monkeypatch
     kernel, prefill chunks the extend kernel, and single tokens the decode kernel."""
     calls = []
     for name in ("decode_attention", "verify_attention", "extend_attention"):
-        real = getattr(ta, name)
-        monkeypatch.setattr(ta, name, lambda *a, _n=name, _r=real, **kw: calls.append(_n) or _r(*a, **kw))
+        real = getattr(tb, name)
+        monkeypatch.setattr(tb, name, lambda *a, _n=name, _r=real, **kw: calls.append(_n) or _r(*a, **kw))
     _compare(kv_heads=2, group=4, seq_lens=[20, 50], extend_lens=[1, 1])
     _compare(kv_heads=2, group=4, seq_lens=[20, 50], extend_lens=[16, 4])
     _compare(kv_heads=2, group=4, seq_lens=[20, 50], extend_lens=[17, 4])
     assert calls == ["decode_attention", "verify_attention", "extend_attention"]
-    assert ta.verify_fits(16, 4) and not ta.verify_fits(17, 4) and ta.verify_fits(8, 8)
+    assert tb.verify_fits(16, 4) and not tb.verify_fits(17, 4) and tb.verify_fits(8, 8)
 
 
 def test_extend_with_uniform_verify_lengths_builds_metadata_on_device():
@@ -232,7 +233,7 @@ def test_tree_masked_attention(group, window, queries):
     k = _randn(n, 2, D, g=g)
     v = _randn(n, 2, D, g=g)
     want = _run(TreeAttnBackend, req_pool, kv, window, q, k, v, fb)
-    got = _run(ta.TritonAttnBackend, req_pool, kv, window, q, k, v, fb)
+    got = _run(tb.TritonAttnBackend, req_pool, kv, window, q, k, v, fb)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -241,10 +242,10 @@ def test_tree_mask_changes_the_answer():
     req_pool, kv, g = _pools(kv_heads=1, seed=4)
     fb = _tree_batch(req_pool, [10], [[-1, 0, 0, 0]])
     q, k, v = (_randn(4, 1, D, g=g) for _ in range(3))
-    backend = ta.TritonAttnBackend(req_pool, kv, None)
+    backend = tb.TritonAttnBackend(req_pool, kv, None)
     tree_out = backend.forward(q, k, v, 0, fb, SCALE)
     fb.mask = ancestor_mask([-1, 0, 1, 2])[None].to(DEVICE, torch.int8)
-    chain_out = ta.TritonAttnBackend(req_pool, kv, None).forward(q, k, v, 0, fb, SCALE)
+    chain_out = tb.TritonAttnBackend(req_pool, kv, None).forward(q, k, v, 0, fb, SCALE)
     torch.testing.assert_close(tree_out[:2], chain_out[:2])  # root and first child see the same keys
     assert not torch.allclose(tree_out[2:], chain_out[2:])
 
@@ -324,7 +325,7 @@ def test_padded_graph_batch_gives_the_eager_rows(tokens_per_req):
     fb = paged_batch(req_pool, seq_lens, [tokens_per_req] * 3, [2, 4, 6])
     n = sum(fb.extend_lens)
     q, k, v = _randn(n, 8, D, g=g), _randn(n, 2, D, g=g), _randn(n, 2, D, g=g)
-    eager = ta.TritonAttnBackend(req_pool, kv, None).forward(q, k, v, 0, fb, SCALE)
+    eager = tb.TritonAttnBackend(req_pool, kv, None).forward(q, k, v, 0, fb, SCALE)
 
     sizes = capture_sizes(8)
     bs = padded_size(sizes, fb.batch_size)
@@ -337,7 +338,7 @@ def test_padded_graph_batch_gives_the_eager_rows(tokens_per_req):
     assert static.out_cache_loc[pad].eq(0).all() and static.req_pool_indices[3] == 0
     padded = lambda x: torch.cat([x, torch.zeros(bs * tokens_per_req - n, *x.shape[1:], device=DEVICE)])  # noqa: E731
     before = kv.k_buffer[0].clone()
-    replayed = ta.TritonAttnBackend(req_pool, kv, None).forward(padded(q), padded(k), padded(v), 0, static, SCALE)
+    replayed = tb.TritonAttnBackend(req_pool, kv, None).forward(padded(q), padded(k), padded(v), 0, static, SCALE)
     torch.testing.assert_close(replayed[:n], eager)
     changed = (kv.k_buffer[0] != before).any(dim=(1, 2)).nonzero().flatten().tolist()
     assert changed == [0]  # the real rows rewrote the same values; padding went to slot 0
@@ -362,7 +363,7 @@ def test_padded_chain_batch_gives_the_ragged_rows_on_both_backends(window):
 
     before = kv.k_buffer[0].clone()
     q_p, k_p, v_p = (_spread(x, real, len(reqs) * width, g) for x in (q, k, v))
-    for backend in (TorchNativeAttnBackend, ta.TritonAttnBackend):
+    for backend in (TorchNativeAttnBackend, tb.TritonAttnBackend):
         got = _run(backend, req_pool, kv, window, q_p, k_p, v_p, fb)
         torch.testing.assert_close(got[real], want, atol=2e-5, rtol=2e-5)
     changed = (kv.k_buffer[0] != before).any(dim=(1, 2)).nonzero().flatten().tolist()
@@ -390,7 +391,7 @@ def test_left_padded_batch_gives_the_ragged_rows_on_both_backends(window):
 
     before = kv.k_buffer[0].clone()
     q_p, k_p, v_p = (_spread(x, real, len(reqs) * width, g) for x in (q, k, v))
-    for backend in (TorchNativeAttnBackend, ta.TritonAttnBackend):
+    for backend in (TorchNativeAttnBackend, tb.TritonAttnBackend):
         got = _run(backend, req_pool, kv, window, q_p, k_p, v_p, fb)
         torch.testing.assert_close(got[real], want, atol=2e-5, rtol=2e-5)
     changed = (kv.k_buffer[0] != before).any(dim=(1, 2)).nonzero().flatten().tolist()
@@ -442,5 +443,5 @@ def test_a_graph_capture_makes_its_own_extend_metadata(monkeypatch, kernel, toke
     fb = paged_batch(req_pool, [42, 50, 61], [tokens] * 3, [1, 2, 3])
     n = 3 * tokens
     q, k, v = _randn(n, 4, D, g=g), _randn(n, 2, D, g=g), _randn(n, 2, D, g=g)
-    assert_capture_makes_its_own_metadata(monkeypatch, ta, kernel, 6,
-                                          ta.TritonAttnBackend(req_pool, kv, None), q, k, v, fb, SCALE)
+    assert_capture_makes_its_own_metadata(monkeypatch, tb, kernel, 6,
+                                          tb.TritonAttnBackend(req_pool, kv, None), q, k, v, fb, SCALE)

@@ -154,6 +154,7 @@ def _launch_case(name: str, arch: int):
 
     from specdecode_worker.engine.kernels import layer_kernels as lk
     from specdecode_worker.engine.kernels import triton_attention as ta
+    from specdecode_worker.engine.kernels import triton_backend as tb
     from specdecode_worker.engine.kernels import triton_mla as tm
     from specdecode_worker.engine.kernels import triton_moe as tmoe
 
@@ -180,7 +181,7 @@ def _launch_case(name: str, arch: int):
                                 D ** -0.5, window, splits)
         elif mode[0].startswith("split"):
             _, n, B = mode
-            assert ta.verify_fits(n, H // Hkv)  # the backend takes this pass to the split kernel
+            assert tb.verify_fits(n, H // Hkv)  # the backend takes this pass to the split kernel
             q = torch.empty((B * n, H, D), dtype=torch.bfloat16, **meta)
             extra = None
             if mode[0] == "split-tree":

@@ -140,7 +140,7 @@ def test_splits_and_workspace_follow_head_blocks():
 def test_the_backend_choice_gives_mla_pools_the_mla_kernels(monkeypatch):
     from specdecode_worker.engine.kernels.attention import ATTENTION_BACKEND_ENV, make_attn_backend
     from specdecode_worker.engine.memory.pools import MHATokenToKVPool
-    from specdecode_worker.engine.kernels.triton_attention import TritonAttnBackend
+    from specdecode_worker.engine.kernels.triton_backend import TritonAttnBackend
 
     req_pool, kv, _ = _pools()
     monkeypatch.setenv(ATTENTION_BACKEND_ENV, "triton")

@@ -55,13 +55,13 @@ def assert_capture_makes_its_own_metadata(monkeypatch, kernels, kernel: str, q_s
     warm-up's metadata tensors (freed once another batch replaces them, while the graph reads their
     addresses at every replay). ``kernels.<kernel>`` is spied on for its ``q_start`` argument
     (position ``q_start_arg``); the capture is simulated: the stream reports capturing."""
-    from specdecode_worker.engine.kernels import triton_attention as ta
+    from specdecode_worker.engine.kernels import triton_backend as tb
 
     seen, real = [], getattr(kernels, kernel)
     monkeypatch.setattr(kernels, kernel, lambda *a, **kw: seen.append(a[q_start_arg]) or real(*a, **kw))
     warm = backend.forward(q, k, v, 0, fb, scale)
     backend.forward(q, k, v, 0, fb, scale)  # every layer of one pass reuses the batch's metadata
-    monkeypatch.setattr(ta, "stream_capturing", lambda device: True)
+    monkeypatch.setattr(tb, "stream_capturing", lambda device: True)
     captured = backend.forward(q, k, v, 0, fb, scale)
     assert seen[0] is seen[1]
     assert seen[2] is not seen[0], "the capture read the warm-up's metadata tensors"

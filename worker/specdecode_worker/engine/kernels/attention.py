@@ -67,7 +67,7 @@ def make_attn_backend(req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPo
             from .triton_mla import TritonMLABackend
 
             return TritonMLABackend(req_to_token_pool, kv_pool)
-        from .triton_attention import TritonAttnBackend  # imports triton: only where it runs
+        from .triton_backend import TritonAttnBackend  # imports triton: only where it runs
 
         return TritonAttnBackend(req_to_token_pool, kv_pool, sliding_window)
     return TorchNativeAttnBackend(req_to_token_pool, kv_pool, sliding_window)

@@ -66,7 +66,7 @@ class TreeAttnBackend:
 def make_tree_attn_backend(req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, sliding_window: int | None):
     """Tree-masked attention on the backend chosen for the pools' device (Triton serves both kinds)."""
     if use_triton(req_to_token_pool, kv_pool):
-        from .triton_attention import TritonAttnBackend
+        from .triton_backend import TritonAttnBackend
 
         return TritonAttnBackend(req_to_token_pool, kv_pool, sliding_window)
     return TreeAttnBackend(req_to_token_pool, kv_pool, sliding_window)

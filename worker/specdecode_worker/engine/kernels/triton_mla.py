@@ -27,18 +27,8 @@ import triton.language as tl
 from ..forward_batch import ForwardBatch
 from ..memory.mla_pool import MLATokenToKVPool
 from ..memory.pools import ReqToTokenPool
-from .triton_attention import (
-    _NEG,
-    BatchMeta,
-    TritonAttnBackend,
-    _decode_reduce_kernel,
-    _online_update,
-    _p2,
-    _precision,
-    _sm_count,
-    _upcast,
-    decode_num_splits,
-)
+from .triton_attention import _NEG, _decode_reduce_kernel, _online_update, _p2, _precision, _upcast, decode_num_splits
+from .triton_backend import BatchMeta, TritonAttnBackend, _sm_count
 
 DECODE_BLOCK_H = 16  # query heads per decode program (the least tl.dot M on a GPU)
 
