@@ -31,7 +31,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -44,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
+from devtools import processes  # noqa: E402
 from devtools.cluster.__main__ import default_workdir  # noqa: E402
 from devtools.cluster.__main__ import down as plane_down  # noqa: E402
 from devtools.cluster.__main__ import up as plane_up  # noqa: E402
@@ -94,82 +94,21 @@ def fullname() -> str:
 
 # ---- processes the demo leaves running --------------------------------------------------------
 
+OPERATOR = processes.Background(STATE, "operator", marker="specdecode-operator")
+WORKER = processes.Background(STATE, "worker", marker="specdecode-worker")
 
-def pid_file(name: str) -> Path:
-    return STATE / f"{name}.pid"
+
+def stop(child: processes.Background) -> None:
+    pid = child.stop()
+    if pid is not None:
+        say(f"stopped {child.name} (pid {pid})")
 
 
-def ours(pid: int, marker: str) -> bool:
-    """True when pid is alive and runs our command (a recycled pid is left alone)."""
+def wait_ready(child: processes.Background, proc: subprocess.Popen, url: str, timeout: float) -> None:
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return False
-    return marker in cmdline
-
-
-def stop_process(name: str, marker: str) -> None:
-    path = pid_file(name)
-    if not path.exists():
-        return
-    pid = int(path.read_text())
-    if ours(pid, marker):
-        os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        while ours(pid, marker) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if ours(pid, marker):
-            os.killpg(pid, signal.SIGKILL)
-        say(f"stopped {name} (pid {pid})")
-    path.unlink()
-
-
-def start_process(name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-    log = STATE / f"{name}.log"
-    with open(log, "wb") as out:  # one run per log: its tail explains this run's failure
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, cwd=STATE)
-    pid_file(name).write_text(str(proc.pid))
-    return proc
-
-
-def tail(name: str, lines: int = 40) -> str:
-    log = STATE / f"{name}.log"
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
-
-
-def still_running(name: str, marker: str, key: list[str]) -> dict | None:
-    """What a previous run recorded for a process that still runs the same command and answers."""
-    record, pid = STATE / f"{name}.json", pid_file(name)
-    if not (record.exists() and pid.exists()):
-        return None
-    info = json.loads(record.read_text())
-    if info.get("key") != key or not ours(int(pid.read_text()), marker):
-        return None
-    try:
-        with urllib.request.urlopen(info["health"], timeout=2) as resp:
-            return info if resp.status == 200 else None
-    except OSError:
-        return None
-
-
-def remember(name: str, key: list[str], **info: str) -> None:
-    (STATE / f"{name}.json").write_text(json.dumps({"key": key, **info}))
-
-
-def wait_http(url: str, proc: subprocess.Popen, name: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            fail(f"{name} exited with code {proc.returncode}; last lines of {shown(name + '.log')}:\n{tail(name)}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    fail(f"{name} did not answer {url} within {timeout:.0f}s; last lines of {shown(name + '.log')}:\n{tail(name)}")
+        processes.wait_http(url, proc, timeout)
+    except processes.NotReady as exc:
+        fail(f"{child.name} {exc}; last lines of {shown(child.log.name)}:\n{child.tail()}")
 
 
 def fail(msg: str) -> None:
@@ -253,19 +192,19 @@ def start_operator(plane: ControlPlane) -> None:
     say(f"the chart's operator arguments: {' '.join(args)}")
     say(f"  credentials: ServiceAccount {SYSTEM_NS}/{fullname()} (token in {shown('operator.kubeconfig')}); "
         f"log: {shown('operator.log')}")
-    previous = still_running("operator", "specdecode-operator", args)
+    previous = OPERATOR.reusable(args)
     if previous:
-        say(f"operator already running with these arguments (pid {pid_file('operator').read_text()}), "
+        say(f"operator already running with these arguments (pid {OPERATOR.pid()}), "
             f"liveness {previous['health']} answers")
         return
-    stop_process("operator", "specdecode-operator")
+    stop(OPERATOR)
     kubeconfig = sa_kubeconfig(plane)
     health = f"http://127.0.0.1:{free_ports(1)[0]}/healthz"
     env = dict(os.environ, KUBECONFIG=str(kubeconfig))
     say(f"$ specdecode-operator {' '.join(args)} --liveness={health}")
-    proc = start_process("operator", [str(BIN / "specdecode-operator"), *args, f"--liveness={health}"], env)
-    wait_http(health, proc, "operator", 60)
-    remember("operator", args, health=health)
+    proc = OPERATOR.start([str(BIN / "specdecode-operator"), *args, f"--liveness={health}"], env)
+    wait_ready(OPERATOR, proc, health, 60)
+    OPERATOR.remember(args, health=health)
     say(f"operator running (pid {proc.pid}), liveness {health} answers")
 
 
@@ -346,10 +285,10 @@ def watch_until_ready(plane: ControlPlane, timeout: float) -> dict:
         if status.get("phase") == "Ready":
             return obj
         if status.get("phase") == "Failed":
-            fail(f"{SDD} is Failed: {conds}\noperator log:\n{tail('operator')}")
+            fail(f"{SDD} is Failed: {conds}\noperator log:\n{OPERATOR.tail()}")
         if time.monotonic() > deadline:
             fail(f"{SDD} not Ready after {timeout:.0f}s (phase {status.get('phase')}); operator log:\n"
-                 f"{tail('operator')}")
+                 f"{OPERATOR.tail()}")
         time.sleep(1)
 
 
@@ -420,20 +359,20 @@ def run_worker(plane: ControlPlane, sdd: dict) -> str:
         f"(KWOK runs no containers, so its command runs here)")
     key = worker_argv(plane, pod, 0)  # the command line but for the port
     record = key + [f"{k}={v}" for k, v in WORKER_ENV.items()]
-    previous = still_running("worker", "specdecode-worker", record)
+    previous = WORKER.reusable(record)
     if previous:
         url = previous["url"]
-        say(f"worker already running with this command line (pid {pid_file('worker').read_text()}) at {url}")
+        say(f"worker already running with this command line (pid {WORKER.pid()}) at {url}")
     else:
-        stop_process("worker", "specdecode-worker")
+        stop(WORKER)
         port = free_ports(1)[0]
         argv = [str(port) if a == "0" and prev == "--port" else a for prev, a in zip([""] + key, key)]
         say("$ " + " ".join(Path(argv[0]).name if i == 0 else a for i, a in enumerate(argv)))
         say("  with " + " ".join(f"{k}={v}" for k, v in WORKER_ENV.items()))
-        proc = start_process("worker", argv, dict(os.environ, **WORKER_ENV))
+        proc = WORKER.start(argv, dict(os.environ, **WORKER_ENV))
         url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/health", proc, "worker", 300)
-        remember("worker", record, health=f"{url}/health", url=url)
+        wait_ready(WORKER, proc, f"{url}/health", 300)
+        WORKER.remember(record, health=f"{url}/health", url=url)
     say(f"  {url} stands in for Service {DEMO_NS}/{SDD} ({svc['spec'].get('clusterIP')}:{svc_port}); "
         f"log: {shown('worker.log')}")
     with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as resp:
@@ -529,9 +468,8 @@ def finish(plane: ControlPlane, worker_url: str) -> None:
         f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], "
         f"\"max_tokens\": 24}}'")
     say(f"  curl {worker_url}/metrics      # tokens, acceptance, latency histograms, KV pool, plan vs measured")
-    operator = STATE / "operator.json"
-    if operator.exists():
-        health = json.loads(operator.read_text())["health"]
+    if OPERATOR.record.exists():
+        health = json.loads(OPERATOR.record.read_text())["health"]
         metrics = health.rsplit("/", 1)[0] + "/metrics"
         say(f"  curl {metrics}   # the SDD's conditions, phase and Ready pods, from the operator")
     say("Stop everything (operator, worker, control plane):")
@@ -539,8 +477,8 @@ def finish(plane: ControlPlane, worker_url: str) -> None:
 
 
 def down() -> int:
-    stop_process("worker", "specdecode-worker")
-    stop_process("operator", "specdecode-operator")
+    stop(WORKER)
+    stop(OPERATOR)
     (STATE / "chart.sha256").unlink(missing_ok=True)
     return plane_down(default_workdir())
 
