@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Builds the operator and worker images with podman from operator/Dockerfile and worker/Dockerfile,
-# unchanged except for their base (build arg PYTHON_IMAGE), without Docker or a registry:
+# Builds the operator and worker images with podman from the Dockerfile's two targets, unchanged
+# except for their base (build arg PYTHON_IMAGE), without Docker or a registry:
 #   * the base is Debian bookworm's own Python 3.11, made with mmdebstrap and `podman import`;
 #   * pip inside a build trusts the host's CA bundle, bind-mounted read-only for the build only;
-#   * each image is tagged with a key of its inputs (base, Dockerfile, pyproject.toml, sources),
-#     and a rerun with an unchanged key builds nothing.
+#   * each image is tagged with a key of its inputs (base, target, Dockerfile, pyproject.toml,
+#     sources), and a rerun with an unchanged key builds nothing.
 # Installs podman, buildah, mmdebstrap and runc from Debian when they are missing (needs root).
 # Prints the two image names, one per line, on stdout; progress goes to stderr.
 set -euo pipefail
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 export CONTAINERS_CONF="$PWD/images/containers.conf"
 
 SUITE=bookworm
-# python-is-python3: the Dockerfiles call `python`, which Debian's python3 does not provide.
+# python-is-python3: the Dockerfile calls `python`, which Debian's python3 does not provide.
 BASE_PACKAGES=python3,python3-venv,python3-pip,python-is-python3,ca-certificates
 CA_BUNDLE=${CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
 VERSION=$(sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml | head -1)
@@ -20,15 +20,16 @@ VERSION=$(sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml | head -1)
 say() { echo "images: $*" >&2; }
 hash_of() { sha256sum | cut -c1-16; }
 
-# A key of what goes into an image: the base, the Dockerfile, the tables of pyproject.toml that
-# pip reads when installing (not the test or lint settings), and every source file (both packages
-# are copied into both images). README.md is copied too but only feeds the package's long
-# description, so editing it does not rebuild the 6 GB worker image.
+# A key of what goes into an image: the base, the target, the whole Dockerfile (an edit of the
+# other target's stages only rebuilds this one from podman's layer cache, in seconds), the tables
+# of pyproject.toml that pip reads when installing (not the test or lint settings), and every
+# source file (both packages are copied into both images). README.md is copied too but only feeds
+# the package's long description, so editing it does not rebuild the 6 GB worker image.
 inputs_key() {
-    local dockerfile=$1 base=$2
+    local target=$1 base=$2
     {
-        echo "$base"
-        sha256sum "$dockerfile"
+        echo "$base $target"
+        sha256sum Dockerfile
         python3 -c 'import json, sys, tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))
 print(json.dumps([p["build-system"], p["project"], p["tool"]["setuptools"]], sort_keys=True))'
@@ -66,27 +67,29 @@ ensure_base() {
     echo "$tag"
 }
 
-# build NAME DOCKERFILE BASE: prints the image name; builds only when its inputs key is new.
+# build NAME BASE: the Dockerfile's target NAME; prints the image name; builds only when its
+# inputs key is new.
 build() {
-    local name=$1 dockerfile=$2 base=$3 key repo
+    local name=$1 base=$2 key repo
     repo="localhost/specdecode-$name"
-    key=$(inputs_key "$dockerfile" "$base")
+    key=$(inputs_key "$name" "$base")
     if podman image exists "$repo:inputs-$key"; then
         say "$name: up to date ($repo:inputs-$key)"
     else
         say "$name: building $repo:$VERSION (inputs $key)"
         local t0=$SECONDS
-        local args=(--pull=never --layers -f "$dockerfile" --build-arg "PYTHON_IMAGE=$base"
-                    --volume "$CA_BUNDLE:$CA_BUNDLE:ro")
-        podman build "${args[@]}" --tag "$repo:$VERSION" --tag "$repo:inputs-$key" . >&2
-        # The build stage under a tag (all layers cached: seconds), so that pruning keeps its
+        local args=(--pull=never --layers --build-arg "PYTHON_IMAGE=$base" --volume "$CA_BUNDLE:$CA_BUNDLE:ro")
+        podman build "${args[@]}" --target "$name" --tag "$repo:$VERSION" --tag "$repo:inputs-$key" . >&2
+        # The deps stage under a tag (all layers cached: seconds), so that pruning keeps its
         # layers and the next build after a source change reuses them (the worker's torch layer).
-        podman build "${args[@]}" --quiet --target build --tag "$repo:build-stage" . >/dev/null
+        podman build "${args[@]}" --quiet --target "$name-deps" --tag "$repo:deps-stage" . >/dev/null
         say "$name: built in $((SECONDS - t0)) s, $(podman image inspect --format '{{.Size}}' "$repo:$VERSION" \
             | awk '{printf "%.0f MB", $1 / 1e6}')"
-        # Older builds of this image: their tags, then every layer nothing tagged uses any more.
-        podman images --format '{{.Repository}}:{{.Tag}}' "$repo" | grep ":inputs-" \
-            | grep -v ":inputs-$key\$" | xargs -r podman rmi >&2 || true
+        # Every other tag of this repository is an older build's: those tags, then every layer
+        # nothing tagged uses any more.
+        podman images --format '{{.Repository}}:{{.Tag}}' "$repo" \
+            | grep -vxF -e "$repo:$VERSION" -e "$repo:inputs-$key" -e "$repo:deps-stage" \
+            | xargs -r podman rmi >&2 || true
         podman image prune --force >/dev/null
     fi
     echo "$repo:inputs-$key"
@@ -94,5 +97,5 @@ build() {
 
 ensure_tools
 BASE=$(ensure_base)
-build operator operator/Dockerfile "$BASE"
-build worker worker/Dockerfile "$BASE"
+build operator "$BASE"
+build worker "$BASE"

@@ -1,8 +1,9 @@
-"""The two images: static checks of the Dockerfiles, then the built images run with podman.
+"""The two images: static checks of the Dockerfile, then the built images run with podman.
 
-Static: each Dockerfile must be multi-stage, on pinned bases, run as a non-root user, copy only
-paths that exist, and start an entry point that the distribution really declares. The operator
-image must not need torch: neither its declared dependency closure nor its code may pull it in.
+Static: each image's target in the Dockerfile must be multi-stage, on pinned bases, run as a
+non-root user, copy only paths that exist, and start an entry point that the distribution really
+declares. The operator image must not need torch: neither its declared dependency closure nor its
+code may pull it in.
 
 Built (marked `images` and `e2e`, so `make test-unit` skips them; images/build.sh builds the
 images once, keyed by their inputs): each entry point's --help is the local CLI's; both images run
@@ -41,7 +42,8 @@ from devtools.cluster.controlplane import free_ports
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SOURCE_ROOTS = [ROOT / d for d in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["where"]]
-IMAGES = {"operator": ROOT / "operator" / "Dockerfile", "worker": ROOT / "worker" / "Dockerfile"}
+DOCKERFILE = ROOT / "Dockerfile"
+IMAGES = ("operator", "worker")  # the Dockerfile's targets, one per image
 # Anything that would drag the CUDA stack into the operator image.
 TORCH_STACK = {"torch", "triton", "transformers", "safetensors", "nvidia-ml-py"}
 
@@ -94,6 +96,41 @@ def parse_dockerfile(path: Path) -> Dockerfile:
     return Dockerfile(args=args, stages=stages)
 
 
+def copied_from(stage: Stage) -> list[str]:
+    """The stages (or images) that a stage's COPY --from instructions name."""
+    return [re.search(r"--from=(\S+)", r).group(1) for k, r in stage.instructions if k == "COPY" and "--from=" in r]
+
+
+def lineage(df: Dockerfile, target: str) -> list[Stage]:
+    """``target`` and the stages it is built on, base first: what its image inherits."""
+    by_name = {s.name: s for s in df.stages if s.name}
+    assert target in by_name, f"the Dockerfile has no target {target}"
+    chain = [by_name[target]]
+    while chain[0].base in by_name:
+        chain.insert(0, by_name[chain[0].base])
+    return chain
+
+
+def target_stages(df: Dockerfile, target: str) -> list[Stage]:
+    """Every stage that building ``target`` runs: the stages it is built on and copies from, and
+    theirs, in file order."""
+    by_name = {s.name: s for s in df.stages if s.name}
+    needed, todo = set(), [target]
+    while todo:
+        name = todo.pop()
+        if name in needed:
+            continue
+        assert name in by_name, f"{target}: COPY --from={name} names no stage"
+        needed.add(name)
+        stage = by_name[name]
+        todo += copied_from(stage) + ([stage.base] if stage.base in by_name else [])
+    return [s for s in df.stages if s.name in needed]
+
+
+def inherited(df: Dockerfile, target: str, keyword: str) -> list[str]:
+    return [rest for stage in lineage(df, target) for k, rest in stage.instructions if k == keyword]
+
+
 def exec_form(value: str) -> list[str]:
     value = value.strip()
     assert value.startswith("["), f"use the exec form (a JSON list), got: {value}"
@@ -122,10 +159,11 @@ def entry_module(script: str) -> tuple[Path, str]:
 
 @pytest.mark.parametrize("image", sorted(IMAGES))
 def test_dockerfile_is_multistage_on_pinned_bases(image):
-    df = parse_dockerfile(IMAGES[image])
-    assert len(df.stages) >= 2, f"{image}: build and runtime stages expected"
-    for i, stage in enumerate(df.stages):
-        if stage.base in {s.name for s in df.stages[:i]}:
+    df = parse_dockerfile(DOCKERFILE)
+    stages = target_stages(df, image)
+    assert len(stages) >= 2, f"{image}: build and runtime stages expected"
+    for i, stage in enumerate(stages):
+        if stage.base in {s.name for s in stages[:i]}:
             continue  # built on an earlier stage, which is itself checked
         assert "$" not in stage.base, f"{image}: FROM {stage.base} uses an ARG without a default"
         name, _, tag = stage.base.partition("@")[0].rpartition(":")
@@ -134,19 +172,13 @@ def test_dockerfile_is_multistage_on_pinned_bases(image):
             f"{image}: base {stage.base} is not pinned to an exact version (x.y.z tag or digest)"
         )
         assert tag != "latest"
-    runtime = df.stages[-1]
-    copied_from = [r for k, r in runtime.instructions if k == "COPY" and "--from=" in r]
-    assert copied_from, f"{image}: the runtime stage should copy the built environment from a stage"
-    stage_names = {s.name for s in df.stages[:-1]}
-    for rest in copied_from:
-        source_stage = re.search(r"--from=(\S+)", rest).group(1)
-        assert source_stage in stage_names, f"{image}: COPY --from={source_stage} names no stage"
+    assert any(copied_from(s) for s in lineage(df, image)), (
+        f"{image}: the runtime stage should copy the built environment from a stage")
 
 
 @pytest.mark.parametrize("image", sorted(IMAGES))
 def test_runtime_stage_runs_as_non_root(image):
-    runtime = parse_dockerfile(IMAGES[image]).stages[-1]
-    users = [rest for keyword, rest in runtime.instructions if keyword == "USER"]
+    users = inherited(parse_dockerfile(DOCKERFILE), image, "USER")
     assert users, f"{image}: the runtime stage never sets USER, so it runs as root"
     user = users[-1].split(":")[0]
     assert user not in {"root", "0"}, f"{image}: runtime user is {users[-1]}"
@@ -157,9 +189,8 @@ def test_runtime_stage_runs_as_non_root(image):
 
 @pytest.mark.parametrize("image", sorted(IMAGES))
 def test_copy_sources_exist_in_the_build_context(image):
-    df = parse_dockerfile(IMAGES[image])
     sources = []
-    for stage in df.stages:
+    for stage in target_stages(parse_dockerfile(DOCKERFILE), image):
         for keyword, rest in stage.instructions:
             assert keyword != "ADD", f"{image}: use COPY, not ADD ({rest})"
             if keyword == "COPY" and (paths := copy_sources(rest)) is not None:
@@ -179,8 +210,7 @@ def test_copy_sources_exist_in_the_build_context(image):
 
 @pytest.mark.parametrize("image", sorted(IMAGES))
 def test_entry_point_is_a_declared_console_script_that_exists(image):
-    runtime = parse_dockerfile(IMAGES[image]).stages[-1]
-    entries = [rest for keyword, rest in runtime.instructions if keyword == "ENTRYPOINT"]
+    entries = inherited(parse_dockerfile(DOCKERFILE), image, "ENTRYPOINT")
     assert entries, f"{image}: no ENTRYPOINT"
     script = exec_form(entries[-1])[0]
     assert script == f"specdecode-{image}", f"{image}: unexpected entry point {script}"
@@ -194,7 +224,8 @@ def test_entry_point_is_a_declared_console_script_that_exists(image):
 
 @pytest.mark.parametrize("image,extra", [("operator", "operator"), ("worker", "worker")])
 def test_image_installs_its_own_extra(image, extra):
-    text = " ".join(r for s in parse_dockerfile(IMAGES[image]).stages for k, r in s.instructions if k == "RUN")
+    stages = target_stages(parse_dockerfile(DOCKERFILE), image)
+    text = " ".join(r for s in stages for k, r in s.instructions if k == "RUN")
     installed = set(re.findall(r'"?\.\[([a-z,]+)\]"?', text))
     assert installed == {extra}, f"{image}: installs extras {installed}, expected only [{extra}]"
 

@@ -33,8 +33,8 @@ def test_every_rendered_pod_is_restricted_clean(what, spec):
 
 def test_the_pod_user_is_the_images_user():
     """runAsNonRoot needs a numeric user; it must be the one the worker image creates and runs as."""
-    dockerfile = (ROOT / "worker" / "Dockerfile").read_text()
-    (user,) = re.findall(r"^USER\s+(\d+):(\d+)\s*$", dockerfile, re.M)
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    (user,) = set(re.findall(r"^USER\s+(\d+):(\d+)\s*$", dockerfile, re.M))  # both images' targets
     view = parse_spec(example())
     spec = pod_spec_of(planner.render_planner_pod(view, plan_key(view), OWNER))
     sc = spec["securityContext"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-# The user the worker image runs as (worker/Dockerfile: USER 10001:10001).
+# The user the worker image runs as (the Dockerfile's worker target: USER 10001:10001).
 IMAGE_UID = 10001
 # The root filesystem is read-only; these are the only places a container writes.
 TMP_VOLUME, TMP_DIR = "tmp", "/tmp"
