@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= operator,worker,dev,models
 
-.PHONY: setup lint test test-unit demo demo-down cluster-build cluster-up cluster-down images
+.PHONY: setup lint test test-unit test-gpu demo demo-down cluster-build cluster-up cluster-down images
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: setup
 
 test-unit: setup
 	$(PY) -m pytest -ra -m "not e2e"
+
+# Only the tests that need a CUDA device (they skip without one; `make test` runs them too).
+test-gpu: setup
+	$(PY) -m pytest -ra -m gpu
 
 cluster-build:
 	bash devtools/cluster/build.sh

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 from specdecode_worker.planner import plan_cli  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402

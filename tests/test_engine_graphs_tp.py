@@ -188,6 +188,7 @@ CUDA = dict(device="cuda", device_memory_bytes=None, max_total_tokens=4096, cuda
             max_running_requests=MAX_BS, context_len=CONTEXT)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs 2 CUDA devices (NCCL inside captured graphs)")
 def test_captured_graphs_over_nccl_keep_greedy_output(models):

@@ -137,6 +137,7 @@ def test_worker_exports_the_plans_dynamic_reserve(worker):
     assert "specdecode_dynamic_bytes_peak" not in sample_names(text)  # the CPU keeps no allocator peak
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_worker_exports_the_dynamic_peak(tmp_path):
     from tests.engine_helpers import tiny_models

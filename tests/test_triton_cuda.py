@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 from specdecode_worker.engine.kernels.attention import TorchNativeAttnBackend  # noqa: E402
 from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
@@ -57,7 +57,7 @@ def test_bf16_decode_at_real_sizes_matches_torch_native(group):
 
 def test_one_captured_graph_serves_every_context_length():
     """Captured at length 16, replayed at 8192: the kernels read seq_lens at replay."""
-    from specdecode_worker.engine.kernels.triton_attention import TritonAttnBackend
+    from specdecode_worker.engine.kernels.triton_backend import TritonAttnBackend
 
     req_pool, kv, q = _setup(4, 2, 4, 3 * CTX)
     backend = TritonAttnBackend(req_pool, kv, None)
