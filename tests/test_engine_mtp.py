@@ -3,6 +3,8 @@ the planner prices (weights and the one-layer latent pool) equal to what the wor
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -46,6 +48,28 @@ def test_mtp_greedy_output_equals_the_target_greedy_output(model_dir, reference,
     assert [r.output_ids for r in reqs] == reference
     assert eng.stats.proposed_tokens > 0
     assert eng.kv_usage()[0] == 0  # every slot, rejected drafts included, went back
+
+
+@pytest.mark.slow
+def test_mtp_greedy_output_on_the_fused_layer_kernels_equals_the_target_greedy_output(model_dir, reference,
+                                                                                     monkeypatch):
+    """The GPU's layer kernels under Triton's interpreter: DeepSeek's routing kernel (grouped top-k)
+    and MLA's rope on the rotary kernel, with the expert kernel over stacked weights (Triton
+    attention), give transformers' greedy output, drafting with the NextN layer."""
+    from specdecode_worker.engine.kernels.attention import ATTENTION_BACKEND_ENV
+    from specdecode_worker.engine.kernels.layer_kernels import LAYER_KERNELS_ENV
+
+    from devtools.deepseek_models import record_static_moe
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs Triton: a GPU, or the interpreter (tests/conftest.py)")
+    monkeypatch.setenv(LAYER_KERNELS_ENV, "triton")
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "triton")
+    routed = record_static_moe(monkeypatch)
+    eng = engine(model_dir, "MTP", num_draft_tokens=3, context_len=128)
+    reqs = run_all(eng, [Request(list(p), GREEDY) for p in PROMPTS])
+    assert [r.output_ids for r in reqs] == reference
+    assert eng.stats.proposed_tokens > 0 and "chosen_experts" in routed
 
 
 def _reference_nextn_logits(model_dir, ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
