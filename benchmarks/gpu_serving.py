@@ -4,8 +4,8 @@ acceptance. About 5 minutes on an H200, plus the peer's two compiles; benchmarks
 runs it with the CUDA tests. Results: docs/gpu-data-path.md.
 
 Models are random bf16 weights made on the device (nothing downloaded): checkpoints are written as
-sparse safetensors files (headers only, for the planner) and the engine's weight loader is replaced
-by one that fills every parameter with seeded values on the device. Geometries: Llama-3.1-8B
+sparse safetensors files (headers only, for the planner) and every engine is given a weight source
+(``Engine(weights=...)``) that fills every parameter with seeded values on the device. Geometries: Llama-3.1-8B
 (target), an EAGLE3 head for it, a Llama-3.2-1B-shaped STANDALONE draft, and DeepSeek-V3 cut to one
 GPU (its MLA, grouped MoE routing, YaRN rope, hidden 7168, 128 heads and vocabulary, but 4 layers
 and 64 routed experts, plus its NextN layer: about 20 GB). Settings: contextLength 8192 and every
@@ -70,6 +70,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,7 +85,6 @@ from controlled_draft import AcceptanceControl  # noqa: E402
 from multi_turn import random_workload, serve  # noqa: E402
 from specdecode_worker.serving import serve_cli  # noqa: E402
 from specdecode_worker.engine import model_runner  # noqa: E402
-from specdecode_worker.engine.speculation import mtp_runner  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.engine.engine import Engine  # noqa: E402
 from devtools.checkpoints import CONFIGS, _decoder_tensors, _deepseek_tensors, model_tensors, write_checkpoint  # noqa: E402,E501
@@ -146,6 +146,7 @@ class Settings:
     chat: tuple[int, int, int, int, int] = (8, 4, 500, 24, 64)
     peer_batches: tuple[int, ...] = (1, 8)  # the transformers peer's batch sizes, each one of ``batches``
     peer_backend: str = "inductor"  # its torch.compile backend ("eager" under --tiny: see the docstring)
+    weights: Callable | None = None  # every engine's weight source (``run`` sets the seeded loaders)
 
 
 FULL = Settings("cuda", 8192, 1024, 256, (1, 8, 64), 7168, 64, 16, (1, 16), 3,
@@ -218,14 +219,14 @@ def deepseek_loader(seed: int, residual_scale: float):
 
 
 def dispatch_loader(loaders: dict):
-    """One load_safetensors stand-in serving each model folder with its own loader."""
+    """One weight source (``models.loader.WeightSource``) serving each model folder with its own loader."""
     def load(model, model_dir, device, dtype):
         loaders[str(Path(model_dir).resolve())](model, model_dir, device, dtype)
     return load
 
 
 def random_loader(seeds: dict[str, tuple[int, bool]]):
-    """A stand-in for load_safetensors: seeded random weights made on the device. ``seeds[folder] =
+    """A weight source in place of load_safetensors: seeded random weights made on the device. ``seeds[folder] =
     (seed, peaked)``; a peaked model (the target) gets ``peak_next_token``'s weights."""
     def load(model, model_dir, device, dtype):
         seed, peaked = seeds[str(Path(model_dir).resolve())]
@@ -294,7 +295,7 @@ def engine(s: Settings, models, target: str, algorithm: str = "NONE", draft: str
     if s.cpu_budget_gib:
         argv += ["--device-memory-gib", str(s.cpu_budget_gib)]
     engine_args, plan = serve_cli.resolve(serve_cli.parser().parse_args(argv))
-    eng = Engine(engine_args)
+    eng = Engine(engine_args, weights=s.weights)
     eng.init_model_worker()
     return eng, plan
 
@@ -782,7 +783,7 @@ def run(s: Settings, root: Path, log=print, save=lambda res: None, phases=PHASES
     seeds = {str(models["target"].resolve()): (0, True), str(models["draft1b"].resolve()): (1, False)}
     loaders = {folder: random_loader(seeds) for folder in seeds}
     loaders[str(models["deepseek"].resolve())] = deepseek_loader(3, RESIDUAL_SCALE)
-    model_runner.load_safetensors = mtp_runner.load_safetensors = dispatch_loader(loaders)
+    s.weights = dispatch_loader(loaders)
     res: dict = {"device": torch.cuda.get_device_name() if s.device == "cuda" else "cpu", "errors": {}}
     bw = copy_bandwidth(s.device)
     release(s.device)
@@ -957,18 +958,14 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: run with --tiny for the CPU smoke run", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    originals = model_runner.load_safetensors, mtp_runner.load_safetensors
 
     def save(res: dict) -> None:
         res["wall_s"] = time.perf_counter() - start
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=2, default=str))
 
-    try:
-        with tempfile.TemporaryDirectory() as root:
-            res = run(s, Path(root), log=lambda m: print(m, flush=True), save=save, phases=phases)
-    finally:
-        model_runner.load_safetensors, mtp_runner.load_safetensors = originals
+    with tempfile.TemporaryDirectory() as root:
+        res = run(s, Path(root), log=lambda m: print(m, flush=True), save=save, phases=phases)
     save(res)
     print(table(res))
     print(f"wall time {res['wall_s']:.0f} s")

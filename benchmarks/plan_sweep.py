@@ -29,7 +29,7 @@ import gpu_serving as gs  # noqa: E402  (its paths, models and random loaders)
 from devtools.checkpoints import CONFIGS, write_checkpoint  # noqa: E402
 from devtools.deepseek_models import write_tiny_deepseek  # noqa: E402
 from specdecode_worker.engine.engine import Engine  # noqa: E402
-from specdecode_worker.engine.model_runner import load_safetensors as real_load  # noqa: E402
+from specdecode_worker.engine.models.loader import load_safetensors as real_load  # noqa: E402
 from specdecode_worker.engine.request import SamplingParams  # noqa: E402
 from specdecode_worker.serving import serve_cli  # noqa: E402
 
@@ -116,9 +116,9 @@ def write_models(root: Path, tiny: bool) -> dict[str, Path]:
     }
 
 
-def install_loaders(models: dict[str, Path]) -> None:
-    """Random weights made on the device for every sparse checkpoint (its data would read as
-    zeros, slowly); a checkpoint written whole loads as it is."""
+def weight_source(models: dict[str, Path]):
+    """The engines' weight source: random weights made on the device for every sparse checkpoint
+    (its data would read as zeros, slowly); a checkpoint written whole loads as it is."""
     decoders = {str(p.resolve()): (i, False) for i, (name, p) in enumerate(models.items())
                 if name not in ("tiny_deepseek", "deepseek_cut") and "eagle" not in name}
     loaders = {folder: gs.random_loader(decoders) for folder in decoders}
@@ -129,10 +129,10 @@ def install_loaders(models: dict[str, Path]) -> None:
         loader = loaders.get(str(Path(model_dir).resolve()))
         return loader(model, model_dir, device, dtype) if loader else real_load(model, model_dir, device, dtype)
 
-    gs.model_runner.load_safetensors = gs.mtp_runner.load_safetensors = load
+    return load
 
 
-def start(case: Case, models: dict[str, Path], device: str, cpu_gib: float | None) -> dict:
+def start(case: Case, models: dict[str, Path], device: str, cpu_gib: float | None, weights=None) -> dict:
     """Plan ``case`` as `serve` would, start the worker under the plan, serve one request, and
     report the plan's numbers beside what the warm-up measured."""
     argv = ["--target", str(models[case.target]), "--algorithm", case.algorithm, "--device", device,
@@ -147,7 +147,7 @@ def start(case: Case, models: dict[str, Path], device: str, cpu_gib: float | Non
         engine_args, plan = serve_cli.resolve(serve_cli.parser().parse_args(argv))
         row.update(planned=plan.reserve.dynamic_bytes, graph_bs=plan.reserve.cuda_graph_max_bs,
                    chunk=plan.reserve.chunked_prefill_size, tokens_planned=plan.kv_cache.max_total_num_tokens)
-        eng = Engine(engine_args)
+        eng = Engine(engine_args, weights=weights)
         eng.init_model_worker()
         peak = eng.dynamic_peak
         row.update(tokens_allocated=eng.memory_profile.max_total_num_tokens, allocated=peak.measured,
@@ -198,24 +198,20 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: run with --tiny for the CPU check", file=sys.stderr)
         return 2
     cases = [c for c in (TINY_CASES if args.tiny else FULL_CASES) if not args.only or c.name in args.only]
-    originals = gs.model_runner.load_safetensors, gs.mtp_runner.load_safetensors
     rows: list[dict] = []
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    try:
-        with tempfile.TemporaryDirectory() as root:
-            models = write_models(Path(root), args.tiny)
-            install_loaders(models)
-            for case in cases:
-                row = start(case, models, device, 2.0 if args.tiny else None)
-                rows.append(row)
-                print(f"{row['case']} {row['algorithm']} @ {row['context']}: "
-                      f"{'ok' if not failed(row) else row.get('error') or 'above plan: ' + ', '.join(row['over'])} "
-                      f"({row['seconds']:.0f} s)", flush=True)
-                if args.json:
-                    Path(args.json).write_text(json.dumps({"device": name, "rows": rows}, indent=1))
-                gs.release(device)
-    finally:
-        gs.model_runner.load_safetensors, gs.mtp_runner.load_safetensors = originals
+    with tempfile.TemporaryDirectory() as root:
+        models = write_models(Path(root), args.tiny)
+        weights = weight_source(models)
+        for case in cases:
+            row = start(case, models, device, 2.0 if args.tiny else None, weights)
+            rows.append(row)
+            print(f"{row['case']} {row['algorithm']} @ {row['context']}: "
+                  f"{'ok' if not failed(row) else row.get('error') or 'above plan: ' + ', '.join(row['over'])} "
+                  f"({row['seconds']:.0f} s)", flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"device": name, "rows": rows}, indent=1))
+            gs.release(device)
     print(table(rows))
     return 1 if any(failed(r) for r in rows) else 0
 

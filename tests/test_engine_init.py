@@ -122,3 +122,25 @@ def test_a_standalone_draft_with_mtp_layers_is_refused_before_any_weight_loads(m
     with pytest.raises(InputError, match="has MTP layers.*--algorithm MTP"):
         eng.init_model_worker()
     assert loads == []
+
+
+def test_a_weight_source_given_to_the_engine_fills_every_model_it_loads(models):
+    """Phase 1 reads weights through the source the engine was given (benchmarks make theirs on the
+    device): the target and the draft, each from its own folder; the same values give the same output."""
+    from specdecode_worker.engine.models.loader import load_safetensors
+    from specdecode_worker.engine.request import SamplingParams
+
+    read = []
+
+    def recorded(model, model_dir, device, dtype):
+        read.append(str(model_dir))
+        load_safetensors(model, model_dir, device, dtype)
+
+    args = EngineArgs(str(models["target"]), str(models["draft"]), "STANDALONE", device_memory_bytes=64 << 20,
+                      runtime_bytes=0, context_len=128, max_running_requests=2, num_draft_tokens=3)
+    given, served = Engine(args, weights=recorded), Engine(args)
+    for eng in (given, served):
+        eng.init_model_worker()
+    assert read == [str(models["target"]), str(models["draft"])]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert given.generate([5, 6, 7], params).output_ids == served.generate([5, 6, 7], params).output_ids

@@ -21,15 +21,8 @@ def test_tiny_run_reports_every_row(tmp_path, capsys, monkeypatch):
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_serving", bench)  # dataclasses look their module up
     spec.loader.exec_module(bench)
-    from specdecode_worker.engine import model_runner
-
-    from specdecode_worker.engine.speculation import mtp_runner
-
-    original, original_mtp = model_runner.load_safetensors, mtp_runner.load_safetensors
     out = tmp_path / "res.json"
     assert bench.main(["--tiny", "--json", str(out)]) == 0
-    assert model_runner.load_safetensors is original  # the random loaders are undone
-    assert mtp_runner.load_safetensors is original_mtp
     res = json.loads(out.read_text())
     assert res["startup"] == "ok" and 0 < res["allocated_kv_tokens"]
     assert 0 < res["planned_dynamic_bytes"] < 64 << 20

@@ -18,6 +18,7 @@ import time
 
 from .args import EngineArgs
 from .model_worker import ModelWorker
+from .models.loader import WeightSource
 from .parallel.distributed import stop_followers
 from .phases import PhaseError, StartupError  # noqa: F401  (StartupError: re-exported for callers)
 from .request import Request, check_request, make_generator
@@ -33,8 +34,9 @@ log = logging.getLogger(__name__)
 class Engine(ModelWorker):
     """The engine serving asks for (``service.EngineService``)."""
 
-    def __init__(self, args: EngineArgs, eos_token_ids: frozenset[int] = frozenset()):
-        super().__init__(args)
+    def __init__(self, args: EngineArgs, eos_token_ids: frozenset[int] = frozenset(),
+                 weights: WeightSource | None = None):
+        super().__init__(args, weights)
         self.control: SpeculationController | None = None  # the policy and what feeds it
         self.scheduler: Scheduler | None = None  # built last: the engine is ready once it exists
         self._stop = threading.Event()

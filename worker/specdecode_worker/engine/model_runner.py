@@ -19,7 +19,7 @@ from .kernels.attention import TorchNativeAttnBackend, attention_backend_name, m
 from .memory.kv_slots import KVSlots
 from .memory.pools import MemoryPoolConfig, MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator, resolve_kv_dtype
 from .models import model_class
-from .models.loader import load_safetensors, tensor_bytes
+from .models.loader import WeightSource, load_safetensors, tensor_bytes
 from .parallel.mirror import Mirror
 from .parallel.parallel_layers import model_tp
 from .phases import Phase, PhaseError, require
@@ -77,6 +77,7 @@ class ModelRunner:
         self.tp = tp
         self.mirror = Mirror(tp)  # where its passes go to the group's other ranks (rank 0 only)
         self.quantization = quantization
+        self.weights: WeightSource = load_safetensors  # where phase 1 reads the weights from
         self.phase = Phase.CREATED
         self.model = None
         self.weight_bytes = 0
@@ -96,7 +97,7 @@ class ModelRunner:
             raise PhaseError(f"{self.name}: weights are already loaded")
         with torch.device("meta"):
             model = self.model_cls(self.config, **({"tp": self.tp} if self.tp.size > 1 else {}))
-        load_safetensors(model, self.model_dir, self.device, self.dtype)
+        self.weights(model, self.model_dir, self.device, self.dtype)
         model.rotary.reset(self.device)
         if attention_backend_name(self.device) == "triton":
             model.stack_experts()  # small MoE passes read only the chosen experts, with no host read

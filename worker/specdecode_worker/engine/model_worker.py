@@ -22,15 +22,15 @@ import torch
 
 from ..errors import InputError
 from ..model_rules.model_config import ModelShape
-from .args import EngineArgs
+from .args import MODES, EngineArgs
 from .memory.kv_budget import MemoryProfile, free_device_bytes, profile_memory
 from .memory.pools import KV_CACHE_DTYPES, MemoryPoolConfig
 from .model_runner import ModelRunner
+from .models.loader import WeightSource
 from .parallel.distributed import follow, get_tp
 from .phases import Phase, PhaseError, StartupError
 from .speculation import wiring
 from .speculation.algorithms import algorithm
-from .args import MODES
 from .speculation.rounds import Speculator
 from .stats import Stats
 from .warmup import DynamicPeak, WarmUpOutOfMemory, measurable, warm_up
@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 
 
 class ModelWorker:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, weights: WeightSource | None = None):
+        """``weights``: where the target, a STANDALONE draft and the NextN layer read their weights
+        (default: their safetensors files)."""
         self.method = algorithm(args.algorithm)  # what drafts, declared once (speculation/algorithms.py)
         wiring.check_args(self.method, args)
         if args.spec_policy not in MODES:
@@ -47,6 +49,7 @@ class ModelWorker:
         if args.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InputError(f"--kv-cache-dtype {args.kv_cache_dtype}: use one of {', '.join(KV_CACHE_DTYPES)}")
         self.args = args
+        self.weights = weights
         self.device = torch.device(args.device)
         self.target_shape: ModelShape | None = None
         self.target_runner: ModelRunner | None = None
@@ -82,6 +85,8 @@ class ModelWorker:
     def create_runners(self) -> None:
         """Read every config and create the runners; refuse a draft this engine cannot serve."""
         self.target_shape, self.target_runner, self.draft_runner = wiring.create_runners(self.method, self.args)
+        for runner in self.model_runners() if self.weights else ():
+            runner.weights = self.weights
 
     def model_runners(self) -> list[ModelRunner]:
         """The target's runner, then the draft's when there is one."""

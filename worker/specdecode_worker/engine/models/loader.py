@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
 
 from ...errors import InputError
 from ..parallel.parallel_layers import read_shard
+
+# Fills a model built on the meta device: (model, model_dir, device, dtype). ``load_safetensors`` is
+# the served one; a benchmark may make weights on the device instead of reading files.
+WeightSource = Callable[[torch.nn.Module, "str | Path", torch.device, torch.dtype], None]
 
 # Checkpoint tensors that hold nothing the model needs (buffers recomputed at load).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -33,7 +33,7 @@ from ...model_rules.mtp_rule import check_mtp_draft
 from ..kernels.attention import attention_backend_name, make_attn_backend
 from ..model_runner import ModelRunner
 from ..models.deepseek_mtp import DeepseekMTP
-from ..models.loader import load_safetensors, tensor_bytes
+from ..models.loader import tensor_bytes
 from ..phases import Phase, PhaseError, require
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class MTPRunner(ModelRunner):
             raise PhaseError(f"{self.name}: weights are already loaded")
         with torch.device("meta"):
             model = DeepseekMTP(self.config, self.tp)
-        load_safetensors(model, self.model_dir, self.device, self.dtype)
+        self.weights(model, self.model_dir, self.device, self.dtype)
         model.rotary.reset(self.device)
         if attention_backend_name(self.device) == "triton":
             model.stack_experts()  # small MoE passes read only the chosen experts, with no host read
