@@ -169,7 +169,8 @@ def triton_launches_counted(counter: Launches):
 def host_traffic_counted(counter: Launches):
     """Host reads that no operator shows on CPU (``.tolist()``, ``to_host``'s copy, ``.numpy()``)
     and host-to-device copies (``forward_batch.host_to_device``, wherever it was imported)."""
-    from specdecode_worker.engine import batch_sampling, forward_batch
+    from specdecode_worker.engine import forward_batch
+    from specdecode_worker.engine.sampler import batch_sampling
 
     def reading(name, real):
         def read(self, *args, **kwargs):

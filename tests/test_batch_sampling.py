@@ -8,8 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from specdecode_worker.engine import batch_sampling  # noqa: E402
-from specdecode_worker.engine.batch_sampling import (batch_probs, chain_rows, choose_tokens, draw,  # noqa: E402
+from specdecode_worker.engine.sampler import batch_sampling  # noqa: E402
+from specdecode_worker.engine.sampler.batch_sampling import (batch_probs, chain_rows, choose_tokens, draw,  # noqa: E402
                                                      verify_chains)
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 

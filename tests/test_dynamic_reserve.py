@@ -107,7 +107,7 @@ def _sampling_peaks(batch: int, k: int, vocab: int, nodes: int) -> tuple[int, in
     """Live tensor bytes at the peak of a verify batch's chain acceptance, a tree's and a decode
     step's sampling, counted on CPU, over a batch mixing greedy rows, temperature-only rows and rows
     with a top-k and a top-p cut, interleaved (so blocks gather their rows)."""
-    from specdecode_worker.engine.batch_sampling import choose_tokens, verify_chains
+    from specdecode_worker.engine.sampler.batch_sampling import choose_tokens, verify_chains
     from specdecode_worker.engine.speculation.tree import TreeDrafter, TreeShape, accept_trees
 
     from tests.live_bytes import LiveBytes

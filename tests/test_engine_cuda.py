@@ -258,7 +258,7 @@ def test_a_rounds_host_syncs_do_not_grow_with_the_batch(models, case):
 def test_sampling_and_acceptance_never_synchronise(models):
     """Device sampling and chain acceptance queue work only: CUDA's sync debug mode raises on any
     host synchronisation inside them; the one read-back is to_host."""
-    from specdecode_worker.engine.batch_sampling import choose_tokens, to_host, uniforms, verify_chains
+    from specdecode_worker.engine.sampler.batch_sampling import choose_tokens, to_host, uniforms, verify_chains
 
     gen = torch.Generator().manual_seed(0)
     params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=20), SamplingParams(), SamplingParams(temperature=1.0)]
@@ -280,7 +280,7 @@ def test_sampling_and_acceptance_never_synchronise(models):
 def test_tree_drafting_and_acceptance_never_synchronise():
     """Tree expansion, selection, masks and acceptance (greedy and sampled rows) queue work only;
     the one read-back is to_host."""
-    from specdecode_worker.engine.batch_sampling import to_host, uniforms
+    from specdecode_worker.engine.sampler.batch_sampling import to_host, uniforms
     from specdecode_worker.engine.speculation.tree import TreeDrafter, TreeShape, accept_trees
 
     shape, batch, vocab = TreeShape(3, 3, 6), 4, 1000

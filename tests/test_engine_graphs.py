@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from specdecode_worker.engine import batch_sampling  # noqa: E402
+from specdecode_worker.engine.sampler import batch_sampling  # noqa: E402
 from specdecode_worker.engine.cuda_graph import CudaGraphRunner, GraphRunner  # noqa: E402
 from specdecode_worker.engine.forward_batch import ForwardBatch  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
@@ -355,7 +355,7 @@ def test_ragged_rounds_replay_the_verify_graph_and_keep_greedy_output(models, mo
     one and n-gram misses in one batch: every round where anybody verifies a proposal replays the
     verify graph of width K + 1 (none runs eagerly), a round where nobody does replays the decode
     graph, the greedy output is the target's own, and every KV slot goes back to the allocator."""
-    from specdecode_worker.engine import batch_sampling
+    from specdecode_worker.engine.sampler import batch_sampling
 
     target, _, _ = RAGGED[algorithm]
     vocab = VOCAB if target == "small" else VOCAB_SIZE

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from specdecode_worker.engine.request import SamplingParams  # noqa: E402
-from specdecode_worker.engine.sampling import verify  # noqa: E402
+from specdecode_worker.engine.sampler.sampling import verify  # noqa: E402
 
 from tests.engine_helpers import CHI2_CRIT, chi_square, engine, second_token_case, second_token_counts  # noqa: E402,E501
 

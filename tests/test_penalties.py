@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from specdecode_worker.engine.penalties import chain_extra, penalise, tree_extra  # noqa: E402
+from specdecode_worker.engine.sampler.penalties import chain_extra, penalise, tree_extra  # noqa: E402
 from specdecode_worker.engine.request import Request, SamplingParams  # noqa: E402
 from specdecode_worker.errors import InputError  # noqa: E402
 

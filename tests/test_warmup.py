@@ -21,7 +21,8 @@ pytest.importorskip("transformers")
 
 from specdecode_worker.serving import metrics, server  # noqa: E402
 from specdecode_worker.contract import ExitCode  # noqa: E402
-from specdecode_worker.engine import batch_sampling, warmup  # noqa: E402
+from specdecode_worker.engine import warmup  # noqa: E402
+from specdecode_worker.engine.sampler import batch_sampling  # noqa: E402
 from specdecode_worker.engine.speculation import head_speculator, verify  # noqa: E402
 from specdecode_worker.engine.speculation.head_passes import HeadPasses  # noqa: E402
 from specdecode_worker.engine.engine import StartupError  # noqa: E402

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .batch_sampling import to_host
+from .sampler import to_host
 from .request import Request, SamplingParams, make_generator
 
 log = logging.getLogger(__name__)

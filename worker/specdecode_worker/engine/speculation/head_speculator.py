@@ -24,10 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..batch import Segment, chunk_segments, fresh_batch, make_batch, step_batch, with_cache_locs
-from ..batch_sampling import choose_tokens, to_host, uniforms
+from ..sampler import DraftGrammars, choose_tokens, ruled_tree, to_host, uniforms
 from ..forward_batch import pack_to_device
 from ..model_runner import ModelRunner
-from ..output_rules import DraftGrammars, ruled_tree
 from ..request import Request
 from . import algorithms
 from .head_passes import HeadPasses

@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 
 from ..batch import Segment, chunk_segments, forward_segments, fresh_batch, left_padded_batch, step_batch
-from ..batch_sampling import choose_tokens
+from ..sampler import DraftGrammars, choose_tokens
 from ..forward_batch import to_device
 from ..model_runner import ModelRunner
-from ..output_rules import DraftGrammars
 from ..request import Request
 from .algorithms import Drafter, algorithm
 from .ngram_index import RequestIndexes

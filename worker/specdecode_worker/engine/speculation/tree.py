@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batch_sampling import batch_probs, block_index, draw, sampled_blocks
+from ..sampler import batch_probs, block_index, draw, probs_from_logits, sample, sampled_blocks
 from ..kernels.tree_attention import TreeForwardBatch
 from ..request import SamplingParams
-from ..sampling import probs_from_logits, sample
 
 
 @dataclass

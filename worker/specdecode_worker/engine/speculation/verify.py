@@ -8,11 +8,10 @@ from __future__ import annotations
 import torch
 
 from ..batch import PaddedChains, Segment
-from ..batch_sampling import chain_rows, choose_tokens, to_host, uniforms, verify_chains
+from ..sampler import (chain_rows, choose_tokens, ruled_chain, ruled_next, to_host, token_logprobs, uniforms,
+                      verify_chains)
 from ..cuda_graph import chain_graph_width
 from ..forward_batch import to_device
-from ..logprobs import token_logprobs
-from ..output_rules import ruled_chain, ruled_next
 from ..request import Request, TokenLogprob
 from .rounds import RoundResult, RoundRows
 

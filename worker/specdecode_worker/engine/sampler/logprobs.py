@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .forward_batch import to_device
-from .request import TokenLogprob
+from ..forward_batch import to_device
+from ..request import TokenLogprob
 
 
 def token_logprobs(logits: torch.Tensor, rows: list[list[int]], tokens: list[list[int]], tops: list[int]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .batch_sampling import batch_probs, to_host, uniforms, verify_chains
-from .request import SamplingParams
+from ..request import SamplingParams
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..contract import sampling_block_rows
-from .forward_batch import to_device
-from .request import SamplingParams
+from ...contract import sampling_block_rows
+from ..forward_batch import to_device
+from ..request import SamplingParams
 
 
 class HostTransfers:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .forward_batch import to_device
-from .request import Request, SamplingParams
+from ..forward_batch import to_device
+from ..request import Request, SamplingParams
 
 
 def penalised(params: SamplingParams) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .penalties import chain_extra, penalise, penalised, tree_extra
-from .request import Request
+from ..request import Request
 
 
 def ruled(r: Request) -> bool:
