@@ -15,11 +15,13 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import cpus
 from ..contract import GIB, KV_CACHE_DTYPES, SERVED_ALGORITHMS, ExitCode, MemoryPlan
 from ..errors import InputError
 from ..flags import CommandParser, add_sizing_flags, asks_for_help
@@ -330,12 +332,28 @@ def nodes_of(args: argparse.Namespace, tp: int, planned_nodes: int | None):
     return Nodes(nnodes, node_rank, addr, args.master_port)
 
 
+def use_cpus(device: str, ranks: int = 1) -> int | None:
+    """On CPU, intra-op threads for the CPUs this process may use (its pod's limit, not the node's
+    cores), shared among the ranks on this pod; returns them. ``OMP_NUM_THREADS`` decides instead
+    where it is set."""
+    if device != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    import torch
+
+    threads = cpus.threads_per_rank(ranks)
+    torch.set_num_threads(threads)
+    log.info("%d intra-op threads for %d usable CPUs (affinity and cgroup quota) over %d rank(s)", threads,
+             cpus.usable_cpus(), ranks)
+    return threads
+
+
 def _serve_rank(engine_args, plan: MemoryPlan, http: HttpOptions) -> int:
     """One rank process of a tensor-parallel worker: rank 0 serves HTTP, the others follow it."""
     from ..engine.parallel.distributed import get_tp
     from ..engine.parallel.tp_engine import follow_rank
 
     tp = get_tp()
+    use_cpus(engine_args.device, tp.size)
     if tp.is_leader:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return serve(engine_args, plan, http)
@@ -367,4 +385,5 @@ def main(argv: list[str] | None = None) -> int:
         from ..engine.parallel.tp_engine import run_tensor_parallel
 
         return run_tensor_parallel(tp, _serve_rank, (engine_args, plan, http), engine_args.device, nodes)
+    use_cpus(engine_args.device)
     return serve(engine_args, plan, http)
