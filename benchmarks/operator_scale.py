@@ -1,9 +1,13 @@
 """Operator at scale on the local control plane: N SpecDecodeDeployments applied at once.
 
 Measures the time until every SDD is Ready (each runs the real planner in its planner pod), the
-API requests the reconciler made per SDD (from the operator's liveness endpoint, which reports
-its request counter; kopf's few watch streams are not included), and the operator's peak RSS.
-Fake H100 nodes are added so every replica has a GPU.
+time from apply to Ready of each SDD (p50, p99: from its creationTimestamp to the moment a
+``kubectl get --watch`` saw it Ready), the API requests the reconciler made per SDD in all and by
+verb and resource (from the operator's liveness endpoint, which reports its request counter;
+kopf's watch streams are not included), the operator's peak RSS, and the CPU seconds each process
+of the control plane spent during the run (the planner runtime's include the planner processes it
+ran), which says where the machine's two cores went. Fake H100 nodes are added so every replica
+has a GPU.
 
     .venv/bin/python benchmarks/operator_scale.py --count 100
 """
@@ -11,14 +15,17 @@ Fake H100 nodes are added so every replica has a GPU.
 from __future__ import annotations
 
 import argparse
+import calendar
 import copy
 import json
+import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -68,6 +75,62 @@ def sdd(i: int) -> dict:
     return body
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and of the children it has waited for."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank percentile (q in 0..100)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, -(-len(ordered) * q // 100) - 1))]
+
+
+class ReadyWatch:
+    """``kubectl get sdd --watch``: when each SDD was first seen Ready, and its creationTimestamp."""
+
+    FORMAT = '{.metadata.name} {.metadata.creationTimestamp} {.status.phase}{"\\n"}'
+
+    def __init__(self, kubectl: list[str], env: dict[str, str]):
+        self.ready: dict[str, tuple[float, float]] = {}  # name -> (created epoch, seen Ready epoch)
+        self.proc = subprocess.Popen([*kubectl, "get", "sdd", "-n", NS, "--watch", "-o", f"jsonpath={self.FORMAT}"],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "Ready" and parts[0] not in self.ready:
+                created = calendar.timegm(time.strptime(parts[1], "%Y-%m-%dT%H:%M:%SZ"))
+                self.ready[parts[0]] = (created, time.time())
+
+    def stop(self) -> None:
+        self.proc.terminate()
+
+
+def apply_all(plane: ControlPlane, bodies: list[dict], parallel: int) -> None:
+    """All SDDs at once: ``parallel`` kubectl processes, each a server-side apply (one request per
+    object; a client-side apply reads each object first) of every ``parallel``-th SDD."""
+    procs = []
+    for i in range(max(1, parallel)):
+        chunk = bodies[i::max(1, parallel)]
+        if chunk:
+            proc = subprocess.Popen([str(plane.bin_dir / "kubectl"), "apply", "--server-side", "-f", "-"],
+                                    env=plane.env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True)
+            procs.append((proc, yaml.safe_dump_all(chunk)))
+    for proc, text in procs:
+        _, err = proc.communicate(text, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"kubectl apply exited {proc.returncode}: {err}")
+
+
 def reconciler_requests(live: dict) -> int:
     """The reconciler's API request counter from the operator's liveness endpoint (its own JSON:
     ``{"tracked": N, "apiRequests": N}``). A reply without it is an error, not a zero."""
@@ -80,6 +143,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--count", type=int, default=100)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--poll", type=float, default=5.0,
+                    help="seconds between full lists of the SDDs (the watch times each one)")
+    ap.add_argument("--apply-parallel", type=int, default=4,
+                    help="kubectl processes that apply the SDDs at once (server-side apply, one request each)")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder (operator.log, logs/)")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="operator-scale-"))
@@ -112,25 +180,49 @@ def main() -> int:
             except OSError:
                 time.sleep(0.5)
         rss_idle = _rss_kib(op.pid)
+        live0 = json.loads(urllib.request.urlopen(health, timeout=5).read())
+        watch = ReadyWatch([str(plane.bin_dir / "kubectl")], plane.env)
+        pids = {name: c.pid for name, c in plane.components.items()} | {"operator": op.pid}
+        cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
 
-        t0 = time.monotonic()
-        k("apply", "-f", "-", input=yaml.safe_dump_all([sdd(i) for i in range(args.count)]), timeout=300)
-        peak, ready = rss_idle, 0
+        t0, wall0 = time.monotonic(), time.time()
+        apply_all(plane, [sdd(i) for i in range(args.count)], args.apply_parallel)
+        applied = time.monotonic() - t0
+        peak, ready, last_poll = rss_idle, 0, 0.0
         while time.monotonic() - t0 < args.timeout:
-            items = json.loads(k("get", "sdd", "-n", NS, "-o", "json", timeout=120).stdout)["items"]
-            ready = sum(1 for s in items if s.get("status", {}).get("phase") == "Ready")
             peak = max(peak, _rss_kib(op.pid))
-            if ready == args.count:
-                break
-            time.sleep(2)
+            if len(watch.ready) >= args.count or time.monotonic() - last_poll >= args.poll:
+                # the watch may miss nothing, but a full list is the ground truth
+                last_poll = time.monotonic()
+                items = json.loads(k("get", "sdd", "-n", NS, "-o", "json", timeout=120).stdout)["items"]
+                ready = sum(1 for s in items if s.get("status", {}).get("phase") == "Ready")
+                if ready == args.count:
+                    break
+            time.sleep(0.5)
         elapsed = time.monotonic() - t0
-        requests = reconciler_requests(json.loads(urllib.request.urlopen(health, timeout=5).read()))
+        cpu = {name: round(cpu_seconds(pid) - cpu0[name], 1) for name, pid in pids.items()}
+        watch.stop()
+        live = json.loads(urllib.request.urlopen(health, timeout=5).read())
+        requests = reconciler_requests(live) - reconciler_requests(live0)
+        before = live0.get("apiRequestsByVerb") or {}
+        by_verb = {kind: round((n - before.get(kind, 0)) / args.count, 2)
+                   for kind, n in (live.get("apiRequestsByVerb") or {}).items() if n - before.get(kind, 0)}
+        latencies = [seen - created for created, seen in watch.ready.values()]
         result = {
             "sdds": args.count, "ready": ready, "secondsUntilAllReady": round(elapsed, 1),
+            "secondsToApply": round(applied, 1),
+            "applyToReadySeconds": {"p50": percentile(latencies, 50), "p99": percentile(latencies, 99),
+                                    "max": percentile(latencies, 100), "timed": len(latencies)},
             "reconcilerRequestsPerSDD": round(requests / args.count, 1),
+            "reconcilerRequestsPerSDDByVerb": dict(sorted(by_verb.items(), key=lambda kv: -kv[1])),
             "operatorRssMiB": {"idle": round(rss_idle / 1024, 1), "peak": round(peak / 1024, 1)},
+            "cpuSecondsByProcess": dict(sorted(cpu.items(), key=lambda kv: -kv[1])),
+            "startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall0)),
             "command": f"benchmarks/operator_scale.py --count {args.count}",
         }
+        if latencies:
+            result["applyToReadySeconds"] = {k_: (round(v, 1) if isinstance(v, float) else v)
+                                             for k_, v in result["applyToReadySeconds"].items()}
         print(json.dumps(result, indent=2))
         return 0 if ready == args.count else 1
     finally:
@@ -141,7 +233,10 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 op.kill()
         plane.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            print(f"work folder kept: {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from specdecode_operator import handlers, main
 from specdecode_operator.reconcile import Result
 
@@ -11,8 +13,8 @@ class StubReconciler:
         self.results = list(results)
         self.calls = []
 
-    def reconcile(self, namespace, name, force_apply=True):
-        self.calls.append((namespace, name))
+    def reconcile(self, namespace, name, force_apply=True, fresh=True):
+        self.calls.append((namespace, name, force_apply, fresh))
         r = self.results.pop(0)
         if isinstance(r, Exception):
             raise r
@@ -75,7 +77,7 @@ def test_child_events_coalesce_and_are_not_lost_during_a_reconcile():
     assert ctl.due[("ns", "a")] == first  # the earliest wins; a burst is one reconcile
 
     # a poke that lands while the reconcile runs makes the next one come soon
-    def reconcile_with_event(ns, name, force_apply=True):
+    def reconcile_with_event(ns, name, force_apply=True, fresh=True):
         ctl.poke(ns, name)
         return Result()
 
@@ -88,9 +90,9 @@ def test_child_events_reach_the_owner_by_label():
     clock = Clock()
     handlers.CONTROLLER = handlers.Controller(StubReconciler([]), clock=clock)
     try:
-        handlers.pod_event(namespace="ns", meta={"labels": {"specdecode.io/name": "sdd-1"}})
-        handlers.deployment_event(namespace="ns", meta={"labels": {}})
-        handlers.leaderworkerset_event(namespace="ns2", meta={"labels": {"specdecode.io/name": "sdd-2"}})
+        asyncio.run(handlers.pod_event(namespace="ns", meta={"labels": {"specdecode.io/name": "sdd-1"}}))
+        asyncio.run(handlers.deployment_event(namespace="ns", meta={"labels": {}}))
+        asyncio.run(handlers.leaderworkerset_event(namespace="ns2", meta={"labels": {"specdecode.io/name": "sdd-2"}}))
         assert list(handlers.CONTROLLER.due) == [("ns", "sdd-1"), ("ns2", "sdd-2")]
     finally:
         handlers.CONTROLLER = None
@@ -100,3 +102,33 @@ def test_command_line():
     args = main.parse_args(["--namespace", "a", "--namespace", "b", "--worker-image", "w:1", "--no-node-check"])
     assert args.namespace == ["a", "b"] and args.worker_image == "w:1" and args.no_node_check
     assert main.parse_args([]).namespace == [] and main.parse_args([]).log_format == "json"
+
+
+def test_child_events_reconcile_from_the_cache_and_the_resync_reads_through():
+    clock = Clock()
+    stub = StubReconciler([Result(requeue_after=30), Result(), Result(), RuntimeError("api down"), Result()])
+    ctl = handlers.Controller(stub, clock=clock)
+    ctl.reconcile("ns", "a", True)  # a kopf create: re-apply, from the cache
+    assert stub.calls[-1] == ("ns", "a", True, False) and ("ns", "a") not in ctl.full
+
+    async def run_due():
+        stopped = asyncio.Event()
+        task = asyncio.ensure_future(ctl.requeue_loop(stopped))
+        await asyncio.sleep(0.05)
+        stopped.set()
+        await task
+        ctl.pool.shutdown(wait=True)
+        ctl.pool = handlers.ThreadPoolExecutor(max_workers=1)
+
+    clock.t += 30  # the planning poll: light
+    asyncio.run(run_due())
+    assert stub.calls[-1] == ("ns", "a", False, False) and ("ns", "a") in ctl.full  # next: the resync
+    clock.t += handlers.RESYNC_SECONDS
+    asyncio.run(run_due())
+    assert stub.calls[-1] == ("ns", "a", True, True)  # the resync re-applies and reads through
+    clock.t += handlers.RESYNC_SECONDS
+    asyncio.run(run_due())  # fails
+    assert ("ns", "a") in ctl.full
+    clock.t += handlers.ERROR_RETRY_SECONDS
+    asyncio.run(run_due())
+    assert stub.calls[-1] == ("ns", "a", True, True)  # a retry after an error reads through

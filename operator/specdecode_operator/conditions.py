@@ -118,6 +118,39 @@ def transitions(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[Tr
     return out
 
 
+# Healthy changes of these conditions are an Event each (one per reason); those of the others
+# (Available, Progressing, Degraded) mostly move with Ready and are named in its Event.
+EVENT_CONDITIONS = (PLANNED, MODELS_READY, READY)
+
+
+def events(changes: list[Transition]) -> list[tuple[str, str, bool]]:
+    """The Events (reason, message, warning) of one status write: one per Warning reason; one per
+    reason of a healthy change of Planned, ModelsReady or Ready; the other healthy changes named in
+    the first of those (or, when none moved, one Event of their own). An Event is a write to the
+    API server: a rollout posts Planning, PlanReady, RollingOut and Ready rather than seven."""
+    out: list[tuple[str, str, bool]] = []
+    folded: list[Transition] = []
+    for t in changes:
+        if t.reason in {r for r, _, _ in out}:
+            continue
+        if t.warning or t.ctype in EVENT_CONDITIONS:
+            out.append((t.reason, f"{t.ctype}={t.status}: {t.message}", t.warning))
+        else:
+            folded.append(t)
+    folded = [t for t in folded if t.reason not in {r for r, _, _ in out}]
+    if folded:
+        normal = next((i for i, (_, _, warning) in enumerate(out) if not warning), None)
+        if normal is None:
+            head, folded = folded[0], folded[1:]
+            out.append((head.reason, f"{head.ctype}={head.status}: {head.message}", False))
+            normal = len(out) - 1
+        if folded:
+            reason, message, _ = out[normal]
+            also = ", ".join(f"{t.ctype}={t.status} {t.reason}" for t in folded)
+            out[normal] = (reason, f"{message} (also {also})", False)
+    return out
+
+
 def phase(conditions: list[dict[str, Any]], ready: int, desired: int) -> str:
     planned = get(conditions, PLANNED)
     if planned is None:

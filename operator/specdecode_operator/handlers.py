@@ -10,6 +10,10 @@
 - a requeue loop started at startup: reconciles an SDD again when it asked to be (a planner
   backoff) and every few minutes anyway. It is not a kopf timer, which would put a finalizer on
   every SDD and make them undeletable while the operator is down.
+
+Reads come from kopf's indexes (cache.py) of the objects these handlers watch anyway: SDDs, pods and
+Deployments by name, pods by owner. Only the periodic resync and a reconcile after an error read
+through to the API server (and re-apply the children), which repairs whatever a watch missed.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any, Callable
 
 import kopf
 
-from . import group, health, labels
+from . import cache, group, health, labels
 from .kube import Kube
 from .metrics import StatusBook
 from .reconcile import Options, Reconciler
@@ -44,6 +48,8 @@ class Controller:
         self.due: dict[tuple[str, str], float] = {}
         self.running: set[tuple[str, str]] = set()
         self.poked: set[tuple[str, str]] = set()
+        # due for a full reconcile (the periodic resync, a retry after an error): re-apply, read through
+        self.full: set[tuple[str, str]] = set()
         self.errors: dict[tuple[str, str], int] = {}  # failed reconciles in a row
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reconcile")
         self.statuses = StatusBook()  # what /metrics reports
@@ -54,16 +60,19 @@ class Controller:
         self.due[key] = min(self.due.get(key, float("inf")), self.clock() + delay)
         self.poked.add(key)
 
-    def reconcile(self, namespace: str, name: str, force_apply: bool = True) -> None:
+    def reconcile(self, namespace: str, name: str, force_apply: bool = True, fresh: bool = False) -> None:
+        """``force_apply``: re-apply the children; ``fresh``: read through to the API server."""
         key = (namespace, name)
         self.poked.discard(key)
+        self.full.discard(key)
         try:
-            result = self.reconciler.reconcile(namespace, name, force_apply)
+            result = self.reconciler.reconcile(namespace, name, force_apply, fresh)
         except Exception:
             errors = self.errors[key] = self.errors.get(key, 0) + 1
             delay = min(ERROR_RETRY_SECONDS * 2 ** (errors - 1), RESYNC_SECONDS)
             log.exception("reconcile of %s/%s failed; retrying in %.0fs", namespace, name, delay)
             self.due[key] = self.clock() + delay
+            self.full.add(key)
             return
         self.errors.pop(key, None)
         if result.gone:
@@ -75,6 +84,8 @@ class Controller:
         delay = RESYNC_SECONDS if result.requeue_after is None else min(result.requeue_after, RESYNC_SECONDS)
         if key in self.poked:  # a child changed while we were reconciling: look again
             delay = 0.5
+        elif delay == RESYNC_SECONDS:
+            self.full.add(key)
         self.due[key] = self.clock() + delay
 
     def due_now(self) -> list[tuple[str, str]]:
@@ -87,9 +98,10 @@ class Controller:
         while not stopped.is_set():
             for key in self.due_now():
                 self.running.add(key)
-                # child events and requeues only refresh status; the periodic resync re-applies
-                force = key not in self.poked
-                fut = loop.run_in_executor(self.pool, self.reconcile, *key, force)
+                # child events and requeues only refresh status from the cache; the periodic resync
+                # and retries after errors re-apply and read through
+                full = key in self.full and key not in self.poked
+                fut = loop.run_in_executor(self.pool, self.reconcile, *key, full, full)
                 fut.add_done_callback(lambda _f, k=key: self.running.discard(k))
             try:
                 await asyncio.wait_for(stopped.wait(), TICK_SECONDS)
@@ -98,6 +110,7 @@ class Controller:
 
 
 CONTROLLER: Controller | None = None
+CACHE = cache.Cache()
 _STOP: asyncio.Event | None = None
 # With exact namespaces there is nothing to discover: no need to list namespaces or watch CRDs.
 _SCANNING = True
@@ -110,13 +123,13 @@ def configure(options: Options, kube: Kube | None = None, scanning: bool = True,
               health_url: str | None = None) -> None:
     """Called by main() before kopf starts (tests may pass a fake client)."""
     global CONTROLLER, _SCANNING, _HEALTH_URL
-    CONTROLLER = Controller(Reconciler(kube or Kube(), options))
+    CONTROLLER = Controller(Reconciler(kube or cache.CachedKube(Kube(), CACHE), options))
     _SCANNING = scanning
     _HEALTH_URL = health_url
 
 
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     # Progress and diff-base in annotations of our own prefix: status stays ours alone.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -130,6 +143,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.scanning.disabled = not _SCANNING
     if CONTROLLER is None:
         configure(Options())
+    CACHE.bind(kwargs)  # kopf's indexes: empty now, filled before any SDD handler runs
     global _STOP
     _STOP = asyncio.Event()
     asyncio.get_running_loop().create_task(CONTROLLER.requeue_loop(_STOP))
@@ -151,10 +165,13 @@ async def cleanup(**_: Any) -> None:
 
 @kopf.on.probe(id="reconciler")
 def probe(**_: Any) -> dict[str, Any]:
-    """Shown on the liveness endpoint: SDDs tracked and API requests the reconciler made."""
+    """Shown on the liveness endpoint: SDDs tracked and API requests the reconciler made (in all,
+    and by verb and resource)."""
     if CONTROLLER is None:
         return {}
-    return {"tracked": len(CONTROLLER.due), "apiRequests": getattr(CONTROLLER.reconciler.kube, "requests", 0)}
+    kube = CONTROLLER.reconciler.kube
+    return {"tracked": len(CONTROLLER.due), "apiRequests": getattr(kube, "requests", 0),
+            "apiRequestsByVerb": dict(sorted(getattr(kube, "requests_by_kind", {}).items()))}
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -164,6 +181,33 @@ def sdd_changed(name: str, namespace: str, **_: Any) -> None:
     CONTROLLER.reconcile(namespace, name)
 
 
+# --- the indexes the reconciler reads (cache.py); their ids are the functions' names -------------
+
+OWNED = {labels.NAME: kopf.PRESENT}
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+async def sdd_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {(namespace, name): cache.trim(body)}
+
+
+@kopf.index("apps", "v1", "deployments", labels=OWNED)
+async def deployment_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {(namespace, name): cache.trim_deployment(body)}
+
+
+@kopf.index("v1", "pods", labels=OWNED)
+async def pod_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {(namespace, name): cache.trim_pod(body)}
+
+
+@kopf.index("v1", "pods", labels=OWNED)
+async def pods_by_owner(namespace: str, body: kopf.Body, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
+    return {(namespace, meta["labels"][labels.NAME]): cache.trim_pod(body)}
+
+
+# --- child events --------------------------------------------------------------------------------
+
 def _owner_changed(namespace: str, meta: dict[str, Any]) -> None:
     owner = (meta.get("labels") or {}).get(labels.NAME)
     if owner and CONTROLLER is not None:
@@ -171,13 +215,14 @@ def _owner_changed(namespace: str, meta: dict[str, Any]) -> None:
 
 
 # The child's labels are read from `meta`: kopf's `labels` argument would hide the labels module.
-@kopf.on.event("v1", "pods", labels={labels.NAME: kopf.PRESENT})
-def pod_event(namespace: str, meta: dict[str, Any], **_: Any) -> None:
+# Async: a poke is a few dict operations, not worth a hop to kopf's thread pool.
+@kopf.on.event("v1", "pods", labels=OWNED)
+async def pod_event(namespace: str, meta: dict[str, Any], **_: Any) -> None:
     _owner_changed(namespace, meta)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels={labels.NAME: kopf.PRESENT})
-def deployment_event(namespace: str, meta: dict[str, Any], **_: Any) -> None:
+@kopf.on.event("apps", "v1", "deployments", labels=OWNED)
+async def deployment_event(namespace: str, meta: dict[str, Any], **_: Any) -> None:
     _owner_changed(namespace, meta)
 
 
@@ -186,5 +231,5 @@ LWS_EVENT_LABELS = {labels.NAME: kopf.PRESENT, labels.MANAGED_BY: labels.FIELD_M
 
 
 @kopf.on.event(group.LWS_GROUP, group.LWS_VERSION, "leaderworkersets", labels=LWS_EVENT_LABELS)
-def leaderworkerset_event(namespace: str, meta: dict[str, Any], **_: Any) -> None:
+async def leaderworkerset_event(namespace: str, meta: dict[str, Any], **_: Any) -> None:
     _owner_changed(namespace, meta)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import calendar
 import json
 import logging
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -92,6 +94,25 @@ class ApiError(Exception):
         self.reason = reason  # the Status object's reason: Forbidden, Invalid, Conflict, ...
 
 
+_VERBS = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
+
+
+def request_kind(method: str, p: str) -> str:
+    """``"list pods"``, ``"update specdecodedeployments/status"``: the Kubernetes verb and the
+    resource of one request, as the API server's audit log names them (discovery is ``get discovery``)."""
+    parts = p.strip("/").split("/")
+    if parts[0] == "apis" and len(parts) <= 3:
+        return "get discovery"
+    parts = parts[2:] if parts[0] == "api" else parts[3:]  # drop /api/v1 or /apis/group/version
+    if parts[:1] == ["namespaces"] and len(parts) > 2:
+        parts = parts[2:]
+    resource, named = parts[0], len(parts) > 1
+    if len(parts) > 2:
+        resource += "/" + parts[2]
+    verb = _VERBS.get(method) or ("get" if named else "list")
+    return f"{verb} {resource}"
+
+
 def now_iso() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -120,10 +141,14 @@ class Kube:
             api_client = client.ApiClient()
         self._api = api_client
         self.requests = 0
+        self.requests_by_kind: Counter[str] = Counter()  # request_kind -> count
+        self._count_lock = threading.Lock()
 
     def _call(self, method: str, p: str, body: Any = None, query: dict[str, Any] | None = None,
               content_type: str = "application/json") -> dict[str, Any] | None:
-        self.requests += 1
+        with self._count_lock:
+            self.requests += 1
+            self.requests_by_kind[request_kind(method, p)] += 1
         _, url, headers, body, _ = self._api.param_serialize(
             method, p, query_params=list((query or {}).items()),
             header_params={"Content-Type": content_type, "Accept": "application/json"},

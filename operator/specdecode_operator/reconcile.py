@@ -11,6 +11,7 @@ Every step is idempotent and reads the cluster rather than remembering, so a res
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -69,25 +70,34 @@ class Reconciler:
 
     # --- entry point ----------------------------------------------------------------------------
 
-    def reconcile(self, namespace: str, name: str, force_apply: bool = True) -> Result:
+    def reconcile(self, namespace: str, name: str, force_apply: bool = True, fresh: bool = True) -> Result:
         """Reconcile the current object; retried on a status write conflict.
 
         ``force_apply=False`` (child events, requeues) skips re-applying children that were
-        already applied for this generation and plan: status follows at a few reads per event.
+        already applied for this generation and plan: status follows the children at no request
+        unless it changed.
+        ``fresh=False`` lets a client with a cache (cache.CachedKube) answer reads from kopf's
+        watches; a retry after a conflict always reads through to the API server.
         """
         with _lock(namespace, name):
-            for _ in range(5):
-                sdd = self.kube.get(k8s.sdd(namespace, name))
-                if sdd is None or (sdd.get("metadata") or {}).get("deletionTimestamp"):
-                    self.refusals.forget(namespace, name)
-                    return Result(gone=True)  # deleted: garbage collection removes the children
-                try:
-                    return self._reconcile(sdd, force_apply)
-                except ApiError as exc:
-                    if exc.status != 409:
-                        raise
-                    log.debug("status conflict on %s/%s, retrying", namespace, name)
+            for attempt in range(5):
+                with self._reads(fresh or attempt > 0):
+                    sdd = self.kube.get(k8s.sdd(namespace, name))
+                    if sdd is None or (sdd.get("metadata") or {}).get("deletionTimestamp"):
+                        self.refusals.forget(namespace, name)
+                        return Result(gone=True)  # deleted: garbage collection removes the children
+                    try:
+                        return self._reconcile(sdd, force_apply)
+                    except ApiError as exc:
+                        if exc.status != 409:
+                            raise
+                        log.debug("status conflict on %s/%s, retrying", namespace, name)
             return Result(requeue_after=1.0)
+
+    def _reads(self, fresh: bool) -> Any:
+        """Reads through to the API server, where the client has a cache to bypass."""
+        through = getattr(self.kube, "read_through", None)
+        return through() if fresh and through is not None else contextlib.nullcontext()
 
     def _reconcile(self, sdd: dict[str, Any], force_apply: bool = True) -> Result:
         view = parse_spec(sdd, self.options.default_image)
@@ -190,13 +200,12 @@ class Reconciler:
         status["phase"] = c.phase(conds, status.get("readyReplicas", 0), view.replicas)
         if status != old_status:
             self.kube.write_status(sdd, status)
-            posted: set[str] = set()
-            for t in c.transitions(list(old_status.get("conditions") or []), conds):
+            changes = c.transitions(list(old_status.get("conditions") or []), conds)
+            for t in changes:
                 log.log(logging.WARNING if t.warning else logging.INFO, "%s/%s %s=%s reason=%s: %s",
                         meta["namespace"], meta["name"], t.ctype, t.status, t.reason, t.message)
-                if t.reason not in posted:  # one cause moving several conditions is one Event
-                    posted.add(t.reason)
-                    self.kube.event(sdd, t.reason, f"{t.ctype}={t.status}: {t.message}", t.warning)
+            for reason, message, warning in c.events(changes):  # one per Warning, one Normal
+                self.kube.event(sdd, reason, message, warning)
         if refused is None:
             self.refusals.forget(view.namespace, view.name)
         else:
