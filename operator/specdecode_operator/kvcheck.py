@@ -3,7 +3,7 @@
 Each such worker pod has a readiness gate (labels.KV_VERIFIED). Once its containers are ready, the
 operator reads the engine's own report from the pod and sets the gate: True when the engine sized
 at least the planned tokens (less one block or page of rounding), False otherwise, so a pod whose
-engine sized less never takes traffic. Pure functions here; reconcile.py does the reading.
+engine sized less never takes traffic. ``verify`` reads the reports and sets the gates; the rest is pure.
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ from typing import Any
 
 from specdecode_worker.contract import MemoryPlan
 
+from . import conditions as c
 from . import labels
+from .kube import now_iso
+from .workload import HTTP_PORT
 
 # Where each engine reports the tokens its KV pool holds.
 REPORT_PATHS = {"vllm": "/metrics", "sglang": "/server_info"}
@@ -122,3 +125,32 @@ def recorded(pod: dict[str, Any]) -> dict[str, Any] | None:
             return {"name": pod["metadata"]["name"], "verified": cond["status"] == "True",
                     "reportedTokens": int(found.group(1)) if found else None}
     return None
+
+
+def verify(kube, fetch, pods: list[dict[str, Any]], plan: MemoryPlan, status: dict[str, Any]) -> dict[str, c.Verdict]:
+    """Set each of ``pods``' readiness gate (the current plan's vllm/sglang workers) from the
+    engine's own KV report (``fetch``: url -> body or None), record planned and reported tokens per
+    pod in status.engineKV, and say when one fell short."""
+    rt = plan.runtime
+    for pod in pods:
+        if not needs_check(pod):
+            continue
+        url = report_url(pod, rt.engine, HTTP_PORT)
+        body = fetch(url) if url else None
+        reported = None if body is None else reported_tokens(rt.engine, body)
+        if reported is None:  # not serving its report yet: the next poll asks again
+            continue
+        condition = gate_condition(check(pod, plan, reported), now_iso())
+        pod = kube.set_pod_condition(pod, condition) or pod
+        pods = [pod if p["metadata"]["name"] == pod["metadata"]["name"] else p for p in pods]
+    records = [r for r in map(recorded, pods) if r]
+    status["engineKV"] = {"engine": rt.engine, "version": rt.version,
+                          "plannedTokens": rt.reported_tokens, "pods": records}
+    short = [r for r in records if not r["verified"]]
+    if not short:
+        return {}
+    worst = min(short, key=lambda r: r["reportedTokens"] or 0)
+    pod = next(p for p in pods if p["metadata"]["name"] == worst["name"])
+    message = check(pod, plan, worst["reportedTokens"] or 0).message()
+    problem = c.Verdict("True", c.KV_CACHE_BELOW_PLAN, message)
+    return {c.DEGRADED: problem, c.READY: c.Verdict("False", c.KV_CACHE_BELOW_PLAN, message)}

@@ -168,8 +168,10 @@ class Reconciler:
                 status["nodesPerReplica"] = nodes
             obs = self._observe(view, key, tp, dep, nodes)
             verdicts.update(obs.verdicts)
-            if plan.runtime is not None:
-                verdicts.update(self._verify_kv(view, key, plan, status))
+            if plan.runtime is not None:  # vllm / sglang: the engine's own KV report against the plan
+                pods = [p for p in self._worker_pods(view)
+                        if ((p.get("metadata") or {}).get("annotations") or {}).get(labels.PLAN_KEY) == key]
+                verdicts.update(kvcheck.verify(self.kube, self.fetch, pods, plan, status))
             if refused is not None:  # what exists still reports Available; the rest waits on the refusal
                 verdicts[c.DEGRADED] = c.Verdict("True", refused.reason, refused.message)
                 verdicts[c.READY] = refused
@@ -264,36 +266,6 @@ class Reconciler:
         capacity = observe.capacity_verdict(tp, view.gpu_max_per_replica, self.node_capacity.max_gpus(view),
                                             view.gpu_product, nodes)
         return observe.observe(view.replicas, template_key == key, dep, pods, capacity)
-
-    def _verify_kv(self, view: SpecView, key: str, plan: MemoryPlan,
-                   status: dict[str, Any]) -> dict[str, c.Verdict]:
-        """Set each new vllm/sglang pod's readiness gate from the engine's own KV report, record
-        planned and reported tokens per pod in status.engineKV, and say when one fell short."""
-        rt = plan.runtime
-        pods = [p for p in self._worker_pods(view)
-                if ((p.get("metadata") or {}).get("annotations") or {}).get(labels.PLAN_KEY) == key]
-        for pod in pods:
-            if not kvcheck.needs_check(pod):
-                continue
-            url = kvcheck.report_url(pod, rt.engine, workload.HTTP_PORT)
-            body = self.fetch(url) if url else None
-            reported = None if body is None else kvcheck.reported_tokens(rt.engine, body)
-            if reported is None:  # not serving its report yet: the next poll asks again
-                continue
-            condition = kvcheck.gate_condition(kvcheck.check(pod, plan, reported), now_iso())
-            pod = self.kube.set_pod_condition(pod, condition) or pod
-            pods = [pod if p["metadata"]["name"] == pod["metadata"]["name"] else p for p in pods]
-        records = [r for r in map(kvcheck.recorded, pods) if r]
-        status["engineKV"] = {"engine": rt.engine, "version": rt.version,
-                              "plannedTokens": rt.reported_tokens, "pods": records}
-        short = [r for r in records if not r["verified"]]
-        if not short:
-            return {}
-        worst = min(short, key=lambda r: r["reportedTokens"] or 0)
-        pod = next(p for p in pods if p["metadata"]["name"] == worst["name"])
-        message = kvcheck.check(pod, plan, worst["reportedTokens"] or 0).message()
-        problem = c.Verdict("True", c.KV_CACHE_BELOW_PLAN, message)
-        return {c.DEGRADED: problem, c.READY: c.Verdict("False", c.KV_CACHE_BELOW_PLAN, message)}
 
 
 def _applied(dep: dict[str, Any] | None, key: str, generation: int) -> bool:
