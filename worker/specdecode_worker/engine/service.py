@@ -42,6 +42,7 @@ class EngineReport:
 
 class EngineService(Protocol):
     vocab_size: int
+    ready: bool  # phase 3 and the scheduler are done: requests are taken
 
     def submit(self, req: Request) -> Request:
         """Queue ``req``; raises InputError for one that can never run here."""

@@ -302,7 +302,7 @@ async def generation_request(http: HttpRequest) -> dict:
     state: ServerState = http.app.state.server
     if state.init_error:
         raise NotReady(f"initialisation failed: {state.init_error}")
-    if not state.engine.report().ready:
+    if not state.engine.ready:  # every request asks: the cheap flag, not the whole report
         raise NotReady("the worker is still initialising")
     raw = await http.body()
     try:
@@ -328,9 +328,8 @@ async def health(http: HttpRequest):
     state: ServerState = http.app.state.server
     if state.init_error:
         return JSONResponse({"status": "failed", "error": state.init_error}, status_code=503)
-    report = state.engine.report()
-    if not report.ready:
-        return JSONResponse({"status": "initialising", "phase": report.phase}, status_code=503)
+    if not state.engine.ready:  # probed every few seconds: the report only while starting up
+        return JSONResponse({"status": "initialising", "phase": state.engine.report().phase}, status_code=503)
     return {"status": "ok"}
 
 
