@@ -135,7 +135,7 @@ class Engine(ModelWorker):
         scheduler.make_room()
         reqs, ends = scheduler.prefill_chunk()
         if reqs:
-            scheduler.prefilled(reqs, self.speculator.prefill(reqs, ends))
+            scheduler.prefilled(reqs, ends, self.speculator.prefill(reqs, ends))
         reqs = scheduler.decoding()
         if reqs:
             self._decode_round(reqs)

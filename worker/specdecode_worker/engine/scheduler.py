@@ -1,4 +1,5 @@
-"""Which requests run each step, and the one place a request's output grows or ends.
+"""Which requests run each step, and the one place a request's output grows or ends and its cached
+lengths (``kv_len``, ``draft_kv_len``) move.
 
 Prefill and decode alternate within a step. Each step runs at most one prefill pass of at most
 ``chunk_tokens`` prompt tokens (oldest admitted requests first, a long prompt split over steps),
@@ -134,10 +135,11 @@ class Scheduler:
             budget -= n
         return reqs, ends
 
-    def prefilled(self, reqs: list[Request], firsts: list[RoundResult | None]) -> None:
-        """After the prefill pass: a request whose prompt is cached decodes from the next step (and
-        leaves its prompt in the prefix cache for later prompts); a fresh one commits its first
-        token (a recompute has its tokens already)."""
+    def prefilled(self, reqs: list[Request], ends: list[int], firsts: list[RoundResult | None]) -> None:
+        """After the prefill pass that cached ``reqs`` up to ``ends``: a request whose prompt is cached
+        decodes from the next step (and leaves its prompt in the prefix cache for later prompts); a
+        fresh one commits its first token (a recompute has its tokens already)."""
+        prefilled_to(reqs, ends)
         done = [(r, first) for r, first in zip(reqs, firsts) if r.kv_len >= len(r.prefill_ids)]
         for r, _ in done:
             r.prefill_ids = None
@@ -159,6 +161,7 @@ class Scheduler:
     def commit_round(self, reqs: list[Request], results: list[RoundResult]) -> None:
         """A decode round's end: prompts kept for reuse, each request's tokens committed and its
         round counted, and the requests it finished ending together."""
+        take_cached_lengths(reqs, results)  # first: what is kept and closed below reads them
         self.keep_prefixes(reqs)  # a head's first drafting round makes a prompt reusable
         with self.ending_together():
             for r, result in zip(reqs, results):
@@ -327,6 +330,22 @@ class WaitingQueue:
         else:
             with self._lock:
                 self._new.popleft()
+
+
+def prefilled_to(reqs: list[Request], ends: list[int]) -> None:
+    """A prefill pass cached each request's positions up to ``ends[i]``."""
+    for r, end in zip(reqs, ends):
+        r.kv_len = end
+
+
+def take_cached_lengths(reqs: list[Request], results: list[RoundResult]) -> None:
+    """Each request's cached lengths after its decode round, as its result reports them: with
+    ``prefilled_to``, the one place a pass moves them (the warm-up and round timing, which run
+    passes without a scheduler, call these too)."""
+    for r, result in zip(reqs, results):
+        r.kv_len = result.kv_len
+        if result.draft_kv_len is not None:
+            r.draft_kv_len = result.draft_kv_len
 
 
 def _keep(r: Request) -> Keep:

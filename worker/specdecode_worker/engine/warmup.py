@@ -38,6 +38,7 @@ import torch
 
 from .sampler import to_host
 from .request import Request, SamplingParams, make_generator
+from .scheduler import prefilled_to
 
 log = logging.getLogger(__name__)
 
@@ -280,6 +281,7 @@ def prefill_requests(spec, reqs: list[Request], chunk: int, next_token) -> None:
             ends.append(r.kv_len + n)
             budget -= n
         spec.prefill(batch, ends)
+        prefilled_to(batch, ends)
     for r in reqs:
         r.prefill_ids = None
         r.output_ids = [next_token(r)]

@@ -140,51 +140,50 @@ class HeadSpeculator(Speculator):
         logits, features = self.passes.run_target(fresh_batch(self.target.slots, segments, self.target.device),
                                                    "target")
         for i, r in enumerate(reqs):
-            r.kv_len += 1
             self._features[r.rid] = torch.cat([self._features[r.rid], features[i : i + 1]])
-        return sample_next(reqs, logits, list(range(len(reqs))))
+        return sample_next(reqs, logits, list(range(len(reqs))), [r.kv_len + 1 for r in reqs])
 
     @torch.inference_mode()
     def _draft_extend(self, reqs):
         """The head over each request's tokens since its cache ends (with their target features):
         its logits and features at the last. A round's own (at most ``extend_width`` per request)
-        replay the extend graphs, left-padded; longer ones run as they are."""
-        self._catch_up(reqs)
-        segments = [Segment(r.req_idx, r.all_ids[r.draft_kv_len + 1 : r.kv_len + 1], r.draft_kv_len) for r in reqs]
+        replay the extend graphs, left-padded; longer ones run as they are. The head's cache then
+        reaches each request's L (its round's result says so)."""
+        cached = self._catch_up(reqs)
+        segments = [Segment(r.req_idx, r.all_ids[d + 1 : r.kv_len + 1], d) for r, d in zip(reqs, cached)]
         hidden = torch.cat([self._features[r.rid] for r in reqs])
-        logits, feature = self.passes.extend(segments, hidden, self.extend_width)
-        for r in reqs:
-            r.draft_kv_len = r.kv_len
-        return logits, feature
+        return self.passes.extend(segments, hidden, self.extend_width)
 
-    def _catch_up(self, reqs) -> None:
+    def _catch_up(self, reqs) -> list[int]:
         """When the head's pending positions (a prompt prefilled in chunks, or many rounds without
         drafting) exceed one chunk, extend it over all but each request's last pending position in
         passes of at most ``chunk_tokens`` tokens, as the target's prefill was; the round's own
-        extend then reads one position per request."""
+        extend then reads one position per request. Returns each request's head cache length after."""
+        cached = [r.draft_kv_len for r in reqs]
         chunk = self.chunk_tokens
-        if not chunk or sum(r.kv_len - r.draft_kv_len for r in reqs) <= chunk:
-            return
+        if not chunk or sum(r.kv_len - d for r, d in zip(reqs, cached)) <= chunk:
+            return cached
         while True:
             budget, segments, hidden, taken = chunk, [], [], []
-            for r in reqs:
-                n = min(budget, r.kv_len - 1 - r.draft_kv_len)
+            for i, r in enumerate(reqs):
+                d = cached[i]
+                n = min(budget, r.kv_len - 1 - d)
                 if n <= 0:
                     continue
-                d = r.draft_kv_len
                 segments.append(Segment(r.req_idx, r.all_ids[d + 1 : d + 1 + n], d))
                 hidden.append(self._features[r.rid][:n])
-                taken.append((r, n))
+                taken.append((i, n))
                 budget -= n
                 if not budget:
                     break
             if not segments:
-                return
+                return cached
             fb = with_cache_locs(make_batch(segments, self.draft.device), self.draft.req_to_token_pool, segments)
             self.passes.run_draft(fb, "draft", torch.cat(hidden), True, fb.logit_rows(True))  # only its K/V are kept
-            for r, n in taken:
-                r.draft_kv_len += n
-                self._features[r.rid] = self._features[r.rid][n:]
+            for i, n in taken:
+                cached[i] += n
+                rid = reqs[i].rid
+                self._features[rid] = self._features[rid][n:]
 
     def _chain_round(self, reqs, logits, hidden, ks, rows: RoundRows) -> list[RoundResult]:
         # Proposals stay on the device through the chain and the verify pass; one transfer at the end.
@@ -221,10 +220,10 @@ class HeadSpeculator(Speculator):
             verified = slice(start, start + k + 1)
             start += k + 1 if padded is None else padded.width
             last = r.kv_len
-            r.kv_len = last + n + 1
-            rejected.append((r.req_idx, r.kv_len, last + self.k + 1))
+            rejected.append((r.req_idx, last + n + 1, last + self.k + 1))
             self._features[r.rid] = features[verified][: n + 1].clone()  # graph outputs are overwritten
-            results.append(RoundResult(chain[:n] + [nxt], proposed=k, accepted=n, logprobs=lp))
+            results.append(RoundResult(chain[:n] + [nxt], proposed=k, accepted=n, kv_len=last + n + 1,
+                                       draft_kv_len=last, logprobs=lp))
         slots.release(rejected)
         return results
 
@@ -287,8 +286,8 @@ class HeadSpeculator(Speculator):
         kept_features = features.index_select(0, feature_rows_d).split([len(keep) for keep in keeps])
         results = []
         for i, (r, keep) in enumerate(zip(reqs, keeps)):
-            r.kv_len += len(keep)
             self._features[r.rid] = kept_features[i]
-            results.append(RoundResult(emitted[i], proposed=ks[i], accepted=count[i], logprobs=logprobs[i]))
+            results.append(RoundResult(emitted[i], proposed=ks[i], accepted=count[i], kv_len=r.kv_len + len(keep),
+                                       draft_kv_len=r.kv_len, logprobs=logprobs[i]))
         kv_slots.give_back(torch.tensor(rejected, dtype=torch.int64))
         return results

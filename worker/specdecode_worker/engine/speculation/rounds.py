@@ -1,8 +1,9 @@
 """What every speculator shares at the bottom: a round's result, its lookups, its rows on the
 device, and the ``Speculator`` base the engine drives.
 
-A speculator proposes and verifies; it returns each request's new tokens and draft counts, and
-the engine commits them (the one place a request's output grows).
+A speculator proposes and verifies; it returns each request's new tokens, draft counts and cached
+lengths, and the scheduler commits them (the one place a request's output grows and its cached
+lengths move).
 
 Slots for positions L..L+k are taken at the start of a round (L: the position of the request's
 last committed token, the one not yet in any cache); the slots after the accepted prefix go
@@ -25,11 +26,14 @@ from .algorithms import Algorithm
 
 @dataclass(frozen=True)
 class RoundResult:
-    """One request's verified round: the accepted proposals then the target's own next token."""
+    """One request's verified round: the accepted proposals then the target's own next token, and
+    how far each model's cache of the request reaches after it (the scheduler writes both back)."""
 
     tokens: list[int]
     proposed: int  # draft tokens the target verified this round
     accepted: int  # how many of them it accepted
+    kv_len: int  # the target's cached positions after the round (``Request.kv_len``)
+    draft_kv_len: int | None = None  # the draft's after it (``Request.draft_kv_len``); None: unmoved
     logprobs: list[TokenLogprob] | None = None  # one per token, where the request asked for them
 
 
@@ -63,9 +67,11 @@ class RoundRows:
 class Speculator(ABC):
     """Prefill and decode rounds of one speculative algorithm over the target's KV pool.
 
-    Neither method touches a request's output or the engine's counters: the engine commits what
-    they return. ``decode_round`` may read ``Request.all_ids`` and moves ``kv_len`` (and the
-    draft's cache position) past the positions it verified.
+    Neither method touches a request's output, its cached lengths or the engine's counters: the
+    scheduler commits what they return. ``prefill`` caches up to the ends it is given (the
+    scheduler then moves ``kv_len`` there); ``decode_round`` may read ``Request.all_ids`` and
+    reports in each ``RoundResult`` the ``kv_len`` (and draft cache position) past the positions
+    it verified. Within a round, lengths a pass moves for a later one are the round's own values.
     """
 
     algorithm: str

@@ -95,10 +95,10 @@ class StandaloneSpeculator(Speculator):
         width = max(ks)
         looked_up = [t for p, k in zip(lookup.proposals, ks) for t in p[:k] + [0] * (width - k)] if lookup else []
         rows, (proposals,) = reserve_round(slots, reqs, [k + 1 for k in ks], ks, looked_up)
-        if lookup:
-            draft, draft_probs = proposals.view(len(reqs), width), None  # point masses
+        if lookup:  # point masses; no draft pass moves a draft cache
+            draft, draft_probs, drafted_to = proposals.view(len(reqs), width), None, [r.draft_kv_len for r in reqs]
         else:
-            draft, draft_probs = self._draft_propose(reqs, ks, rows)
+            draft, draft_probs, drafted_to = self._draft_propose(reqs, ks, rows)
         # The verify pass's tokens stay on the device: each request's last token, then its proposals.
         chains = torch.cat([rows.last[:, None], draft], dim=1)
         width = verify_width(self.chain_verify_graphs, ks)
@@ -111,12 +111,12 @@ class StandaloneSpeculator(Speculator):
                                       input_ids=ragged_ids(chains, ks))
         accepted, nexts, drafted, logprobs = accept_chains(reqs, draft, draft_probs, logits, ks, padded)
         results, rejected = [], []
-        for r, k, n, nxt, tokens, lp in zip(reqs, ks, accepted, nexts, drafted, logprobs):
+        for r, k, n, nxt, tokens, lp, d in zip(reqs, ks, accepted, nexts, drafted, logprobs, drafted_to):
             last = r.kv_len
-            r.kv_len = last + n + 1  # the last token and the n accepted proposals are now cached
-            r.draft_kv_len = min(r.draft_kv_len, r.kv_len)
-            rejected.append((r.req_idx, r.kv_len, last + k + 1))
-            results.append(RoundResult(tokens[:n] + [nxt], proposed=k, accepted=n, logprobs=lp))
+            kv_len = last + n + 1  # the last token and the n accepted proposals are now cached
+            rejected.append((r.req_idx, kv_len, last + k + 1))
+            results.append(RoundResult(tokens[:n] + [nxt], proposed=k, accepted=n, kv_len=kv_len,
+                                       draft_kv_len=min(d, kv_len), logprobs=lp))
         slots.release(rejected)
         return results
 
@@ -126,14 +126,13 @@ class StandaloneSpeculator(Speculator):
         segments = [Segment(r.req_idx, [r.all_ids[-1]], r.kv_len) for r in reqs]
         # One row per request: "every row" is each request's last, as a verify pass reads them.
         logits = self.target.forward(fresh_batch(self.target.slots, segments, self.target.device), last_only=False)
-        for r in reqs:
-            r.kv_len += 1
-        return sample_next(reqs, logits, list(range(len(reqs))))
+        return sample_next(reqs, logits, list(range(len(reqs))), [r.kv_len + 1 for r in reqs])
 
     def _draft_propose(self, reqs: list[Request], ks: list[int], rows: RoundRows
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         """The draft model's proposals ``[B, max(ks)]`` on the target's device, request i's first
-        ``ks[i]``, and the distributions they were drawn from (None: greedy)."""
+        ``ks[i]``, the distributions they were drawn from (None: greedy), and each request's draft
+        cache length after them."""
         # Step 1 catches the draft's cache up to the last committed token (the prompt on a request's
         # first drafting round, or every token committed since it last drafted); steps 2..k feed
         # back one proposal each, from the device (nothing is read back until the verify pass's
@@ -141,7 +140,8 @@ class StandaloneSpeculator(Speculator):
         device, width = self.target.device, max(ks, default=0)
         tokens = torch.zeros(len(reqs), width, dtype=torch.int64, device=device)
         probs = None
-        self._catch_up([r for r, k in zip(reqs, ks) if k])
+        first = [i for i, k in enumerate(ks) if k]  # the requests of step 1
+        cached = dict(zip(first, self._catch_up([reqs[i] for i in first])))
         grammars = DraftGrammars(reqs)
         for step in range(width):
             drafting = [i for i, k in enumerate(ks) if k > step]
@@ -154,8 +154,7 @@ class StandaloneSpeculator(Speculator):
                 logits = self.draft.forward(fb, last_only=True)
                 self.draft_tokens += len(drafting)
             else:  # each request's tokens since its draft cache ends
-                segments = [Segment(reqs[i].req_idx, reqs[i].all_ids[reqs[i].draft_kv_len :], reqs[i].draft_kv_len)
-                            for i in drafting]
+                segments = [Segment(reqs[i].req_idx, reqs[i].all_ids[cached[i] :], cached[i]) for i in drafting]
                 logits = self._first_step(segments)
                 self.draft_tokens += sum(len(s.tokens) for s in segments)
             picked = [reqs[i] for i in drafting]
@@ -173,10 +172,8 @@ class StandaloneSpeculator(Speculator):
                     probs[:, step] = p.to(device)
                 else:
                     probs[:, step].index_copy_(0, index, p.to(device))
-        for r, k in zip(reqs, ks):
-            if k:
-                r.draft_kv_len = r.kv_len + k  # positions up to L+k-1 now hold draft K/V
-        return tokens, probs
+        # A drafting request's draft cache now holds positions up to L+k-1; the others' did not move.
+        return tokens, probs, [r.kv_len + k if k else r.draft_kv_len for r, k in zip(reqs, ks)]
 
     def _first_step(self, segments: list[Segment]) -> torch.Tensor:
         """The draft's first step over each request's uncached tokens: 1 after a round that
@@ -188,24 +185,26 @@ class StandaloneSpeculator(Speculator):
                                                         self.draft.device)[0], last_only=True)
         return forward_segments(self.draft, segments, last_only=True)
 
-    def _catch_up(self, reqs: list[Request]) -> None:
+    def _catch_up(self, reqs: list[Request]) -> list[int]:
         """Cache committed tokens in the draft, at most ``chunk_tokens`` per pass, until the first
-        proposal pass over what is left fits one chunk (each request keeps its last token for it)."""
+        proposal pass over what is left fits one chunk (each request keeps its last token for it).
+        Returns each request's draft cache length after."""
+        cached = [r.draft_kv_len for r in reqs]
         budget = self.chunk_tokens
         while budget:
-            pending = [len(r.all_ids) - r.draft_kv_len for r in reqs]
+            pending = [len(r.all_ids) - d for r, d in zip(reqs, cached)]
             if sum(pending) <= budget or all(n <= 1 for n in pending):
-                return
+                break
             segments, left = [], budget
-            for r, n in zip(reqs, pending):
+            for i, (r, n) in enumerate(zip(reqs, pending)):
                 take = min(left, n - 1)
                 if take > 0:
-                    ids = r.all_ids[r.draft_kv_len : r.draft_kv_len + take]
-                    segments.append(Segment(r.req_idx, ids, r.draft_kv_len))
-                    r.draft_kv_len += take
+                    segments.append(Segment(r.req_idx, r.all_ids[cached[i] : cached[i] + take], cached[i]))
+                    cached[i] += take
                     left -= take
             forward_segments(self.draft, segments, last_only=True)
             self.draft_tokens += budget - left
+        return cached
 
 
 def _rows(t: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:

@@ -17,6 +17,7 @@ import time
 import torch
 
 from ..request import SamplingParams
+from ..scheduler import take_cached_lengths
 from ..warmup import LeavesNoTrace, prefill_requests
 from .round_cost import RoundCost
 from .algorithms import Drafter
@@ -89,6 +90,7 @@ def _timed_round(spec, reqs, ks: list[int]) -> float:
     results = spec.decode_round(reqs, ks, lookup)
     _wait_for(device)  # a round ends with a read of its results; a plain one may not
     seconds = time.perf_counter() - start
+    take_cached_lengths(reqs, results)
     for r, result in zip(reqs, results):
         r.output_ids.extend(result.tokens)
     return seconds

@@ -43,31 +43,33 @@ def record_prompt_logprobs(reqs: list[Request], segments: list[Segment], logits:
 
 
 def first_tokens(reqs: list[Request], ends: list[int], logits: torch.Tensor) -> list[RoundResult | None]:
-    """Advance each request past its chunk (``logits``: its last row); sample, in one batch
-    and one transfer, the first token of each request whose chunk ends a fresh prompt."""
-    fresh = []
-    for i, (r, end) in enumerate(zip(reqs, ends)):
-        r.kv_len = end
-        if end >= len(r.prefill_ids) and not r.output_ids:  # a recompute samples nothing
-            fresh.append(i)
+    """Sample, in one batch and one transfer, the first token of each request whose chunk (up to
+    ``ends[i]``; ``logits``: its last row) ends a fresh prompt (the scheduler then moves every
+    request's ``kv_len`` to its chunk's end)."""
+    # chunks that end a prompt (a recompute samples nothing)
+    fresh = [i for i, (r, end) in enumerate(zip(reqs, ends)) if end >= len(r.prefill_ids) and not r.output_ids]
     out: list[RoundResult | None] = [None] * len(reqs)
     if fresh:
-        for i, result in zip(fresh, sample_next([reqs[i] for i in fresh], logits, fresh)):
+        picked = [reqs[i] for i in fresh]
+        for i, result in zip(fresh, sample_next(picked, logits, fresh, [ends[i] for i in fresh])):
             out[i] = result
     return out
 
 
-def sample_next(reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> list[RoundResult]:
+def sample_next(reqs: list[Request], logits: torch.Tensor, rows: list[int], kv_lens: list[int]
+                ) -> list[RoundResult]:
     """One token per request from its row ``rows[i]`` of ``logits``, under its output rules and
     sampler, with its log-probability where asked for, read back once: a prompt's first token, or
-    a step where nobody drafts (what a verify pass draws after no proposal)."""
+    a step where nobody drafts (what a verify pass draws after no proposal). ``kv_lens``: each
+    request's target cache length after the pass (its result's ``kv_len``)."""
     every = rows == list(range(logits.shape[0]))
     picked = logits if every else logits.index_select(0, to_device(rows, logits.device))
     tokens, _ = choose_tokens(ruled_next(reqs, picked), [r.params for r in reqs],
                               first_uniforms(reqs, 1, logits.device))
     tokens = to_host(tokens)[0]
     logprobs = emitted_logprobs(reqs, logits, [[i] for i in rows], [[t] for t in tokens])
-    return [RoundResult([t], proposed=0, accepted=0, logprobs=lp) for t, lp in zip(tokens, logprobs)]
+    return [RoundResult([t], proposed=0, accepted=0, kv_len=n, logprobs=lp)
+            for t, lp, n in zip(tokens, logprobs, kv_lens)]
 
 
 def first_uniforms(reqs: list[Request], counts, device) -> torch.Tensor | None:
