@@ -689,7 +689,7 @@ def tree_phase(s: Settings, models, res: dict, base: dict) -> None:
                           "tok_s": out["tok_s"], "baseline_tok_s": base[b]["tok_s"],
                           "speedup": out["tok_s"] / base[b]["tok_s"],
                           "same_output": out["outputs"] == base[b]["outputs"],
-                          "graphs": sorted(f"{name} x{width}" for name, width in eng.speculator._graphs),
+                          "graphs": sorted(f"{name} x{width}" for name, width in eng.speculator.passes.graphs),
                           "planned_dynamic_bytes": plan.reserve.dynamic_bytes}
 
 

@@ -315,7 +315,8 @@ def _count_round(case: RoundCase, models: dict[str, Path], rounds: int) -> dict:
     target.forward = measured(target.forward, lambda n: passes.append(("target", n)))
     for layer in target.model.layers:
         layer.forward = measured(layer.forward, layers.append)
-    for backend in {eng.target_runner.backend, getattr(eng.speculator, "target_tree_backend", None)} - {None}:
+    for backend in {eng.target_runner.backend,
+                    getattr(getattr(eng.speculator, "passes", None), "target_tree_backend", None)} - {None}:
         backend.forward = measured(backend.forward, attention.append)
     if eng.draft_runner is not None:
         head = eng.draft_runner.model

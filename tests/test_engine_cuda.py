@@ -350,7 +350,7 @@ def test_example_sizes_start_at_context_8192_with_the_default_graph_batch_and_th
     assert peak.chunk_tokens == min(reserve["chunkedPrefillSize"], 8191) and peak.prompt_tokens == 8191
     assert peak.batch == reserve["maxRunningRequests"] and peak.width == kw["num_draft_tokens"] + 1
     assert any("catch-up" in p for p in peak.passes) and any("sampling" in p for p in peak.passes)
-    assert eng.speculator._graphs, "the draft and verify graphs were captured"
+    assert eng.speculator.passes.graphs, "the draft and verify graphs were captured"
     out = eng.generate(list(range(3, 40)), SamplingParams(max_tokens=8, ignore_eos=True)).output_ids
     assert len(out) == 8
 
@@ -373,7 +373,8 @@ def test_mtp_greedy_output_through_cuda_graphs_equals_eager_and_plain(tmp_path, 
         eng = engine(model, algorithm, cuda_graph_max_bs=graph_bs, **sizes,
                      **({"num_draft_tokens": 3} if algorithm == "MTP" else {}))
         if algorithm == "MTP" and graph_bs:
-            assert set(eng.speculator._graphs) == {("target", 1), ("target", 4), ("draft", 1), ("draft_extend", 4)}
+            assert set(eng.speculator.passes.graphs) == {("target", 1), ("target", 4), ("draft", 1),
+                                                         ("draft_extend", 4)}
             assert type(eng.draft_runner.backend).__name__ == "TritonMLABackend"
         seen.clear()  # the warm-up's passes do not count
         reqs = run_all(eng, [Request(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in prompts])

@@ -134,7 +134,7 @@ def test_phase_split_and_shared_tensors_loaded_once(models):
     # The checkpoint carries a copy of embed_tokens; the head holds none and borrows the target's.
     names = dict(draft.model.named_parameters())
     assert not any("embed" in n or "lm_head" in n for n in names)
-    assert eng.speculator.embed is target.model.model.embed_tokens
+    assert eng.speculator.passes.embed is target.model.model.embed_tokens
     target_ptrs = {p.data_ptr() for p in target.model.parameters()}
     assert not target_ptrs & {p.data_ptr() for p in draft.model.parameters()}
 

@@ -129,7 +129,7 @@ def test_greedy_output_through_graph_buffers_equals_eager(models, monkeypatch, a
     if algorithm.startswith("EAGLE"):
         eng.speculator.capture_graphs(MAX_BS, eager=True)
         tree = "speculative_eagle_topk" in kw
-        assert {key[0] for key in eng.speculator._graphs} == (
+        assert {key[0] for key in eng.speculator.passes.graphs} == (
             {"target", "target_tree", "draft_tree", "draft_extend"} if tree else {"target", "draft", "draft_extend"})
     else:
         _graph_runner(eng, kw.get("num_draft_tokens", 0) if algorithm != "NONE" else 0)
@@ -209,7 +209,7 @@ def test_tree_greedy_output_through_graph_buffers_on_triton(models, monkeypatch,
     plain = _outputs(engine(models[target], "NONE", max_running_requests=MAX_BS), prompts)
     monkeypatch.setenv(ATTENTION_BACKEND_ENV, "triton")
     eng = engine(models[target], algorithm.removesuffix("-tree"), models[draft], max_running_requests=MAX_BS, **kw)
-    assert isinstance(eng.speculator.target_tree_backend, TritonAttnBackend)
+    assert isinstance(eng.speculator.passes.target_tree_backend, TritonAttnBackend)
     eng.speculator.capture_graphs(MAX_BS, eager=True)
     seen = _count_replays(monkeypatch)
     assert _outputs(eng, prompts, max_tokens=6) == [o[:6] for o in plain]
@@ -231,7 +231,7 @@ def test_mtp_greedy_output_through_graph_buffers_equals_eager(tmp_path, monkeypa
     plain = _outputs(engine(model, "NONE", max_running_requests=MAX_BS, context_len=128), prompts)
     eng = engine(model, "MTP", max_running_requests=MAX_BS, context_len=128, num_draft_tokens=2)
     eng.speculator.capture_graphs(MAX_BS, eager=True)
-    assert set(eng.speculator._graphs) == {("target", 1), ("target", 3), ("draft", 1), ("draft_extend", 3)}
+    assert set(eng.speculator.passes.graphs) == {("target", 1), ("target", 3), ("draft", 1), ("draft_extend", 3)}
     static_moe = record_static_moe(monkeypatch)
     seen = _count_replays(monkeypatch)
     assert _outputs(eng, prompts) == plain

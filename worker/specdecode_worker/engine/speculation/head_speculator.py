@@ -58,9 +58,6 @@ class HeadSpeculator(Speculator):
         # most tokens a round leaves for the head's extend: its accepted proposals and the next one
         self.extend_width = (num_steps if self.tree else num_draft_tokens) + 1
         self.passes = HeadPasses(target_runner, draft_runner)
-        # What the passes run on and the graphs they took, also named here: tests and benchmarks read them.
-        self.embed, self.target_tree_backend = self.passes.embed, self.passes.target_tree_backend
-        self._graphs = self.passes.graphs
         self._features: dict[int, torch.Tensor] = {}  # rid -> target features not yet in the draft cache
 
     @property
