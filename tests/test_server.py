@@ -317,6 +317,33 @@ def test_sizing_flags_next_to_a_plan_must_agree_with_it(models, tmp_path, capsys
         assert f"{flag} {reserve[key] + 1}: the plan {path} priced" in capsys.readouterr().err
 
 
+def test_a_node_that_declares_its_cpu_wins_over_device_cuda_and_sets_the_budget(models, tmp_path, capsys,
+                                                                                monkeypatch):
+    """A node whose pods request GPUs but run on its CPU says so in SPECDECODE_DEVICE (and the memory
+    it gives them in SPECDECODE_DEVICE_MEMORY_GIB): the operator's --device cuda then serves on cpu,
+    with that budget rather than the plan's; --device-memory-gib still wins over the node."""
+    from specdecode_worker.planner import plan_cli
+
+    assert plan_cli.main(["--target", str(models["target"]), "--algorithm", "NGRAM", "--gpu-memory-gib", "1.1",
+                          "--mem-fraction-static", "0.95", "--tp", "1", "--context-length", "64"]) == 0
+    path = tmp_path / "plan.json"
+    path.write_text(capsys.readouterr().out)
+    base = ["--target", str(models["target"]), "--algorithm", "NGRAM", "--plan", str(path), "--device", "cuda"]
+    monkeypatch.setenv("SPECDECODE_DEVICE", "cpu")
+    engine_args, plan = serve_cli.resolve(serve_cli.parser().parse_args(base))
+    assert engine_args.device == "cpu" and engine_args.device_memory_bytes == plan.gpu_memory_bytes
+    monkeypatch.setenv("SPECDECODE_DEVICE_MEMORY_GIB", "1.5")
+    engine_args, _ = serve_cli.resolve(serve_cli.parser().parse_args(base))
+    assert engine_args.device_memory_bytes == int(1.5 * 2**30)
+    engine_args, _ = serve_cli.resolve(serve_cli.parser().parse_args(base + ["--device-memory-gib", "1.25"]))
+    assert engine_args.device_memory_bytes == int(1.25 * 2**30)
+    for name, value in [("SPECDECODE_DEVICE", "tpu"), ("SPECDECODE_DEVICE_MEMORY_GIB", "-1")]:
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            with pytest.raises(serve_cli.InputError, match=f"{name}={value}"):
+                serve_cli.resolve(serve_cli.parser().parse_args(base))
+
+
 def test_worker_below_the_plan_floor_exits_3(models, tmp_path, capsys):
     """A plan made for the small draft as target leaves no room once the real target is loaded."""
     from specdecode_worker.planner import plan_cli

@@ -109,7 +109,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, MemoryPlan]:
             raise InputError(f"--{name.replace('_', '-')}: must be positive, got {getattr(args, name)}")
     if args.ngram_min > args.ngram_max:
         raise InputError(f"--ngram-min {args.ngram_min}: must be at most --ngram-max {args.ngram_max}")
-    device = args.device or _default_device()
+    device = node_device(args.device) or args.device or _default_device()
     if device == "cpu" and args.device_memory_gib is None and args.plan is None:
         raise InputError("--device-memory-gib: on cpu give the memory budget that stands in for the GPU")
     if args.device_memory_gib is not None and not args.device_memory_gib > 0:
@@ -146,8 +146,9 @@ def resolve(args: argparse.Namespace) -> tuple[Any, MemoryPlan]:
     kv, reserve = plan.kv_cache, plan.reserve
     shape = serve_shape(args, plan)
     budget = plan.gpu_memory_bytes
-    if device == "cpu" and args.device_memory_gib is not None:
-        budget = int(args.device_memory_gib * GIB)
+    cpu_budget_gib = args.device_memory_gib or node_device_memory_gib()
+    if device == "cpu" and cpu_budget_gib is not None:
+        budget = int(cpu_budget_gib * GIB)
     engine_args = EngineArgs(
         target=args.target, draft=args.draft, algorithm=args.algorithm, device=device,
         dtype=None if args.dtype == "auto" else args.dtype,
@@ -209,6 +210,41 @@ def plan_kv_cache_dtype(plan: MemoryPlan, flag: str | None, path: str) -> str:
         raise InputError(f"--kv-cache-dtype {flag}: the plan {path} was sized for a {planned} KV cache; "
                          f"give --kv-cache-dtype {planned_flag} or re-plan with {flag}")
     return planned_flag
+
+
+NODE_DEVICE_ENV = "SPECDECODE_DEVICE"
+NODE_MEMORY_ENV = "SPECDECODE_DEVICE_MEMORY_GIB"
+
+
+def node_device(requested: str | None) -> str | None:
+    """The device the node declares for its containers (``SPECDECODE_DEVICE``, set by a node's
+    container runtime, as the test bed's real node does for pods that request GPUs but run on its
+    CPU). It wins over ``--device``, and says so."""
+    declared = os.environ.get(NODE_DEVICE_ENV)
+    if not declared:
+        return None
+    if declared not in ("cpu", "cuda"):
+        raise InputError(f"{NODE_DEVICE_ENV}={declared}: the node's device must be cpu or cuda")
+    if requested and requested != declared:
+        log.warning("serving on %s, not --device %s: this node declares %s=%s", declared, requested,
+                    NODE_DEVICE_ENV, declared)
+    return declared
+
+
+def node_device_memory_gib() -> float | None:
+    """The memory the node gives a CPU worker in place of a GPU's (``SPECDECODE_DEVICE_MEMORY_GIB``,
+    beside ``SPECDECODE_DEVICE``); ``--device-memory-gib`` wins over it, and without either a
+    worker on the CPU takes its plan's GPU memory."""
+    declared = os.environ.get(NODE_MEMORY_ENV)
+    if not declared:
+        return None
+    try:
+        gib = float(declared)
+    except ValueError:
+        gib = 0.0
+    if not gib > 0:
+        raise InputError(f"{NODE_MEMORY_ENV}={declared}: the node's device memory must be a positive number of GiB")
+    return gib
 
 
 def _default_device() -> str:
