@@ -35,7 +35,7 @@ def smollm2_dir() -> Path:
     """The converted folder (config, model.safetensors, tokenizer, chat template), made on first use."""
     out = cache_dir() / "SmolLM2-135M-Instruct"
     if (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file():
-        return out
+        return readable_by_all(out)
     reason = missing_requirements()
     if reason:
         raise RuntimeError(f"SmolLM2 conversion {reason}")
@@ -55,7 +55,16 @@ def smollm2_dir() -> Path:
     plain.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.rename(out)
-    return out
+    return readable_by_all(out)
+
+
+def readable_by_all(folder: Path) -> Path:
+    """Make a model folder's files readable by every user (safetensors writes them 0600): pods
+    read the model store as their own non-root user."""
+    for f in folder.iterdir():
+        if f.is_file():
+            f.chmod(f.stat().st_mode | 0o444)
+    return folder
 
 
 def smollm2_dir_or_skip() -> Path:
