@@ -33,6 +33,7 @@ test-gpu: setup
 
 cluster-build:
 	bash devtools/cluster/build.sh
+	bash devtools/cluster/build_node.sh
 	bash devtools/cluster/build_lws.sh
 
 # Both container images with podman (installed from Debian when missing), on a Debian base made
@@ -40,12 +41,14 @@ cluster-build:
 images:
 	bash images/build.sh
 
+# The plane alone (KWOK nodes); `$(PY) -m devtools.cluster up --real-node` adds the real node.
 cluster-up: setup cluster-build
 	$(PY) -m devtools.cluster up
 
 cluster-down:
 	$(PY) -m devtools.cluster down
 
+# Builds the images when their inputs changed (with progress), then runs them on the real node.
 demo: setup cluster-build
 	$(PY) demo/run.py
 

@@ -3,8 +3,9 @@
 ``up`` builds the binaries if needed (cached), starts the plane in the background and prints
 shell lines (``eval "$(python -m devtools.cluster up)"`` works): the kubeconfig path as a comment,
 ``export KUBECONFIG=...`` and ``export PATH=...`` for kubectl and helm. ``down`` stops it and
-deletes its data, keeping the logs. The work folder is ``$SPECDECODE_CLUSTER_DIR`` or
-``~/.cache/specdecode/cluster-up``.
+deletes its data, keeping the logs. ``up --real-node`` adds one real node (realnode.py) that
+runs pods in containers; on a machine that cannot run one it says what is missing and exits 1.
+The work folder is ``$SPECDECODE_CLUSTER_DIR`` or ``~/.cache/specdecode/cluster-up``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from . import realnode
 from .controlplane import ControlPlane, build_binaries
 
 
@@ -36,18 +38,26 @@ def _print_env(plane: ControlPlane) -> None:
     print(f"export PATH={plane.bin_dir}:$PATH  # kubectl, helm")
 
 
-def up(workdir: Path) -> int:
+def up(workdir: Path, real_node: bool = False) -> int:
     existing = ControlPlane.attach(workdir)
-    if existing is not None and existing.running():
+    if existing is not None and existing.running() and (existing.node is not None or not real_node):
         _err(f"control plane already running in {workdir}")
         _print_env(existing)
         return 0
+    node_bin_dir = None
+    if real_node:
+        realnode.install_packages(say=_err)
+        missing = realnode.missing_parts()
+        if missing:
+            _err("this machine cannot run a real node; missing:\n  " + "\n  ".join(missing))
+            return 1
+        node_bin_dir = realnode.build(progress=_err)
     if existing is not None:
         existing.stop()
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
-    plane = ControlPlane(workdir, build_binaries(progress=_err))
+    plane = ControlPlane(workdir, build_binaries(progress=_err), node_bin_dir)
     try:
         plane.start(detach=True, progress=_err)
     except Exception as exc:
@@ -92,8 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m devtools.cluster", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["up", "down", "status", "env"])
     parser.add_argument("--workdir", type=Path, default=default_workdir())
+    parser.add_argument("--real-node", action="store_true",
+                        help="up: add a real node (containerd, kubelet, kube-proxy) that runs pods")
     args = parser.parse_args(argv)
-    return {"up": up, "down": down, "status": status, "env": env}[args.command](args.workdir)
+    if args.command == "up":
+        return up(args.workdir, args.real_node)
+    return {"down": down, "status": status, "env": env}[args.command](args.workdir)
 
 
 if __name__ == "__main__":

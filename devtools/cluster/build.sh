@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok and helm from
+# Builds etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, helm and the
+# real node's kubelet and kube-proxy (the same Kubernetes module; build_node.sh adds containerd) from
 # their Go modules into a cache folder keyed by the pins, and prints that folder's bin/ path last.
 # A warm cache returns at once. Progress goes to stderr. The cache key is the pins only, so
 # editing this script does not rebuild: bump a pin (or delete the cache) to force a rebuild.
@@ -11,7 +12,8 @@ key=$(sha256sum < "$here/versions.env" | cut -c1-12)
 cache_root=${SPECDECODE_CLUSTER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/specdecode/cluster}
 out="$cache_root/$key"
 bin="$out/bin"
-tools="etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm"
+kube_cmds="kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy"
+tools="etcd kwok helm $kube_cmds"
 
 all_built() { for t in $tools; do [ -x "$bin/$t" ] || return 1; done; }
 if all_built; then echo "$bin"; exit 0; fi
@@ -48,7 +50,7 @@ GOV=$(go env GOVERSION | sed -E 's/^go([0-9]+\.[0-9]+).*/\1/')
 
 build_kubernetes() {
   local c missing=0
-  for c in kube-apiserver kube-controller-manager kube-scheduler kubectl; do [ -x "$bin/$c" ] || missing=1; done
+  for c in $kube_cmds; do [ -x "$bin/$c" ] || missing=1; done
   if [ $missing = 0 ]; then log "kubernetes binaries: cached"; return; fi
   local d="$out/src/kubernetes"
   mkdir -p "$d" && cd "$d"
@@ -71,6 +73,8 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
 	_ "k8s.io/kubernetes/cmd/kubectl"
+	_ "k8s.io/kubernetes/cmd/kubelet"
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
 )
 GO
   # kubernetes replaces its staging modules with local folders; a dependency's replaces are
@@ -87,7 +91,7 @@ GO
   for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     ld="$ld -X $p.gitVersion=v$K -X $p.gitMajor=1 -X $p.gitMinor=$MINOR -X $p.gitTreeState=clean -X $p.buildDate=2026-01-01T00:00:00Z"
   done
-  for c in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+  for c in $kube_cmds; do
     if [ -x "$bin/$c" ]; then log "$c: cached"; continue; fi
     local t0; t0=$(date +%s)
     log "$c: compiling (the first one compiles most shared packages)"

@@ -2,10 +2,13 @@
 
 etcd, kube-apiserver (client-certificate admin, RBAC), kube-controller-manager (all
 controllers), kube-scheduler, the KWOK controller (kwok-stages.yaml) with the fake GPU nodes of
-nodes.yaml, and the planner runtime (planner_runtime.py, which also binds volume claims). Ports
-are chosen free, so runs never collide. Everything lives in one work folder: ``kubeconfig``,
-``pki/``, ``logs/<component>.log``, ``pvc/`` (the local model store root) and ``state.json``
-(what ``python -m devtools.cluster down`` needs to stop a detached plane).
+nodes.yaml, and the planner runtime (planner_runtime.py, which runs the planner pods of KWOK nodes
+and binds volume claims). Given ``node_bin_dir``, also one real node (realnode.py: containerd,
+kubelet, kube-proxy) that runs pods as containers; the API server then serves on the node's
+bridge address instead of loopback. Ports are chosen free, so runs never collide. Everything
+lives in one work folder: ``kubeconfig``, ``pki/``, ``node/`` (the real node's),
+``logs/<component>.log``, ``pvc/`` (the local model store root) and ``state.json`` (what
+``python -m devtools.cluster down`` needs to stop a detached plane).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import yaml
 
 from . import pki as pki_mod
 from .kube import ApiError, KubeClient
+from . import realnode
 from .local_volumes import STORAGE_CLASS
 
 HERE = Path(__file__).resolve().parent
@@ -40,11 +44,14 @@ SERVICE_CIDR = "10.96.0.0/16"
 POD_CIDR = "10.244.0.0/16"
 # Stopped in this order: clients of the API server first, etcd last.
 STOP_ORDER = [
-    ["lws-controller", "planner-runtime", "kwok", "kube-scheduler", "kube-controller-manager"],
+    ["lws-controller", "planner-runtime", "kwok", "kube-scheduler", "kube-controller-manager", "kubelet",
+     "kube-proxy"],
+    ["containerd"],
     ["kube-apiserver"],
     ["etcd"],
 ]
 OPTIONAL = {"lws-controller"}  # started per test module (devtools/cluster/lws.py)
+REAL_NODE = {"containerd", "kubelet", "kube-proxy"}  # only in planes with a real node
 
 
 class CommandError(subprocess.CalledProcessError):
@@ -117,9 +124,13 @@ class Component:
 
 
 class ControlPlane:
-    def __init__(self, workdir: Path, bin_dir: Path):
+    def __init__(self, workdir: Path, bin_dir: Path, node_bin_dir: Path | None = None):
+        """``node_bin_dir``: realnode.build()'s folder, for a plane with a real node."""
         self.workdir = Path(workdir)
         self.bin_dir = Path(bin_dir)
+        self.node_bin_dir = Path(node_bin_dir) if node_bin_dir else None
+        self.node = (realnode.RealNode(self.workdir / "node", self.bin_dir, self.node_bin_dir, self.workdir / "pki")
+                     if self.node_bin_dir else None)
         self.logs_dir = self.workdir / "logs"
         self.pvc_root = self.workdir / "pvc"
         self.kubeconfig = str(self.workdir / "kubeconfig")
@@ -189,6 +200,10 @@ class ControlPlane:
                   self.workdir / "runtime"):
             d.mkdir(parents=True, exist_ok=True)
         (self.workdir / "etcd").chmod(0o700)  # etcd warns about wider permissions
+        if self.node is not None:
+            self.node.take_lock()
+            self.node.sweep_stale()
+            self.node.make_bridge()  # the API server binds the bridge's address
         names = ["etcd", "etcd-peer", "kube-apiserver", "kube-controller-manager", "kube-scheduler"]
         self.ports = dict(zip(names, free_ports(len(names))))
         etcd_url = f"http://127.0.0.1:{self.ports['etcd']}"
@@ -201,14 +216,19 @@ class ControlPlane:
             "--auto-compaction-retention=1", "--log-level=warn",
         ])
         say(f"etcd started on {etcd_url}; making certificates")
-        p = pki_mod.make_pki(self.workdir / "pki")
+        p = pki_mod.make_pki(self.workdir / "pki", extra_ips=(realnode.IP,) if self.node else ())
         self._write_kubeconfig(p)
         self._save_state()
         self._wait(lambda: _http_ok(f"{etcd_url}/health"), "etcd /health", 30)
 
         api = self.ports["kube-apiserver"]
+        node_flags = [] if self.node is None else [
+            # Pods reach the API server through the kubernetes Service, at the bridge's address.
+            f"--advertise-address={realnode.IP}", f"--kubelet-client-certificate={p.admin_crt}",
+            f"--kubelet-client-key={p.admin_key}", "--kubelet-preferred-address-types=InternalIP",
+        ]
         self._spawn("kube-apiserver", detach, [
-            f"--etcd-servers={etcd_url}", "--bind-address=127.0.0.1", f"--secure-port={api}",
+            f"--etcd-servers={etcd_url}", f"--bind-address={self.api_host}", f"--secure-port={api}", *node_flags,
             f"--tls-cert-file={p.serving_crt}", f"--tls-private-key-file={p.serving_key}",
             f"--client-ca-file={p.ca_crt}", "--authorization-mode=Node,RBAC",
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--allow-privileged=true",
@@ -222,7 +242,7 @@ class ControlPlane:
             "--requestheader-group-headers=X-Remote-Group", "--requestheader-extra-headers-prefix=X-Remote-Extra-",
             "--enable-priority-and-fairness=false",
         ])
-        say(f"kube-apiserver starting on https://127.0.0.1:{api}")
+        say(f"kube-apiserver starting on https://{self.api_host}:{api}")
         self._wait(lambda: self.api.get("/readyz") == "ok", "kube-apiserver /readyz", 120)
         say("kube-apiserver ready; starting controller-manager, scheduler, kwok, planner runtime")
 
@@ -269,9 +289,42 @@ class ControlPlane:
             url = f"https://127.0.0.1:{self.ports[name]}/healthz"
             self._wait(lambda url=url: _http_ok(url, insecure=True), f"{name} /healthz", 60)
         self._wait(lambda: (self.workdir / "runtime" / "ready").exists(), "planner runtime", 30)
+        if self.node is not None:
+            self._start_node(p, detach, say)
+
+    @property
+    def api_host(self) -> str:
+        return realnode.IP if self.node_bin_dir else "127.0.0.1"
+
+    def _start_node(self, p: pki_mod.Pki, detach: bool, say: Callable[[str], None]) -> None:
+        node = self.node
+        assert node is not None
+        certs = {
+            "kubelet": pki_mod.make_client_cert(p, self.workdir / "pki", "kubelet",
+                                                f"/O=system:nodes/CN=system:node:{realnode.NAME}"),
+            "kube-proxy": pki_mod.make_client_cert(p, self.workdir / "pki", "kube-proxy", "/CN=system:kube-proxy"),
+        }
+        node.write_configs(f"https://{self.api_host}:{self.ports['kube-apiserver']}", certs)
+        commands = node.commands()
+        self._spawn("containerd", detach, commands["containerd"][1:], env=node.env(),
+                    executable=commands["containerd"][0], pass_fds=(node.lock_fd,))
+        os.close(node.lock_fd)  # containerd holds the lock from here on
+        node.lock_fd = None
+        self._wait(lambda: node.socket.exists(), "containerd's socket", 30)
+        node.import_pause()
+        for name in ("kubelet", "kube-proxy"):
+            self._spawn(name, detach, commands[name][1:], env=node.env(), executable=commands[name][0])
+        self._save_state()
+        say(f"real node: containerd, kubelet and kube-proxy started; waiting for {realnode.NAME} Ready")
+        self._wait(lambda: self._nodes_ready([realnode.NAME]), f"{realnode.NAME} Ready", 90)
+        # The documented way to advertise an extended resource: a patch of the node's status.
+        self.api.merge_patch(f"/api/v1/nodes/{realnode.NAME}/status",
+                             {"status": {"capacity": {"nvidia.com/gpu": str(realnode.GPUS)}}})
+        self._wait(lambda: self.api.get(f"/api/v1/nodes/{realnode.NAME}")["status"]["allocatable"]
+                   .get("nvidia.com/gpu") == str(realnode.GPUS), "the real node's nvidia.com/gpu", 30)
 
     def _spawn(self, name: str, detach: bool, args: list[str], *, env: dict[str, str] | None = None,
-               executable: str | None = None, cwd: Path | None = None) -> None:
+               executable: str | None = None, cwd: Path | None = None, pass_fds: tuple[int, ...] = ()) -> None:
         argv0 = executable or str(self.bin_dir / name)
         log = self.logs_dir / f"{name}.log"
         full_env = dict(os.environ, **(env or {}))
@@ -280,7 +333,7 @@ class ControlPlane:
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 [argv0, *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env=full_env, cwd=cwd or self.workdir, start_new_session=True,
+                env=full_env, cwd=cwd or self.workdir, start_new_session=True, pass_fds=pass_fds,
                 preexec_fn=None if detach else _die_with_parent,
             )
         self.components[name] = Component(name, proc.pid, argv0, log, proc)
@@ -339,7 +392,7 @@ class ControlPlane:
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": "specdecode-test", "cluster": {
-                "server": f"https://127.0.0.1:{self.ports['kube-apiserver']}",
+                "server": f"https://{self.api_host}:{self.ports['kube-apiserver']}",
                 "certificate-authority-data": b64(p.ca_crt)}}],
             "users": [{"name": "admin", "user": {
                 "client-certificate-data": b64(p.admin_crt), "client-key-data": b64(p.admin_key)}}],
@@ -366,12 +419,15 @@ class ControlPlane:
                 if c.proc is not None:
                     c.proc.wait()
         self.components.clear()
+        if self.node is not None and (self.node.dir / "cgroups.json").exists():
+            self.node.cleanup()
 
     # ---- detached planes (python -m devtools.cluster up|down) ---------------------------------
 
     def _save_state(self) -> None:
         state = {
             "bin_dir": str(self.bin_dir),
+            "node_bin_dir": str(self.node_bin_dir) if self.node_bin_dir else None,
             "ports": self.ports,
             "components": {c.name: {"pid": c.pid, "argv0": c.argv0, "log": str(c.log)}
                            for c in self.components.values()},
@@ -385,14 +441,14 @@ class ControlPlane:
         if not state_file.exists():
             return None
         state = json.loads(state_file.read_text())
-        plane = cls(workdir, Path(state["bin_dir"]))
+        plane = cls(workdir, Path(state["bin_dir"]), state.get("node_bin_dir"))
         plane.ports = state["ports"]
         plane.components = {name: Component(name, c["pid"], c["argv0"], Path(c["log"]))
                             for name, c in state["components"].items()}
         return plane
 
     def running(self) -> bool:
-        names = {n for group in STOP_ORDER for n in group} - OPTIONAL
+        names = {n for group in STOP_ORDER for n in group} - OPTIONAL - (set() if self.node else REAL_NODE)
         return names <= self.components.keys() and all(c.alive() for c in self.components.values())
 
     def remove_data(self) -> None:

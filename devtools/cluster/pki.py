@@ -30,7 +30,8 @@ class Pki:
     front_proxy_client_key: Path
 
 
-def make_pki(d: Path) -> Pki:
+def make_pki(d: Path, extra_ips: tuple[str, ...] = ()) -> Pki:
+    """The plane's certificates; ``extra_ips``: addresses besides loopback the API server serves on."""
     d.mkdir(parents=True, exist_ok=True)
     p = Pki(
         ca_crt=d / "ca.crt", ca_key=d / "ca.key",
@@ -42,7 +43,8 @@ def make_pki(d: Path) -> Pki:
     )
     _make_ca(p.ca_crt, p.ca_key, "/CN=specdecode-test-ca")
     san = ",".join([
-        "IP:127.0.0.1", "IP:10.96.0.1", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
+        "IP:127.0.0.1", "IP:10.96.0.1", *(f"IP:{ip}" for ip in extra_ips),
+        "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
         "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local",
     ])
     _sign(p.ca_crt, p.ca_key, p.serving_crt, p.serving_key, "/CN=kube-apiserver", "serverAuth", san)
@@ -88,6 +90,13 @@ def _run(*args: object) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()}")
+
+
+def make_client_cert(p: Pki, d: Path, name: str, subject: str) -> tuple[Path, Path]:
+    """A client certificate signed by the plane's CA: ``d/<name>.crt`` and ``d/<name>.key``."""
+    crt, key = d / f"{name}.crt", d / f"{name}.key"
+    _sign(p.ca_crt, p.ca_key, crt, key, subject, "clientAuth", None)
+    return crt, key
 
 
 def make_serving_cert(ca_crt: Path, ca_key: Path, d: Path, name: str, san: str) -> tuple[Path, Path]:

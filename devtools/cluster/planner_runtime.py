@@ -5,10 +5,11 @@ planner``) must run the real planner, and model download pods (``specdecode.io/r
 model-cache``, the pods of the operator's download Jobs) must really download from the test
 hub into the cache claim's folder, so this runner plays the container runtime for both:
 
-* It picks pods with either label that are scheduled (``spec.nodeName``), Running (KWOK's
-  pod-ready stage) and not being deleted, and runs each pod once, keyed by pod UID. A marker file
-  per UID in the state folder keeps that true across runner restarts: a pod whose process was
-  cut off by a restart is recorded as exit code 137 rather than run again.
+* It picks pods with either label that are scheduled onto a KWOK node (a real node's kubelet
+  runs its own), Running (KWOK's pod-ready stage) and not being deleted, and runs each pod once,
+  keyed by pod UID. A marker file per UID in the state folder keeps that true across runner
+  restarts: a pod whose process was cut off by a restart is recorded as exit code 137 rather than
+  run again.
 * Command: the first container's ``command`` + ``args``, with Kubernetes ``$(VAR)`` expansion.
   No ``command`` means the worker image's entrypoint, ``specdecode-worker``.
 * Environment: the runner's environment plus the container's ``env`` (``value``, ``fieldRef``,
@@ -62,6 +63,7 @@ from .kube import ApiError, KubeClient
 from .local_volumes import sync_volumes
 
 ROLE_SELECTOR = "specdecode.io/role in (planner,model-cache)"
+KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 ANN_EXIT_CODE = "specdecode.test/exit-code"
 ANN_REASON = "specdecode.test/reason"
 ANN_MESSAGE = "specdecode.test/termination-message"
@@ -274,6 +276,8 @@ class Runner:
     active: dict[str, subprocess.Popen | None] = field(default_factory=dict)
     finished: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _kwok: set[str] = field(default_factory=set)
+    _nodes_read: float = -1e9
 
     def poll_once(self) -> None:
         pods = self.client.get("/api/v1/pods", labelSelector=ROLE_SELECTOR)["items"]
@@ -283,6 +287,8 @@ class Runner:
             uid = meta["uid"]
             live[uid] = pod
             if meta.get("deletionTimestamp") or not pod["spec"].get("nodeName"):
+                continue
+            if pod["spec"]["nodeName"] not in self.kwok_nodes(pod["spec"]["nodeName"]):
                 continue
             if pod.get("status", {}).get("phase") != "Running":
                 continue
@@ -306,6 +312,15 @@ class Runner:
                 gone = uid not in live or live[uid]["metadata"].get("deletionTimestamp")
                 if gone and proc is not None and proc.poll() is None:
                     _kill_group(proc)
+
+    def kwok_nodes(self, wanted: str) -> set[str]:
+        """The nodes KWOK manages, read again when ``wanted`` is not among them (at most once a second)."""
+        if wanted not in self._kwok and time.monotonic() - self._nodes_read > 1:
+            nodes = self.client.get("/api/v1/nodes")["items"]
+            self._kwok = {n["metadata"]["name"] for n in nodes
+                          if (n["metadata"].get("annotations") or {}).get(KWOK_ANNOTATION) == "fake"}
+            self._nodes_read = time.monotonic()
+        return self._kwok
 
     def _run(self, pod: dict) -> None:
         meta = pod["metadata"]
