@@ -128,3 +128,17 @@ def local_plan(store: Path, *args: str) -> dict:
                           "--output", "json"], capture_output=True, text=True)
     assert out.returncode in (0, 3), out.stderr
     return json.loads(out.stdout)
+
+
+def greedy_reply(model_dir: Path, messages: list[dict], max_tokens: int) -> str:
+    """transformers' greedy continuation of the chat, up to the end-of-turn token or max_tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
