@@ -21,6 +21,7 @@ from .controlplane import free_ports
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "specdecode-operator"
 CRD = ROOT / "crds" / "specdecode.io_specdecodedeployments.yaml"
+EXAMPLE = ROOT / "examples" / "ngram.yaml"
 MODEL = "SmolLM2-135M-Instruct"  # its folder in the model store
 ON_REAL_NODE = {"specdecode.io/real-node": "true"}
 
@@ -78,22 +79,22 @@ def model_store(plane, namespace: str, model_dir: Path) -> Path:
 
 
 def ngram_sdd(name: str, namespace: str, **spec_changes) -> dict:
-    """An NGRAM SDD of SmolLM2 that only the real node can run: its GPU product, planned with the
-    memory the node gives each pod, one CPU, and the planner pod there too."""
-    spec = {
+    """examples/ngram.yaml for SmolLM2, on what only the real node has: its GPU product, planned with
+    the memory the node gives each pod, one CPU, and the planner pod there too."""
+    sdd = yaml.safe_load(EXAMPLE.read_text())
+    sdd["metadata"] = {"name": name, "namespace": namespace}
+    sdd["spec"].update({
         "replicas": 1,
         "target": {"model": MODEL},
         "draft": {"algorithm": "NGRAM", "numDraftTokens": 4},
         "serving": {"contextLength": 2048, "maxRunningRequests": 4},
-        "gpu": {"product": realnode.GPU_PRODUCT, "memoryGiB": realnode.GPU_MEMORY_MIB / 1024},
+        "gpu": {"product": realnode.GPU_PRODUCT, "memoryGiB": realnode.GPU_MEMORY_MIB // 1024},
         "modelStore": {"pvc": {"claimName": "models"}},
         "resources": {"cpu": "1"},
         "pod": {"nodeSelector": dict(ON_REAL_NODE)},
-    }
-    spec.update(spec_changes)
-    return {"apiVersion": "specdecode.io/v1alpha1", "kind": "SpecDecodeDeployment",
-            "metadata": {"name": name, "namespace": namespace}, "spec": spec}
-
+        **spec_changes,
+    })
+    return sdd
 
 @contextlib.contextmanager
 def port_forward(plane, namespace: str, service: str) -> Iterator[str]:
