@@ -7,7 +7,7 @@
 #   3. benchmarks/gpu_serving.py --json: start-up, planned against measured dynamic peak, decode
 #      against the roofline, step time by live length, the speculative rows, MTP and the
 #      load-aware sweep (each phase saved as it ends, so a run cut short keeps what it measured);
-#   4. every CUDA-only test (tests/test_triton_cuda.py, tests/test_engine_cuda.py), then the Triton
+#   4. every CUDA-only test (tests/gpu/test_triton_cuda.py, tests/gpu/test_engine_cuda.py), then the Triton
 #      kernel tests compiled for the device instead of interpreted, with whatever time is left.
 #
 # On a GPU machine:  bash benchmarks/device_check.sh [OUT_DIR]   (default: $OUT, else /tmp/device_check)
@@ -70,15 +70,15 @@ echo "gpu_serving exit status: $bench_rc (124: cut at its budget; the phases it 
 
 echo "== CUDA-only tests (at most $(left) s)"
 timeout -k 10 "$(left)" "$python" -m pytest -q -rfEs -p no:cacheprovider --timeout 150 \
-    --junitxml="$out/cuda_tests.xml" ${CUDA_TESTS:-tests/test_triton_cuda.py tests/test_engine_cuda.py} 2>&1 \
+    --junitxml="$out/cuda_tests.xml" ${CUDA_TESTS:-tests/gpu/test_triton_cuda.py tests/gpu/test_engine_cuda.py} 2>&1 \
     | tee "$out/cuda_tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 if (( ${#tiny[@]} == 0 && $(left) > 60 )); then  # on CPU these run interpreted in `make test`
     echo "== Triton kernel tests compiled for the device (at most $(left) s)"
     timeout -k 10 "$(left)" "$python" -m pytest -q -rfE -p no:cacheprovider --timeout 120 -m "not slow" \
-        --junitxml="$out/kernel_tests.xml" tests/test_triton_attention.py tests/test_triton_mla.py \
-        tests/test_triton_moe.py 2>&1 | tee "$out/kernel_tests.log"
+        --junitxml="$out/kernel_tests.xml" tests/engine/test_triton_attention.py tests/engine/test_triton_mla.py \
+        tests/engine/test_triton_moe.py 2>&1 | tee "$out/kernel_tests.log"
 fi
 
 echo "== results"

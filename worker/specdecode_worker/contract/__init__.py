@@ -69,7 +69,7 @@ def verify_fits(tokens_per_request: int, group: int) -> bool:
 # temporaries per row and vocabulary entry beyond the logits themselves (two sorts with their
 # indices, the distributions, their cumulative sums, a copy of the block's logits when its requests
 # are not consecutive in the batch), counted as live tensor bytes on CPU: 32, 36 with the copy
-# (tests/test_dynamic_reserve.py), and small per-request bookkeeping. A block holds as
+# (tests/engine/test_dynamic_reserve.py), and small per-request bookkeeping. A block holds as
 # many requests as keep its scratch within SAMPLING_BLOCK_BYTES (at least one), so the scratch does
 # not grow with the batch.
 SAMPLING_BYTES_PER_LOGIT = 40
