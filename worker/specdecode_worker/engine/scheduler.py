@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from .memory.kv_slots import Closing, Keep, KVSlots
 from .memory.prefix_cache import common_prefix
 from .request import Request, TokenLogprob
+from .speculation.rounds import prefilled_to, take_cached_lengths
 from .stats import Stats
 
 if TYPE_CHECKING:
@@ -330,22 +331,6 @@ class WaitingQueue:
         else:
             with self._lock:
                 self._new.popleft()
-
-
-def prefilled_to(reqs: list[Request], ends: list[int]) -> None:
-    """A prefill pass cached each request's positions up to ``ends[i]``."""
-    for r, end in zip(reqs, ends):
-        r.kv_len = end
-
-
-def take_cached_lengths(reqs: list[Request], results: list[RoundResult]) -> None:
-    """Each request's cached lengths after its decode round, as its result reports them: with
-    ``prefilled_to``, the one place a pass moves them (the warm-up and round timing, which run
-    passes without a scheduler, call these too)."""
-    for r, result in zip(reqs, results):
-        r.kv_len = result.kv_len
-        if result.draft_kv_len is not None:
-            r.draft_kv_len = result.draft_kv_len
 
 
 def _keep(r: Request) -> Keep:

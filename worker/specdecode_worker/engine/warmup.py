@@ -38,7 +38,7 @@ import torch
 
 from .sampler import to_host
 from .request import Request, SamplingParams, make_generator
-from .scheduler import prefilled_to
+from .speculation.rounds import prefilled_to
 
 log = logging.getLogger(__name__)
 

@@ -141,3 +141,19 @@ class Speculator(ABC):
         """Advance every request by one verified round; request i drafts at most ``draft_lengths[i]``
         tokens (default: the speculator's K). A length of 0 is a plain decode step for it.
         ``lookup``: this round's ``look_ahead``, whose proposals the round then drafts."""
+
+
+def prefilled_to(reqs: list[Request], ends: list[int]) -> None:
+    """A prefill pass cached each request's positions up to ``ends[i]``."""
+    for r, end in zip(reqs, ends):
+        r.kv_len = end
+
+
+def take_cached_lengths(reqs: list[Request], results: list[RoundResult]) -> None:
+    """Each request's cached lengths after its decode round, as its result reports them. With
+    ``prefilled_to``, the one place a pass moves them: the scheduler calls both at a pass's end,
+    and so do the warm-up and round timing, which run passes without a scheduler."""
+    for r, result in zip(reqs, results):
+        r.kv_len = result.kv_len
+        if result.draft_kv_len is not None:
+            r.draft_kv_len = result.draft_kv_len

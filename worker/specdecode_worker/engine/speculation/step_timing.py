@@ -17,7 +17,7 @@ import time
 import torch
 
 from ..request import SamplingParams
-from ..scheduler import take_cached_lengths
+from .rounds import take_cached_lengths
 from ..warmup import LeavesNoTrace, prefill_requests
 from .round_cost import RoundCost
 from .algorithms import Drafter
