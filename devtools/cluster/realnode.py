@@ -198,11 +198,23 @@ class RealNode:
         (self.dir / "kubelet.yaml").write_text(yaml.safe_dump(self.kubelet_config()))
         (self.dir / "kube-proxy.yaml").write_text(yaml.safe_dump(self.proxy_config()))
         self._record_new_cgroups()
+        self._make_cgroup_root()
+
+    def _make_cgroup_root(self) -> None:
+        """kubelet wants its cgroup root to exist in every hierarchy; a new cpuset cgroup starts with
+        no CPUs and no memory nodes, so it gets its parent's."""
+        for top in self._cgroup_tops():
+            top.mkdir(parents=True, exist_ok=True)
+            chain = [top, *top.parents]
+            for d in reversed([d for d in chain if (d / "cpuset.cpus").exists()]):
+                for name in ("cpuset.cpus", "cpuset.mems"):
+                    if not (d / name).read_text().strip():
+                        (d / name).write_text((d.parent / name).read_text())
 
     def _cgroup_tops(self) -> list[Path]:
         """The node's cgroup root in each hierarchy."""
-        hierarchies = [d for d in Path("/sys/fs/cgroup").iterdir() if d.is_dir()] if self.cgroup_v1 \
-            else [Path("/sys/fs/cgroup")]
+        hierarchies = [d for d in Path("/sys/fs/cgroup").iterdir() if d.is_dir() and d.name != "unified"] \
+            if self.cgroup_v1 else [Path("/sys/fs/cgroup")]
         return [h / self.cgroup_root.lstrip("/") for h in hierarchies]
 
     def _record_new_cgroups(self) -> None:
@@ -265,9 +277,11 @@ state = "{state}"
             "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": False},
                                "x509": {"clientCAFile": str(self.pki_dir / "ca.crt")}},
             "authorization": {"mode": "AlwaysAllow"},  # only clients with the plane's certificates get in
-            # Every pod lies in a cgroup below this process's own, within the machine's limits;
-            # no QoS tiers and no node-allocatable enforcement, which would manage cgroups above it.
-            "cgroupDriver": "cgroupfs", "cgroupRoot": self.cgroup_root, "cgroupsPerQOS": False,
+            # Every pod lies in a cgroup below this process's own, within the machine's limits.
+            # kubelet names a pod's cgroup parent only through its QoS cgroups (without them
+            # containerd puts pods in /k8s.io, outside): keep those, below cgroupRoot, and leave
+            # node-allocatable unenforced, so that no limit is set on them.
+            "cgroupDriver": "cgroupfs", "cgroupRoot": self.cgroup_root, "cgroupsPerQOS": True,
             "enforceNodeAllocatable": [],
             # A shared development machine: its disk use is not the node's to police.
             "evictionHard": {}, "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,

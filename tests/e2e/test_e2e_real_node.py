@@ -64,6 +64,14 @@ def real_plane(tmp_path_factory, pytestconfig):
     finally:
         print(plane.kubectl("logs", "-n", SYSTEM_NS, f"deployment/{RELEASE}", "--tail=60", check=False).stdout)
         plane.stop()
+    # Stopping the plane ended every container: none is left in the node's cgroups.
+    assert node_processes(plane) == []
+
+
+def node_processes(plane) -> list[str]:
+    """The processes in the real node's cgroups, all of which lie below this test's own cgroup."""
+    top = realnode.cgroup_dir("memory", plane.node.cgroup_root, plane.node.cgroup_v1)
+    return [pid for procs in (top.rglob("cgroup.procs") if top.is_dir() else []) for pid in procs.read_text().split()]
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +146,7 @@ def test_an_sdd_on_the_real_node_answers_through_its_service_with_the_targets_gr
     (worker,) = worker_pods(real_plane, ns, "smollm2")
     assert worker["spec"]["nodeName"] == realnode.NAME
     assert worker["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert node_processes(real_plane), "the pods' processes run outside the node's cgroup"
 
     record = chat_through_service(real_plane, ns, "smollm2")
     answer = record["response"]["choices"][0]["message"]["content"]

@@ -33,12 +33,13 @@ def test_the_pause_archive_is_an_oci_layout_whose_digests_and_layer_hold(tmp_pat
     assert member.name == "pause" and member.mode == 0o755 and member.size == program.stat().st_size
 
 
-def test_every_pod_cgroup_lies_below_this_process_and_no_qos_tiers_are_made(tmp_path):
+def test_every_pod_cgroup_lies_below_this_process(tmp_path):
     node = realnode.RealNode(tmp_path, tmp_path / "bin", tmp_path / "node-bin", tmp_path / "pki")
     own, v1 = realnode.own_cgroup()
     config = node.kubelet_config()
     assert config["cgroupRoot"] == f"{own.rstrip('/')}/specdecode-node"
-    assert config["cgroupsPerQOS"] is False and config["enforceNodeAllocatable"] == []
+    # QoS cgroups are how kubelet gives a pod a cgroup parent (below cgroupRoot); no limits on them.
+    assert config["cgroupsPerQOS"] is True and config["enforceNodeAllocatable"] == []
     assert ("failCgroupV1" in config) == v1 and config.get("failCgroupV1", False) is False
     assert config["address"] == realnode.IP and config["authentication"]["anonymous"]["enabled"] is False
     for top in node._cgroup_tops():
