@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from devtools.cluster.controlplane import NODES_FILE  # noqa: F401  (the fake nodes, for tests that add more)
 from devtools.cluster.wait import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]

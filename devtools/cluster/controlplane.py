@@ -136,6 +136,7 @@ class ControlPlane:
         self.kubeconfig = str(self.workdir / "kubeconfig")
         self.components: dict[str, Component] = {}
         self.ports: dict[str, int] = {}
+        self._launches: dict[str, tuple] = {}  # name -> how _spawn started it (restart)
         self._api: KubeClient | None = None
 
     # ---- what tests use -------------------------------------------------------------------
@@ -323,8 +324,25 @@ class ControlPlane:
         self._wait(lambda: self.api.get(f"/api/v1/nodes/{realnode.NAME}")["status"]["allocatable"]
                    .get("nvidia.com/gpu") == str(realnode.GPUS), "the real node's nvidia.com/gpu", 30)
 
+    def restart(self, name: str, down_for: float = 0) -> None:
+        """Stop one component, leave it down ``down_for`` seconds, and start it again with the same
+        command line (fault tests: an API server outage); returns once the API server is ready."""
+        detach, args, options = self._launches[name]
+        comp = self.components[name]
+        comp.signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10  # the API server drains its watches for up to a minute
+        while comp.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        comp.signal(signal.SIGKILL)
+        if comp.proc is not None:
+            comp.proc.wait(30)
+        time.sleep(down_for)
+        self._spawn(name, detach, args, **options)
+        self._wait(lambda: self.api.get("/readyz") == "ok", "kube-apiserver /readyz", 120)
+
     def _spawn(self, name: str, detach: bool, args: list[str], *, env: dict[str, str] | None = None,
                executable: str | None = None, cwd: Path | None = None, pass_fds: tuple[int, ...] = ()) -> None:
+        self._launches[name] = (detach, args, {"env": env, "executable": executable, "cwd": cwd})
         argv0 = executable or str(self.bin_dir / name)
         log = self.logs_dir / f"{name}.log"
         full_env = dict(os.environ, **(env or {}))

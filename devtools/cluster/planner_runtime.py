@@ -362,7 +362,12 @@ class Runner:
         path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
         patch = {"metadata": {"uid": meta["uid"], "annotations": {
             ANN_EXIT_CODE: str(result.exit_code), ANN_REASON: result.reason, ANN_MESSAGE: result.message}}}
-        for attempt in range(5):
+        # A kubelet keeps reporting a container's end until the API server takes it: retry through
+        # an outage (for up to five minutes), or the pod would stay Running forever.
+        deadline = time.monotonic() + 300
+        attempt = 0
+        while time.monotonic() < deadline:
+            attempt += 1
             try:
                 self.client.merge_patch(path, patch)
                 print(f"{meta['namespace']}/{meta['name']}: exit {result.exit_code}", flush=True)
@@ -373,7 +378,7 @@ class Runner:
                 print(f"{meta['namespace']}/{meta['name']}: recording failed: {exc}", flush=True)
             except OSError as exc:
                 print(f"{meta['namespace']}/{meta['name']}: recording failed: {exc}", flush=True)
-            time.sleep(0.5 * (attempt + 1))
+            time.sleep(min(0.5 * attempt, 2.0))
 
     def stop_all(self) -> None:
         with self.lock:
