@@ -34,6 +34,7 @@ import yaml
 from . import pki as pki_mod
 from .kube import ApiError, KubeClient
 from . import realnode
+from .build_scripts import run_build_script
 from .local_volumes import STORAGE_CLASS
 
 HERE = Path(__file__).resolve().parent
@@ -67,15 +68,6 @@ def build_binaries(progress: Callable[[str], None] = print) -> Path:
     script = HERE / "build.sh"
     progress(f"control plane: checking binaries ({script.relative_to(REPO_ROOT)})")
     return run_build_script(script)
-
-
-def run_build_script(script: Path) -> Path:
-    """Run one of this folder's build scripts; its progress goes to stderr, and its last line on
-    stdout is the folder it built."""
-    result = subprocess.run(["bash", str(script)], stdout=subprocess.PIPE, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{script} failed (exit {result.returncode}); its progress log is above")
-    return Path(result.stdout.strip().splitlines()[-1])
 
 
 def free_ports(n: int) -> list[int]:

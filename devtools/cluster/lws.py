@@ -25,7 +25,8 @@ from pathlib import Path
 import yaml
 
 from . import pki as pki_mod
-from .controlplane import HERE, ControlPlane, free_ports, run_build_script
+from .build_scripts import run_build_script
+from .controlplane import HERE, ControlPlane, free_ports
 from .kube import ApiError
 
 COMPONENT = "lws-controller"

@@ -34,6 +34,8 @@ from typing import Callable
 
 import yaml
 
+from .build_scripts import run_build_script
+
 NAME = "real-node-0"
 BRIDGE = "sdnode0"
 IP = "10.245.0.1"
@@ -63,8 +65,6 @@ def cache_dir() -> Path:
 
 def build(progress: Callable[[str], None] = print) -> Path:
     """Run build_node.sh (instant when cached) and return the folder with containerd and pause."""
-    from .controlplane import run_build_script
-
     progress("real node: checking containerd and pause (devtools/cluster/build_node.sh)")
     return run_build_script(HERE / "build_node.sh")
 
