@@ -93,15 +93,19 @@ def cni_dir() -> str | None:
     return None
 
 
-# Debian packages the node runs with, by a file each provides.
-PACKAGES = {"runc": "runc", "iptables": "iptables", "ip": "iproute2", "bridge": "containernetworking-plugins"}
+# What the node runs from Debian's packages: each package, and how to tell this machine has it.
+PACKAGES = {"runc": lambda: shutil.which("runc"), "iptables": lambda: shutil.which("iptables"),
+            "iproute2": lambda: shutil.which("ip"), "containernetworking-plugins": cni_dir}
+
+
+def missing_packages() -> list[str]:
+    return [package for package, present in PACKAGES.items() if not present()]
 
 
 def install_packages(say: Callable[[str], None] = print) -> None:
     """apt-get install what the node needs from Debian and this machine lacks (as root, where apt-get
     exists; otherwise missing_parts() says what to install)."""
-    wanted = [pkg for tool, pkg in PACKAGES.items()
-              if (cni_dir() is None if tool == "bridge" else shutil.which(tool) is None)]
+    wanted = missing_packages()
     if not wanted or os.geteuid() != 0 or shutil.which("apt-get") is None:
         return
     say(f"real node: installing {' '.join(wanted)} from Debian")
@@ -119,12 +123,7 @@ def missing_parts() -> list[str]:
     missing = []
     if os.geteuid() != 0:
         missing.append("root: containerd and kubelet mount file systems and make network namespaces")
-    for tool, package in (("runc", "runc"), ("iptables", "iptables"), ("ip", "iproute2")):
-        if shutil.which(tool) is None:
-            missing.append(f"{tool} (apt-get install {package})")
-    if cni_dir() is None:
-        missing.append(f"the CNI plugins {', '.join(CNI_PLUGINS)} in {' or '.join(CNI_DIRS)} "
-                       "(apt-get install containernetworking-plugins)")
+    missing += [f"apt-get install {package}" for package in missing_packages()]
     if "overlay" not in Path("/proc/filesystems").read_text():
         missing.append("the overlay file system (modprobe overlay)")
     try:
