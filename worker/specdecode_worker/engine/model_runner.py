@@ -15,6 +15,7 @@ import torch
 from ..errors import InputError
 from ..model_rules.model_config import load_shape
 from .forward_batch import ForwardBatch
+from .kernels.cpu_linear import cpu_packing
 from .kernels.attention import TorchNativeAttnBackend, attention_backend_name, make_attn_backend
 from .memory.kv_slots import KVSlots
 from .memory.pools import MemoryPoolConfig, MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator, resolve_kv_dtype
@@ -107,6 +108,8 @@ class ModelRunner:
                                                                         torch.qint8)
         if self.quantization != "int8":
             model.fuse_projections()  # fewer, larger matrix products per layer; the same bytes
+            if self.device.type == "cpu" and cpu_packing():
+                model.pack_weights()  # reordered for oneDNN once, not at every product; the same bytes
         self.model = model.eval().requires_grad_(False)  # no autograd state, also in CUDA graphs
         self.weight_bytes = tensor_bytes(model)
         self.phase = Phase.WEIGHTS_LOADED

@@ -17,6 +17,10 @@ class ServedModel(nn.Module):
     def fuse_projections(self) -> None:
         """After loading: q, k, v and gate, up as one matrix product each, where the model has them."""
 
+    def pack_weights(self) -> None:
+        """After fusing, on CPU: projections held in oneDNN's layout (``kernels.cpu_linear``), where
+        the model packs them. A model without it keeps ``F.linear`` on dense weights."""
+
     def make_kv_pool(self, size: int, dtype: torch.dtype, device):
         """The KV pool of a model with its own cell layout (MLA's latent); None: the standard
         per-head K/V pool."""

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..forward_batch import ForwardBatch
+from ..kernels.cpu_linear import pack
 from ..kernels.layer_kernels import rms_norm, silu_mul
 from ..parallel.group import SINGLE, TPGroup
 from ..parallel.parallel_layers import (
@@ -147,6 +148,14 @@ class LlamaForCausalLM(CausalLM):
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
+
+    def pack_weights(self) -> None:
+        """Each layer's projections packed. The embedding and the head are not: a tied head shares
+        the embedding's tensor, and an untied one is read as a weight by the draft heads."""
+        for layer in self.model.layers:
+            for block in (layer.self_attn, layer.mlp):
+                for name, child in list(block.named_children()):
+                    setattr(block, name, pack(child))
 
     def forward(self, fb: ForwardBatch, backend, logit_rows: torch.Tensor, capture=None) -> torch.Tensor:
         """Returns float32 logits for the flattened tokens selected by ``logit_rows``.

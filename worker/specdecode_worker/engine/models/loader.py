@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from ...errors import InputError
+from ..kernels.cpu_linear import packed_bytes
 from ..parallel.parallel_layers import read_shard
 
 # Fills a model built on the meta device: (model, model_dir, device, dtype). ``load_safetensors`` is
@@ -61,6 +62,7 @@ def tensor_bytes(module: torch.nn.Module) -> int:
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
+    total += packed_bytes(module)  # oneDNN-packed weights are neither parameters nor buffers
     for m in module.modules():  # dynamically quantized linears keep packed weights, not parameters
         if isinstance(m, torch.ao.nn.quantized.dynamic.Linear):
             w, b = m.weight(), m.bias()
