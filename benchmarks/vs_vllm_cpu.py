@@ -7,7 +7,9 @@ the wall time of the eight. Configurations, with 3 proposals a round where a row
 - NGRAM at the same match windows: suffixes of ``--ngram-min`` to 4 tokens (vLLM's
   ``prompt_lookup_min`` / ``prompt_lookup_max``), our policy fixed at 3 proposals;
 - NGRAM at each engine's defaults: ours with the adaptive policy and its default window, vLLM's
-  windows of 5..5 (what it takes when neither bound is given).
+  windows of 5..5 (what it takes when neither bound is given);
+- the first two again beside one busy process (a neighbour that keeps one core busy), started once
+  the server is up.
 Each point starts a fresh server of each engine; the engines alternate within each repeat, and
 every point is measured ``--repeats`` times. The table gives the median and the range.
 
@@ -27,6 +29,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +70,7 @@ class Config:
     name: str
     ours: list[str]
     vllm: list[str]
+    contended: bool = False  # measured beside one busy process (see ``busy_beside``)
 
 
 def configs(ngram_min: int) -> list[Config]:
@@ -82,7 +86,29 @@ def configs(ngram_min: int) -> list[Config]:
         Config("NGRAM, each engine's defaults (ours adaptive; vLLM 5..5)",
                ["--algorithm", "NGRAM", "--num-draft-tokens", str(PROPOSALS)],
                ["--speculative-config", json.dumps(defaults)]),
+        Config("no speculation, one busy process beside", ["--algorithm", "NONE"], [], contended=True),
+        Config(f"NGRAM, windows {ngram_min}..{NGRAM_MAX}, one busy process beside",
+               ["--algorithm", "NGRAM", "--spec-policy", "fixed", "--num-draft-tokens", str(PROPOSALS),
+                "--ngram-min", str(ngram_min), "--ngram-max", str(NGRAM_MAX)],
+               ["--speculative-config", json.dumps(windows)], contended=True),
     ]
+
+
+@contextmanager
+def busy_beside(on: bool, settle_s: float = 3.0):
+    """One process spinning on a core for the whole measurement, as a neighbour pod or a build
+    would: started once the server is up, given ``settle_s`` before the first request (an engine
+    that adapts to the load has that long to see it), stopped after."""
+    if not on:
+        yield
+        return
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(settle_s)
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 def vllm_python() -> str:
@@ -200,8 +226,9 @@ def main() -> None:
                 try:
                     point = points[(config.name, engine)]
                     point.startup.append(server.started_s)
-                    point.one.append(tokens_per_second(server.base, 1))
-                    point.eight.append(tokens_per_second(server.base, 8))
+                    with busy_beside(config.contended):
+                        point.one.append(tokens_per_second(server.base, 1))
+                        point.eight.append(tokens_per_second(server.base, 8))
                 finally:
                     stop(server)
                 print(f"repeat {repeat + 1}, {config.name}, {engine}: {point.one[-1]:.1f} / {point.eight[-1]:.1f} "

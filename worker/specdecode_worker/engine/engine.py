@@ -42,6 +42,7 @@ class Engine(ModelWorker):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.eos_token_ids = eos_token_ids  # ends a request that names none of its own
+        self.thread_governor = None  # on CPU: sets the loop thread's intra-op threads (cpus.ThreadGovernor)
 
     def init_model_worker(self) -> None:
         """The model worker's start-up, then speculation control and the scheduler over it."""
@@ -119,6 +120,8 @@ class Engine(ModelWorker):
             if self.scheduler.idle:
                 time.sleep(0.002)
                 continue
+            if self.thread_governor is not None:
+                self.thread_governor.tick()
             try:
                 self.step()
             except Exception as exc:  # an engine bug: fail the running requests, keep serving

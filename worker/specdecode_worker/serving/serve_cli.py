@@ -303,6 +303,7 @@ def build_server(engine_args, plan: MemoryPlan, http: HttpOptions):
 
     tokenizer = load_tokenizer(engine_args.target)
     engine = Engine(engine_args, eos_token_ids=eos_ids(engine_args.target, tokenizer))
+    engine.thread_governor = thread_governor(engine_args.device)
     state = ServerState(engine, http.model_name, plan, tokenizer)
     outcome = {"exit": ExitCode.OK}
     server = None
@@ -381,6 +382,22 @@ def use_cpus(device: str, ranks: int = 1) -> int | None:
     log.info("%d intra-op threads for %d usable CPUs (affinity and cgroup quota) over %d rank(s)", threads,
              cpus.usable_cpus(), ranks)
     return threads
+
+
+def thread_governor(device: str) -> cpus.ThreadGovernor | None:
+    """Intra-op threads that follow the load beside them (``cpus.ThreadGovernor``): one rank on CPU
+    whose CPUs are those it may run on. Not under a quota below them (the quota, not a neighbour,
+    decides its time there), nor where ``OMP_NUM_THREADS`` is set."""
+    from ..engine.parallel.group import get_tp
+
+    if device != "cpu" or os.environ.get("OMP_NUM_THREADS") or get_tp().size > 1:
+        return None
+    affinity = os.sched_getaffinity(0)
+    if len(affinity) < 2 or cpus.usable_cpus(affinity) < len(affinity):
+        return None
+    import torch
+
+    return cpus.ThreadGovernor(affinity, set_threads=torch.set_num_threads)
 
 
 def _serve_rank(engine_args, plan: MemoryPlan, http: HttpOptions) -> int:
