@@ -45,8 +45,8 @@ def test_an_affinity_narrower_than_the_quota_wins(tmp_path):
 
 def test_ranks_share_the_cpus(tmp_path):
     root = _v2(tmp_path, "400000 100000")
-    assert threads_per_rank(2, set(range(32)), root) == 2
-    assert threads_per_rank(8, set(range(32)), root) == 1
+    assert threads_per_rank(2, usable_cpus(set(range(32)), root)) == 2
+    assert threads_per_rank(8, usable_cpus(set(range(32)), root)) == 1
 
 
 def test_the_cpu_worker_takes_its_threads_from_its_cpus_unless_told(monkeypatch):

@@ -43,9 +43,9 @@ def usable_cpus(affinity: set[int] | None = None, root: Path = CGROUP) -> int:
     return max(1, min(allowed, math.ceil(quota)) if quota is not None else allowed)
 
 
-def threads_per_rank(ranks: int, affinity: set[int] | None = None, root: Path = CGROUP) -> int:
-    """Intra-op threads for each of ``ranks`` processes sharing this process's CPUs."""
-    return max(1, usable_cpus(affinity, root) // max(1, ranks))
+def threads_per_rank(ranks: int, usable: int) -> int:
+    """Intra-op threads for each of ``ranks`` processes sharing ``usable`` CPUs."""
+    return max(1, usable // max(1, ranks))
 
 
 def busy_ticks(proc_stat: str, cpus: set[int]) -> int:

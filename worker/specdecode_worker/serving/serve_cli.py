@@ -377,10 +377,11 @@ def use_cpus(device: str, ranks: int = 1) -> int | None:
         return None
     import torch
 
-    threads = cpus.threads_per_rank(ranks)
+    usable = cpus.usable_cpus()
+    threads = cpus.threads_per_rank(ranks, usable)
     torch.set_num_threads(threads)
-    log.info("%d intra-op threads for %d usable CPUs (affinity and cgroup quota) over %d rank(s)", threads,
-             cpus.usable_cpus(), ranks)
+    log.info("%d intra-op threads for %d usable CPUs (affinity and cgroup quota) over %d rank(s)", threads, usable,
+             ranks)
     return threads
 
 
