@@ -37,6 +37,7 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 os.environ.setdefault("SPECDECODE_ATTENTION_BACKEND", "triton")
+os.environ.setdefault("SPECDECODE_CPU_PACKING", "0")  # products as F.linear, as a GPU runs them (not oneDNN's)
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402

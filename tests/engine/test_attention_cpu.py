@@ -36,7 +36,7 @@ def test_grouped_products_equal_fused_attention(heads, kv_heads, queries):
     k_pos = torch.arange(s)
     q_pos = lengths[:, None] - queries + torch.arange(queries)[None]  # the last queries, causal
     allowed = k_pos[None, None, :] <= q_pos[:, :, None]
-    ours = grouped_products(q, keys, vals, allowed, 0.125)
+    ours = grouped_products(q, keys, vals, ~allowed[:, None, None], 0.125)
     exact = fused_reference(q, keys, vals, allowed, 0.125)
     assert ours.shape == (b, queries, heads, d) and ours.dtype == torch.bfloat16
     # within bf16's rounding of the scores and of the output (values of order 1: steps of 2^-7)

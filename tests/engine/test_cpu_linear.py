@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -64,7 +65,7 @@ from specdecode_worker.engine.kernels.cpu_linear import PackedLinear
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 w = torch.randn(49152, 576).to(torch.bfloat16)  # SmolLM2's vocabulary x hidden
-PackedLinear(torch.randn(64, 64), None)  # oneDNN's own first-use allocations, outside the count
+del PackedLinear(w, None).packed  # oneDNN's first-use work (its reorder's generated code), outside the count
 gc.collect()
 before = rss()
 layer = PackedLinear(w, None)
@@ -75,11 +76,15 @@ print(rss() - before, layer.nbytes, w.numel() * w.element_size())
 
 def test_a_packed_weight_takes_its_dense_bytes():
     """The plan prices a packed weight at its dense size; the kernel's own allocation (the RSS the
-    packing adds, in a fresh process) must agree, to within the allocator's page rounding."""
-    out = subprocess.run([sys.executable, "-c", RSS_PROBE], capture_output=True, text=True, check=True).stdout
+    packing adds, in a fresh process on one thread) must agree. The slack, 512 KiB, is the
+    allocator's own bookkeeping, measured up to 360 KiB; padding either dimension to a 128-wide
+    block would add 6 MiB here."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", RSS_PROBE], capture_output=True, text=True, check=True,
+                         env=env).stdout
     grown, counted, dense = map(int, out.split())
     assert counted == dense == 49152 * 576 * 2
-    assert dense - 4096 <= grown <= dense + 256 * 1024, (grown, dense)
+    assert dense - 4096 <= grown <= dense + 512 * 1024, (grown, dense)
 
 
 def test_smollm2_layers_are_packed_with_unchanged_weight_bytes(monkeypatch):

@@ -88,19 +88,21 @@ def grouped_products_serve(q: torch.Tensor, batch: int, queries: int, keys: int)
             and batch * q.shape[-2] * queries * keys <= GROUPED_PRODUCTS_MAX_SCORES)
 
 
-def grouped_products(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, allowed: torch.Tensor,
+def grouped_products(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, blocked: torch.Tensor,
                      scaling: float) -> torch.Tensor:
-    """Attention as two batched matrix products: q [B, n, H, D] over keys, vals [B, S, Hkv, D]
-    where ``allowed`` [B, n, S]; returns [B, n, H, Dv]. Each KV head's group of query heads is one
-    product, so no KV head is repeated; the softmax runs in float32."""
+    """Attention as two batched matrix products: q [B, n, H, D] over keys, vals [B, S, Hkv, D],
+    with ``blocked`` [B, 1, 1, n, S] True where a query may not see a key (``GroupedBatch``);
+    returns [B, n, H, Dv]. Each KV head's group of query heads is one product, so no KV head is
+    repeated. Scores and probabilities stay in q's dtype, as the products round them anyway; the
+    softmax accumulates in float32 inside."""
     b, n, h, d = q.shape
     kv_heads, s = keys.shape[2], keys.shape[1]
     group = h // kv_heads
-    rows = q.view(b, n, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * n, d)
+    rows = (q * scaling).view(b, n, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * n, d)
     keys, vals = keys.transpose(1, 2).contiguous(), vals.transpose(1, 2).contiguous()  # [B, Hkv, S, D]
-    scores = torch.matmul(rows, keys.transpose(-1, -2)).float().mul_(scaling)  # [B, Hkv, G*n, S]
-    scores = scores.view(b, kv_heads, group, n, s).masked_fill_(~allowed[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, kv_heads, group * n, s)
+    scores = torch.matmul(rows, keys.transpose(-1, -2))  # [B, Hkv, G*n, S]
+    scores = scores.view(b, kv_heads, group, n, s).masked_fill_(blocked, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(b, kv_heads, group * n, s)
     out = torch.matmul(probs, vals)  # [B, Hkv, G*n, Dv]
     return out.view(b, kv_heads, group, n, -1).permute(0, 3, 1, 2, 4).reshape(b, n, h, -1)
 
@@ -127,24 +129,37 @@ def attend_slots(q: torch.Tensor, k_buf, v_buf, slots: torch.Tensor, mask: torch
 
 
 @dataclass(frozen=True)
-class ExtendLayout:
-    """Where each request's new tokens sit in a padded ``[B, queries]`` block, for ``_extend_batched``."""
+class GroupedBatch:
+    """A batch laid out for ``grouped_products``, made once and read by every layer: queries in a
+    ``[B, queries]`` block (a request with fewer repeats its last one; those rows are dropped),
+    keys in a ``[B, keys]`` block of slots (slot 0 pads), and what each query may not see."""
 
     queries: int  # the most new tokens of any request
-    keys: int  # the longest sequence
-    padded_rows: torch.Tensor  # [B * queries] the flattened token each block row reads
-    real_rows: torch.Tensor  # [N] the block row of each flattened token, in order
+    slots: torch.Tensor  # [B, keys]
+    blocked: torch.Tensor  # [B, 1, 1, queries, keys]
+    padded_rows: torch.Tensor | None  # [B * queries] the flattened token each block row reads; None: decode
+    real_rows: torch.Tensor | None  # [N] the block row of each flattened token, in order
 
     @staticmethod
-    def of(fb: ForwardBatch) -> "ExtendLayout":
-        n = max(fb.extend_lens)
-        padded, real, start = [], [], 0
-        for b, count in enumerate(fb.extend_lens):
-            padded += [start + min(j, count - 1) for j in range(n)]
-            real += [b * n + j for j in range(count)]
-            start += count
-        padded_rows, real_rows = pack_to_device([padded, real], fb.positions.device)
-        return ExtendLayout(n, max(fb.seq_lens_cpu), padded_rows, real_rows)
+    def of(fb: ForwardBatch, req_to_token: torch.Tensor, sliding_window: int | None) -> "GroupedBatch":
+        n, keys = max(fb.extend_lens), max(fb.seq_lens_cpu)
+        padded_rows = real_rows = None
+        if fb.is_decode:
+            q_pos = (fb.seq_lens - 1)[:, None]  # [B, 1]
+        else:
+            padded, real, start = [], [], 0
+            for b, count in enumerate(fb.extend_lens):
+                padded += [start + min(j, count - 1) for j in range(n)]
+                real += [b * n + j for j in range(count)]
+                start += count
+            padded_rows, real_rows = pack_to_device([padded, real], fb.positions.device)
+            q_pos = fb.positions.index_select(0, padded_rows).view(len(fb.extend_lens), n)
+        k_pos = torch.arange(keys, device=q_pos.device)
+        blocked = k_pos[None, None, :] > q_pos[:, :, None]  # causal, and so below each request's length
+        if sliding_window is not None:
+            blocked |= k_pos[None, None, :] <= q_pos[:, :, None] - sliding_window
+        slots = req_to_token[fb.req_pool_indices, :keys]
+        return GroupedBatch(n, slots, blocked[:, None, None], padded_rows, real_rows)
 
 
 class TorchNativeAttnBackend:
@@ -158,7 +173,7 @@ class TorchNativeAttnBackend:
         self.sliding_window = sliding_window
         # Decode gathers this many positions per request; a CUDA graph fixes it at context_len.
         self.decode_ctx: int | None = None
-        self._layout, self._layout_for = None, None  # a batched extend's rows, made once per batch
+        self._grouped, self._grouped_for = None, None  # the batch's GroupedBatch, made once per batch
 
     def forward(self, q, k, v, layer_id: int, fb: ForwardBatch, scaling: float) -> torch.Tensor:
         """q: [N, H, D], k/v: [N, Hkv, D] for the new tokens; returns [N, H, Dv]."""
@@ -166,6 +181,9 @@ class TorchNativeAttnBackend:
         # Buffers may be fp8: the gathered K/V are upcast to q's dtype before any arithmetic.
         k_buf = self.kv_pool.k_buffer[layer_id]
         v_buf = self.kv_pool.v_buffer[layer_id]
+        if self.decode_ctx is None and grouped_products_serve(q, fb.batch_size, max(fb.extend_lens),
+                                                              max(fb.seq_lens_cpu)):
+            return self._grouped_pass(q, k_buf, v_buf, fb, scaling)
         if fb.is_decode:
             return self._decode(q, k_buf, v_buf, fb, scaling)
         return self._extend(q, k_buf, v_buf, fb, scaling)
@@ -177,8 +195,6 @@ class TorchNativeAttnBackend:
         return allowed
 
     def _extend(self, q, k_buf, v_buf, fb: ForwardBatch, scaling: float) -> torch.Tensor:
-        if grouped_products_serve(q, len(fb.extend_lens), max(fb.extend_lens), max(fb.seq_lens_cpu)):
-            return self._extend_batched(q, k_buf, v_buf, fb, scaling)
         out = torch.empty(q.shape[0], q.shape[1], v_buf.shape[-1], dtype=q.dtype, device=q.device)
         start = 0
         for i, n in enumerate(fb.extend_lens):
@@ -189,23 +205,18 @@ class TorchNativeAttnBackend:
             start += n
         return out
 
-    def _extend_batched(self, q, k_buf, v_buf, fb: ForwardBatch, scaling: float) -> torch.Tensor:
-        """Every request's new tokens in one pass: queries padded to the longest request's count (a
-        padding row repeats its request's last query and is dropped), keys to the longest sequence."""
-        if self._layout_for is not fb:
-            self._layout, self._layout_for = ExtendLayout.of(fb), fb
-        lay = self._layout
-        slots = self.req_to_token[fb.req_pool_indices, :lay.keys]  # [B, S]; slot 0 pads
-        keys = gather(k_buf, slots).to(q.dtype)
-        vals = gather(v_buf, slots).to(q.dtype)
-        rows = q.index_select(0, lay.padded_rows).view(len(fb.extend_lens), lay.queries, *q.shape[1:])
-        q_pos = fb.positions.index_select(0, lay.padded_rows).view(len(fb.extend_lens), lay.queries)
-        k_pos = torch.arange(lay.keys, device=q.device)
-        allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # causal; below its own length too
-        if self.sliding_window is not None:
-            allowed &= k_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
-        out = grouped_products(rows, keys, vals, allowed, scaling)  # [B, n, H, Dv]
-        return out.reshape(-1, *out.shape[2:]).index_select(0, lay.real_rows)
+    def _grouped_pass(self, q, k_buf, v_buf, fb: ForwardBatch, scaling: float) -> torch.Tensor:
+        """Every request of the batch in one pass of ``grouped_products``."""
+        if self._grouped_for is not fb:
+            self._grouped, self._grouped_for = GroupedBatch.of(fb, self.req_to_token, self.sliding_window), fb
+        g = self._grouped
+        keys = gather(k_buf, g.slots).to(q.dtype)  # [B, S, Hkv, D]
+        vals = gather(v_buf, g.slots).to(q.dtype)
+        if g.padded_rows is None:  # decode: one row per request
+            return grouped_products(q[:, None], keys, vals, g.blocked, scaling)[:, 0]
+        rows = q.index_select(0, g.padded_rows).view(fb.batch_size, g.queries, *q.shape[1:])
+        out = grouped_products(rows, keys, vals, g.blocked, scaling)  # [B, n, H, Dv]
+        return out.reshape(-1, *out.shape[2:]).index_select(0, g.real_rows)
 
     def _decode(self, q, k_buf, v_buf, fb: ForwardBatch, scaling: float) -> torch.Tensor:
         ctx = self.decode_ctx or max(fb.seq_lens_cpu)
@@ -216,8 +227,6 @@ class TorchNativeAttnBackend:
         allowed = k_pos[None, :] < fb.seq_lens[:, None]  # [B, ctx]
         if self.sliding_window is not None:
             allowed &= k_pos[None, :] > (fb.seq_lens[:, None] - 1 - self.sliding_window)
-        if grouped_products_serve(q, len(fb.extend_lens), 1, ctx):
-            return grouped_products(q[:, None], keys, vals, allowed[:, None], scaling)[:, 0]
         o = F.scaled_dot_product_attention(
             q[:, None].transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
             attn_mask=allowed[:, None, None, :], scale=scaling, enable_gqa=True,
