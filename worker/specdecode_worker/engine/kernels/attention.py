@@ -75,7 +75,7 @@ def make_attn_backend(req_to_token_pool: ReqToTokenPool, kv_pool: MHATokenToKVPo
 
 
 # Score elements (requests x heads x queries x keys) up to which a half-precision CPU batch attends
-# as two matrix products: 16 MiB of float32 scores at most, however long the prompts.
+# as two matrix products: 8 MiB of half-precision scores at most, however long the prompts.
 GROUPED_PRODUCTS_MAX_SCORES = 4 << 20
 
 
