@@ -3,10 +3,12 @@ real server on a thread that is yielded once healthy."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
 from contextlib import contextmanager
+from unittest import mock
 
 import httpx
 import pytest
@@ -30,10 +32,13 @@ def serve_argv(models, port, *extra):
 
 
 @contextmanager
-def serving(argv):
-    """A real server from `serve` arguments on a thread; yields (base URL, state) once healthy."""
+def serving(argv, engine_in_process: bool = False):
+    """A real server from `serve` arguments on a thread; yields (base URL, state) once healthy. The
+    engine runs in its own process, as `serve` runs it, unless ``engine_in_process`` keeps it in
+    this one (for a test that reaches into it)."""
     port = argv[argv.index("--port") + 1]
-    srv, state, _ = serve_cli.build(argv)
+    with mock.patch.dict(os.environ, {"SPECDECODE_ENGINE_PROCESS": "0" if engine_in_process else "1"}):
+        srv, state, _ = serve_cli.build(argv)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"

@@ -52,7 +52,7 @@ def test_ranks_share_the_cpus(tmp_path):
 def test_the_cpu_worker_takes_its_threads_from_its_cpus_unless_told(monkeypatch):
     torch = __import__("pytest").importorskip("torch")
     from specdecode_worker import cpus
-    from specdecode_worker.serving.serve_cli import use_cpus
+    from specdecode_worker.serving.cpu_threads import use_cpus
 
     before = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -125,7 +125,7 @@ def test_only_a_single_rank_on_its_own_cpus_is_governed(monkeypatch):
     pytest = __import__("pytest")
     pytest.importorskip("torch")
     from specdecode_worker import cpus
-    from specdecode_worker.serving.serve_cli import thread_governor
+    from specdecode_worker.serving.cpu_threads import thread_governor
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})

@@ -204,4 +204,4 @@ def test_served_with_algorithm_mtp_completions_return_the_target_greedy_text(mod
             r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == text
-        assert state.engine.stats.proposed_tokens > 0
+        assert state.engine.report().stats.proposed_tokens > 0

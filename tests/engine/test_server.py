@@ -84,11 +84,11 @@ def test_draft_control_fields_keep_the_greedy_text(server, reference):
     """Drafting off, or capped, for one request: the same text, and no proposals for the first."""
     base, state = server
     prompt, text = next(iter(reference.items()))
-    before = state.engine.stats.proposed_tokens
+    before = state.engine.report().stats.proposed_tokens
     r = _complete(base, prompt, speculative=False)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == text
-    assert state.engine.stats.proposed_tokens == before
+    assert state.engine.report().stats.proposed_tokens == before
     r = _complete(base, prompt, max_draft_tokens=1)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
 
@@ -236,7 +236,7 @@ def test_metrics_report_the_speculation_policy(server):
     text = httpx.get(f"{base}/metrics").text
     values = {line.split()[0]: float(line.split()[1])
               for line in text.splitlines() if line and not line.startswith("#")}
-    stats = state.engine.stats
+    stats = state.engine.report().stats
     assert values["specdecode_draft_length_count"] == stats.verify_rounds  # one length per request-round
     assert values['specdecode_draft_length_bucket{le="0"}'] > 0
     assert values["specdecode_draft_length_sum"] == stats.proposed_tokens  # fixed K: every length proposed
@@ -252,7 +252,7 @@ def test_an_adaptive_server_reports_its_timed_rounds_and_probes(models):
     probe rounds and reports each bucket's measured speed-up, as the policy holds them."""
     argv = serve_argv(models, free_port(), "--spec-policy", "adaptive", "--num-draft-tokens", "2",
                       "--max-running-requests", "2")
-    with serving(argv) as (base, state):
+    with serving(argv, engine_in_process=True) as (base, state):  # the test sets the policy's costs
         rounds = httpx.get(f"{base}/plan").json()["speculationPolicy"]["timedRounds"]
         assert rounds["batchSizes"] == [1, 2] and set(rounds["draftingSeconds"]) == {"1", "2"}
         assert all(s > 0 for s in rounds["plainSeconds"] + rounds["oneDrafterSeconds"])
@@ -386,7 +386,7 @@ def test_eagle3_head_serves_the_target_greedy_text(models, reference, tmp_path, 
             r = _complete(base, prompt)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == text
-        assert state.engine.stats.verify_rounds > 0
+        assert state.engine.report().stats.verify_rounds > 0
 
 
 @pytest.mark.parametrize(

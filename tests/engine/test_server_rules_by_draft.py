@@ -65,9 +65,9 @@ def _chat(c, messages, **kw):
 
 
 def _speculated_then_plain(c, state, messages, **kw):
-    drafted = state.engine.stats.proposed_tokens
+    drafted = state.engine.report().stats.proposed_tokens
     spec = _chat(c, messages, **kw)
-    assert state.engine.stats.proposed_tokens > drafted, "the request was speculated"
+    assert state.engine.report().stats.proposed_tokens > drafted, "the request was speculated"
     plain = _chat(c, messages, extra_body={"speculative": False, **kw.pop("extra_body", {})}, **kw)
     return spec, plain
 

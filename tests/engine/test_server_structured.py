@@ -44,9 +44,9 @@ def _chat(client, **kw):
 
 def test_json_schema_output_validates_and_speculation_does_not_change_it(client):
     c, state = client
-    drafted_before = state.engine.stats.proposed_tokens
+    drafted_before = state.engine.report().stats.proposed_tokens
     spec = _chat(c, temperature=0, response_format=SCHEMA_FORMAT).choices[0]
-    assert state.engine.stats.proposed_tokens > drafted_before, "the constrained request was speculated"
+    assert state.engine.report().stats.proposed_tokens > drafted_before, "the constrained request was speculated"
     plain = _chat(c, temperature=0, response_format=SCHEMA_FORMAT, extra_body={"speculative": False}).choices[0]
     assert spec.message.content == plain.message.content
     assert spec.finish_reason == "stop"  # the grammar ended it, not max_tokens

@@ -52,9 +52,9 @@ def _ask(c, **kw):
 
 def test_a_required_call_parses_validates_and_speculation_does_not_change_it(client):
     c, state = client
-    drafted = state.engine.stats.proposed_tokens
+    drafted = state.engine.report().stats.proposed_tokens
     spec = _ask(c, tool_choice="required").choices[0]
-    assert state.engine.stats.proposed_tokens > drafted, "the call was speculated"
+    assert state.engine.report().stats.proposed_tokens > drafted, "the call was speculated"
     plain = _ask(c, tool_choice="required", extra_body={"speculative": False}).choices[0]
     assert spec.finish_reason == "tool_calls"
     calls = _calls(spec.message)

@@ -20,9 +20,10 @@ import torch
 
 
 class TokenGrammar:
-    def __init__(self, matcher: Any, vocab_size: int):
+    def __init__(self, matcher: Any, vocab_size: int, source: str | None = None):
         self.matcher = matcher
         self.vocab_size = vocab_size  # the target's logits width; tokens past the tokenizer's are never allowed
+        self.source = source  # the llguidance grammar it was built from: an engine process rebuilds it from this
 
     def mask(self) -> torch.Tensor:
         """``[V]`` bool: the tokens allowed after the committed output."""

@@ -168,7 +168,7 @@ async def generate(state: Any, body: Any, ids: list[int], chat: bool, n: int, an
             received[p.index] = p.received
     except RuntimeError as exc:
         _abort(state, reqs)
-        return error_response(500, str(exc))
+        return error_response(503 if state.init_error else 500, str(exc))  # 503: the engine is gone
     choices = []
     for i, req in enumerate(reqs):
         logprobs = _logprobs(state, req, 0, received[i], chat)

@@ -21,13 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import cpus
 from ..contract import GIB, KV_CACHE_DTYPES, SERVED_ALGORITHMS, ExitCode, MemoryPlan
 from ..errors import InputError
 from ..flags import CommandParser, add_sizing_flags, asks_for_help
 from ..planner.hub import model_name
 from ..planner.model_identity import check_models
+from .cpu_threads import thread_governor, use_cpus
 from .serve_shape import DEFAULT_NUM_DRAFT_TOKENS, check_against_plan, fill_from_plan, planned_dtype, serve_shape
+from .tokenizer import eos_ids, load_tokenizer
 
 log = logging.getLogger("specdecode_worker.serve")
 
@@ -253,28 +254,6 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_tokenizer(model_dir: str):
-    """The checkpoint's tokenizer, or None when the folder has none (token-id prompts only)."""
-    folder = Path(model_dir)
-    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def eos_ids(model_dir: str, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            value = json.loads(path.read_text()).get("eos_token_id")
-            ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
-
-
 @dataclass(frozen=True)
 class HttpOptions:
     host: str
@@ -299,12 +278,12 @@ def build_server(engine_args, plan: MemoryPlan, http: HttpOptions):
     import uvicorn
 
     from ..engine.engine import Engine, StartupError
+    from ..engine.parallel.group import get_tp
+    from .engine_process import EngineProcess, in_own_process
     from .server import ServerState, build_app, start_engine_in_background
 
     tokenizer = load_tokenizer(engine_args.target)
-    engine = Engine(engine_args, eos_token_ids=eos_ids(engine_args.target, tokenizer))
-    engine.thread_governor = thread_governor(engine_args.device)
-    state = ServerState(engine, http.model_name, plan, tokenizer)
+    eos = eos_ids(engine_args.target, tokenizer)
     outcome = {"exit": ExitCode.OK}
     server = None
 
@@ -312,6 +291,17 @@ def build_server(engine_args, plan: MemoryPlan, http: HttpOptions):
         outcome["exit"] = (ExitCode.DOES_NOT_FIT if isinstance(exc, StartupError)
                            else ExitCode.BAD_INPUT if isinstance(exc, InputError) else ExitCode.INTERNAL_ERROR)
         server.should_exit = True
+
+    def on_crash(why: str) -> None:  # the engine process died serving: answer 503, exit non-zero
+        state.init_error = why
+        on_failure(RuntimeError(why))
+
+    if in_own_process() and get_tp().size == 1:
+        engine = EngineProcess(engine_args, eos, on_crash=on_crash)
+    else:  # a tensor-parallel leader drives its followers from the process that serves
+        engine = Engine(engine_args, eos_token_ids=eos)
+        engine.thread_governor = thread_governor(engine_args.device)
+    state = ServerState(engine, http.model_name, plan, tokenizer)
 
     def start_engine() -> None:  # the HTTP port is up first, so /health can report the phases
         log.info("planned max_total_num_tokens %s (floor %s), KV cache dtype %s (--kv-cache-dtype %s)",
@@ -367,38 +357,6 @@ def nodes_of(args: argparse.Namespace, tp: int, planned_nodes: int | None):
     if not 0 < args.master_port < 65535:
         raise InputError(f"--master-port {args.master_port}: must be in 1..65534 (the next port supervises)")
     return Nodes(nnodes, node_rank, addr, args.master_port)
-
-
-def use_cpus(device: str, ranks: int = 1) -> int | None:
-    """On CPU, intra-op threads for the CPUs this process may use (its pod's limit, not the node's
-    cores), shared among the ranks on this pod; returns them. ``OMP_NUM_THREADS`` decides instead
-    where it is set."""
-    if device != "cpu" or os.environ.get("OMP_NUM_THREADS"):
-        return None
-    import torch
-
-    usable = cpus.usable_cpus()
-    threads = cpus.threads_per_rank(ranks, usable)
-    torch.set_num_threads(threads)
-    log.info("%d intra-op threads for %d usable CPUs (affinity and cgroup quota) over %d rank(s)", threads, usable,
-             ranks)
-    return threads
-
-
-def thread_governor(device: str) -> cpus.ThreadGovernor | None:
-    """Intra-op threads that follow the load beside them (``cpus.ThreadGovernor``): one rank on CPU
-    whose CPUs are those it may run on. Not under a quota below them (the quota, not a neighbour,
-    decides its time there), nor where ``OMP_NUM_THREADS`` is set."""
-    from ..engine.parallel.group import get_tp
-
-    if device != "cpu" or os.environ.get("OMP_NUM_THREADS") or get_tp().size > 1:
-        return None
-    affinity = os.sched_getaffinity(0)
-    if len(affinity) < 2 or cpus.usable_cpus(affinity) < len(affinity):
-        return None
-    import torch
-
-    return cpus.ThreadGovernor(affinity, set_threads=torch.set_num_threads)
 
 
 def _serve_rank(engine_args, plan: MemoryPlan, http: HttpOptions) -> int:

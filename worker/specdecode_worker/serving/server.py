@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from ..contract import MemoryPlan
+from ..engine.phases import PhaseError
 from ..engine.request import SamplingParams
 from ..engine.service import EngineService
 from ..errors import InputError
@@ -426,6 +427,7 @@ def build_app(state: ServerState, on_startup=None, on_shutdown=None) -> FastAPI:
     app.include_router(router)
     app.add_exception_handler(InputError, _bad_request)
     app.add_exception_handler(NotReady, _unavailable)
+    app.add_exception_handler(PhaseError, _unavailable)  # the engine stopped taking requests
     return app
 
 

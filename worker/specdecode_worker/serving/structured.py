@@ -92,7 +92,7 @@ def token_grammar(tokenizer: Any, vocab_size: int, source: str) -> TokenGrammar:
     problem = llguidance.LLMatcher.validate_grammar(source, lltok)
     if problem:
         raise InputError(f"'response_format': {problem}")
-    grammar = TokenGrammar(llguidance.LLMatcher(lltok, source), vocab_size)
+    grammar = TokenGrammar(llguidance.LLMatcher(lltok, source), vocab_size, source)
     first = grammar.mask()  # a vocabulary that cannot spell the start leaves the matcher in error
     if grammar.matcher.is_error() or not first.any():
         raise InputError("'response_format': no token of this model's vocabulary can begin such an output")
