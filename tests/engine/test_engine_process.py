@@ -33,7 +33,7 @@ def models(tmp_path_factory):
 class Serve:
     """A `serve` process in its own session, as a pod's container runs it."""
 
-    def __init__(self, models, log: Path):
+    def __init__(self, models, log: Path, wait: bool = True):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -41,7 +41,8 @@ class Serve:
         argv[argv.index("--log-level") + 1] = "info"
         argv[argv.index("--context-length") + 1] = str(CONTEXT)
         self.proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-        wait_until_healthy(self.base, self.proc, 120, [log])
+        if wait:
+            wait_until_healthy(self.base, self.proc, 120, [log])
 
     def engine_pid(self) -> int:
         """The engine process: the front end's one child that is not multiprocessing's resource tracker."""
@@ -88,8 +89,8 @@ def _metric(base: str, name: str) -> float:
 def serve(models, tmp_path):
     started = []
 
-    def start() -> Serve:
-        started.append(Serve(models, tmp_path / f"serve-{len(started)}.log"))
+    def start(wait: bool = True) -> Serve:
+        started.append(Serve(models, tmp_path / f"serve-{len(started)}.log", wait))
         return started[-1]
 
     yield start
@@ -114,6 +115,26 @@ def test_a_request_across_the_pipe_is_the_same_as_in_one_process(models, serve):
     assert apart["usage"]["completion_tokens"] == 12
     details = apart["usage"]["completion_tokens_details"]
     assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] > 0  # drafts counted
+
+
+def test_health_shows_the_engine_processs_phases_in_order_while_it_starts(serve):
+    from specdecode_worker.engine.phases import Phase
+
+    server = serve(wait=False)
+    seen = []
+    deadline = time.time() + 120
+    while time.time() < deadline and server.proc.poll() is None:
+        try:
+            r = httpx.get(f"{server.base}/health", timeout=30)
+        except httpx.TransportError:  # not listening yet
+            time.sleep(0.05)
+            continue
+        if r.status_code == 200:
+            break
+        assert r.status_code == 503 and r.json()["status"] == "initialising", r.text
+        seen.append(Phase[r.json()["phase"]])
+    assert r.status_code == 200, server.log.read_text()[-2000:]
+    assert seen and seen == sorted(seen)  # answered while it started, each phase after the one before
 
 
 def test_a_client_that_goes_away_frees_its_kv_in_the_engine_process(serve):

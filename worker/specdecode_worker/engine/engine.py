@@ -43,6 +43,7 @@ class Engine(ModelWorker):
         self._thread: threading.Thread | None = None
         self.eos_token_ids = eos_token_ids  # ends a request that names none of its own
         self.thread_governor = None  # on CPU: sets the loop thread's intra-op threads (cpus.ThreadGovernor)
+        self.after_step = None  # called by the loop after each step (an engine process sends the step's updates)
 
     def init_model_worker(self) -> None:
         """The model worker's start-up, then speculation control and the scheduler over it."""
@@ -127,6 +128,8 @@ class Engine(ModelWorker):
             except Exception as exc:  # an engine bug: fail the running requests, keep serving
                 log.exception("engine step failed")
                 self.scheduler.fail_running(f"internal error: {type(exc).__name__}: {exc}")
+            if self.after_step is not None:
+                self.after_step()
 
     def step(self) -> None:
         """Admit, make room, one prefill chunk, then one speculative round for the decoding requests."""

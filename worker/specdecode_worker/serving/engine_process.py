@@ -8,8 +8,11 @@ The wire is a ``multiprocessing`` pipe of tuples of plain values (pickled):
 
 - front end to engine: ``submit``, ``abort``, ``report`` (a numbered question) and ``stop``;
 - engine to front end: ``started`` (the limits a request is checked against) or ``failed``
-  (the start-up's error), then ``tokens`` (a request's new tokens and their logprobs, as the
-  scheduler commits them), ``end`` (its finish, error and counters) and ``report`` answers.
+  (the start-up's error), then one ``updates`` message per step, whose entries are ``tokens`` (a
+  request's new tokens and their logprobs, as the scheduler committed them) and ``end`` (its
+  finish, error and counters), and ``report``: an answer, or, while it starts, one at each
+  phase, unasked. One message per step, not per request: each message wakes the front end, and
+  on a small CPU a wake-up takes a core from the engine's threads.
 
 The engine process ignores SIGINT and SIGTERM: the front end drains first, then sends ``stop``.
 It exits when the front end's end of the pipe closes, so a killed front end leaves no engine
@@ -30,7 +33,7 @@ from typing import Any, Callable
 
 from ..engine.args import EngineArgs
 from ..engine.phases import Phase, PhaseError, StartupError
-from ..engine.request import Request, check_request
+from ..engine.request import Request, TokenLogprob, check_request
 from ..engine.service import EngineReport
 from ..engine.stats import Stats
 from ..errors import InputError
@@ -38,7 +41,8 @@ from ..errors import InputError
 log = logging.getLogger(__name__)
 
 SUBMIT, ABORT, REPORT, STOP = "submit", "abort", "report", "stop"
-STARTED, FAILED, TOKENS, END = "started", "failed", "tokens", "end"
+STARTED, FAILED, UPDATES = "started", "failed", "updates"
+TOKENS, END = "tokens", "end"  # the entries of an ``updates`` message
 
 # The Request fields a submission carries beyond its prompt and parameters, and those an ending
 # brings back (usage and the metrics read them).
@@ -143,8 +147,9 @@ class EngineProcess:
         self._send(ABORT, req.rid)
 
     def report(self) -> EngineReport:
-        """The engine's report now; the last one it gave while it cannot answer (not started, gone)."""
-        if self._conn is None or self.failure:
+        """The engine's report now. While it starts (it sends one at each phase) or once it is
+        stopping or gone, the last one it gave: a question then could wait on its start-up."""
+        if not self.ready or self._stopping:
             return self._last_report
         question = next(self._questions)
         answer = self._answers[question] = [threading.Event(), None]
@@ -170,11 +175,15 @@ class EngineProcess:
             except (EOFError, OSError):
                 break
             kind = message[0]
-            if kind == TOKENS:
-                self._tokens(*message[1:])
-            elif kind == END:
-                self._end(*message[1:])
+            if kind == UPDATES:
+                for entry in message[1]:
+                    if entry[0] == TOKENS:
+                        self._tokens(*entry[1:])
+                    else:
+                        self._end(*entry[1:])
             elif kind == REPORT:
+                if message[1] is None:  # a start-up phase finished
+                    self._last_report = message[2]
                 answer = self._answers.get(message[1])
                 if answer is not None:
                     answer[1] = message[2]
@@ -192,8 +201,8 @@ class EngineProcess:
         req = self._requests.get(rid)
         if req is None:
             return
-        req.prompt_token_logprobs.extend(prompt_logprobs)
-        req.output_logprobs.extend(logprobs)
+        req.prompt_token_logprobs.extend(TokenLogprob(*p) for p in prompt_logprobs)
+        req.output_logprobs.extend(TokenLogprob(*p) for p in logprobs)
         req.output_ids.extend(tokens)
         if req.on_update:
             req.on_update(req, tokens)
@@ -204,7 +213,7 @@ class EngineProcess:
             req = self._requests.pop(rid, None)
         if req is None:
             return
-        req.prompt_token_logprobs.extend(prompt_logprobs)
+        req.prompt_token_logprobs.extend(TokenLogprob(*p) for p in prompt_logprobs)
         for name, value in counters.items():
             setattr(req, name, value)
         req.finish_reason, req.error = finish_reason, error
@@ -252,7 +261,9 @@ def engine_main(conn, args: EngineArgs, eos_token_ids: frozenset[int], log_level
     use_cpus(args.device)
     engine = Engine(args, eos_token_ids=eos_token_ids)
     engine.thread_governor = thread_governor(args.device)
-    _EngineSide(conn, engine).run()
+    side = _EngineSide(conn, engine)
+    engine.after_step = side.flush
+    side.run()
 
 
 class _EngineSide:
@@ -263,6 +274,8 @@ class _EngineSide:
         self.send_lock = threading.Lock()  # the engine's loop and this process's main thread both send
         self.requests: dict[int, Request] = {}
         self.sent: dict[int, tuple[int, int]] = {}  # per request: output and prompt logprobs already sent
+        self.pending: list[tuple] = []  # this step's updates, sent together after it
+        self.pending_lock = threading.Lock()
         self.tokenizer: Any = None  # loaded for the first grammar
 
     def run(self) -> None:
@@ -287,6 +300,8 @@ class _EngineSide:
 
     def _start_up(self) -> None:
         engine = self.engine
+        started = threading.Event()
+        threading.Thread(target=self._tell_phases, args=(started,), name="engine-phases", daemon=True).start()
         try:
             engine.start_up()
         except Exception as exc:
@@ -294,9 +309,23 @@ class _EngineSide:
                 log.exception("engine start-up failed")
             self._send(FAILED, type(exc).__name__, " ".join(str(exc).split()) or type(exc).__name__)
             return
+        finally:
+            started.set()
         limits = Limits(engine.args.context_len, engine.memory_pool_config.max_total_num_tokens,
                         engine.speculator.slots_per_round, engine.vocab_size)
         self._send(STARTED, limits)
+
+    def _tell_phases(self, started: threading.Event) -> None:
+        """A report at each start-up phase, unasked: the front end's /health shows it."""
+        told = None
+        while True:
+            finished = started.is_set()
+            if self.engine.phase != told:
+                told = self.engine.phase
+                self._send(REPORT, None, self.engine.report())
+            if finished:
+                return
+            started.wait(0.1)
 
     def _send(self, *message) -> None:
         with self.send_lock:
@@ -312,6 +341,7 @@ class _EngineSide:
             log.exception("request %d refused by the engine", rid)
             req.error = f"internal error: {type(exc).__name__}: {exc}"
             self._on_update(req, None)
+            self.flush()
 
     def _grammar(self, source: str):
         from .structured import token_grammar
@@ -322,13 +352,27 @@ class _EngineSide:
         return token_grammar(self.tokenizer, self.engine.vocab_size, source)
 
     def _on_update(self, req: Request, tokens: list[int] | None) -> None:
-        """From the engine's loop: the tokens the scheduler committed, or the request's end."""
+        """From the engine's loop: the tokens the scheduler committed, or the request's end. Logprobs
+        cross as plain tuples: a dataclass pickles several times slower."""
         outputs, prompts = self.sent.get(req.rid, (0, 0))
-        prompt = req.prompt_token_logprobs[prompts:]
+        prompt = [_plain(p) for p in req.prompt_token_logprobs[prompts:]]
         if tokens is None:
             self.requests.pop(req.rid, None)
             self.sent.pop(req.rid, None)
-            self._send(END, req.rid, req.finish_reason, req.error, {f: getattr(req, f) for f in COUNTERS}, prompt)
-            return
-        self.sent[req.rid] = (len(req.output_logprobs), len(req.prompt_token_logprobs))
-        self._send(TOKENS, req.rid, tokens, req.output_logprobs[outputs:], prompt)
+            entry = (END, req.rid, req.finish_reason, req.error, {f: getattr(req, f) for f in COUNTERS}, prompt)
+        else:
+            self.sent[req.rid] = (len(req.output_logprobs), len(req.prompt_token_logprobs))
+            entry = (TOKENS, req.rid, tokens, [_plain(p) for p in req.output_logprobs[outputs:]], prompt)
+        with self.pending_lock:
+            self.pending.append(entry)
+
+    def flush(self) -> None:
+        """Send the updates gathered since the last flush, in one message."""
+        with self.pending_lock:
+            updates, self.pending = self.pending, []
+        if updates:
+            self._send(UPDATES, updates)
+
+
+def _plain(entry: TokenLogprob) -> tuple:
+    return entry.token, entry.logprob, entry.top
