@@ -8,15 +8,21 @@ workers on H100 nodes added for the storm). Where each fault comes from:
 - the API server stops for 30 s while the storm is reconciled, then starts again with the same
   command line (its clients, the operator included, see connections refused, then reconnect);
   the controller manager and the scheduler restart after it, as they do when they lose their
-  leader lease in such an outage.
+  leader lease in such an outage;
+- the operator's watches expire (410 Gone): it is frozen with its watches open while half the
+  storm is applied, etcd is compacted and the API server restarted, so that the version its
+  watches resume from is gone, and it must list again to find what it missed.
 """
 
 from __future__ import annotations
 
 import copy
+import base64
 import json
 import os
+import signal
 import time
+import urllib.request
 from collections import defaultdict
 
 import pytest
@@ -48,9 +54,9 @@ def storm_nodes(cluster):
     cluster.kubectl("delete", "node", *names, "--wait=false", check=False)
 
 
-def storm(cluster, namespace: str) -> list[str]:
+def storm(cluster, namespace: str, indices: range = range(STORM)) -> list[str]:
     bodies = []
-    for i in range(STORM):
+    for i in indices:
         body = example()
         body["metadata"] = {"name": f"storm-{i:03d}", "namespace": namespace}
         bodies.append(body)
@@ -151,5 +157,57 @@ def test_api_server_stopped_30s_in_a_storm_loses_nothing(cluster, crd, namespace
         wait_all_ready(cluster, namespace, names)
         assert_nothing_lost(cluster, namespace, names)
     finally:
+        op.stop()
+        print(f"--- operator log (tail) ---\n{op.tail(60)}")
+
+
+def etcd_compact(cluster) -> int:
+    """Compact etcd up to its current revision (what the API server does every 5 minutes); returns it."""
+    base = f"http://127.0.0.1:{cluster.ports['etcd']}/v3/kv"
+
+    def post(path: str, body: dict) -> dict:
+        request = urllib.request.Request(f"{base}/{path}", data=json.dumps(body).encode(), method="POST")
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return json.loads(r.read())
+
+    revision = int(post("range", {"key": base64.b64encode(b"/").decode()})["header"]["revision"])
+    post("compaction", {"revision": str(revision), "physical": True})
+    return revision
+
+
+def watch_events(cluster, namespace: str, resource_version: str) -> list[dict]:
+    """The events a watch of the namespace's SDDs from ``resource_version`` gets in 2 s."""
+    path = (f"/apis/specdecode.io/v1alpha1/namespaces/{namespace}/specdecodedeployments"
+            f"?watch=1&resourceVersion={resource_version}&timeoutSeconds=2")
+    out = cluster.kubectl("get", "--raw", path, timeout=60, check=False).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def test_watches_expired_by_compaction_lose_nothing(cluster, crd, namespace, store, storm_nodes):
+    """410 Gone. The operator is frozen (SIGSTOP) with its watches open; the storm's second half is
+    applied, etcd is compacted, and the API server restarts (its watch cache begins after the
+    compaction). When the operator runs again its watches resume from versions that are gone, get
+    410 Gone, and list again: the SDDs it never saw are reconciled like the others."""
+    op = Operator(cluster, namespace, "--verbose").start()
+    half = STORM // 2
+    try:
+        names = storm(cluster, namespace, range(half))
+        time.sleep(4)  # the operator sees them and starts planning
+        op.proc.send_signal(signal.SIGSTOP)
+        names += storm(cluster, namespace, range(half, STORM))
+        last_seen = max(int(s["metadata"]["resourceVersion"]) for s in sdds(cluster, namespace))
+        cluster.kubectl("create", "configmap", "after-the-storm", "-n", namespace)  # etcd moves past every SDD
+        assert etcd_compact(cluster) > last_seen
+        cluster.restart("kube-apiserver", down_for=1)
+        for name in ("kube-controller-manager", "kube-scheduler"):  # as in the outage above
+            cluster.restart(name)
+        expired = [e for e in watch_events(cluster, namespace, str(last_seen)) if e["type"] == "ERROR"]
+        assert expired and expired[0]["object"]["code"] == 410, expired  # what the operator's watches will get
+        op.proc.send_signal(signal.SIGCONT)
+        wait_all_ready(cluster, namespace, names)
+        assert_nothing_lost(cluster, namespace, names)
+        assert "Restarting the watch-stream for specdecodedeployments" in op.log.read_text()  # kopf's 410 path
+    finally:
+        op.proc.send_signal(signal.SIGCONT)
         op.stop()
         print(f"--- operator log (tail) ---\n{op.tail(60)}")

@@ -161,6 +161,8 @@ class EngineProcess:
 
     # ---- the wire --------------------------------------------------------------------------------
     def _send(self, *message) -> None:
+        if self._conn is None:  # not started: nothing to tell
+            return
         try:
             with self._send_lock:
                 self._conn.send(message)
