@@ -233,8 +233,7 @@ class ControlPlane:
             f"--requestheader-client-ca-file={p.front_proxy_ca_crt}",
             "--requestheader-allowed-names=front-proxy-client", "--requestheader-username-headers=X-Remote-User",
             "--requestheader-group-headers=X-Remote-Group", "--requestheader-extra-headers-prefix=X-Remote-Extra-",
-            "--enable-priority-and-fairness=false",
-        ])
+        ])  # API Priority and Fairness on, as in any cluster: the admin user is exempt, service accounts not
         say(f"kube-apiserver starting on https://{self.api_host}:{api}")
         self._wait(lambda: self.api.get("/readyz") == "ok", "kube-apiserver /readyz", 120)
         say("kube-apiserver ready; starting controller-manager, scheduler, kwok, planner runtime")

@@ -164,6 +164,10 @@ class CachedKube:
     def requests_by_kind(self):
         return self.api.requests_by_kind
 
+    @property
+    def throttled(self) -> int:
+        return self.api.throttled
+
     @contextlib.contextmanager
     def read_through(self) -> Iterator[None]:
         """Reads in this block (this thread) go to the API server."""

@@ -166,12 +166,13 @@ async def cleanup(**_: Any) -> None:
 @kopf.on.probe(id="reconciler")
 def probe(**_: Any) -> dict[str, Any]:
     """Shown on the liveness endpoint: SDDs tracked and API requests the reconciler made (in all,
-    and by verb and resource)."""
+    and by verb and resource; each resend of a throttled one counts), and how many were throttled."""
     if CONTROLLER is None:
         return {}
     kube = CONTROLLER.reconciler.kube
     return {"tracked": len(CONTROLLER.due), "apiRequests": getattr(kube, "requests", 0),
-            "apiRequestsByVerb": dict(sorted(getattr(kube, "requests_by_kind", {}).items()))}
+            "apiRequestsByVerb": dict(sorted(getattr(kube, "requests_by_kind", {}).items())),
+            "apiThrottled": getattr(kube, "throttled", 0)}
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)

@@ -86,6 +86,22 @@ def rest_path(ref: Ref, sub: str | None = None) -> str:
     return p
 
 
+# A request the API server throttles (429) is sent again this many times, after the wait its
+# Retry-After asks for, within these bounds (client-go retries 10 times and honours the header).
+THROTTLED_RETRIES = 10
+RETRY_AFTER_S = (0.5, 10.0)
+
+
+def retry_after(headers: Any) -> float:
+    """Seconds to wait before resending a throttled request: the server's Retry-After, bounded."""
+    low, high = RETRY_AFTER_S
+    try:
+        asked = float((headers or {}).get("Retry-After", low))
+    except (TypeError, ValueError):
+        asked = low
+    return min(high, max(low, asked))
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, reason: str = ""):
         super().__init__(f"{status}: {message}")
@@ -142,26 +158,37 @@ class Kube:
         self._api = api_client
         self.requests = 0
         self.requests_by_kind: Counter[str] = Counter()  # request_kind -> count
+        self.throttled = 0  # requests the API server answered 429 (each retried)
         self._count_lock = threading.Lock()
 
     def _call(self, method: str, p: str, body: Any = None, query: dict[str, Any] | None = None,
               content_type: str = "application/json") -> dict[str, Any] | None:
-        with self._count_lock:
-            self.requests += 1
-            self.requests_by_kind[request_kind(method, p)] += 1
         _, url, headers, body, _ = self._api.param_serialize(
             method, p, query_params=list((query or {}).items()),
             header_params={"Content-Type": content_type, "Accept": "application/json"},
             body=body, auth_settings=["BearerToken"],
         )
-        try:
-            resp = self._api.call_api(method, url, header_params=headers, body=body, _request_timeout=60)
-            resp.read()
-        except Exception as exc:  # kubernetes.client.ApiException raised by the REST layer
-            if getattr(exc, "status", None) is None:
-                raise
-            resp = exc
-        status = int(resp.status)
+        for attempt in range(THROTTLED_RETRIES + 1):
+            with self._count_lock:
+                self.requests += 1
+                self.requests_by_kind[request_kind(method, p)] += 1
+            try:
+                resp = self._api.call_api(method, url, header_params=headers, body=body, _request_timeout=60)
+                resp.read()
+            except Exception as exc:  # kubernetes.client.ApiException raised by the REST layer
+                if getattr(exc, "status", None) is None:
+                    raise
+                resp = exc
+            status = int(resp.status)
+            if status != 429 or attempt == THROTTLED_RETRIES:
+                break
+            # Throttled (API Priority and Fairness, or a max-in-flight limit): wait as the server
+            # asks and try again, as client-go does, instead of failing the whole reconcile.
+            with self._count_lock:
+                self.throttled += 1
+            wait = retry_after(getattr(resp, "headers", None))
+            log.debug("429 from %s %s; retrying in %.1f s", method, p, wait)
+            time.sleep(wait)
         data = resp.data if getattr(resp, "data", None) is not None else getattr(resp, "body", b"")
         if status >= 400:
             raise _api_error(status, data)

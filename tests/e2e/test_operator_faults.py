@@ -11,7 +11,10 @@ workers on H100 nodes added for the storm). Where each fault comes from:
   leader lease in such an outage;
 - the operator's watches expire (410 Gone): it is frozen with its watches open while half the
   storm is applied, etcd is compacted and the API server restarted, so that the version its
-  watches resume from is gone, and it must list again to find what it missed.
+  watches resume from is gone, and it must list again to find what it missed;
+- API Priority and Fairness throttles the operator (429): it runs as a ServiceAccount whose
+  FlowSchema leads to a priority level with the smallest concurrency share, rejecting what it
+  cannot seat at once.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import signal
 import time
 import urllib.request
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import yaml
@@ -211,3 +215,60 @@ def test_watches_expired_by_compaction_lose_nothing(cluster, crd, namespace, sto
         op.proc.send_signal(signal.SIGCONT)
         op.stop()
         print(f"--- operator log (tail) ---\n{op.tail(60)}")
+
+
+def throttled_kubeconfig(cluster, namespace: str, path) -> tuple[str, str]:
+    """A ServiceAccount for the operator (cluster-admin: its rules are not what this is about),
+    classed by a FlowSchema into a priority level of 1 concurrency share that rejects (429) what
+    it cannot seat; returns (kubeconfig written to ``path``, the FlowSchema's name)."""
+    name = f"throttled-{namespace}"[:63]
+    cluster.kubectl("create", "serviceaccount", "specdecode-operator", "-n", namespace)
+    cluster.kubectl("create", "clusterrolebinding", name, "--clusterrole=cluster-admin",
+                    f"--serviceaccount={namespace}:specdecode-operator")
+    level = {"apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "PriorityLevelConfiguration",
+             "metadata": {"name": name},
+             "spec": {"type": "Limited", "limited": {"nominalConcurrencyShares": 1, "lendablePercent": 0,
+                                                     "borrowingLimitPercent": 0, "limitResponse": {"type": "Reject"}}}}
+    everything = {"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"], "namespaces": ["*"], "clusterScope": True}
+    schema = {"apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "FlowSchema", "metadata": {"name": name},
+              "spec": {"priorityLevelConfiguration": {"name": name}, "matchingPrecedence": 500,
+                       "distinguisherMethod": {"type": "ByUser"},
+                       "rules": [{"subjects": [{"kind": "ServiceAccount", "serviceAccount": {
+                           "name": "specdecode-operator", "namespace": namespace}}],
+                                  "resourceRules": [everything],
+                                  "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}]}]}}
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([level, schema]))
+    token = cluster.kubectl("create", "token", "specdecode-operator", "-n", namespace, "--duration=2h").stdout.strip()
+    config = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    for user in config["users"]:
+        user["user"] = {"token": token}
+    path.write_text(yaml.safe_dump(config))
+    return str(path), name
+
+
+def rejected_by_flow_control(cluster, flow_schema: str) -> int:
+    """Requests API Priority and Fairness rejected in ``flow_schema``, from the API server's metrics."""
+    total = 0
+    for line in cluster.kubectl("get", "--raw", "/metrics", timeout=60).stdout.splitlines():
+        if line.startswith("apiserver_flowcontrol_rejected_requests_total{") and f'flow_schema="{flow_schema}"' in line:
+            total += int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
+def test_operator_throttled_by_priority_and_fairness_loses_nothing(cluster, crd, namespace, store, storm_nodes,
+                                                                  tmp_path):
+    kubeconfig, schema = throttled_kubeconfig(cluster, namespace, tmp_path / "operator.kubeconfig")
+    op = Operator(cluster, namespace, env={**cluster.env, "KUBECONFIG": kubeconfig}).start()
+    try:
+        names = storm(cluster, namespace)
+        wait_all_ready(cluster, namespace, names)
+        assert_nothing_lost(cluster, namespace, names)
+        rejected = rejected_by_flow_control(cluster, schema)
+        assert rejected > 0, "the storm was never throttled: the fault did not happen"
+        with urllib.request.urlopen(op.health, timeout=10) as r:
+            print(f"429s: {rejected} rejected by APF; the operator's liveness: {r.read().decode()[:400]}")
+    finally:
+        op.stop()
+        print(f"--- operator log (tail) ---\n{op.tail(60)}")
+        name = f"throttled-{namespace}"[:63]
+        cluster.kubectl("delete", "flowschema,prioritylevelconfiguration,clusterrolebinding", name, check=False)

@@ -110,3 +110,55 @@ def test_get_of_a_missing_object_is_none_and_apply_is_one_patch():
     k8s.Kube(api).apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s", "namespace": NS}})
     assert api.calls == [("PATCH", f"https://api.test/api/v1/namespaces/{NS}/services/s?fieldManager="
                                    "specdecode-operator&force=true")]
+
+
+class _Answer:
+    def __init__(self, status: int, data: dict):
+        self.status, self.data = status, json.dumps(data).encode()
+
+    def read(self):
+        return self.data
+
+
+class ThrottlingApiClient(client.ApiClient):
+    """Answers 429 with ``Retry-After`` the first ``throttle`` times, then 200."""
+
+    def __init__(self, throttle: int, retry_after: str = "3"):
+        super().__init__(client.Configuration(host="https://api.test"))
+        self.throttle, self.retry_after, self.calls = throttle, retry_after, 0
+
+    def call_api(self, method, url, *args, **kwargs):
+        self.calls += 1
+        if self.calls <= self.throttle:
+            exc = client.ApiException(status=429, reason="Too Many Requests")
+            exc.headers = {"Retry-After": self.retry_after}
+            exc.body = json.dumps({"kind": "Status", "code": 429, "reason": "TooManyRequests",
+                                   "message": "too many requests, please try again later"}).encode()
+            raise exc
+        return _Answer(200, {"kind": "Pod", "metadata": {"name": NAME}})
+
+
+def test_a_throttled_request_is_resent_after_the_wait_the_server_asks(monkeypatch):
+    waits = []
+    monkeypatch.setattr(k8s.time, "sleep", waits.append)
+    api = ThrottlingApiClient(throttle=2)
+    kube = k8s.Kube(api)
+    assert kube.get(k8s.pods(NS, NAME))["metadata"]["name"] == NAME
+    assert api.calls == 3 and waits == [3.0, 3.0]
+    assert kube.throttled == 2 and kube.requests == 3  # every request sent counts
+
+
+def test_retry_after_is_bounded_and_defaults_when_absent_or_garbled():
+    low, high = k8s.RETRY_AFTER_S
+    assert k8s.retry_after({"Retry-After": "600"}) == high
+    assert k8s.retry_after({"Retry-After": "0"}) == low
+    assert k8s.retry_after({}) == low and k8s.retry_after(None) == low
+    assert k8s.retry_after({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}) == low
+
+
+def test_a_request_throttled_past_the_retries_raises_its_429(monkeypatch):
+    monkeypatch.setattr(k8s.time, "sleep", lambda _s: None)
+    api = ThrottlingApiClient(throttle=k8s.THROTTLED_RETRIES + 1)
+    with pytest.raises(k8s.ApiError) as caught:
+        k8s.Kube(api).get(k8s.pods(NS, NAME))
+    assert caught.value.status == 429 and api.calls == k8s.THROTTLED_RETRIES + 1
