@@ -64,7 +64,8 @@ class Controller:
         """``force_apply``: re-apply the children; ``fresh``: read through to the API server."""
         key = (namespace, name)
         self.poked.discard(key)
-        self.full.discard(key)
+        if force_apply:  # a light reconcile leaves a pending full one (a retry, the resync) due
+            self.full.discard(key)
         try:
             result = self.reconciler.reconcile(namespace, name, force_apply, fresh)
         except Exception:
@@ -99,8 +100,9 @@ class Controller:
             for key in self.due_now():
                 self.running.add(key)
                 # child events and requeues only refresh status from the cache; the periodic resync
-                # and retries after errors re-apply and read through
-                full = key in self.full and key not in self.poked
+                # and retries after errors re-apply and read through, even when a child event came
+                # first (an outage's failed apply is repaired by its retry, not 5 minutes later)
+                full = key in self.full
                 fut = loop.run_in_executor(self.pool, self.reconcile, *key, full, full)
                 fut.add_done_callback(lambda _f, k=key: self.running.discard(k))
             try:

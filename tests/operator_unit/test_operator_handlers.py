@@ -132,3 +132,30 @@ def test_child_events_reconcile_from_the_cache_and_the_resync_reads_through():
     clock.t += handlers.ERROR_RETRY_SECONDS
     asyncio.run(run_due())
     assert stub.calls[-1] == ("ns", "a", True, True)  # a retry after an error reads through
+
+
+def test_a_child_event_before_the_retry_does_not_cancel_its_reapply():
+    """A reconcile fails mid-apply (the API server went away); a child event pokes the SDD before
+    the retry is due. The retry still re-applies the children and reads through: were it a light
+    refresh, the child the failed apply never made would stay missing until the resync."""
+    clock = Clock()
+    stub = StubReconciler([RuntimeError("connection refused"), Result(requeue_after=30), Result(requeue_after=30)])
+    ctl = handlers.Controller(stub, clock=clock, workers=1)
+    ctl.reconcile("ns", "a", True)  # fails
+    ctl.poke("ns", "a")  # the Deployment it did apply changes
+
+    async def run_due():
+        stopped = asyncio.Event()
+        task = asyncio.ensure_future(ctl.requeue_loop(stopped))
+        await asyncio.sleep(0.05)
+        stopped.set()
+        await task
+
+    clock.t += 1
+    asyncio.run(run_due())
+    assert stub.calls[-1] == ("ns", "a", True, True) and ("ns", "a") not in ctl.full
+    ctl.poke("ns", "a")  # after a successful full one, a child event is light again
+    clock.t += 1
+    asyncio.run(run_due())
+    ctl.pool.shutdown(wait=True)
+    assert stub.calls[-1] == ("ns", "a", False, False)
