@@ -48,8 +48,12 @@ class Controller:
         self.due: dict[tuple[str, str], float] = {}
         self.running: set[tuple[str, str]] = set()
         self.poked: set[tuple[str, str]] = set()
-        # due for a full reconcile (the periodic resync, a retry after an error): re-apply, read through
+        # due for a full reconcile at its next time (the periodic resync): re-apply, read through;
+        # a child event that comes first makes it a light one
         self.full: set[tuple[str, str]] = set()
+        # the last reconcile failed: the next one re-applies and reads through, whatever triggers it
+        # (a child its failed apply never made stays missing otherwise, until the resync)
+        self.repair: set[tuple[str, str]] = set()
         self.errors: dict[tuple[str, str], int] = {}  # failed reconciles in a row
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reconcile")
         self.statuses = StatusBook()  # what /metrics reports
@@ -64,8 +68,9 @@ class Controller:
         """``force_apply``: re-apply the children; ``fresh``: read through to the API server."""
         key = (namespace, name)
         self.poked.discard(key)
-        if force_apply:  # a light reconcile leaves a pending full one (a retry, the resync) due
-            self.full.discard(key)
+        self.full.discard(key)
+        if force_apply:
+            self.repair.discard(key)
         try:
             result = self.reconciler.reconcile(namespace, name, force_apply, fresh)
         except Exception:
@@ -73,7 +78,7 @@ class Controller:
             delay = min(ERROR_RETRY_SECONDS * 2 ** (errors - 1), RESYNC_SECONDS)
             log.exception("reconcile of %s/%s failed; retrying in %.0fs", namespace, name, delay)
             self.due[key] = self.clock() + delay
-            self.full.add(key)
+            self.repair.add(key)
             return
         self.errors.pop(key, None)
         if result.gone:
@@ -100,9 +105,8 @@ class Controller:
             for key in self.due_now():
                 self.running.add(key)
                 # child events and requeues only refresh status from the cache; the periodic resync
-                # and retries after errors re-apply and read through, even when a child event came
-                # first (an outage's failed apply is repaired by its retry, not 5 minutes later)
-                full = key in self.full
+                # re-applies and reads through, and so does anything after a failed reconcile
+                full = key in self.repair or (key in self.full and key not in self.poked)
                 fut = loop.run_in_executor(self.pool, self.reconcile, *key, full, full)
                 fut.add_done_callback(lambda _f, k=key: self.running.discard(k))
             try:

@@ -128,7 +128,7 @@ def test_child_events_reconcile_from_the_cache_and_the_resync_reads_through():
     assert stub.calls[-1] == ("ns", "a", True, True)  # the resync re-applies and reads through
     clock.t += handlers.RESYNC_SECONDS
     asyncio.run(run_due())  # fails
-    assert ("ns", "a") in ctl.full
+    assert ("ns", "a") in ctl.repair
     clock.t += handlers.ERROR_RETRY_SECONDS
     asyncio.run(run_due())
     assert stub.calls[-1] == ("ns", "a", True, True)  # a retry after an error reads through
@@ -153,9 +153,32 @@ def test_a_child_event_before_the_retry_does_not_cancel_its_reapply():
 
     clock.t += 1
     asyncio.run(run_due())
-    assert stub.calls[-1] == ("ns", "a", True, True) and ("ns", "a") not in ctl.full
+    assert stub.calls[-1] == ("ns", "a", True, True) and ("ns", "a") not in ctl.repair
     ctl.poke("ns", "a")  # after a successful full one, a child event is light again
     clock.t += 1
     asyncio.run(run_due())
     ctl.pool.shutdown(wait=True)
     assert stub.calls[-1] == ("ns", "a", False, False)
+
+
+def test_a_child_event_before_the_resync_stays_light():
+    """The resync is due (full) and a child event comes first: that reconcile only refreshes status
+    (an apply then could wait on a webhook the change is about); the resync comes after it."""
+    clock = Clock()
+    stub = StubReconciler([Result(), Result(), Result()])
+    ctl = handlers.Controller(stub, clock=clock, workers=1)
+    ctl.reconcile("ns", "a", True)
+    assert ("ns", "a") in ctl.full  # the resync is next
+    ctl.poke("ns", "a")
+
+    async def run_due():
+        stopped = asyncio.Event()
+        task = asyncio.ensure_future(ctl.requeue_loop(stopped))
+        await asyncio.sleep(0.05)
+        stopped.set()
+        await task
+
+    clock.t += 1
+    asyncio.run(run_due())
+    ctl.pool.shutdown(wait=True)
+    assert stub.calls[-1] == ("ns", "a", False, False) and ("ns", "a") in ctl.full
