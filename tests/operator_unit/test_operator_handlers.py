@@ -98,6 +98,19 @@ def test_child_events_reach_the_owner_by_label():
         handlers.CONTROLLER = None
 
 
+def run_due_once(ctl) -> None:
+    """One pass of the requeue loop: every SDD due now is reconciled."""
+
+    async def loop_once():
+        stopped = asyncio.Event()
+        task = asyncio.ensure_future(ctl.requeue_loop(stopped))
+        await asyncio.sleep(0.05)
+        stopped.set()
+        await task
+
+    asyncio.run(loop_once())
+
+
 def test_command_line():
     args = main.parse_args(["--namespace", "a", "--namespace", "b", "--worker-image", "w:1", "--no-node-check"])
     assert args.namespace == ["a", "b"] and args.worker_image == "w:1" and args.no_node_check
@@ -111,26 +124,22 @@ def test_child_events_reconcile_from_the_cache_and_the_resync_reads_through():
     ctl.reconcile("ns", "a", True)  # a kopf create: re-apply, from the cache
     assert stub.calls[-1] == ("ns", "a", True, False) and ("ns", "a") not in ctl.full
 
-    async def run_due():
-        stopped = asyncio.Event()
-        task = asyncio.ensure_future(ctl.requeue_loop(stopped))
-        await asyncio.sleep(0.05)
-        stopped.set()
-        await task
+    def run_due():
+        run_due_once(ctl)
         ctl.pool.shutdown(wait=True)
         ctl.pool = handlers.ThreadPoolExecutor(max_workers=1)
 
     clock.t += 30  # the planning poll: light
-    asyncio.run(run_due())
+    run_due()
     assert stub.calls[-1] == ("ns", "a", False, False) and ("ns", "a") in ctl.full  # next: the resync
     clock.t += handlers.RESYNC_SECONDS
-    asyncio.run(run_due())
+    run_due()
     assert stub.calls[-1] == ("ns", "a", True, True)  # the resync re-applies and reads through
     clock.t += handlers.RESYNC_SECONDS
-    asyncio.run(run_due())  # fails
+    run_due()  # fails
     assert ("ns", "a") in ctl.repair
     clock.t += handlers.ERROR_RETRY_SECONDS
-    asyncio.run(run_due())
+    run_due()
     assert stub.calls[-1] == ("ns", "a", True, True)  # a retry after an error reads through
 
 
@@ -144,19 +153,12 @@ def test_a_child_event_before_the_retry_does_not_cancel_its_reapply():
     ctl.reconcile("ns", "a", True)  # fails
     ctl.poke("ns", "a")  # the Deployment it did apply changes
 
-    async def run_due():
-        stopped = asyncio.Event()
-        task = asyncio.ensure_future(ctl.requeue_loop(stopped))
-        await asyncio.sleep(0.05)
-        stopped.set()
-        await task
-
     clock.t += 1
-    asyncio.run(run_due())
+    run_due_once(ctl)
     assert stub.calls[-1] == ("ns", "a", True, True) and ("ns", "a") not in ctl.repair
     ctl.poke("ns", "a")  # after a successful full one, a child event is light again
     clock.t += 1
-    asyncio.run(run_due())
+    run_due_once(ctl)
     ctl.pool.shutdown(wait=True)
     assert stub.calls[-1] == ("ns", "a", False, False)
 
@@ -171,14 +173,7 @@ def test_a_child_event_before_the_resync_stays_light():
     assert ("ns", "a") in ctl.full  # the resync is next
     ctl.poke("ns", "a")
 
-    async def run_due():
-        stopped = asyncio.Event()
-        task = asyncio.ensure_future(ctl.requeue_loop(stopped))
-        await asyncio.sleep(0.05)
-        stopped.set()
-        await task
-
     clock.t += 1
-    asyncio.run(run_due())
+    run_due_once(ctl)
     ctl.pool.shutdown(wait=True)
     assert stub.calls[-1] == ("ns", "a", False, False) and ("ns", "a") in ctl.full
