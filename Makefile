@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= operator,worker,dev,models
 
-.PHONY: setup lint test test-unit test-gpu demo demo-down cluster-build cluster-up cluster-down images
+.PHONY: setup lint test test-unit test-gpu test-vllm-node demo demo-down cluster-build cluster-up cluster-down images
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test-unit: setup
 # Only the tests that need a CUDA device (they skip without one; `make test` runs them too).
 test-gpu: setup
 	$(PY) -m pytest -ra -m gpu
+
+# runtime.engine vllm on the real node, from vLLM's CPU image (about 6 GB; built from the engine
+# venv's pins by `images/build.sh vllm-cpu`). Out of `make test`: see docs/development.md.
+test-vllm-node: setup
+	SPECDECODE_VLLM_NODE=1 $(PY) -m pytest -ra tests/e2e/test_e2e_real_node.py -k vllm
 
 cluster-build:
 	bash devtools/cluster/build.sh

@@ -33,15 +33,28 @@ def env() -> dict[str, str]:
 
 def build_images(timeout: float = 3600) -> dict[str, str]:
     """{"operator": name, "worker": name}, building what is missing (minutes when cold)."""
+    operator, worker = _build_script(timeout=timeout)
+    return {"operator": operator, "worker": worker}
+
+
+def build_vllm_cpu_image(timeout: float = 3600) -> str:
+    """The test bed's vLLM CPU image (images/vllm-cpu.Dockerfile), built when its pins are new:
+    about 6 GB and several minutes cold. Its progress goes to this process's stderr."""
+    (name,) = _build_script("vllm-cpu", timeout=timeout, show_progress=True)
+    return name
+
+
+def _build_script(*args: str, timeout: float, show_progress: bool = False) -> list[str]:
+    """images/build.sh's image names (its stdout), or ImageBuildError with the end of its log."""
     if shutil.which("podman") is None and os.geteuid() != 0:
         raise ImageBuildError("podman is not installed (apt-get install podman buildah mmdebstrap runc)")
-    result = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, env=env(),
+    result = subprocess.run(["bash", str(BUILD_SCRIPT), *args], stdout=subprocess.PIPE,
+                            stderr=None if show_progress else subprocess.PIPE, text=True, env=env(),
                             timeout=timeout)
     if result.returncode != 0:
-        tail = "\n".join(result.stderr.splitlines()[-40:])
-        raise ImageBuildError(f"images/build.sh failed with exit code {result.returncode}:\n{tail}")
-    operator, worker = result.stdout.split()
-    return {"operator": operator, "worker": worker}
+        tail = "\n".join((result.stderr or "(its log is above)").splitlines()[-40:])
+        raise ImageBuildError(f"images/build.sh {' '.join(args)} failed with exit code {result.returncode}:\n{tail}")
+    return result.stdout.split()
 
 
 def pod_options(pod_security: dict, container_security: dict, empty_dirs: dict[str, str | None]) -> list[str]:

@@ -215,3 +215,39 @@ def test_an_image_the_node_lacks_shows_its_pull_error_in_the_sdds_status(real_pl
     assert image in c["message"], c
     events = real_plane.kubectl("get", "events", "-n", ns, "-o", "json").stdout
     assert "Failed" in events and image in events  # the kubelet's own pull failure, as users see it
+
+
+# vLLM's CPU image is 6 GB and takes minutes to build and copy into the node, which a cold CI run
+# cannot afford; `make test-vllm-node` runs this case (docs/development.md, "The real node").
+RUN_VLLM = os.environ.get("SPECDECODE_VLLM_NODE") == "1"
+
+
+@pytest.mark.skipif(not RUN_VLLM, reason="vLLM's CPU image stays out of make test: `make test-vllm-node` runs it")
+def test_vllm_from_its_cpu_image_goes_ready_through_the_kv_gate_and_answers(real_plane, ns, model_dir, capsys):
+    """runtime.engine vllm: the real planner pod prices vLLM's arithmetic, the worker pod runs vLLM's
+    CPU build from the image made from the engine venv's pins, and the operator opens the pod's KV
+    readiness gate only once vLLM's own report of its KV tokens equals the plan."""
+    with capsys.disabled():
+        image = podman.build_vllm_cpu_image()
+        real_plane.node.import_image(image, [image], _say)
+    runtime = {"engine": "vllm", "image": image, "extraArgs": ["--enforce-eager"]}  # no compiler in the image
+    apply_sdd(real_plane, realpods.ngram_sdd("smol-vllm", ns, runtime=runtime))
+    wait_condition(real_plane, ns, "smol-vllm", "Ready", lambda c: c["status"] == "True", "Ready", READY_TIMEOUT)
+
+    sdd = get_object(real_plane, ns, "sdd", "smol-vllm")
+    planned = sdd["status"]["plan"]["runtime"]
+    assert planned["engine"] == "vllm" and planned["version"] == "0.32.0", planned
+    (worker,) = worker_pods(real_plane, ns, "smol-vllm")
+    assert worker["spec"]["nodeName"] == realnode.NAME
+    container = worker["spec"]["containers"][0]
+    assert container["image"] == image
+    assert container["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    kv, tokens = sdd["status"]["engineKV"], planned["reportedTokens"]
+    assert kv["plannedTokens"] == tokens
+    assert kv["pods"] == [{"name": worker["metadata"]["name"], "verified": True, "reportedTokens": tokens}]
+    gate = {c["type"]: c["status"] for c in worker["status"]["conditions"]}
+    assert gate["specdecode.io/kv-cache-verified"] == "True" and gate["Ready"] == "True", gate
+
+    record = chat_through_service(real_plane, ns, "smol-vllm")
+    answer = record["response"]["choices"][0]["message"]["content"]
+    assert answer == greedy_reply(model_dir, record["request"]["messages"], record["request"]["max_tokens"])
