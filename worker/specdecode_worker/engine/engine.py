@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 from .args import EngineArgs
 from .model_worker import ModelWorker
@@ -31,19 +33,26 @@ from .speculation.speculation_control import SpeculationController, build_contro
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class LoopHooks:
+    """What the process that runs the loop does around each busy step, beside the engine's work."""
+
+    before_step: Callable[[], None] | None = None  # on CPU: follow the load (cpus.ThreadGovernor.tick)
+    after_step: Callable[[], None] | None = None  # an engine process sends the step's updates
+
+
 class Engine(ModelWorker):
     """The engine serving asks for (``service.EngineService``)."""
 
     def __init__(self, args: EngineArgs, eos_token_ids: frozenset[int] = frozenset(),
-                 weights: WeightSource | None = None):
+                 weights: WeightSource | None = None, hooks: LoopHooks = LoopHooks()):
         super().__init__(args, weights)
         self.control: SpeculationController | None = None  # the policy and what feeds it
         self.scheduler: Scheduler | None = None  # built last: the engine is ready once it exists
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.eos_token_ids = eos_token_ids  # ends a request that names none of its own
-        self.thread_governor = None  # on CPU: sets the loop thread's intra-op threads (cpus.ThreadGovernor)
-        self.after_step = None  # called by the loop after each step (an engine process sends the step's updates)
+        self.hooks = hooks
 
     def init_model_worker(self) -> None:
         """The model worker's start-up, then speculation control and the scheduler over it."""
@@ -117,19 +126,20 @@ class Engine(ModelWorker):
         stop_followers()
 
     def _loop(self) -> None:
+        before, after = self.hooks.before_step, self.hooks.after_step
         while not self._stop.is_set():
             if self.scheduler.idle:
                 time.sleep(0.002)
                 continue
-            if self.thread_governor is not None:
-                self.thread_governor.tick()
+            if before is not None:
+                before()
             try:
                 self.step()
             except Exception as exc:  # an engine bug: fail the running requests, keep serving
                 log.exception("engine step failed")
                 self.scheduler.fail_running(f"internal error: {type(exc).__name__}: {exc}")
-            if self.after_step is not None:
-                self.after_step()
+            if after is not None:
+                after()
 
     def step(self) -> None:
         """Admit, make room, one prefill chunk, then one speculative round for the decoding requests."""

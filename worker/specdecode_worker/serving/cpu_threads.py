@@ -41,3 +41,9 @@ def thread_governor(device: str) -> cpus.ThreadGovernor | None:
     import torch
 
     return cpus.ThreadGovernor(affinity, set_threads=torch.set_num_threads)
+
+
+def follow_load(device: str):
+    """The loop's ``before_step`` hook on ``device``: the governor's tick, or None without one."""
+    governor = thread_governor(device)
+    return governor.tick if governor is not None else None

@@ -257,22 +257,22 @@ def engine_main(conn, args: EngineArgs, eos_token_ids: frozenset[int], log_level
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end drains on these, then sends stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ..engine.engine import Engine
-    from .cpu_threads import thread_governor, use_cpus
+    from .cpu_threads import use_cpus
 
     use_cpus(args.device)
-    engine = Engine(args, eos_token_ids=eos_token_ids)
-    engine.thread_governor = thread_governor(args.device)
-    side = _EngineSide(conn, engine)
-    engine.after_step = side.flush
-    side.run()
+    _EngineSide(conn, args, eos_token_ids).run()
 
 
 class _EngineSide:
     """The engine process's end of the pipe: requests in, tokens and reports out."""
 
-    def __init__(self, conn, engine):
-        self.conn, self.engine = conn, engine
+    def __init__(self, conn, args: EngineArgs, eos_token_ids: frozenset[int]):
+        from ..engine.engine import Engine, LoopHooks
+        from .cpu_threads import follow_load
+
+        self.conn = conn
+        self.engine = Engine(args, eos_token_ids=eos_token_ids,
+                             hooks=LoopHooks(before_step=follow_load(args.device), after_step=self.flush))
         self.send_lock = threading.Lock()  # the engine's loop and this process's main thread both send
         self.requests: dict[int, Request] = {}
         self.sent: dict[int, tuple[int, int]] = {}  # per request: output and prompt logprobs already sent

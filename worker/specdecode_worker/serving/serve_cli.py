@@ -26,7 +26,7 @@ from ..errors import InputError
 from ..flags import CommandParser, add_sizing_flags, asks_for_help
 from ..planner.hub import model_name
 from ..planner.model_identity import check_models
-from .cpu_threads import thread_governor, use_cpus
+from .cpu_threads import follow_load, use_cpus
 from .serve_shape import DEFAULT_NUM_DRAFT_TOKENS, check_against_plan, fill_from_plan, planned_dtype, serve_shape
 from .tokenizer import eos_ids, load_tokenizer
 
@@ -277,7 +277,7 @@ def build_server(engine_args, plan: MemoryPlan, http: HttpOptions):
     """The uvicorn server, its ServerState and the outcome the engine start-up will set."""
     import uvicorn
 
-    from ..engine.engine import Engine, StartupError
+    from ..engine.engine import Engine, LoopHooks, StartupError
     from ..engine.parallel.group import get_tp
     from .engine_process import EngineProcess, in_own_process
     from .server import ServerState, build_app, start_engine_in_background
@@ -299,8 +299,7 @@ def build_server(engine_args, plan: MemoryPlan, http: HttpOptions):
     if in_own_process() and get_tp().size == 1:
         engine = EngineProcess(engine_args, eos, on_crash=on_crash)
     else:  # a tensor-parallel leader drives its followers from the process that serves
-        engine = Engine(engine_args, eos_token_ids=eos)
-        engine.thread_governor = thread_governor(engine_args.device)
+        engine = Engine(engine_args, eos_token_ids=eos, hooks=LoopHooks(before_step=follow_load(engine_args.device)))
     state = ServerState(engine, http.model_name, plan, tokenizer)
 
     def start_engine() -> None:  # the HTTP port is up first, so /health can report the phases
