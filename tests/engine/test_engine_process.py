@@ -23,6 +23,9 @@ from tests.server_helpers import free_port, serve_argv, serving, wait_until_heal
 PROMPT = "the cat and the dog"
 CONTEXT = 1024  # room for a request that runs long enough to be cut
 LONG = 1000
+# Every round drafts, whatever the machine's load: the adaptive policy may stop drafting on a busy
+# machine, and these tests are about what crosses the pipe (the policy's own tests are elsewhere).
+FIXED = ("--spec-policy", "fixed")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,7 @@ class Serve:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log
-        argv = [sys.executable, "-m", "specdecode_worker", "serve", *serve_argv(models, self.port)]
+        argv = [sys.executable, "-m", "specdecode_worker", "serve", *serve_argv(models, self.port, *FIXED)]
         argv[argv.index("--log-level") + 1] = "info"
         argv[argv.index("--context-length") + 1] = str(CONTEXT)
         self.proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -102,7 +105,7 @@ def test_a_request_across_the_pipe_is_the_same_as_in_one_process(models, serve):
     """Tokens, logprobs, echo and usage counters come back whole: the same as an engine in the
     front end's own process, which ``SPECDECODE_ENGINE_PROCESS=0`` keeps."""
     body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 2, "echo": True}
-    with serving(serve_argv(models, free_port()), engine_in_process=True) as (base, _state):
+    with serving(serve_argv(models, free_port(), *FIXED), engine_in_process=True) as (base, _state):
         same_process = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
     server = serve()
     apart = httpx.post(f"{server.base}/v1/completions", json=body, timeout=60).json()
