@@ -134,8 +134,13 @@ def test_default_fraction_from_the_dynamic_reserve_by_hand():
     graphs += 1024 * (token + 3 * 4096 * 2) + 256 * 32_000 * 6 + verify_partials
     graphs += 256 * token + 256 * 32_000 * 6 + 256 * 32 * 16 * 129 * 4
     dyn = math.ceil(1.25 * (eager + graphs))
-    assert plan["reserve"]["dynamicBytes"] == dyn == 4_995_153_920
-    assert plan["memFractionStatic"] == math.floor((1 - dyn / H100) * 1000) / 1000 == 0.941
+    assert dyn == 4_995_153_920
+    # Plus cuBLAS's four workspaces (two threads; the default, graph warm-up and capture streams),
+    # at Hopper's 32 MiB for a GPU the catalogue does not name.
+    blas = 4 * 4096 * 8 * 1024
+    assert plan["reserve"]["blasWorkspaceBytes"] == blas == 134_217_728
+    assert plan["reserve"]["dynamicBytes"] == dyn + blas
+    assert plan["memFractionStatic"] == math.floor((1 - (dyn + blas) / H100) * 1000) / 1000 == 0.94
     assert plan["tensorParallelSize"] == 1 and plan["minTensorParallelSize"] == 1
 
 
@@ -394,3 +399,21 @@ def test_device_memory_order_gpu_then_override_then_catalogue(monkeypatch):
 def test_hidden_gpus_are_not_probed(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert devices.nvml_memory() is None
+
+
+def test_cublas_workspaces_by_hand_per_gpu():
+    """PyTorch's default cuBLAS workspace (aten/src/ATen/cuda/CublasHandlePool.cpp): 4096 KiB x 8
+    on sm_90, else 4096 KiB x 2 + 16 KiB x 8; the worker runs matmuls on four (handle, stream) pairs."""
+    from specdecode_worker.devices import blas_workspace_bytes as one
+
+    hopper, other = 4096 * 1024 * 8, 4096 * 1024 * 2 + 16 * 1024 * 8
+    assert (hopper, other) == (33_554_432, 8_519_680)
+    for name in ("NVIDIA-H100-80GB-HBM3", "NVIDIA H200", "NVIDIA-H200-NVL"):  # labels and pynvml's names
+        assert one(name) == hopper
+    for name in ("NVIDIA-A100-SXM4-80GB", "NVIDIA-L4", "NVIDIA-B200", "Tesla-T4"):
+        assert one(name) == other
+    assert one("80 GiB") == one("NVIDIA-H100-80GB-HBM3-MIG-1g.10gb") == hopper  # unknown: the larger
+    l4 = build_plan(request(gpu_name="NVIDIA-L4"), eagle3_candidates, [1, 2, 4, 8])
+    h100 = build_plan(request(gpu_name="NVIDIA-H100-80GB-HBM3"), eagle3_candidates, [1, 2, 4, 8])
+    assert l4["reserve"]["blasWorkspaceBytes"] == 4 * other and h100["reserve"]["blasWorkspaceBytes"] == 4 * hopper
+    assert h100["reserve"]["dynamicBytes"] - l4["reserve"]["dynamicBytes"] == 4 * (hopper - other)

@@ -41,6 +41,14 @@ GPU_PRODUCTS: dict[str, int] = {
 }
 
 
+# PyTorch's default cuBLAS workspace, one per (handle, stream) pair, from its caching allocator
+# (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize): 32 MiB on sm_90, as cuBLAS
+# recommends for Hopper, else 4096 KiB x 2 + 16 KiB x 8. CUBLAS_WORKSPACE_CONFIG changes it.
+HOPPER_BLAS_WORKSPACE_BYTES = 4096 * 8 * 1024
+BLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
+HOPPER_PRODUCTS = ("NVIDIA-H100", "NVIDIA-H200", "NVIDIA-GH200", "NVIDIA-H800", "NVIDIA-H20")
+
+
 def _normalise(label: str) -> str:
     return label.strip().replace(" ", "-").upper()
 
@@ -64,6 +72,15 @@ def product_memory_bytes(label: str) -> int | None:
     """
     total = product_total_bytes(label)
     return None if total is None else total - DRIVER_RESERVED_BYTES
+
+
+def blas_workspace_bytes(name: str) -> int:
+    """One cuBLAS workspace on the GPU ``name`` (a product label or pynvml's name): Hopper's size
+    for Hopper and for a GPU the catalogue does not know (the larger, so a plan stays safe)."""
+    label = _normalise(name)
+    if label in _BY_NORMALISED and not label.startswith(HOPPER_PRODUCTS):
+        return BLAS_WORKSPACE_BYTES
+    return HOPPER_BLAS_WORKSPACE_BYTES
 
 
 @dataclass(frozen=True)

@@ -174,6 +174,7 @@ class PlanReserve:
     tree_steps: int | None = None
     dtype_bytes: int | None = None
     dtype: str | None = None  # an explicit --dtype the plan was priced for
+    blas_workspace_bytes: int | None = None  # cuBLAS's workspaces, a part of dynamic_bytes (older plans lack it)
 
 
 @dataclass(frozen=True)

@@ -11,15 +11,16 @@ All terms are bytes per GPU under tensor-parallel size t:
   or loads a weight: pynvml's free bytes on the planner's GPU, else ``--gpu-memory-gib`` as given,
   else the product catalogue's usable bytes (total minus the driver's reservation).
 - ``R_runtime`` (``reserve.runtimeBytes``), taken out of the static share:
-  1 GiB for the CUDA context, cuBLAS workspaces and allocator fragmentation (on an H200 the
+  1 GiB for the CUDA context, the libraries' kernel images and allocator fragmentation (on an H200 the
   context took 621 MiB and a first bf16 matmul 719 MiB in all), plus, when t > 1, t x 128 MiB of
   NCCL communicator buffers (SGLang's ``tp/8 GiB`` rule), plus, when the t GPUs span several nodes
   (``nodesPerReplica`` > 1), 512 MiB for NCCL's network transport: per channel a send and a
   receive buffer (NCCL_BUFFSIZE, 4 MiB) towards each network peer of ring and tree, up to 32
   channels. An estimate from NCCL's defaults; no multi-node GPU run has measured it yet.
 - ``R_dynamic`` (``reserve.dynamicBytes``), what the static share must leave free: this engine's
-  activations, derived from the models' tensor shapes (``dynamic_reserve_bytes`` says how). Unset
-  sizes follow SGLang's GPU tiers (``default_serving_limits``).
+  activations, derived from the models' tensor shapes (``dynamic_reserve_bytes`` says how), and
+  cuBLAS's workspaces (``reserve.blasWorkspaceBytes``, ``blas_workspace_bytes``). Unset sizes
+  follow SGLang's GPU tiers (``default_serving_limits``).
 - ``f`` (``memFractionStatic``): by default 1 - R_dynamic / G rounded down to 3 decimals. With
   ``--kv-cache-memory-gib K`` the KV budget is K and f is derived from it; with
   ``--max-total-tokens N`` below the capacity, f shrinks to what N tokens need, so the identity
@@ -32,6 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .. import devices
 from ..contract import (  # noqa: F401 - DEFAULT_* and VERIFY_TOKENS are read through this module too
     DECODE_MAX_KV_SPLITS,
     DEFAULT_ENGINE,
@@ -79,6 +81,12 @@ DISTRIBUTION_BYTES_PER_LOGIT = 4
 # PyTorch's caching allocator rounds blocks up (512 B, 2 MiB segments for large ones) and cannot
 # always reuse a freed block for a differently sized one: a quarter on top of the live bytes.
 ALLOCATOR_SLACK = 1.25
+# cuBLAS's workspaces: PyTorch binds one to each (cuBLAS handle, stream) pair a matmul runs on and
+# takes it from the caching allocator, which holds it until exit (its size per GPU:
+# devices.blas_workspace_bytes). The worker's matmuls run on up to four pairs: phase 3's thread on
+# the default stream, on the side stream that warms each CUDA graph up and on torch.cuda.graph's
+# capture stream, then the loop's thread on the default stream (each thread takes its own handle).
+BLAS_WORKSPACES = 4
 
 
 def sampling_bytes(vocab_size: int, verify_rows: int, verify_tokens: int) -> tuple[int, int]:
@@ -324,6 +332,12 @@ def dynamic_reserve_bytes(algorithm: str, target: ForwardGeometry, draft: Forwar
     return math.ceil(ALLOCATOR_SLACK * (eager + graphs))
 
 
+def blas_workspace_bytes(gpu_name: str) -> int:
+    """cuBLAS's workspaces on one GPU of ``gpu_name``: ``BLAS_WORKSPACES`` of PyTorch's default
+    size for it (``devices.blas_workspace_bytes``). Whole blocks the allocator keeps: no slack."""
+    return BLAS_WORKSPACES * devices.blas_workspace_bytes(gpu_name)
+
+
 def priced_shape(req: "PlanRequest") -> dict[str, int | str]:
     """The speculative shape the dynamic reserve was priced for, as ``serve --plan`` checks it
     (``serve_shape.py``): verify rows per request (proposals + 1), an EAGLE tree's top-k and depth
@@ -449,6 +463,7 @@ def _size(req: PlanRequest, c: Candidate) -> _Sizing:
         raise ValueError("PlanRequest.target_geometry is needed to size the dynamic reserve")
     dynamic = dynamic_reserve_bytes(req.algorithm, req.target_geometry, req.draft_geometry, c.tp, chunk, graph_bs,
                                     max_running, req.verify_tokens, req.tree_topk, req.tree_steps)
+    dynamic += blas_workspace_bytes(req.gpu_name)
     cell = c.target_bytes_per_token + c.draft_bytes_per_token
     static_fixed = c.target_weight_bytes + c.draft_weight_bytes + runtime
     f_cap = max(0.001, _floor3(1 - dynamic / g))  # a GPU smaller than the dynamic reserve fits nothing
@@ -531,6 +546,7 @@ def build_plan(req: PlanRequest, candidates: dict[int, Candidate] | Callable[[in
         "reserve": {
             "runtimeBytes": s.runtime,
             "dynamicBytes": s.dynamic,
+            "blasWorkspaceBytes": blas_workspace_bytes(req.gpu_name),  # a part of dynamicBytes
             "chunkedPrefillSize": s.chunk,
             "cudaGraphMaxBs": s.graph_bs,
             "maxRunningRequests": s.max_running,
