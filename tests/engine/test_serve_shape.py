@@ -57,12 +57,14 @@ def test_the_plan_records_the_shape_it_priced_and_reads_back():
     assert (read.verify_tokens, read.tree_topk, read.tree_steps, read.dtype_bytes) == (8, 4, 3, 2)
     from specdecode_worker.planner.plan_cli import render_table
 
-    assert "reserve priced for: 8 verify tokens per request (a tree of top-k 4, 3 steps deep)" in \
-        render_table(MemoryPlan.from_dict(plan))
+    table = render_table(MemoryPlan.from_dict(plan))
+    assert "reserve priced for: 8 verify tokens per request (a tree of top-k 4, 3 steps deep)" in table
+    assert "of it cuBLAS workspaces       0.12 GiB" in table  # four of 32 MiB
     chain = validate_plan(json.loads(to_json(_plan("NGRAM", verify_tokens=9))))["reserve"]
     assert (chain["verifyTokens"], chain["treeTopk"], chain["dtypeBytes"]) == (9, 1, 2)
     # the recorded shape is the one the reserve was priced at
-    assert plan["reserve"]["dynamicBytes"] == dynamic_reserve_bytes("EAGLE3", TARGET, HEAD, 1, 4096, 32, 64, 8, 4, 3)
+    assert plan["reserve"]["dynamicBytes"] == dynamic_reserve_bytes(
+        "EAGLE3", TARGET, HEAD, 1, 4096, 32, 64, 8, 4, 3) + plan["reserve"]["blasWorkspaceBytes"]
 
 
 @pytest.mark.parametrize("plan_shape,algorithm,flags,planned", [

@@ -382,6 +382,8 @@ def render_table(plan: MemoryPlan) -> str:
         f"  runtime reserve            {_gib(reserve.runtime_bytes)}",
         f"  KV pools (target + draft)  {_gib(kv.pool_bytes)}",
         f"  dynamic reserve            {_gib(reserve.dynamic_bytes)}",
+        *([f"    of it cuBLAS workspaces  {_gib(reserve.blas_workspace_bytes)}"]
+          if reserve.blas_workspace_bytes is not None else []),
         "",
         f"KV bytes/token: target {kv.target_bytes_per_token}, draft {kv.draft_bytes_per_token} "
         f"({kv.draft_num_layers} draft layers, {kv.dtype})",
