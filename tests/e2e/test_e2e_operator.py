@@ -214,8 +214,8 @@ def test_more_gpus_per_replica_than_any_node(cluster, namespace, store, operator
 
 
 def test_replicas_beyond_free_gpus_are_unschedulable_with_the_scheduler_message(cluster, namespace, store, operator):
-    # 6 GiB GPUs need tensor parallelism 8; two 8-GPU nodes host two such replicas, not three.
-    apply(cluster, namespace, example(replicas=3, gpu={"product": "NVIDIA-H100-80GB-HBM3", "memoryGiB": 6}))
+    # 7 GiB GPUs need tensor parallelism 8; two 8-GPU nodes host two such replicas, not three.
+    apply(cluster, namespace, example(replicas=3, gpu={"product": "NVIDIA-H100-80GB-HBM3", "memoryGiB": 7}))
     sdd = wait_sdd(cluster, namespace, NAME, lambda s: (condition(s, "Degraded") or {}).get("reason") == "Unschedulable"
                    and s["status"].get("readyReplicas") == 2, "Degraded=Unschedulable with 2 ready replicas")
     degraded = condition(sdd, "Degraded")
