@@ -46,7 +46,8 @@ GPU_PRODUCTS: dict[str, int] = {
 # recommends for Hopper, else 4096 KiB x 2 + 16 KiB x 8. CUBLAS_WORKSPACE_CONFIG changes it.
 HOPPER_BLAS_WORKSPACE_BYTES = 4096 * 8 * 1024
 BLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
-HOPPER_PRODUCTS = ("NVIDIA-H100", "NVIDIA-H200", "NVIDIA-GH200", "NVIDIA-H800", "NVIDIA-H20")
+# The catalogue's sm_90 products (a GPU it does not name gets Hopper's size anyway).
+HOPPER_PRODUCTS = ("NVIDIA-H100", "NVIDIA-H200")
 
 
 def _normalise(label: str) -> str:
